@@ -1,0 +1,1 @@
+"""kvforge.calibration (not built yet)."""

@@ -1,0 +1,1 @@
+"""kvforge.export (not built yet)."""

@@ -1,0 +1,146 @@
+"""Tokenizers: any tokenizer.json through `tokenizers`, and a built-in byte-level one.
+
+Torch-free, so that the embedded runtime can use it. The built-in byte-level
+tokenizer is itself a `tokenizers` pipeline (byte-level pre-tokenizer, a BPE
+model over the 256 byte symbols with no merges), so it saves to a standard
+tokenizer.json that Hugging Face and ONNX Runtime GenAI tooling can read.
+Token ids 0..255 are the byte values; 256, 257, 258 are <s>, </s>, <pad>.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from kvforge.errors import KvforgeError, MissingDependencyError
+
+TOKENIZER_FILE = "tokenizer.json"
+SPECIALS_FILE = "tokenizer_config.json"
+_SPECIAL_ROLES = ("bos", "eos", "pad")
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise MissingDependencyError("the `tokenizers` library", "Install it with `pip install tokenizers`.") from e
+    return tokenizers
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the ids of its special tokens.
+
+    `encode(text)` applies the tokenizer's post-processor (for example the
+    `<s> $A` template that prepends BOS), as Hugging Face does with
+    `add_special_tokens=True`.
+    """
+
+    def __init__(self, backend, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None):
+        self.backend = backend
+        self.special_tokens = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
+        for role, token in self.special_tokens.items():
+            if token is not None and backend.token_to_id(token) is None:
+                raise KvforgeError(f"{role} token {token!r} is not in the tokenizer's vocabulary")
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        tk = _import_tokenizers()
+        vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+        specials = ["<s>", "</s>", "<pad>"]
+        vocab.update({tok: 256 + i for i, tok in enumerate(specials)})
+        backend = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = tk.decoders.ByteLevel()
+        backend.add_special_tokens(specials)
+        backend.post_processor = tk.processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 256)]
+        )
+        return cls(backend, "<s>", "</s>", "<pad>")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json; special tokens from tokenizer_config.json beside it, if any."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise KvforgeError(f"no tokenizer file at {path}")
+        tk = _import_tokenizers()
+        try:
+            backend = tk.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
+            raise KvforgeError(f"{path} is not a valid tokenizer.json: {e}") from e
+        specials: dict[str, str | None] = {}
+        cfg_path = path.parent / SPECIALS_FILE
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise KvforgeError(f"{cfg_path} is not valid JSON: {e}") from e
+            for role in _SPECIAL_ROLES:
+                value = cfg.get(f"{role}_token")
+                if isinstance(value, dict):  # {"content": "<s>", ...} in older files
+                    value = value.get("content")
+                specials[role] = value if isinstance(value, str) else None
+        return cls(backend, specials.get("bos"), specials.get("eos"), specials.get("pad"))
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.backend.save(str(directory / TOKENIZER_FILE))
+        cfg = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        (directory / SPECIALS_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    # -- special tokens --------------------------------------------------------
+    def _special_id(self, role: str) -> int | None:
+        token = self.special_tokens[role]
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    # -- encode / decode -------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise KvforgeError(f"encode takes a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise KvforgeError(f"token ids {bad[:8]} are outside the tokenizer's vocabulary (size {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, specials={self.special_tokens})"

@@ -1,0 +1,31 @@
+"""kvforge.model_defs: Torch reference models, checkpoint import, tokenizers.
+
+    from kvforge.model_defs import load
+    model, tokenizer = load("tiny")          # preset, kvforge checkpoint or HF directory
+    logits, present = model(input_ids)       # DESIGN.md's KV-cache IO contract
+"""
+
+from kvforge.tokenizer import Tokenizer
+
+from .checkpoint import DEFAULT_MODEL, LoadedModel, load, resolve_dtype, save_checkpoint, source_kind
+from .config import PRESETS, ModelConfig
+from .hf import SUPPORTED_FAMILIES, config_from_hf
+from .model import Block, Transformer, build_model, init_random_weights
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "SUPPORTED_FAMILIES",
+    "Block",
+    "LoadedModel",
+    "ModelConfig",
+    "Tokenizer",
+    "Transformer",
+    "build_model",
+    "config_from_hf",
+    "init_random_weights",
+    "load",
+    "resolve_dtype",
+    "save_checkpoint",
+    "source_kind",
+]

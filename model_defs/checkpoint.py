@@ -1,0 +1,180 @@
+"""`load(source)`: presets, kvforge checkpoints and Hugging Face checkpoint directories.
+
+A kvforge checkpoint is a directory with
+    kvforge_config.json   {"format": "kvforge-checkpoint", "version": 1, "model": {...ModelConfig...}}
+    model.safetensors     the state dict under kvforge's own parameter names
+    tokenizer.json        (+ tokenizer_config.json) when the model has a tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kvforge.errors import KvforgeError
+from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
+
+from . import hf
+from .config import PRESETS, ModelConfig
+from .model import Transformer, build_model, init_random_weights
+
+CHECKPOINT_CONFIG = "kvforge_config.json"
+CHECKPOINT_FORMAT = "kvforge-checkpoint"
+CHECKPOINT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+ASSETS = Path(__file__).parent / "assets"
+TINY_DIR = ASSETS / "tiny"
+DEFAULT_MODEL = "tiny"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LoadedModel(NamedTuple):
+    """What `load` returns: unpack it as `model, tokenizer = load(source)`.
+
+    `tokenizer` is None when the source has none (a Hugging Face directory
+    without tokenizer.json).
+    """
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise KvforgeError(f"dtype {dtype} is not supported; use one of {list(_DTYPES)}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise KvforgeError(f"dtype {dtype!r} is not supported; use one of {list(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def source_kind(source: str | os.PathLike) -> str:
+    """'preset', 'kvforge' or 'hf'; a clear error for anything else."""
+    text = str(source)
+    path = Path(text)
+    if path.is_dir():
+        if (path / CHECKPOINT_CONFIG).is_file():
+            return "kvforge"
+        if (path / "config.json").is_file():
+            return "hf"
+        raise KvforgeError(
+            f"{path} is neither a kvforge checkpoint ({CHECKPOINT_CONFIG}) nor a Hugging Face checkpoint (config.json)"
+        )
+    if text in PRESETS:
+        return "preset"
+    if path.exists():
+        raise KvforgeError(f"{path} is a file; a model source is a preset name or a checkpoint directory")
+    raise KvforgeError(f"unknown model source {text!r}: not a directory, and not a preset ({', '.join(sorted(PRESETS))})")
+
+
+def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
+    """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")`.
+
+    source: a preset name (`tiny` has trained weights; other presets get
+    seeded random weights), a kvforge checkpoint directory, or a Hugging Face
+    checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) of a
+    supported family (gpt2, llama, mistral, qwen2).
+    """
+    dtype = resolve_dtype(dtype)
+    kind = source_kind(source)
+    if kind == "preset" and str(source) == "tiny":
+        source, kind = TINY_DIR, "kvforge"
+    if kind == "preset":
+        cfg = ModelConfig.from_name(str(source))
+        model = init_random_weights(build_model(cfg), seed)
+        # Random-weight presets come with the built-in byte-level tokenizer
+        # whenever their vocabulary can hold it.
+        byte = Tokenizer.byte_level()
+        tokenizer = byte if byte.vocab_size <= cfg.vocab_size else None
+    elif kind == "kvforge":
+        model, tokenizer = _load_kvforge(Path(source))
+    else:
+        model, tokenizer = _load_hf(Path(source))
+    _check_tokenizer(model.config, tokenizer, source)
+    return LoadedModel(model.to(dtype).eval(), tokenizer)
+
+
+def _check_tokenizer(cfg: ModelConfig, tokenizer: Tokenizer | None, source) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise KvforgeError(
+            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings"
+        )
+
+
+def _read_tokenizer(directory: Path) -> Tokenizer | None:
+    return Tokenizer.from_file(directory / TOKENIZER_FILE) if (directory / TOKENIZER_FILE).is_file() else None
+
+
+def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: Path) -> None:
+    expected = model.state_dict()
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
+    if missing or extra or shapes:
+        raise KvforgeError(
+            f"{source}: weights do not match the config: missing {missing}, unexpected {extra}, shapes {shapes}"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
+    meta = json.loads((directory / CHECKPOINT_CONFIG).read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise KvforgeError(f"{directory / CHECKPOINT_CONFIG}: format is {meta.get('format')!r}, not {CHECKPOINT_FORMAT!r}")
+    if meta.get("version", 0) > CHECKPOINT_VERSION:
+        raise KvforgeError(f"{directory}: checkpoint version {meta['version']} is newer than this kvforge reads ({CHECKPOINT_VERSION})")
+    cfg = ModelConfig.from_dict(meta["model"])
+    model = build_model(cfg)
+    state = hf.read_safetensors([directory / WEIGHTS_FILE])
+    _load_state(model, {k: v.float() for k, v in state.items()}, directory)
+    return model, _read_tokenizer(directory)
+
+
+def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None]:
+    cfg = hf.config_from_hf(hf.read_hf_config(directory))
+    files = hf.safetensors_files(directory)
+    model = build_model(cfg)
+    state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files))
+    _load_state(model, {k: v.float() for k, v in state.items()}, directory)
+    return model, _read_tokenizer(directory)
+
+
+def save_checkpoint(
+    model: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None, weight_dtype: str = "float32"
+) -> Path:
+    """Write a kvforge checkpoint atomically (temporary directory, then rename)."""
+    path = Path(path)
+    if path.exists():
+        raise KvforgeError(f"{path} already exists; refusing to overwrite it")
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = {k: v.detach().to(resolve_dtype(weight_dtype)).contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, str(tmp / WEIGHTS_FILE))
+        meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model": model.config.to_dict()}
+        (tmp / CHECKPOINT_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,246 @@
+"""One config dataclass for every decoder kvforge builds, and named presets as data.
+
+The fields span the decoder design space of the notes the project grew from:
+the attention variant (MHA / GQA / MQA by the number of KV heads, optional
+sliding window), the position scheme (learned, sinusoidal, RoPE with partial
+rotary and Llama-3 frequency scaling), the norm (LayerNorm / RMSNorm, pre or
+post), the FFN (plain or gated, with ReLU / GELU / GELU-tanh / SiLU) and tied
+or untied embeddings. Derived fields are filled in `__post_init__` only when
+the user left them unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.errors import KvforgeError
+
+POSITIONS = ("rope", "learned", "sinusoidal", "none")
+NORMS = ("rmsnorm", "layernorm")
+NORM_PLACEMENTS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int  # model width (hidden_size / n_embd)
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int | None = None  # None -> n_heads (MHA); 1 -> MQA; a divisor of n_heads -> GQA
+    head_dim: int | None = None  # None -> dim // n_heads; may differ (then q/o are not square)
+    ffn_dim: int | None = None  # hidden width of the FFN; None -> 4 * dim
+    max_seq_len: int = 2048  # the longest context (past + seq) the model is meant for
+
+    # attention
+    qkv_bias: bool = False  # Qwen2 and GPT-2 have biases on the q/k/v projections
+    out_bias: bool = False  # bias on the attention output projection (GPT-2)
+    sliding_window: int | None = None  # a query sees at most this many keys, itself included
+    sliding_window_layers: list[int] | None = None  # layers with the window; None -> all of them
+
+    # positions
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # partial rotary: rotate only the first fraction of head_dim
+    # {"type": "linear", "factor": f} or {"type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_seq_len"}; None = plain RoPE
+    rope_scaling: dict[str, Any] | None = None
+
+    # norms
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only: learned shift
+    norm_placement: str = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x))
+    final_norm: bool = True  # a norm before lm_head (pre-norm models need it)
+
+    # FFN: gated (SwiGLU / GeGLU / ReGLU) or plain two-layer MLP, with `activation`
+    activation: str = "silu"
+    gated_ffn: bool = True
+    ffn_bias: bool = False
+
+    tie_embeddings: bool = False  # lm_head shares the token embedding matrix
+    dropout: float = 0.0  # residual/attention/embedding dropout; identity at inference
+
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # a list when several tokens end generation
+    pad_token_id: int | None = None
+
+    # Where the config came from ("llama", "gpt2", ... or "kvforge"); informational.
+    family: str = "kvforge"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise KvforgeError(
+                    f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim explicitly"
+                )
+            self.head_dim = self.dim // self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.dim
+        if self.sliding_window_layers is not None:
+            self.sliding_window_layers = sorted(int(i) for i in self.sliding_window_layers)
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        for name, allowed in (
+            ("position", POSITIONS),
+            ("norm", NORMS),
+            ("norm_placement", NORM_PLACEMENTS),
+            ("activation", ACTIVATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            problems.append(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.sliding_window_layers is not None and any(
+            not 0 <= i < self.n_layers for i in self.sliding_window_layers
+        ):
+            problems.append(f"sliding_window_layers {self.sliding_window_layers} name layers outside 0..{self.n_layers - 1}")
+        if self.position == "rope":
+            rot = self.rotary_dim if not problems else 0
+            if not 0.0 < self.rotary_fraction <= 1.0:
+                problems.append(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
+            elif not problems and (rot < 2 or rot % 2):
+                problems.append(f"rotary dimension {rot} (head_dim * rotary_fraction) must be even and >= 2")
+            if self.rope_scaling is not None:
+                kind = self.rope_scaling.get("type")
+                if kind not in ROPE_SCALINGS:
+                    problems.append(f"rope_scaling type {kind!r} is not one of {ROPE_SCALINGS}")
+                need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
+                missing = [k for k in need.get(kind, ()) if k not in self.rope_scaling]
+                if missing:
+                    problems.append(f"rope_scaling {kind!r} lacks {missing}")
+        if self.position == "sinusoidal" and self.dim % 2:
+            problems.append(f"sinusoidal positions need an even dim, got {self.dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            for i in value if isinstance(value, list) else [value]:
+                if i is not None and not (isinstance(i, int) and 0 <= i < self.vocab_size):
+                    problems.append(f"{name}={value} is outside the vocabulary (size {self.vocab_size})")
+        if problems:
+            raise KvforgeError("invalid model config:\n  " + "\n  ".join(problems))
+
+    # -- derived ---------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> list[int]:
+        value = self.eos_token_id
+        return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    # -- (de)serialization -----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KvforgeError(f"unknown model config fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelConfig:
+        if name not in PRESETS:
+            raise KvforgeError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        return cls(**PRESETS[name])
+
+
+# Named presets, as data. `tiny` is the project's trained default (its weights
+# ship with the package); the others are architecture shapes that load with
+# seeded random weights: the `*-micro` ones span the design space in models
+# small enough for every test, the larger ones are the benchmark shapes.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama-style, GQA 8/4, SwiGLU, RMSNorm, RoPE; trained by model_defs/train_tiny.py.
+    "tiny": dict(
+        vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704,
+        max_seq_len=1024, rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5,
+        activation="silu", gated_ffn=True, tie_embeddings=True, family="llama",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    # The ~125M Llama shape of the runtime benchmarks.
+    "llama-125m": dict(
+        vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
+        max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5, family="llama",
+        bos_token_id=1, eos_token_id=2,
+    ),
+    # GPT-2 small: learned positions, LayerNorm, GELU-tanh MLP, biases, tied embeddings.
+    "gpt2-124m": dict(
+        vocab_size=50257, dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_seq_len=1024,
+        position="learned", norm="layernorm", activation="gelu_tanh", gated_ffn=False,
+        qkv_bias=True, out_bias=True, ffn_bias=True, tie_embeddings=True, family="gpt2",
+        bos_token_id=50256, eos_token_id=50256,
+    ),
+    # --- micro shapes (byte-level vocabulary, random weights) ---
+    "gpt2-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=256, max_seq_len=256,
+        position="learned", norm="layernorm", activation="gelu_tanh", gated_ffn=False,
+        qkv_bias=True, out_bias=True, ffn_bias=True, tie_embeddings=True, family="gpt2",
+    ),
+    # Llama-3 frequency scaling, GQA, untied embeddings.
+    "llama3-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=512,
+        rope_theta=500000.0,
+        rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64),
+        family="llama",
+    ),
+    # Sliding window (shorter than the validation sequences), GQA.
+    "mistral-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
+        sliding_window=8, family="mistral",
+    ),
+    # q/k/v biases, MQA, window on the upper layer only.
+    "qwen2-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=160, max_seq_len=256,
+        qkv_bias=True, sliding_window=6, sliding_window_layers=[1], rope_theta=1000000.0, norm_eps=1e-6,
+        family="qwen2",
+    ),
+    # The original Transformer decoder: post-norm LayerNorm, sinusoidal positions, ReLU MLP.
+    "classic-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=256, max_seq_len=256,
+        position="sinusoidal", norm="layernorm", norm_placement="post", final_norm=False,
+        activation="relu", gated_ffn=False, ffn_bias=True, qkv_bias=True, out_bias=True,
+    ),
+    # GeGLU (exact GELU), partial rotary, head_dim != dim / n_heads.
+    "geglu-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, ffn_dim=128,
+        max_seq_len=256, rotary_fraction=0.5, activation="gelu", gated_ffn=True,
+        rope_scaling=dict(type="linear", factor=2.0),
+    ),
+    # ReGLU with biases, LayerNorm without shift, no positions at all (NoPE).
+    "reglu-micro": dict(
+        vocab_size=259, dim=48, n_layers=3, n_heads=3, ffn_dim=96, max_seq_len=256,
+        position="none", norm="layernorm", norm_bias=False, activation="relu", gated_ffn=True,
+        ffn_bias=True, tie_embeddings=True,
+    ),
+}

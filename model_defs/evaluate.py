@@ -1,0 +1,76 @@
+"""Perplexity and greedy continuation on the Torch reference model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvforge.errors import KvforgeError
+from kvforge.tokenizer import Tokenizer
+
+from .checkpoint import TINY_DIR
+from .model import Transformer
+
+HELDOUT_FILE = TINY_DIR / "heldout.txt"
+
+
+def heldout_text() -> str:
+    """The held-out corpus of the built-in `tiny` model (Python standard library files it never saw)."""
+    return HELDOUT_FILE.read_text(encoding="utf-8")
+
+
+def windows(ids: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Non-overlapping windows of seq_len + 1 tokens (inputs plus next-token targets)."""
+    step = seq_len
+    out = [list(ids[i : i + seq_len + 1]) for i in range(0, len(ids) - 1, step)]
+    return [w for w in out if len(w) == seq_len + 1]
+
+
+@torch.no_grad()
+def perplexity(model: Transformer, ids: Sequence[int], seq_len: int = 256, batch_size: int = 8) -> float:
+    """exp(mean next-token cross-entropy) over non-overlapping windows of `seq_len` tokens."""
+    chunks = windows(ids, seq_len)
+    if not chunks:
+        raise KvforgeError(f"need more than {seq_len} tokens to measure perplexity, got {len(ids)}")
+    total, count = 0.0, 0
+    for i in range(0, len(chunks), batch_size):
+        batch = torch.tensor(chunks[i : i + batch_size], dtype=torch.int64)
+        logits, _ = model(batch[:, :-1])
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def text_perplexity(model: Transformer, tokenizer: Tokenizer, text: str, seq_len: int = 256) -> float:
+    return perplexity(model, tokenizer.encode(text, add_special_tokens=False), seq_len)
+
+
+@torch.no_grad()
+def greedy_continuation(model: Transformer, ids: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()) -> list[int]:
+    """Greedy decoding with the KV cache: one prefill, then one token per step."""
+    if not ids:
+        raise KvforgeError("greedy_continuation needs at least one prompt token")
+    x = torch.tensor([list(ids)], dtype=torch.int64)
+    logits, past = model(x)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        if token in stop or len(ids) + len(out) >= model.config.max_seq_len:
+            break
+        logits, past = model(torch.tensor([[token]]), past_key_values=past)
+    return out
+
+
+def read_text(path: str | Path) -> str:
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise KvforgeError(f"no such file: {path}") from e
+    except UnicodeDecodeError as e:
+        raise KvforgeError(f"{path} is not UTF-8 text: {e}") from e

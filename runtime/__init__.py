@@ -1,0 +1,1 @@
+"""kvforge.runtime (not built yet)."""
