@@ -74,3 +74,33 @@ def read_text(path: str | Path) -> str:
         raise KvforgeError(f"no such file: {path}") from e
     except UnicodeDecodeError as e:
         raise KvforgeError(f"{path} is not UTF-8 text: {e}") from e
+
+
+def evaluate(
+    source=None, data: str | Path | None = None, prompt: str = "def fibonacci(n):\n    ",
+    max_new_tokens: int = 48, seq_len: int = 256, dtype: str = "float32",
+) -> dict:
+    """Perplexity on a text corpus and a greedy continuation, on the Torch reference.
+
+    Without `data` the corpus is `tiny`'s held-out text (Python source code).
+    """
+    from .checkpoint import DEFAULT_MODEL, load
+
+    source = DEFAULT_MODEL if source is None else source
+    model, tokenizer = load(source, dtype=dtype)
+    if tokenizer is None:
+        raise KvforgeError(f"{source} has no tokenizer.json, so text cannot be evaluated on it")
+    text = read_text(data) if data is not None else heldout_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = tokenizer.encode(prompt)
+    new = greedy_continuation(model, prompt_ids, max_new_tokens, stop=model.config.eos_token_ids)
+    return {
+        "source": str(source),
+        "parameters": model.num_parameters(),
+        "corpus": str(data) if data is not None else "tiny held-out (built in)",
+        "corpus_tokens": len(ids),
+        "perplexity": perplexity(model, ids, seq_len),
+        "uniform_perplexity": model.config.vocab_size,
+        "prompt": prompt,
+        "continuation": tokenizer.decode(new),
+    }

@@ -1,0 +1,132 @@
+"""`export(source, out)`: model -> validated ONNX bundle, written atomically."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import kvforge
+from kvforge.bundle import Bundle, check_output_path, now_utc, sha256_tree, staged_bundle, write_manifest
+from kvforge.errors import KvforgeError
+
+from .lint import lint
+from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA, export_onnx, io_spec
+from .validate import validate
+
+DTYPES = ("float32", "float16", "bfloat16")
+GRAPH_FILE = "model.onnx"
+
+# progress(phase, done, total): phases "load", "export", "lint", "validate", "write"
+Progress = Callable[[str, int, int], None]
+
+
+class ExportValidationError(KvforgeError):
+    """The exported graph missed tolerance; no bundle was written."""
+
+    def __init__(self, summary: dict[str, Any]):
+        failures = summary["failures"]
+        shown = "\n  ".join(failures[:12]) + (f"\n  ... and {len(failures) - 12} more" if len(failures) > 12 else "")
+        super().__init__(f"export validation failed ({summary['dtype']}, {len(failures)} checks):\n  {shown}\nno bundle was written")
+        self.summary = summary
+
+
+def source_digest(source) -> dict[str, Any]:
+    """What the export was made from, with a hash that changes when its inputs do."""
+    from kvforge.model_defs import ModelConfig, source_kind
+    from kvforge.model_defs.checkpoint import TINY_DIR
+
+    kind = source_kind(source)
+    if kind == "preset" and str(source) == "tiny":
+        kind, path = "kvforge", TINY_DIR
+    elif kind == "preset":
+        blob = json.dumps({"preset": str(source), "config": ModelConfig.from_name(str(source)).to_dict(), "seed": 0}, sort_keys=True)
+        return {"source": str(source), "kind": "preset", "sha256": hashlib.sha256(blob.encode()).hexdigest()}
+    else:
+        path = Path(source)
+    files = [p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")]
+    return {"source": str(source), "kind": kind, "sha256": sha256_tree(files, path)}
+
+
+def export(
+    source=None,
+    out: str | Path = "bundle",
+    dtype: str = "float32",
+    opset: int = DEFAULT_OPSET,
+    max_context: int | None = None,
+    external_data: bool | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Bundle:
+    """Export SOURCE (anything `model_defs.load` takes) to a validated ONNX bundle at OUT.
+
+    Validation against the FP32 Torch reference runs on every export; when it
+    misses tolerance, ExportValidationError is raised and nothing is written.
+    """
+    from kvforge.model_defs import DEFAULT_MODEL, load
+
+    if dtype not in DTYPES:
+        raise KvforgeError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if not 18 <= opset <= 24:
+        raise KvforgeError(f"opset {opset} is outside the supported range 18..24 (the exporter needs >= 18, TensorRT 10.15 reads <= 24)")
+    check_output_path(out, force)  # fail before any work
+    progress = progress or (lambda phase, done, total: None)
+    source = DEFAULT_MODEL if source is None else source
+    started = time.time()
+
+    progress("load", 0, 1)
+    reference, tokenizer = load(source)  # FP32: the reference every dtype is measured against
+    cfg = reference.config
+    max_context = cfg.max_seq_len if max_context is None else max_context
+    if max_context < 2:
+        raise KvforgeError(f"max context {max_context} is too small (at least 2)")
+    if cfg.position == "learned" and max_context > cfg.max_seq_len:
+        raise KvforgeError(f"max context {max_context} exceeds the {cfg.max_seq_len} learned positions of this model")
+    model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
+    progress("load", 1, 1)
+
+    with staged_bundle(out, force) as tmp:
+        progress("export", 0, 1)
+        graph = export_onnx(model, tmp / GRAPH_FILE, opset, external_data)
+        export_seconds = time.time() - started
+        progress("export", 1, 1)
+        progress("lint", 0, 1)
+        lint_result = lint(graph)
+        progress("lint", 1, 1)
+        summary = validate(graph, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
+        if not summary["passed"]:
+            raise ExportValidationError(summary)
+        progress("write", 0, 1)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        import onnx
+        import onnxruntime
+
+        manifest = {
+            "stage": "export",
+            "graph": GRAPH_FILE,
+            "external_data": EXTERNAL_DATA if (tmp / EXTERNAL_DATA).exists() else None,
+            "model": cfg.to_dict(),
+            "io": io_spec(cfg, model.dtype, max_context).to_dict(),
+            "precision": {"dtype": dtype, "quantization": None},
+            "opset": opset,
+            "lineage": [{
+                "stage": "export",
+                "tool": f"kvforge {kvforge.__version__}",
+                "time": now_utc(),
+                "input": source_digest(source),
+                "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data},
+                "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+                "seconds": {"export": round(export_seconds, 2), "total": round(time.time() - started, 2)},
+            }],
+            "validation": summary,
+            "lint": lint_result,
+        }
+        write_manifest(tmp, manifest)
+        progress("write", 1, 1)
+    return Bundle(out)

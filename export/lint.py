@@ -1,0 +1,212 @@
+"""`kvforge lint`: check a graph against TensorRT's documented ONNX rules, on the CPU.
+
+Rules (each finding names the offending node):
+- opset: the default-domain opset lies in the parser's range for every
+  targeted TensorRT version; no custom domains (com.microsoft & co.);
+- operators: every op is one the parser supports;
+- dtypes: each op's data input has a type the parser accepts for that op;
+  float64 anywhere is flagged (TensorRT silently narrows it to float32);
+- control flow: no If / Loop / Scan on a path to a graph output;
+- Q/DQ (DESIGN.md's recipe): zero points are zero; scales are positive
+  constants whose dtype equals the dequantized dtype; FP8 needs opset >= 19
+  and block-wise INT4 needs opset >= 21.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+from .trt_ops import SUPPORTED_OPS, UNSUPPORTED_OPS
+
+# The TensorRT versions kvforge targets and their parser's opset range.
+TARGETS = {"TensorRT 10.15": (9, 24), "TensorRT 11": (9, 25)}
+EXTRA_OPS_BY_TARGET = {"TensorRT 11": {"Swish": ("FP32", "FP16", "BF16")}}
+CONTROL_FLOW = {"If", "Loop", "Scan"}
+
+_TYPE_NAMES = {
+    1: "FP32", 10: "FP16", 16: "BF16", 6: "INT32", 7: "INT64", 9: "BOOL", 3: "INT8", 2: "UINT8",
+    17: "FP8", 18: "FP8", 19: "FP8", 20: "FP8", 22: "INT4", 21: "UINT4", 23: "FP4", 11: "DOUBLE",
+    5: "INT16", 4: "UINT16", 12: "UINT32", 13: "UINT64", 8: "STRING",
+}
+# Which input carries the data whose type the parser's table constrains.
+_DATA_INPUT = {"Where": 1}
+# Ops whose table entry covers the output type (the input is always float).
+_TYPE_FROM_ATTR = {"Cast": "to"}
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" fails the lint, "warning" does not
+    rule: str
+    message: str
+    node: str | None = None
+    op: str | None = None
+
+    def __str__(self) -> str:
+        where = f" [{self.op} {self.node}]" if self.node else ""
+        return f"{self.severity}: {self.rule}{where}: {self.message}"
+
+
+def _load(model_or_path) -> Any:
+    import onnx
+
+    if isinstance(model_or_path, (str, Path)):
+        path = Path(model_or_path)
+        if not path.is_file():
+            raise KvforgeError(f"no ONNX file at {path}")
+        try:
+            return onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # onnx raises DecodeError and others on damaged files
+            raise KvforgeError(f"{path} is not a readable ONNX model: {e}") from e
+    return model_or_path
+
+
+def _value_types(model) -> dict[str, int]:
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # inference is best-effort here: fall back to declared types
+        inferred = model
+    g = inferred.graph
+    types = {}
+    for v in list(g.value_info) + list(g.input) + list(g.output):
+        types[v.name] = v.type.tensor_type.elem_type
+    for init in g.initializer:
+        types[init.name] = init.data_type
+    for node in g.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    types[node.output[0]] = a.t.data_type
+    return types
+
+
+def _output_path_nodes(graph) -> set[int]:
+    """Indices of nodes from which a graph output can be reached."""
+    producer = {out: i for i, n in enumerate(graph.node) for out in n.output}
+    seen: set[int] = set()
+    stack = [producer[o.name] for o in graph.output if o.name in producer]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        stack += [producer[x] for x in graph.node[i].input if x in producer]
+    return seen
+
+
+def _constant(graph, name: str):
+    from onnx import numpy_helper
+
+    for init in graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init) if not init.external_data else None
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            for a in node.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+    return None
+
+
+def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
+    findings = []
+    for node in graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        name, op = node.name or node.output[0], node.op_type
+        q_tensor = node.output[0] if op == "QuantizeLinear" else node.input[0]
+        q_type = _TYPE_NAMES.get(types.get(q_tensor, 0), "?")
+        if q_type == "FP8" and opset < 19:
+            findings.append(Finding("error", "qdq", f"FP8 Q/DQ needs opset >= 19, the graph has {opset}", name, op))
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        if block and opset < 21:
+            findings.append(Finding("error", "qdq", f"block-wise Q/DQ needs opset >= 21, the graph has {opset}", name, op))
+        if block and q_type == "INT4" and block not in (64, 128):
+            findings.append(Finding("warning", "qdq", f"TensorRT documents INT4 block sizes 64 and 128, this is {block}", name, op))
+        if len(node.input) > 2 and node.input[2]:
+            zp = _constant(graph, node.input[2])
+            if zp is None:
+                findings.append(Finding("error", "qdq", "zero point must be a constant (and zero)", name, op))
+            elif np.any(zp.astype(np.float32) != 0):
+                findings.append(Finding("error", "qdq", "zero point must be zero (symmetric quantization)", name, op))
+        scale = _constant(graph, node.input[1])
+        if scale is None:
+            findings.append(Finding("error", "qdq", "scale must be a constant", name, op))
+        elif not np.all(scale.astype(np.float32) > 0):
+            findings.append(Finding("error", "qdq", "scales must be positive", name, op))
+        float_side = node.output[0] if op == "DequantizeLinear" else node.input[0]
+        s_type, f_type = types.get(node.input[1]), types.get(float_side)
+        if s_type and f_type and s_type != f_type:
+            findings.append(Finding(
+                "error", "qdq",
+                f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the quantized tensor's dtype {_TYPE_NAMES.get(f_type)}",
+                name, op,
+            ))
+    return findings
+
+
+def lint(model_or_path) -> dict[str, Any]:
+    """Return {"passed": bool, "targets": {...}, "findings": [...]} for a model or an .onnx path."""
+    model = _load(model_or_path)
+    graph = model.graph
+    findings: list[Finding] = []
+
+    opset = None
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            opset = imp.version
+        else:
+            findings.append(Finding("error", "opset", f"custom operator domain {imp.domain!r} (version {imp.version}) is not parsed by TensorRT"))
+    if opset is None:
+        findings.append(Finding("error", "opset", "the model imports no default-domain opset"))
+        opset = 0
+    targets = {}
+    for target, (lo, hi) in TARGETS.items():
+        ok = lo <= opset <= hi
+        targets[target] = ok
+        if not ok:
+            findings.append(Finding("error", "opset", f"opset {opset} is outside {target}'s range {lo}..{hi}"))
+
+    types = _value_types(model)
+    on_output_path = _output_path_nodes(graph)
+    for i, node in enumerate(graph.node):
+        name, op = node.name or (node.output[0] if node.output else f"#{i}"), node.op_type
+        if node.domain not in ("", "ai.onnx"):
+            findings.append(Finding("error", "operator", f"custom op {node.domain}::{op} is not supported by TensorRT", name, op))
+            continue
+        missing_in = [t for t in TARGETS if op not in SUPPORTED_OPS and op not in EXTRA_OPS_BY_TARGET.get(t, {})]
+        if op in UNSUPPORTED_OPS or missing_in:
+            where = "any targeted TensorRT" if op in UNSUPPORTED_OPS or len(missing_in) == len(TARGETS) else ", ".join(missing_in)
+            findings.append(Finding("error", "operator", f"{op} is not supported by {where}", name, op))
+            continue
+        if op in CONTROL_FLOW and i in on_output_path:
+            findings.append(Finding("error", "control-flow", f"{op} lies on the path to a graph output", name, op))
+        allowed = SUPPORTED_OPS.get(op) or EXTRA_OPS_BY_TARGET["TensorRT 11"].get(op, ())
+        if op in _TYPE_FROM_ATTR:
+            t = next((a.i for a in node.attribute if a.name == _TYPE_FROM_ATTR[op]), None)
+        else:
+            idx = _DATA_INPUT.get(op, 0)
+            t = types.get(node.input[idx]) if len(node.input) > idx and node.input[idx] else None
+        tname = _TYPE_NAMES.get(t) if t else None
+        if tname == "DOUBLE":
+            findings.append(Finding("warning", "dtype", "float64 tensor: TensorRT narrows it to float32", name, op))
+        elif tname and tname not in allowed:
+            findings.append(Finding("error", "dtype", f"{op} does not take {tname} in TensorRT (accepts {', '.join(allowed)})", name, op))
+
+    findings += _qdq_findings(graph, types, opset)
+    return {
+        "passed": not any(f.severity == "error" for f in findings),
+        "opset": opset,
+        "targets": targets,
+        "errors": sum(f.severity == "error" for f in findings),
+        "warnings": sum(f.severity == "warning" for f in findings),
+        "findings": [asdict(f) for f in findings],
+    }

@@ -1,0 +1,176 @@
+"""Torch reference model -> ONNX graph with the KV-cache IO contract of DESIGN.md.
+
+One graph serves prefill (past 0) and decode (seq 1): batch, sequence and past
+lengths are dynamic. Names follow Hugging Face Optimum / ONNX Runtime GenAI:
+
+    input_ids                 int64       [batch_size, sequence_length]
+    attention_mask            int64       [batch_size, total_sequence_length]
+    position_ids              int64       [batch_size, sequence_length]
+    past_key_values.{i}.key   model dtype [batch_size, kv_heads, past_sequence_length, head_dim]  (and .value)
+    logits                    float32     [batch_size, sequence_length, vocab]
+    present.{i}.key           model dtype [batch_size, kv_heads, total_sequence_length, head_dim] (and .value)
+
+total_sequence_length = past_sequence_length + sequence_length.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from kvforge.bundle import IOSpec, TensorSpec
+from kvforge.errors import KvforgeError
+
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+# Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
+# neither merges two dynamic dimensions nor specializes one to a constant.
+_EX_BATCH, _EX_SEQ, _EX_PAST = 2, 3, 5
+DEFAULT_OPSET = 21
+# ONNX's protobuf limit; above it weights must go to an external data file.
+PROTOBUF_LIMIT = 2**31 - 1
+EXTERNAL_DATA = "model.onnx.data"
+
+_NP_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def input_names(n_layers: int) -> list[str]:
+    return ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")
+    ]
+
+
+def output_names(n_layers: int) -> list[str]:
+    return ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
+    kv = _NP_DTYPES[dtype]
+    cache = lambda length: [BATCH, cfg.n_kv_heads, length, cfg.head_dim]  # noqa: E731
+    inputs = [
+        TensorSpec("input_ids", "int64", [BATCH, SEQ]),
+        TensorSpec("attention_mask", "int64", [BATCH, TOTAL]),
+        TensorSpec("position_ids", "int64", [BATCH, SEQ]),
+    ] + [TensorSpec(n, kv, cache(PAST)) for n in input_names(cfg.n_layers)[3:]]
+    outputs = [TensorSpec("logits", "float32", [BATCH, SEQ, cfg.vocab_size])] + [
+        TensorSpec(n, kv, cache(TOTAL)) for n in output_names(cfg.n_layers)[1:]
+    ]
+    past = [[f"past_key_values.{i}.key", f"past_key_values.{i}.value"] for i in range(cfg.n_layers)]
+    present = [[f"present.{i}.key", f"present.{i}.value"] for i in range(cfg.n_layers)]
+    return IOSpec(inputs, outputs, past, present, max_context=max_context)
+
+
+class FlatKVModel(torch.nn.Module):
+    """The model with flat tensor inputs and outputs, in IO-contract order."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.n_layers = model.config.n_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        cache = tuple((past[2 * i], past[2 * i + 1]) for i in range(self.n_layers))
+        logits, present = self.model(input_ids, attention_mask, position_ids, cache)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded, non-trivial inputs in IO-contract order (random ids and cache, consecutive positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
+    cache = [
+        torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim, generator=gen).to(dtype)
+        for _ in range(2 * cfg.n_layers)
+    ]
+    return (ids, mask, positions, *cache)
+
+
+def _rename_dims(graph, n_layers: int) -> None:
+    """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names."""
+    import onnx_ir as ir
+
+    values = {v.name: v for v in list(graph.inputs) + list(graph.outputs)}
+    symbol = {}
+
+    def sym(name, axis):
+        dim = values[name].shape[axis]
+        return str(dim) if not isinstance(dim, int) else None
+
+    symbol[sym("input_ids", 0)] = BATCH
+    symbol[sym("input_ids", 1)] = SEQ
+    symbol[sym("attention_mask", 1)] = TOTAL
+    for name in input_names(n_layers)[3:]:
+        symbol[sym(name, 2)] = PAST
+    symbol.pop(None, None)
+
+    def rename(text: str) -> str:
+        named = re.sub(r"[A-Za-z_]\w*", lambda m: symbol.get(m.group(0), m.group(0)), text)
+        compact = named.replace(" ", "")
+        return TOTAL if compact in (f"{PAST}+{SEQ}", f"{SEQ}+{PAST}") else named
+
+    for v in values.values():
+        if v.shape is None:
+            continue
+        dims = [d if isinstance(d, int) else rename(str(d)) for d in v.shape]
+        v.shape = ir.Shape(dims)
+    unknown = {
+        str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in (BATCH, SEQ, PAST, TOTAL)
+    }
+    if unknown:
+        raise KvforgeError(f"export produced dimensions outside the IO contract: {sorted(unknown)}")
+
+
+def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
+    """Export `model` (already in its target dtype, eval mode) to `path`; returns the path.
+
+    external_data: True writes weights to model.onnx.data beside the graph; None
+    does so only when the graph would exceed protobuf's 2 GB limit.
+    """
+    import onnx_ir as ir
+
+    cfg = model.config
+    dtype = model.dtype
+    flat = FlatKVModel(model).eval()
+    args = example_inputs(cfg, dtype, _EX_BATCH, _EX_SEQ, _EX_PAST)
+    dyn = torch.export.Dim.DYNAMIC
+    n_past = 2 * cfg.n_layers
+    dynamic_shapes = {
+        "input_ids": {0: dyn, 1: dyn},
+        "attention_mask": {0: dyn, 1: dyn},
+        "position_ids": {0: dyn, 1: dyn},
+        "past": tuple({0: dyn, 2: dyn} for _ in range(n_past)),
+    }
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the exporter warns about optional torchvision ops
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                flat,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names(cfg.n_layers),
+                output_names=output_names(cfg.n_layers),
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+            )
+        except Exception as e:  # the exporter raises many types; report them as one
+            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
+        finally:
+            quiet.setLevel(level)
+    graph = program.model.graph
+    _rename_dims(graph, cfg.n_layers)
+    program.model.producer_name = "kvforge"
+    weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+    if external_data is None:
+        external_data = weight_bytes > PROTOBUF_LIMIT - (64 << 20)
+    ir.save(program.model, path, external_data=EXTERNAL_DATA if external_data else None)
+    return path

@@ -1,0 +1,227 @@
+"""The artifact bundle: a directory with a manifest (kvforge.json), the graph and the tokenizer.
+
+Every stage reads a bundle and writes a new one; it never edits its input.
+Writes are atomic: files go to a temporary directory beside the target,
+which is renamed into place only once everything is written and checked,
+so a crash or a failed validation leaves no half-written bundle, and an
+existing bundle replaced with `force` survives until the new one is whole.
+
+Torch-free: the runtime reads bundles with numpy, onnx and onnxruntime only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from kvforge.errors import KvforgeError
+
+MANIFEST = "kvforge.json"
+FORMAT = "kvforge-bundle"
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(paths: list[Path], root: Path | None = None) -> str:
+    """One digest over several files (names relative to root, and contents)."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(str(p.relative_to(root) if root else p.name).encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+@dataclass
+class TensorSpec:
+    """One graph input or output: name, dtype (numpy name), symbolic/static shape."""
+
+    name: str
+    dtype: str
+    shape: list[str | int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        return cls(d["name"], d["dtype"], list(d["shape"]))
+
+
+@dataclass
+class IOSpec:
+    """The graph's inputs and outputs, and which of them carry the KV cache.
+
+    `past[i]` / `present[i]` name the cache tensors of layer i (for per-head
+    K/V: [key, value]). The runtime reads these names; it never guesses them.
+    """
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    past: list[list[str]]
+    present: list[list[str]]
+    cache_layout: str = "batch,kv_heads,seq,head_dim"
+    max_context: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "kv_cache": {"past": self.past, "present": self.present, "layout": self.cache_layout},
+            "max_context": self.max_context,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IOSpec:
+        try:
+            return cls(
+                inputs=[TensorSpec.from_dict(t) for t in d["inputs"]],
+                outputs=[TensorSpec.from_dict(t) for t in d["outputs"]],
+                past=d["kv_cache"]["past"],
+                present=d["kv_cache"]["present"],
+                cache_layout=d["kv_cache"].get("layout", "batch,kv_heads,seq,head_dim"),
+                max_context=d.get("max_context"),
+                extra=d.get("extra", {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise KvforgeError(f"malformed IO spec in manifest: missing {e}") from e
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KvforgeError(f"the graph has no input {name!r}; inputs: {[t.name for t in self.inputs]}")
+
+
+class Bundle:
+    """A bundle directory and its manifest."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise KvforgeError(f"{self.path} is not a bundle directory")
+        if not manifest.is_file():
+            raise KvforgeError(f"{self.path} is not a kvforge bundle: no {MANIFEST}")
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest.read_text())
+        except json.JSONDecodeError as e:
+            raise KvforgeError(f"{manifest} is not valid JSON: {e}") from e
+        if self.manifest.get("format") != FORMAT:
+            raise KvforgeError(f"{manifest}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
+        if self.manifest.get("format_version", 0) > FORMAT_VERSION:
+            raise KvforgeError(
+                f"{manifest}: bundle format {self.manifest['format_version']} is newer than this kvforge reads ({FORMAT_VERSION})"
+            )
+
+    @staticmethod
+    def is_bundle(path: str | Path) -> bool:
+        return (Path(path) / MANIFEST).is_file()
+
+    @property
+    def io(self) -> IOSpec:
+        return IOSpec.from_dict(self.manifest["io"])
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return self.manifest["model"]
+
+    @property
+    def graph_file(self) -> Path:
+        return self.path / self.manifest["graph"]
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        p = self.path / "tokenizer.json"
+        return p if p.is_file() else None
+
+    def verify_files(self) -> None:
+        """Check every file the manifest lists against its recorded size and hash."""
+        problems = []
+        for name, meta in self.manifest.get("files", {}).items():
+            p = self.path / name
+            if not p.is_file():
+                problems.append(f"{name} is missing")
+            elif p.stat().st_size != meta["bytes"]:
+                problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}")
+            elif sha256_file(p) != meta["sha256"]:
+                problems.append(f"{name} does not match its recorded sha256")
+        if problems:
+            raise KvforgeError(f"bundle {self.path} is damaged: " + "; ".join(problems))
+
+
+def file_records(directory: Path) -> dict[str, dict[str, Any]]:
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def check_output_path(out: str | Path, force: bool) -> Path:
+    """Refuse an existing output (unless force) or an unwritable parent, before any work is done."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise KvforgeError(f"{out} already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise KvforgeError(f"{out} exists and is not a directory")
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvforgeError(f"cannot create {parent}: {e.strerror}") from e
+    if not os.access(parent, os.W_OK):
+        raise KvforgeError(f"cannot write to {parent}: permission denied")
+    return out
+
+
+@contextlib.contextmanager
+def staged_bundle(out: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory; on success it becomes `out`, on any error it vanishes.
+
+    The caller writes the files and finally `write_manifest`; an existing
+    `out` (with force) is replaced only after the block completes.
+    """
+    out = check_output_path(out, force)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
+    try:
+        yield tmp
+        if not (tmp / MANIFEST).is_file():
+            raise KvforgeError("internal error: a bundle was staged without a manifest")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Complete the manifest with the file records and write it (last, after every file)."""
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": file_records(directory)}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest

@@ -1,0 +1,220 @@
+"""The `kvforge` command line: each command is a few lines over the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvforge.errors import KvforgeError
+
+
+class _Group(click.Group):
+    """Turns KvforgeError into one clear line on stderr and exit status 1, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KvforgeError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvforge")
+def main():
+    """kvforge: Torch reference LMs to ONNX with KV cache, quantized and verified.
+
+    SOURCE arguments take a preset name (default: tiny, the built-in trained
+    model), a kvforge checkpoint directory, or a Hugging Face checkpoint
+    directory (config.json + *.safetensors) of a supported family.
+    """
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def models(as_json):
+    """List the model presets and the Hugging Face families kvforge imports."""
+    from kvforge.model_defs import PRESETS, SUPPORTED_FAMILIES, ModelConfig
+
+    rows = []
+    for name in sorted(PRESETS):
+        cfg = ModelConfig.from_name(name)
+        window = f" window={cfg.sliding_window}" if cfg.sliding_window else ""
+        rows.append({
+            "name": name,
+            "weights": "trained" if name == "tiny" else "random",
+            "layers x dim": f"{cfg.n_layers} x {cfg.dim}",
+            "heads q/kv": f"{cfg.n_heads}/{cfg.n_kv_heads}",
+            "vocab": cfg.vocab_size,
+            "design": f"{cfg.position} {cfg.norm}-{cfg.norm_placement} {'gated-' if cfg.gated_ffn else ''}{cfg.activation}{window}",
+        })
+    if as_json:
+        click.echo(json.dumps({"presets": rows, "hf_families": list(SUPPORTED_FAMILIES)}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="presets")
+    for key in rows[0]:
+        table.add_column(key)
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console = Console()
+    console.print(table)
+    console.print(f"Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+@main.command("eval")
+@click.argument("source", required=False)
+@click.option("--data", type=click.Path(dir_okay=False), help="UTF-8 text corpus (default: tiny's held-out text).")
+@click.option("--prompt", default="def fibonacci(n):\n    ", show_default=True, help="Prompt for a greedy continuation.")
+@click.option("--max-new-tokens", default=48, show_default=True, type=click.IntRange(0))
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1), help="Perplexity window.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
+    """Perplexity and a greedy continuation on the Torch reference model."""
+    from kvforge.model_defs.evaluate import evaluate
+
+    result = evaluate(source, data, prompt, max_new_tokens, seq_len, dtype)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"model       {result['source']} ({result['parameters'] / 1e6:.2f}M parameters)")
+    click.echo(f"corpus      {result['corpus']}: {result['corpus_tokens']} tokens")
+    click.echo(f"perplexity  {result['perplexity']:.3f} (uniform over the vocabulary: {result['uniform_perplexity']})")
+    click.echo(f"greedy      {result['prompt'] + result['continuation']!r}")
+
+
+class _PhaseProgress:
+    """A rich progress display on stderr: one bar per phase of a long job."""
+
+    def __init__(self, enabled: bool = True):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), disable=not enabled, transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.progress.add_task(phase, total=total)
+        self.progress.update(self.tasks[phase], completed=done, total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+
+@main.command()
+@click.argument("source", required=False)
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
+@click.option("--opset", default=21, show_default=True, type=int, help="ONNX opset (18..24).")
+@click.option("--max-context", type=click.IntRange(2), help="Longest past + new tokens the bundle accepts (default: the model's).")
+@click.option("--external-data/--no-external-data", default=None, help="Weights in model.onnx.data (default: only above 2 GB).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def export(source, out, dtype, opset, max_context, external_data, force, quiet):
+    """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""
+    from kvforge.export import export as export_bundle
+
+    with _PhaseProgress(enabled=not quiet) as progress:
+        bundle = export_bundle(source, out, dtype, opset, max_context, external_data, force, progress)
+    v, lint_result = bundle.manifest["validation"], bundle.manifest["lint"]
+    click.echo(
+        f"wrote {bundle.path}: {dtype}, opset {opset}; validation passed over {v['cases']} shapes + "
+        f"{v['lockstep']['steps']}-step lockstep (logits max abs {v['logits']['max_abs']:.2e}, rel L2 "
+        f"{v['logits']['rel_l2']:.2e}; greedy {v['lockstep']['greedy_matching_steps']}/{v['lockstep']['steps']}); "
+        f"lint {'passed' if lint_result['passed'] else 'FAILED'}"
+    )
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def lint(target, as_json):
+    """Check a bundle (or .onnx file) against TensorRT's ONNX rules; exit 1 on errors."""
+    from pathlib import Path
+
+    from kvforge.bundle import Bundle
+    from kvforge.export import lint as lint_graph
+
+    path = Bundle(target).graph_file if Path(target).is_dir() else Path(target)
+    result = lint_graph(path)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for f in result["findings"]:
+            where = f" [{f['op']} {f['node']}]" if f["node"] else ""
+            click.echo(f"{f['severity']}: {f['rule']}{where}: {f['message']}")
+        targets = ", ".join(f"{t}: {'ok' if ok else 'no'}" for t, ok in result["targets"].items())
+        verdict = "passed" if result["passed"] else "FAILED"
+        click.echo(f"lint {verdict}: opset {result['opset']} ({targets}); {result['errors']} errors, {result['warnings']} warnings")
+    if not result["passed"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(bundle, as_json):
+    """Print a bundle's IO spec, dtypes, opset, sizes, precision, validation and lineage."""
+    from kvforge.bundle import Bundle
+
+    b = Bundle(bundle)
+    m = b.manifest
+    if as_json:
+        click.echo(json.dumps(m))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cfg = m["model"]
+    console.print(f"[bold]{b.path}[/]  stage {m.get('stage')}, graph {m.get('graph')}, opset {m.get('opset')}")
+    console.print(
+        f"model: {cfg['family']} {cfg['n_layers']} layers x {cfg['dim']}, heads {cfg['n_heads']}/{cfg['n_kv_heads']}, "
+        f"vocab {cfg['vocab_size']}; precision {m['precision']['dtype']}"
+        + (f", quantized {m['precision']['quantization']}" if m["precision"].get("quantization") else "")
+    )
+    io = m["io"]
+    table = Table(title=f"IO (max context {io.get('max_context')})")
+    for col in ("", "name", "dtype", "shape"):
+        table.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for t in io[kind]:
+            table.add_row(kind[:-1], t["name"], t["dtype"], str(t["shape"]))
+    console.print(table)
+    files = Table(title="files")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("sha256")
+    for name, rec in m.get("files", {}).items():
+        files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16])
+    console.print(files)
+    v = m.get("validation")
+    if v:
+        console.print(
+            f"validation: {'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes; logits "
+            f"max abs {v['logits']['max_abs']:.2e}, rel L2 {v['logits']['rel_l2']:.2e}, top-1 {v['logits']['top1_agreement']:.3f}; "
+            f"lockstep {v['lockstep']['steps']} steps, greedy {v['lockstep']['greedy_matching_steps']}/{v['lockstep']['steps']}"
+        )
+    lint_result = m.get("lint")
+    if lint_result:
+        console.print(f"lint: {'passed' if lint_result['passed'] else 'FAILED'} ({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
+    for entry in m.get("lineage", []):
+        console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {entry['input']['source']} "
+                      f"({entry['input']['kind']}, sha256 {entry['input']['sha256'][:16]}), options {entry['options']}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install kvforge into the current Python environment: `bash scripts/install.sh [--test] [--gpu]`.
+#
+# Torch goes first, on purpose: a bare `torch` requirement on a machine without
+# it pulls several GB of CUDA packages. Without an NVIDIA GPU we install the CPU
+# build (a local wheel when pip can find one, else PyTorch's CPU index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+extras=()
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras+=(test) ;;
+    --gpu) extras+=(gpu) ;;
+    *) echo "usage: $0 [--test] [--gpu]" >&2; exit 2 ;;
+  esac
+done
+
+TORCH_VERSION=2.13.0
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$PY" -m pip install "torch==${TORCH_VERSION}"
+  else
+    "$PY" -m pip install "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
+      || "$PY" -m pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+
+if [[ " ${extras[*]-} " == *" gpu "* ]]; then
+  # onnxruntime and onnxruntime-gpu install the same module: keep only the GPU one.
+  "$PY" -m pip uninstall -y onnxruntime >/dev/null 2>&1 || true
+fi
+spec="."
+if ((${#extras[@]})); then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
+"$PY" -m pip install -q -e "$spec"
+if [[ " ${extras[*]-} " == *" gpu "* ]]; then
+  "$PY" -m pip uninstall -y onnxruntime >/dev/null 2>&1 || true
+  "$PY" -m pip install -q --force-reinstall --no-deps onnxruntime-gpu
+fi
+command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
