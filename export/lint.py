@@ -34,6 +34,7 @@ _TYPE_NAMES = {
     17: "FP8", 18: "FP8", 19: "FP8", 20: "FP8", 22: "INT4", 21: "UINT4", 23: "FP4", 11: "DOUBLE",
     5: "INT16", 4: "UINT16", 12: "UINT32", 13: "UINT64", 8: "STRING",
 }
+_FLOATS = {1, 10, 16}
 # Which input carries the data whose type the parser's table constrains.
 _DATA_INPUT = {"Where": 1}
 # Ops whose table entry covers the output type (the input is always float).
@@ -118,6 +119,10 @@ def _constant(graph, name: str):
 
 def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
     findings = []
+    consumers: dict[str, list] = {}
+    for n in graph.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
     for node in graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue
@@ -142,14 +147,23 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
             findings.append(Finding("error", "qdq", "scale must be a constant", name, op))
         elif not np.all(scale.astype(np.float32) > 0):
             findings.append(Finding("error", "qdq", "scales must be positive", name, op))
-        float_side = node.output[0] if op == "DequantizeLinear" else node.input[0]
-        s_type, f_type = types.get(node.input[1]), types.get(float_side)
-        if s_type and f_type and s_type != f_type:
-            findings.append(Finding(
-                "error", "qdq",
-                f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the quantized tensor's dtype {_TYPE_NAMES.get(f_type)}",
-                name, op,
-            ))
+        s_type = types.get(node.input[1])
+        if op == "QuantizeLinear":
+            f_type = types.get(node.input[0])
+            if s_type and f_type and s_type != f_type:
+                findings.append(Finding("error", "qdq", f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the quantized tensor's {_TYPE_NAMES.get(f_type)}", name, op))
+            continue
+        # A DequantizeLinear outputs the scale's dtype; it must be the dtype of the
+        # float tensors it is combined with (the model dtype).
+        for consumer in consumers.get(node.output[0], []):
+            for other in consumer.input:
+                o_type = types.get(other)
+                if other != node.output[0] and o_type in _FLOATS and s_type and o_type != s_type:
+                    findings.append(Finding(
+                        "error", "qdq",
+                        f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the {_TYPE_NAMES.get(o_type)} tensor {other!r} it meets in {consumer.op_type}",
+                        name, op,
+                    ))
     return findings
 
 

@@ -104,6 +104,9 @@ def _rename_dims(graph, n_layers: int) -> None:
     symbol[sym("input_ids", 0)] = BATCH
     symbol[sym("input_ids", 1)] = SEQ
     symbol[sym("attention_mask", 1)] = TOTAL
+    # position_ids is unused by models without positions (NoPE): its symbols are free
+    symbol.setdefault(sym("position_ids", 0), BATCH)
+    symbol.setdefault(sym("position_ids", 1), SEQ)
     for name in input_names(n_layers)[3:]:
         symbol[sym(name, 2)] = PAST
     symbol.pop(None, None)
@@ -122,7 +125,21 @@ def _rename_dims(graph, n_layers: int) -> None:
         str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in (BATCH, SEQ, PAST, TOTAL)
     }
     if unknown:
-        raise KvforgeError(f"export produced dimensions outside the IO contract: {sorted(unknown)}")
+        shapes = {v.name: [str(d) for d in v.shape] for v in values.values() if v.shape is not None}
+        raise KvforgeError(f"export produced dimensions outside the IO contract: {sorted(unknown)} in {shapes}")
+
+
+# Exporter debug metadata: stack traces with local paths, FX node dumps. Dropped
+# so artifacts are smaller and do not depend on where kvforge was installed;
+# the module scopes ("namespace", "pkg.torch.onnx.name_scopes") are kept for
+# per-layer error attribution.
+_DEBUG_METADATA = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node", "pkg.torch.onnx.class_hierarchy")
+
+
+def _strip_debug_metadata(graph) -> None:
+    for node in graph:
+        for key in _DEBUG_METADATA:
+            node.metadata_props.pop(key, None)
 
 
 def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
@@ -168,6 +185,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
             quiet.setLevel(level)
     graph = program.model.graph
     _rename_dims(graph, cfg.n_layers)
+    _strip_debug_metadata(graph)
     program.model.producer_name = "kvforge"
     weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
     if external_data is None:
