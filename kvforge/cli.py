@@ -69,7 +69,7 @@ def models(as_json):
 @main.command("eval")
 @click.argument("source", required=False)
 @click.option("--data", type=click.Path(dir_okay=False), help="UTF-8 text corpus (default: tiny's held-out text).")
-@click.option("--prompt", default="def fibonacci(n):\n    ", show_default=True, help="Prompt for a greedy continuation.")
+@click.option("--prompt", default="def fibonacci(n):\n    if n", show_default=True, help="Prompt for a greedy continuation.")
 @click.option("--max-new-tokens", default=48, show_default=True, type=click.IntRange(0))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1), help="Perplexity window.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))

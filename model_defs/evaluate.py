@@ -77,7 +77,7 @@ def read_text(path: str | Path) -> str:
 
 
 def evaluate(
-    source=None, data: str | Path | None = None, prompt: str = "def fibonacci(n):\n    ",
+    source=None, data: str | Path | None = None, prompt: str = "def fibonacci(n):\n    if n",
     max_new_tokens: int = 48, seq_len: int = 256, dtype: str = "float32",
 ) -> dict:
     """Perplexity on a text corpus and a greedy continuation, on the Torch reference.

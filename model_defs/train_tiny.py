@@ -37,7 +37,7 @@ from .model import build_model
 HELDOUT_EVERY = 20
 HELDOUT_BYTES = 200_000
 CALIBRATION_BYTES = 160_000
-SAMPLE_PROMPT = "def fibonacci(n):\n    "
+SAMPLE_PROMPT = "def fibonacci(n):\n    if n"  # ends on a token boundary BPE saw in training
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the `tiny` preset says
 
 

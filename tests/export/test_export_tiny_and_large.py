@@ -1,0 +1,79 @@
+"""`tiny` in every dtype, and the large presets (slow)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge.export import export
+from kvforge.export.onnx_export import input_names
+from kvforge.export.validate import TOLERANCES, OrtRunner
+from kvforge.model_defs import load
+from kvforge.model_defs.evaluate import greedy_continuation
+
+PROMPT = "import os\n\n\ndef read_config(path):\n    "
+
+
+def _ort_greedy(bundle, dtype, prompt_ids, steps):
+    """Free-running greedy decode on ONNX Runtime, the cache fed back (independent of the validator's loop)."""
+    runner = OrtRunner(bundle.graph_file, dtype)
+    cfg = bundle.model_config
+    names = input_names(cfg["n_layers"])
+    zero = torch.zeros(1, cfg["n_kv_heads"], 0, cfg["head_dim"])
+    past = [runner.cast(zero)] * (2 * cfg["n_layers"])
+    ids, tokens = list(prompt_ids), []
+    step_ids = ids
+    for _ in range(steps):
+        total = len(ids)
+        feeds = {
+            "input_ids": np.array([step_ids], np.int64),
+            "attention_mask": np.ones((1, total), np.int64),
+            "position_ids": np.arange(total - len(step_ids), total, dtype=np.int64)[None],
+            **dict(zip(names[3:], past)),
+        }
+        out = runner.session.run(None, feeds)
+        token = int(out[0][0, -1].argmax())
+        tokens.append(token)
+        ids.append(token)
+        step_ids, past = [token], out[1:]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tmp_path_factory):
+    return export("tiny", tmp_path_factory.mktemp("tiny") / "fp32")
+
+
+def test_tiny_fp32_matches_and_decodes_identically(tiny_fp32):
+    v = tiny_fp32.manifest["validation"]
+    assert v["passed"] and v["logits"]["max_abs"] <= 1e-4 and v["lockstep"]["greedy_matching_steps"] == 32
+    model, tok = load("tiny")
+    prompt = tok.encode(PROMPT)
+    assert _ort_greedy(tiny_fp32, "float32", prompt, 32) == greedy_continuation(model, prompt, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tiny_half_precision_within_tolerance_and_30_of_32_greedy(tmp_path, dtype):
+    bundle = export("tiny", tmp_path / dtype, dtype=dtype)
+    v = bundle.manifest["validation"]
+    assert v["passed"]
+    assert v["logits"]["rel_l2"] <= TOLERANCES[dtype]["logits_rel_l2"]
+    assert v["present"]["rel_l2"] <= TOLERANCES[dtype]["present_rel_l2"]
+    assert v["lockstep"]["greedy_matching_steps"] >= 30
+    assert bundle.io.input("past_key_values.0.key").dtype == dtype
+    model, tok = load("tiny")
+    prompt = tok.encode(PROMPT)
+    reference = greedy_continuation(model, prompt, 32)
+    ours = _ort_greedy(bundle, dtype, prompt, 32)
+    assert sum(a == b for a, b in zip(ours, reference)) >= 30, (tok.decode(ours), tok.decode(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-125m", "gpt2-124m"])
+def test_large_presets_export_and_validate(tmp_path, name):
+    bundle = export(name, tmp_path / name)
+    v = bundle.manifest["validation"]
+    assert v["passed"] and v["logits"]["max_abs"] <= 1e-4 and v["lockstep"]["greedy_matching_steps"] == 32
+    assert bundle.manifest["lint"]["passed"]

@@ -1,0 +1,52 @@
+"""The README's commands and examples work as printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def _first_commands() -> list[str]:
+    lines = [ln.strip() for ln in _blocks("bash")[0].splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return lines[:2]
+
+
+def test_the_first_two_commands_set_up_then_run_the_main_job_and_the_tests():
+    main_job, tests = _first_commands()
+    assert main_job.startswith("bash scripts/install.sh && ")
+    assert tests.startswith("bash scripts/install.sh --test && ")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci, ".ci/run must run the README's test command"
+
+
+@pytest.mark.slow
+def test_the_main_job_runs(tmp_path):
+    """The first command after its install step, from a scratch directory."""
+    main_job = _first_commands()[0].split("&&", 1)[1]
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run(["bash", "-c", main_job], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "validation passed" in out.stdout
+    assert "perplexity" in out.stdout
+    bundle = tmp_path / shlex.split(main_job)[shlex.split(main_job).index("-o") + 1]
+    assert (bundle / "kvforge.json").is_file() and (bundle / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_examples_run(tmp_path, index):
+    code = _blocks("python")[index]
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"README python example {index} failed:\n{code}\n{out.stderr[-3000:]}"
