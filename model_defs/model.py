@@ -143,7 +143,9 @@ def init_random_weights(model: Transformer, seed: int = 0) -> Transformer:
         elif p.ndim == 1:  # biases
             p.copy_(0.02 * torch.randn(p.shape, generator=gen))
         elif name == "embed.weight":
-            p.copy_(torch.randn(p.shape, generator=gen))
+            # std 2/sqrt(dim): tied to lm_head, this gives logits of std ~2 (as in a
+            # trained LM), not sqrt(dim); untied, the norms rescale the residual anyway.
+            p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p.shape[-1] ** 0.5))
         else:  # (out, in) matrices and learned positions: unit-variance outputs
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     return model.eval()

