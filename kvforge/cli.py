@@ -216,5 +216,65 @@ def inspect(bundle, as_json):
                       f"({entry['input']['kind']}, sha256 {entry['input']['sha256'][:16]}), options {entry['options']}")
 
 
+def _backend_option(f):
+    return click.option(
+        "--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
+        help="auto: ONNX Runtime for bundles, Torch for model sources.",
+    )(f)
+
+
+@main.command()
+@click.argument("source")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(0))
+@_backend_option
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = no limit.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True))
+@click.option("--seed", type=int, help="Seed for sampling.")
+@click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
+def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed, as_json):
+    """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
+    from kvforge import runtime
+
+    session = runtime.load(source, backend=backend)
+    tokens, text = [], []
+    with session:
+        for event in session.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, repetition_penalty=repetition_penalty, seed=seed):
+            tokens.append(event.token)
+            text.append(event.text)
+            click.echo(event.text, nl=False)
+    click.echo()
+    if as_json:
+        click.echo(json.dumps({"tokens": tokens, "text": "".join(text), "backend": session.backend_name}))
+
+
+@main.command()
+@click.argument("bundle")
+@_backend_option
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--runs", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json):
+    """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS."""
+    from kvforge import runtime
+    from kvforge.runtime.bench import benchmark
+
+    with runtime.load(bundle, backend=backend) as session:
+        result = benchmark(session, batch, prompt_len, new_tokens, runs, warmup)
+    if not as_json:
+        click.echo(
+            f"{session.backend_name}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, median of {runs}: "
+            f"prefill {result['prefill_tokens_per_s']:.1f} tok/s, decode {result['decode_tokens_per_s']:.1f} tok/s, "
+            f"TTFT {result['ttft_ms']:.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB"
+        )
+    click.echo(json.dumps(result))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

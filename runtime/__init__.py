@@ -1,1 +1,26 @@
-"""kvforge.runtime (not built yet)."""
+"""kvforge.runtime: embeddable sessions over ONNX Runtime and Torch, with KV-cache generation.
+
+    from kvforge import runtime
+    with runtime.load("runs/tiny-fp32") as session:          # backend="auto": ONNX Runtime
+        print(session.generate("def add(a, b):", max_new_tokens=16).text)
+
+Importing this package imports no Torch; the torch backend loads it on activation.
+"""
+
+from .backend import Backend, KVCache
+from .generate import GenerationConfig, GenerationResult, TokenEvent
+from .sampling import SamplingConfig
+from .session import BACKENDS, Session, available_backends, load
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "GenerationConfig",
+    "GenerationResult",
+    "KVCache",
+    "SamplingConfig",
+    "Session",
+    "TokenEvent",
+    "available_backends",
+    "load",
+]

@@ -1,0 +1,86 @@
+"""The backend base class: public activate/forward/deactivate wrap `*_impl` hooks.
+
+A backend runs one forward step of the KV-cache graph. It owns its cache
+storage (ONNX Runtime OrtValues, Torch tensors, device buffers), so a cache
+moves from one step to the next without a trip through numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+
+@dataclass
+class KVCache:
+    """An opaque per-sequence-batch cache: backend-native tensors in IO-spec order.
+
+    `values` holds, for each layer, the tensors named by `io.kv_cache.past`
+    (key, value), flattened; `length` is the past length they cover.
+    """
+
+    backend: str
+    batch: int
+    length: int
+    values: list[Any]
+
+
+class Backend:
+    """One interface over the runtimes; subclasses implement the `_impl` hooks."""
+
+    name = "base"
+
+    def __init__(self, config: dict[str, Any], io, **options):
+        self.config = config
+        self.io = io
+        self.options = options
+        self.active = False
+
+    # -- lifecycle -------------------------------------------------------------
+    def activate(self) -> None:
+        if not self.active:
+            self.activate_impl()
+            self.active = True
+
+    def deactivate(self) -> None:
+        if self.active:
+            self.deactivate_impl()
+            self.active = False
+
+    # -- inference -------------------------------------------------------------
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache
+    ) -> tuple[np.ndarray, KVCache]:
+        """One step: float32 logits (B, T, V) and the cache extended by T."""
+        if not self.active:
+            raise KvforgeError(f"the {self.name} backend is not active; use the Session as a context manager or call activate()")
+        if cache.backend != self.name:
+            raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
+        return self.forward_impl(input_ids, attention_mask, position_ids, cache)
+
+    def empty_cache(self, batch: int) -> KVCache:
+        return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
+
+    def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
+        """The cache as numpy arrays (for inspection and tests; copies)."""
+        return [self.to_numpy(v) for v in cache.values]
+
+    # -- hooks -----------------------------------------------------------------
+    def activate_impl(self) -> None:
+        raise NotImplementedError
+
+    def deactivate_impl(self) -> None:
+        pass
+
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache) -> tuple[np.ndarray, KVCache]:
+        raise NotImplementedError
+
+    def empty_cache_impl(self, batch: int) -> list[Any]:
+        raise NotImplementedError
+
+    def to_numpy(self, value) -> np.ndarray:
+        raise NotImplementedError

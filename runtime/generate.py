@@ -1,0 +1,142 @@
+"""The generation loop: a left-padded prefill, then one cached decode step per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+from .sampling import SamplingConfig, select
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import Session
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: Sequence[int] = ()  # in addition to the model's EOS tokens
+    ignore_eos: bool = False  # keep going past EOS (benchmarks, comparisons with a fixed length)
+    seed: int | None = None  # seeds sampling; same seed, same tokens
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise KvforgeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.sampling = SamplingConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids, prompt excluded (a stop token that ended it included)
+    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (the bundle's max context)
+    prompt_tokens: int
+    text: str = ""
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    index: int  # 0 for the first generated token
+    last: bool  # no token follows
+    finish_reason: str | None = None
+    text: str = ""
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+def generate_tokens(
+    session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int], stream: bool = False
+):
+    """Run the loop; returns results, or (stream=True) an iterator of TokenEvents for one row."""
+    it = _loop(session, prompts, config, stop)
+    if stream:
+        return _events(it)
+    rows = None
+    for rows in it:
+        pass
+    return [GenerationResult(r.tokens, r.finish or "length", len(r.prompt)) for r in rows]
+
+
+def _events(it) -> Iterator[TokenEvent]:
+    pending = None
+    for rows in it:
+        row = rows[0]
+        if not row.tokens:
+            continue
+        if pending is not None and pending.index == len(row.tokens) - 1:
+            continue
+        if pending is not None:
+            yield pending
+        pending = TokenEvent(row.tokens[-1], len(row.tokens) - 1, False)
+        if row.finish:
+            pending.last, pending.finish_reason = True, row.finish
+    if pending is not None:
+        if not pending.last:
+            pending.last, pending.finish_reason = True, "length"
+        yield pending
+
+
+def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int]):
+    """Yield the rows after every step (the last yield is final)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise KvforgeError("every prompt needs at least one token")
+    vocab = session.vocab_size
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise KvforgeError(f"prompt token ids {bad[:8]} are outside the vocabulary (0..{vocab - 1})")
+    longest = max(len(p) for p in prompts)
+    if longest > session.max_context:
+        raise KvforgeError(f"a prompt of {longest} tokens exceeds the bundle's maximum context of {session.max_context}")
+    rows = [_Row(list(p)) for p in prompts]
+    if config.max_new_tokens == 0:
+        yield rows
+        return
+    B = len(rows)
+    rng = np.random.default_rng(config.seed)
+    pad = session.config.get("pad_token_id") or 0
+
+    # Prefill: left-pad to the longest prompt; position ids count real tokens only.
+    ids = np.full((B, longest), pad, np.int64)
+    mask = np.zeros((B, longest), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, longest - len(r.prompt):] = r.prompt
+        mask[i, longest - len(r.prompt):] = 1
+    logits, cache = session.forward(ids, mask)
+    seen = [np.asarray(r.prompt, np.int64) for r in rows]
+    last = logits[:, -1]
+
+    for step in range(config.max_new_tokens):
+        chosen = select(last, seen, config.sampling, rng)
+        for i, r in enumerate(rows):
+            if r.finish:
+                continue
+            token = int(chosen[i])
+            r.tokens.append(token)
+            seen[i] = np.append(seen[i], token)
+            if token in stop:
+                r.finish = "stop"
+            elif len(r.tokens) >= config.max_new_tokens:
+                r.finish = "length"
+            elif mask.shape[1] + 1 >= session.max_context:  # the sequence fills the context
+                r.finish = "context"
+        yield rows
+        if all(r.finish for r in rows):
+            return
+        # Finished rows keep a slot in the batch; what they are fed is ignored.
+        nxt = np.array([[r.tokens[-1]] for r in rows], np.int64)
+        mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
+        logits, cache = session.forward(nxt, mask, None, cache)
+        last = logits[:, -1]

@@ -1,0 +1,109 @@
+"""ONNX Runtime backend: CPU, or CUDA where onnxruntime-gpu is installed. Imports no Torch.
+
+The cache stays in OrtValues: each step binds the previous step's `present`
+outputs as this step's `past` inputs through IO binding, so no cache tensor
+is copied through numpy between steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.errors import KvforgeError, MissingDependencyError
+
+from .backend import Backend, KVCache
+
+_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise MissingDependencyError("onnxruntime", "Install it with `pip install onnxruntime` (or onnxruntime-gpu).") from e
+    return onnxruntime
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, config, io, graph_path, device: str = "auto", threads: int | None = None, optimization: str = "all", **options):
+        super().__init__(config, io, **options)
+        self.graph_path = graph_path
+        self.device = device
+        self.threads = threads
+        self.optimization = optimization
+        self.session = None
+        self.kv_dtype = io.input(io.past[0][0]).dtype if io.past else "float32"
+        self.past_names = [n for layer in io.past for n in layer]
+        self.present_names = [n for layer in io.present for n in layer]
+        self.output_names = [t.name for t in io.outputs]
+
+    def _providers(self) -> list[str]:
+        ort = _ort()
+        available = ort.get_available_providers()
+        if self.device == "cuda":
+            if "CUDAExecutionProvider" not in available:
+                raise MissingDependencyError(
+                    "ONNX Runtime's CUDA provider", "Install onnxruntime-gpu (`bash scripts/install.sh --gpu`) on a machine with an NVIDIA GPU."
+                )
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        if self.device == "auto" and "CUDAExecutionProvider" in available:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    def activate_impl(self) -> None:
+        ort = _ort()
+        providers = self._providers()
+        if self.kv_dtype == "bfloat16" and providers == ["CPUExecutionProvider"]:
+            raise KvforgeError(
+                "ONNX Runtime's CPU provider has no bfloat16 kernels; run this bundle on a GPU, "
+                "with the torch backend, or export float16/float32 for the CPU"
+            )
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        }[self.optimization]
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        try:
+            self.session = ort.InferenceSession(str(self.graph_path), opts, providers=providers)
+        except Exception as e:  # ORT raises its own exception types for bad graphs
+            raise KvforgeError(f"ONNX Runtime cannot load {self.graph_path}: {e}") from e
+        self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        names = [i.name for i in self.session.get_inputs()]
+        expected = [t.name for t in self.io.inputs]
+        if names != expected:
+            raise KvforgeError(f"{self.graph_path} inputs {names} differ from the manifest's IO spec {expected}")
+
+    def deactivate_impl(self) -> None:
+        self.session = None
+
+    def empty_cache_impl(self, batch: int):
+        ort = _ort()
+        cfg = self.config
+        shape = [batch, cfg["n_kv_heads"], 0, cfg["head_dim"]]
+        np_dtype = np.float16 if self.kv_dtype == "float16" else np.float32
+        return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np_dtype), self.device_name, 0) for _ in self.past_names]
+
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache):
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("attention_mask", attention_mask)
+        binding.bind_cpu_input("position_ids", position_ids)
+        for name, value in zip(self.past_names, cache.values):
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, self.device_name)
+        self.session.run_with_iobinding(binding)
+        outputs = dict(zip(self.output_names, binding.get_outputs()))
+        logits = outputs["logits"].numpy()
+        present = [outputs[n] for n in self.present_names]
+        return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
+
+    def to_numpy(self, value) -> np.ndarray:
+        return value.numpy()

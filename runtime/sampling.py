@@ -1,0 +1,84 @@
+"""Next-token selection in numpy: repetition penalty, temperature, top-k, top-p, seeded sampling.
+
+The order is Hugging Face's: repetition penalty, then temperature, top-k and
+top-p, then a draw. Temperature 0 is greedy (argmax), whatever the rest says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # 1 = no nucleus cut
+    repetition_penalty: float = 1.0  # 1 = none; > 1 discourages tokens already in the sequence
+
+    def __post_init__(self):
+        problems = []
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if problems:
+            raise KvforgeError("; ".join(problems))
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: list[np.ndarray], penalty: float) -> np.ndarray:
+    """CTRL-style: a seen token's logit is divided by `penalty` if positive, multiplied if negative."""
+    if penalty == 1.0:
+        return logits
+    logits = logits.copy()
+    for row, tokens in enumerate(seen):
+        idx = np.unique(tokens)
+        values = logits[row, idx]
+        logits[row, idx] = np.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = np.partition(logits, -k, axis=-1)[:, -k][:, None]
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def _top_p(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of tokens whose probability sums to >= p (at least one)."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, axis=-1)
+    sorted_logits = np.take_along_axis(logits, order, axis=-1)
+    probs = _softmax(sorted_logits)
+    cum = np.cumsum(probs, axis=-1)
+    remove_sorted = (cum - probs) >= p  # tokens whose predecessors already reach p
+    remove = np.zeros_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return np.where(remove, -np.inf, logits)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rng: np.random.Generator) -> np.ndarray:
+    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids."""
+    logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, cfg.repetition_penalty)
+    if cfg.temperature == 0.0:
+        return logits.argmax(axis=-1)
+    scaled = _top_p(_top_k(logits.astype(np.float64) / cfg.temperature, cfg.top_k), cfg.top_p)
+    probs = _softmax(scaled)
+    u = rng.random((probs.shape[0], 1))
+    return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)

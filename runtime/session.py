@@ -1,0 +1,268 @@
+"""`kvforge.runtime.load(bundle, backend="auto") -> Session`: one interface over the backends.
+
+A Session validates every input against the bundle's IO spec, owns a
+backend, and generates text. It is a context manager (activate on enter,
+release on exit) and also activates itself on first use.
+
+Threads: a Session may be shared between threads; its calls are serialized
+by a lock (each generation owns its own cache, so concurrent callers get the
+same results they would get alone, one after another).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kvforge.bundle import Bundle, IOSpec
+from kvforge.errors import KvforgeError
+from kvforge.tokenizer import Tokenizer
+
+from .backend import Backend, KVCache
+from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens
+
+BACKENDS = ("onnxruntime", "torch")
+
+
+def available_backends() -> list[str]:
+    """The backends whose libraries import here."""
+    import importlib.util
+
+    found = []
+    if importlib.util.find_spec("onnxruntime"):
+        found.append("onnxruntime")
+    if importlib.util.find_spec("torch"):
+        found.append("torch")
+    return found
+
+
+def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session:
+    """Open a bundle (or, with the torch backend, any model source) as a Session.
+
+    backend: "auto" (onnxruntime for ONNX bundles; torch for model sources),
+    "onnxruntime" or "torch". options go to the backend: onnxruntime takes
+    device ("auto", "cpu", "cuda"), threads, optimization ("all", "extended",
+    "basic", "none"); torch takes device and source (the model to rebuild the
+    reference from; default: the one recorded in the bundle's lineage).
+    """
+    if backend not in ("auto", *BACKENDS):
+        raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
+    if Bundle.is_bundle(source):
+        bundle = Bundle(source)
+        io, config = bundle.io, bundle.model_config
+        tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+        dtype = bundle.manifest["precision"]["dtype"]
+        if backend in ("auto", "onnxruntime"):
+            from .ort_backend import OnnxRuntimeBackend
+
+            impl: Backend = OnnxRuntimeBackend(config, io, bundle.graph_file, **options)
+        else:
+            from .torch_backend import TorchBackend
+
+            recorded = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
+            src = options.pop("source", None) or recorded
+            if src is None:
+                raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
+            impl = TorchBackend(config, io, src, dtype=dtype, **options)
+        return Session(impl, tokenizer, config, io, str(source))
+    if backend == "onnxruntime":
+        raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`) to run it on ONNX Runtime")
+    return _torch_session(source, **options)
+
+
+def _torch_session(source, dtype: str = "float32", **options) -> Session:
+    """A Session over the Torch reference built from a model source (no bundle needed)."""
+    from kvforge.model_defs import load as load_model
+
+    from .torch_backend import TorchBackend
+
+    model, tokenizer = load_model(source, dtype=dtype)
+    cfg = model.config.to_dict()
+    io = _io_from_config(cfg, dtype)
+    impl = TorchBackend(cfg, io, source, dtype=dtype, **options)
+    return Session(impl, tokenizer, cfg, io, str(source))
+
+
+def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
+    from kvforge.export.onnx_export import io_spec
+    from kvforge.model_defs import ModelConfig
+
+    import torch
+
+    return io_spec(ModelConfig.from_dict(cfg), getattr(torch, dtype), cfg["max_seq_len"])
+
+
+class Session:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.io = io
+        self.source = source
+        self.vocab_size = config["vocab_size"]
+        self.max_context = io.max_context or config["max_seq_len"]
+        self._lock = threading.RLock()
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def activate(self) -> Session:
+        with self._lock:
+            self.backend.activate()
+        return self
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self.backend.deactivate()
+
+    def __enter__(self) -> Session:
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    def __repr__(self) -> str:
+        return f"Session({self.source!r}, backend={self.backend.name!r}, active={self.backend.active})"
+
+    # -- one step --------------------------------------------------------------
+    def empty_cache(self, batch: int) -> KVCache:
+        with self._lock:
+            self.backend.activate()
+            return self.backend.empty_cache(batch)
+
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        position_ids: np.ndarray | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[np.ndarray, KVCache]:
+        """One graph step, validated against the IO spec: float32 logits (B, T, V) and the new cache."""
+        ids = self._check_int64("input_ids", input_ids, ndim=2)
+        B, T = ids.shape
+        if T == 0 or B == 0:
+            raise KvforgeError(f"input_ids must have at least one row and one token, got shape {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise KvforgeError(f"token ids {sorted(set(bad.tolist()))[:8]} are outside the vocabulary (0..{self.vocab_size - 1})")
+        with self._lock:
+            self.backend.activate()
+            if cache is None:
+                cache = self.backend.empty_cache(B)
+            if not isinstance(cache, KVCache):
+                raise KvforgeError(f"cache must be a KVCache from this session, got {type(cache).__name__}")
+            if cache.batch != B:
+                raise KvforgeError(f"the cache holds {cache.batch} rows but input_ids has {B}")
+            total = cache.length + T
+            if total > self.max_context:
+                raise KvforgeError(f"context of {total} tokens (past {cache.length} + new {T}) exceeds the bundle's maximum of {self.max_context}")
+            if attention_mask is None:
+                attention_mask = np.ones((B, total), np.int64)
+            mask = self._check_int64("attention_mask", attention_mask, shape=(B, total))
+            if not np.isin(mask, (0, 1)).all():
+                raise KvforgeError("attention_mask may only hold 0 and 1")
+            if position_ids is None:
+                position_ids = np.maximum(mask.cumsum(-1) - 1, 0)[:, -T:]
+            pos = self._check_int64("position_ids", position_ids, shape=(B, T))
+            if (pos < 0).any() or (pos >= self.max_context).any():
+                raise KvforgeError(f"position_ids must lie in 0..{self.max_context - 1}")
+            return self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache)
+
+    @staticmethod
+    def _check_int64(name: str, value, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        if not isinstance(value, np.ndarray):
+            raise KvforgeError(f"{name} must be a numpy array of int64, got {type(value).__name__}")
+        if value.dtype != np.int64:
+            raise KvforgeError(f"{name} must be int64 (the IO spec's dtype), got {value.dtype}")
+        if ndim is not None and value.ndim != ndim:
+            raise KvforgeError(f"{name} must have {ndim} dimensions [batch, seq], got shape {value.shape}")
+        if shape is not None and value.shape != shape:
+            raise KvforgeError(f"{name} must have shape {shape}, got {value.shape}")
+        return np.ascontiguousarray(value)
+
+    # -- text ------------------------------------------------------------------
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise KvforgeError(f"{self.source} has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._require_tokenizer().encode(text)
+
+    def _prompts(self, prompt) -> tuple[list[list[int]], bool]:
+        """Normalize str | ids | list of either to a list of id lists; report whether one was given."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt)], True
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return [[int(t) for t in prompt]], True
+        if isinstance(prompt, Sequence) and prompt:
+            rows = [self._prompts(p)[0][0] for p in prompt]
+            return rows, False
+        raise KvforgeError(f"a prompt is a str, a list of token ids, or a list of those; got {prompt!r}")
+
+    def _stop_ids(self, config: GenerationConfig) -> set[int]:
+        extra = {int(t) for t in config.stop_token_ids}
+        if config.ignore_eos:
+            return extra
+        eos = self.config.get("eos_token_id")
+        stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            stop.add(self.tokenizer.eos_token_id)
+        return stop | extra
+
+    def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (-> GenerationResult) or a list (-> list, left-padded batch)."""
+        config = config or GenerationConfig(**kwargs)
+        rows, single = self._prompts(prompt)
+        with self._lock:
+            results = generate_tokens(self, rows, config, self._stop_ids(config))
+        for r in results:
+            r.text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
+        return results[0] if single else results
+
+    def stream(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Iterator[TokenEvent]:
+        """Yield each generated token with the text it completes (one prompt)."""
+        config = config or GenerationConfig(**kwargs)
+        rows, single = self._prompts(prompt)
+        if not single:
+            raise KvforgeError("stream() takes one prompt; use generate() for a batch")
+        with self._lock:
+            yield from _stream_text(self, rows[0], config)
+
+
+class TextStream:
+    """Incremental detokenization: text is released only once it decodes to complete UTF-8.
+
+    Byte-level tokenizers split a multi-byte character over several tokens;
+    decoding after each token would show U+FFFD until the rest arrives. The
+    held-back text is released with the token that completes it (or at the end).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int, last: bool = False) -> str:
+        self.tokens.append(token)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd") and not last:
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
+
+
+def _stream_text(session: Session, prompt: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:
+    text = TextStream(session.tokenizer)
+    for event in generate_tokens(session, [prompt], config, session._stop_ids(config), stream=True):
+        event.text = text.push(event.token, event.last)
+        yield event

@@ -1,0 +1,58 @@
+"""The Torch reference backend. Torch and model_defs are imported only when it activates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.errors import KvforgeError, MissingDependencyError
+
+from .backend import Backend, KVCache
+
+
+class TorchBackend(Backend):
+    """Runs the kvforge reference model built from `source` (a preset, checkpoint or HF directory)."""
+
+    name = "torch"
+
+    def __init__(self, config, io, source, dtype: str = "float32", device: str = "cpu", **options):
+        super().__init__(config, io, **options)
+        self.source = source
+        self.dtype = dtype
+        self.device = device
+        self.model = None
+
+    def activate_impl(self) -> None:
+        try:
+            import torch
+        except ImportError as e:
+            raise MissingDependencyError("PyTorch (for the torch backend)", "Install it with `bash scripts/install.sh`.") from e
+        from kvforge.model_defs import load
+
+        self._torch = torch
+        model, _ = load(self.source, dtype=self.dtype)
+        if model.config.to_dict() != self.config:
+            raise KvforgeError(f"the source {self.source!r} builds a model whose config differs from the bundle's")
+        self.model = model.to(self.device)
+
+    def deactivate_impl(self) -> None:
+        self.model = None
+
+    def empty_cache_impl(self, batch: int):
+        return [t for kv in self.model.empty_cache(batch) for t in kv]
+
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache):
+        torch = self._torch
+        dev = self.device
+        past = tuple((cache.values[2 * i], cache.values[2 * i + 1]) for i in range(len(cache.values) // 2))
+        with torch.inference_mode():
+            logits, present = self.model(
+                torch.from_numpy(input_ids).to(dev),
+                torch.from_numpy(attention_mask).to(dev),
+                torch.from_numpy(position_ids).to(dev),
+                past,
+            )
+        values = [t for kv in present for t in kv]
+        return logits.float().cpu().numpy(), KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], values)
+
+    def to_numpy(self, value) -> np.ndarray:
+        return value.float().cpu().numpy()

@@ -1,0 +1,229 @@
+"""The runtime Session: one contract over every backend, generation, validation, threads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge import runtime
+from kvforge.errors import KvforgeError
+from kvforge.export import export
+from kvforge.model_defs import load as load_model
+from kvforge.model_defs.evaluate import greedy_continuation
+
+from ..conftest import HF_FAMILIES, make_hf_model
+
+PROMPT = "def fibonacci(n):\n    if n"
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    return export("tiny", tmp_path_factory.mktemp("rt") / "tiny").path
+
+
+@pytest.fixture(scope="module")
+def micro_bundle(tmp_path_factory):
+    return export("mistral-micro", tmp_path_factory.mktemp("rt") / "mistral").path
+
+
+# -- the contract, over every available backend ------------------------------------
+@pytest.mark.parametrize("backend", runtime.available_backends())
+def test_backend_contract(tiny_bundle, backend):
+    """Every backend: same interface, same shapes and dtypes, same numbers as the Torch reference."""
+    model, tok = load_model("tiny")
+    with runtime.load(tiny_bundle, backend=backend) as s:
+        assert s.backend_name == backend and s.vocab_size == 4096 and s.max_context == 1024
+        ids = np.array([tok.encode(PROMPT)], np.int64)
+        logits, cache = s.forward(ids)
+        assert logits.dtype == np.float32 and logits.shape == (1, ids.shape[1], 4096)
+        assert cache.length == ids.shape[1] and cache.batch == 1
+        step, cache2 = s.forward(np.array([[42]], np.int64), cache=cache)
+        assert step.shape == (1, 1, 4096) and cache2.length == ids.shape[1] + 1
+        arrays = s.backend.cache_arrays(cache2)
+        assert len(arrays) == 2 * model.config.n_layers
+        assert arrays[0].shape == (1, 4, ids.shape[1] + 1, 32)
+        with torch.no_grad():
+            ref, _ = model(torch.from_numpy(ids))
+            ref_step, _ = model(torch.tensor([[42]]), past_key_values=model(torch.from_numpy(ids))[1])
+        np.testing.assert_allclose(logits, ref.numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(step, ref_step.numpy(), atol=1e-4, rtol=0)
+        result = s.generate(PROMPT, max_new_tokens=24)
+        assert result.tokens == greedy_continuation(model, tok.encode(PROMPT), 24)
+        assert result.text == tok.decode(result.tokens) and result.finish_reason == "length"
+        assert result.prompt_tokens == ids.shape[1]
+
+
+def test_onnxruntime_path_imports_no_torch(tiny_bundle):
+    code = f"""
+import sys
+from kvforge import runtime
+with runtime.load({str(tiny_bundle)!r}) as s:
+    out = s.generate("def f(x):", max_new_tokens=5)
+assert len(out.tokens) == 5, out
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or m.startswith("kvforge.model_defs")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_greedy_matches_torch_reference_and_transformers_generate(tmp_path, hf_checkpoint, family):
+    bundle = export(hf_checkpoint(family), tmp_path / family).path
+    hf_model = make_hf_model(family)
+    prompt = [5, 77, 123, 9, 250, 31]
+    with runtime.load(bundle) as s:
+        ours = s.generate(prompt, max_new_tokens=20, ignore_eos=True).tokens
+    model, _ = load_model(hf_checkpoint(family))
+    assert ours == greedy_continuation(model, prompt, 20)[: len(ours)]
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours == hf[0, len(prompt):].tolist()
+
+
+# -- generation ---------------------------------------------------------------------
+def test_batched_left_padded_generation_equals_each_prompt_alone(micro_bundle):
+    prompts = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 6], [200, 100, 50, 25]]
+    with runtime.load(micro_bundle) as s:
+        batched = s.generate(prompts, max_new_tokens=12, ignore_eos=True)
+        alone = [s.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
+def test_sampling_is_seeded_and_its_limits_hold(tiny_bundle):
+    with runtime.load(tiny_bundle) as s:
+        kw = dict(max_new_tokens=16, temperature=1.0, seed=7)
+        a, b = s.generate(PROMPT, **kw), s.generate(PROMPT, **kw)
+        c = s.generate(PROMPT, **{**kw, "seed": 8})
+        assert a.tokens == b.tokens and a.tokens != c.tokens
+        greedy = s.generate(PROMPT, max_new_tokens=16)
+        assert s.generate(PROMPT, max_new_tokens=16, temperature=1.0, top_k=1, seed=3).tokens == greedy.tokens
+        assert s.generate(PROMPT, max_new_tokens=16, temperature=1.0, top_p=1e-6, seed=3).tokens == greedy.tokens
+
+
+def test_repetition_penalty_discourages_repeats(tiny_bundle):
+    with runtime.load(tiny_bundle) as s:
+        plain = s.generate("import os\nimport", max_new_tokens=40)
+        penalized = s.generate("import os\nimport", max_new_tokens=40, repetition_penalty=1.8)
+    distinct = lambda t: len(set(t)) / len(t)  # noqa: E731
+    assert distinct(penalized.tokens) > distinct(plain.tokens)
+
+
+def test_stop_tokens_and_max_context(tiny_bundle, micro_bundle):
+    with runtime.load(tiny_bundle) as s:
+        free = s.generate(PROMPT, max_new_tokens=10)
+        stop_at = free.tokens[3]
+        stopped = s.generate(PROMPT, max_new_tokens=10, stop_token_ids=[stop_at])
+        assert stopped.tokens == free.tokens[: free.tokens.index(stop_at) + 1] and stopped.finish_reason == "stop"
+    with runtime.load(micro_bundle) as s:  # max context 256
+        out = s.generate([1] * 250, max_new_tokens=20, ignore_eos=True)
+        assert len(out.tokens) == 6 and out.finish_reason == "context"
+
+
+def test_stream_yields_the_same_tokens_and_text(tiny_bundle):
+    with runtime.load(tiny_bundle) as s:
+        full = s.generate(PROMPT, max_new_tokens=20)
+        events = list(s.stream(PROMPT, max_new_tokens=20))
+    assert [e.token for e in events] == full.tokens
+    assert "".join(e.text for e in events) == full.text
+    assert events[-1].last and not any(e.last for e in events[:-1])
+
+
+def test_stream_never_splits_a_utf8_character():
+    """Byte-level tokens: each multi-byte character arrives over several tokens; text waits for all of them."""
+    from kvforge.runtime.session import TextStream
+    from kvforge.tokenizer import Tokenizer
+
+    text = "naïve → 🙂 done"
+    tokens = list(text.encode())
+    stream = TextStream(Tokenizer.byte_level())
+    deltas = [stream.push(t, last=i == len(tokens) - 1) for i, t in enumerate(tokens)]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas[tokens.index(0xF0)] == ""  # the emoji's first byte alone releases nothing
+
+
+# -- validation -----------------------------------------------------------------
+def test_inputs_are_validated_against_the_io_spec(micro_bundle):
+    with runtime.load(micro_bundle) as s:
+        with pytest.raises(KvforgeError, match="input_ids must be int64 .* got int32"):
+            s.forward(np.zeros((1, 3), np.int32))
+        with pytest.raises(KvforgeError, match=r"must have 2 dimensions \[batch, seq\], got shape \(3,\)"):
+            s.forward(np.zeros(3, np.int64))
+        with pytest.raises(KvforgeError, match=r"token ids \[259, 1000\] are outside the vocabulary \(0..258\)"):
+            s.forward(np.array([[1, 259, 1000]], np.int64))
+        with pytest.raises(KvforgeError, match=r"attention_mask must have shape \(1, 3\)"):
+            s.forward(np.zeros((1, 3), np.int64), attention_mask=np.ones((1, 5), np.int64))
+        with pytest.raises(KvforgeError, match="exceeds the bundle's maximum of 256"):
+            s.forward(np.zeros((1, 257), np.int64))
+        _, cache = s.forward(np.zeros((2, 3), np.int64))
+        with pytest.raises(KvforgeError, match="the cache holds 2 rows but input_ids has 1"):
+            s.forward(np.zeros((1, 1), np.int64), cache=cache)
+        with pytest.raises(KvforgeError, match="prompt token ids \\[300\\] are outside"):
+            s.generate([1, 300])
+        with pytest.raises(KvforgeError, match="top_p must be in"):
+            s.generate([1, 2], top_p=0.0)
+        with pytest.raises(KvforgeError, match="a prompt of 300 tokens exceeds"):
+            s.generate([1] * 300)
+
+
+def test_bad_bundles_and_backends(tmp_path, micro_bundle):
+    with pytest.raises(KvforgeError, match="unknown backend 'tensorflow'"):
+        runtime.load(micro_bundle, backend="tensorflow")
+    with pytest.raises(KvforgeError, match="not a bundle; export it first"):
+        runtime.load("tiny", backend="onnxruntime")
+    import shutil
+
+    broken = shutil.copytree(micro_bundle, tmp_path / "broken")
+    (broken / "model.onnx").write_bytes(b"garbage")
+    with pytest.raises(KvforgeError, match="ONNX Runtime cannot load"):
+        runtime.load(broken).activate()
+
+
+def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(micro_bundle):
+    prompts = [[i + 1, 2 * i + 3, 7] for i in range(6)]
+    with runtime.load(micro_bundle) as s:
+        expected = [s.generate(p, max_new_tokens=8, ignore_eos=True).tokens for p in prompts]
+        got = [None] * len(prompts)
+
+        def work(i):
+            got[i] = s.generate(prompts[i], max_new_tokens=8, ignore_eos=True).tokens
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert got == expected
+
+
+def test_torch_backend_on_a_model_source_needs_no_bundle():
+    with runtime.load("llama3-micro") as s:
+        assert s.backend_name == "torch"
+        out = s.generate([3, 4, 5], max_new_tokens=6, ignore_eos=True)
+    model, _ = load_model("llama3-micro")
+    assert out.tokens == greedy_continuation(model, [3, 4, 5], 6)
+
+
+def test_generate_cli_json_and_bench(tiny_bundle):
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    r = CliRunner().invoke(main, ["generate", str(tiny_bundle), "--prompt", PROMPT, "--max-new-tokens", "12", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output.strip().splitlines()[-1])
+    model, tok = load_model("tiny")
+    assert data["tokens"] == greedy_continuation(model, tok.encode(PROMPT), 12)
+    assert data["text"] == tok.decode(data["tokens"])
+    b = CliRunner().invoke(main, ["bench", str(tiny_bundle), "--prompt-len", "16", "--new-tokens", "8", "--runs", "2", "--json"])
+    assert b.exit_code == 0, b.output
+    res = json.loads(b.output.strip().splitlines()[-1])
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "peak_rss_mb"):
+        assert res[key] > 0
