@@ -53,14 +53,15 @@ class Backend:
 
     # -- inference -------------------------------------------------------------
     def forward(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, KVCache]:
-        """One step: float32 logits (B, T, V) and the cache extended by T."""
+        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T."""
         if not self.active:
             raise KvforgeError(f"the {self.name} backend is not active; use the Session as a context manager or call activate()")
         if cache.backend != self.name:
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
-        return self.forward_impl(input_ids, attention_mask, position_ids, cache)
+        return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only)
 
     def empty_cache(self, batch: int) -> KVCache:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
@@ -76,7 +77,7 @@ class Backend:
     def deactivate_impl(self) -> None:
         pass
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache) -> tuple[np.ndarray, KVCache]:
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only) -> tuple[np.ndarray, KVCache]:
         raise NotImplementedError
 
     def empty_cache_impl(self, batch: int) -> list[Any]:

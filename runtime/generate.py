@@ -114,7 +114,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     for i, r in enumerate(rows):
         ids[i, longest - len(r.prompt):] = r.prompt
         mask[i, longest - len(r.prompt):] = 1
-    logits, cache = session.forward(ids, mask)
+    logits, cache = session.forward(ids, mask, last_logits_only=True)
     seen = [np.asarray(r.prompt, np.int64) for r in rows]
     last = logits[:, -1]
 
@@ -138,5 +138,5 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
         # Finished rows keep a slot in the batch; what they are fed is ignored.
         nxt = np.array([[r.tokens[-1]] for r in rows], np.int64)
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
-        logits, cache = session.forward(nxt, mask, None, cache)
+        logits, cache = session.forward(nxt, mask, None, cache, last_logits_only=True)
         last = logits[:, -1]

@@ -12,6 +12,7 @@ import numpy as np
 from kvforge.errors import KvforgeError, MissingDependencyError
 
 from .backend import Backend, KVCache
+from .ort_variant import KEEP_INPUT
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
 
@@ -27,9 +28,12 @@ def _ort():
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, config, io, graph_path, device: str = "auto", threads: int | None = None, optimization: str = "all", **options):
+    def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
+                 variant: bool = True, **options):
         super().__init__(config, io, **options)
-        self.graph_path = graph_path
+        self.bundle = bundle
+        self.graph_path = bundle.graph_file
+        self.variant = variant  # run the ORT-specific variant of the graph (see ort_variant.py)
         self.device = device
         self.threads = threads
         self.optimization = optimization
@@ -70,13 +74,17 @@ class OnnxRuntimeBackend(Backend):
         }[self.optimization]
         if self.threads:
             opts.intra_op_num_threads = self.threads
+        if self.variant:
+            from .ort_variant import variant_path
+
+            self.graph_path = variant_path(self.bundle)
         try:
             self.session = ort.InferenceSession(str(self.graph_path), opts, providers=providers)
         except Exception as e:  # ORT raises its own exception types for bad graphs
             raise KvforgeError(f"ONNX Runtime cannot load {self.graph_path}: {e}") from e
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
-        expected = [t.name for t in self.io.inputs]
+        expected = [t.name for t in self.io.inputs] + ([KEEP_INPUT] if self.variant else [])
         if names != expected:
             raise KvforgeError(f"{self.graph_path} inputs {names} differ from the manifest's IO spec {expected}")
 
@@ -90,8 +98,10 @@ class OnnxRuntimeBackend(Backend):
         np_dtype = np.float16 if self.kv_dtype == "float16" else np.float32
         return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np_dtype), self.device_name, 0) for _ in self.past_names]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
         binding = self.session.io_binding()
+        if self.variant:
+            binding.bind_cpu_input(KEEP_INPUT, np.array([1 if last_only else input_ids.shape[1]], np.int64))
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("attention_mask", attention_mask)
         binding.bind_cpu_input("position_ids", position_ids)
@@ -102,6 +112,8 @@ class OnnxRuntimeBackend(Backend):
         self.session.run_with_iobinding(binding)
         outputs = dict(zip(self.output_names, binding.get_outputs()))
         logits = outputs["logits"].numpy()
+        if last_only and not self.variant:
+            logits = logits[:, -1:]
         present = [outputs[n] for n in self.present_names]
         return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
 

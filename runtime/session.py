@@ -45,7 +45,8 @@ def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session
     backend: "auto" (onnxruntime for ONNX bundles; torch for model sources),
     "onnxruntime" or "torch". options go to the backend: onnxruntime takes
     device ("auto", "cpu", "cuda"), threads, optimization ("all", "extended",
-    "basic", "none"); torch takes device and source (the model to rebuild the
+    "basic", "none"), variant (True: the faster ORT-specific variant of the
+    graph, see runtime/ort_variant.py; False: the bundle's graph exactly); torch takes device and source (the model to rebuild the
     reference from; default: the one recorded in the bundle's lineage).
     """
     if backend not in ("auto", *BACKENDS):
@@ -58,7 +59,7 @@ def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session
         if backend in ("auto", "onnxruntime"):
             from .ort_backend import OnnxRuntimeBackend
 
-            impl: Backend = OnnxRuntimeBackend(config, io, bundle.graph_file, **options)
+            impl: Backend = OnnxRuntimeBackend(config, io, bundle, **options)
         else:
             from .torch_backend import TorchBackend
 
@@ -141,8 +142,13 @@ class Session:
         attention_mask: np.ndarray | None = None,
         position_ids: np.ndarray | None = None,
         cache: KVCache | None = None,
+        last_logits_only: bool = False,
     ) -> tuple[np.ndarray, KVCache]:
-        """One graph step, validated against the IO spec: float32 logits (B, T, V) and the new cache."""
+        """One graph step, validated against the IO spec: float32 logits (B, T, V) and the new cache.
+
+        last_logits_only: return (B, 1, V), the last position's logits only (what
+        generation needs); on ONNX Runtime the other positions are not computed.
+        """
         ids = self._check_int64("input_ids", input_ids, ndim=2)
         B, T = ids.shape
         if T == 0 or B == 0:
@@ -171,7 +177,7 @@ class Session:
             pos = self._check_int64("position_ids", position_ids, shape=(B, T))
             if (pos < 0).any() or (pos >= self.max_context).any():
                 raise KvforgeError(f"position_ids must lie in 0..{self.max_context - 1}")
-            return self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache)
+            return self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache, last_logits_only)
 
     @staticmethod
     def _check_int64(name: str, value, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:

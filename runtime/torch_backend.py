@@ -40,7 +40,7 @@ class TorchBackend(Backend):
     def empty_cache_impl(self, batch: int):
         return [t for kv in self.model.empty_cache(batch) for t in kv]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
         torch = self._torch
         dev = self.device
         past = tuple((cache.values[2 * i], cache.values[2 * i + 1]) for i in range(len(cache.values) // 2))
@@ -52,6 +52,8 @@ class TorchBackend(Backend):
                 past,
             )
         values = [t for kv in present for t in kv]
+        if last_only:
+            logits = logits[:, -1:]
         return logits.float().cpu().numpy(), KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], values)
 
     def to_numpy(self, value) -> np.ndarray:

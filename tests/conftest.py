@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+
+def pytest_configure(config):
+    """Keep the runtime's ORT-variant cache inside the test run, not in ~/.cache."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("KVFORGE_CACHE", tempfile.mkdtemp(prefix="kvforge-test-cache-"))
+
 # One small config per supported family; each exercises the family's quirks
 # (GPT-2 fused Conv1D qkv, Llama-3 rope scaling + GQA, Mistral sliding window,
 # Qwen2 q/k/v biases + per-layer window + MQA).

@@ -182,8 +182,10 @@ def test_bad_bundles_and_backends(tmp_path, micro_bundle):
 
     broken = shutil.copytree(micro_bundle, tmp_path / "broken")
     (broken / "model.onnx").write_bytes(b"garbage")
-    with pytest.raises(KvforgeError, match="ONNX Runtime cannot load"):
+    with pytest.raises(KvforgeError, match="is damaged: model.onnx has 7 bytes, the manifest says"):
         runtime.load(broken).activate()
+    with pytest.raises(KvforgeError, match="ONNX Runtime cannot load"):
+        runtime.load(broken, variant=False).activate()
 
 
 def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(micro_bundle):
@@ -227,3 +229,27 @@ def test_generate_cli_json_and_bench(tiny_bundle):
     res = json.loads(b.output.strip().splitlines()[-1])
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "peak_rss_mb"):
         assert res[key] > 0
+
+
+def test_ort_variant_is_exact_and_slices_logits(tiny_bundle):
+    """The ORT-specific variant (fused sibling MatMuls, num_logits_to_keep) computes the bundle graph's function."""
+    import onnx
+
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort_variant import KEEP_INPUT, variant_path
+
+    path = variant_path(Bundle(tiny_bundle))
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert KEEP_INPUT in [i.name for i in graph.input]
+    assert sum(n.op_type == "MatMul" and n.name.endswith("_siblings") for n in graph.node) == 2 * 4  # qkv + gate/up per layer
+    ids = np.random.default_rng(0).integers(0, 4096, (2, 9), dtype=np.int64)
+    with runtime.load(tiny_bundle, variant=False) as plain, runtime.load(tiny_bundle) as fast:
+        a, ca = plain.forward(ids)
+        b, cb = fast.forward(ids)
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+        last, _ = fast.forward(ids, last_logits_only=True)
+        assert last.shape == (2, 1, 4096)
+        np.testing.assert_allclose(last[:, 0], a[:, -1], atol=1e-5, rtol=0)
+        for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
+            np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+    assert variant_path(Bundle(tiny_bundle)) == path  # built once, then cached

@@ -1,0 +1,144 @@
+"""An ONNX Runtime-specific variant of a bundle's graph, faster on ORT; the bundle's graph is untouched.
+
+Two rewrites, both exact (same arithmetic, fewer or narrower kernels):
+- sibling MatMuls that read the same activation with constant weights (q/k/v,
+  gate/up) become one wider MatMul and a Split: one pass over the activation,
+  one GEMV per group instead of three or two;
+- a `num_logits_to_keep` input (int64 [1], as transformers calls it) slices
+  the hidden states before the vocabulary projection, so a prefill that only
+  needs the last position's logits does not compute the other positions'.
+
+The TensorRT-facing graph stays standard ONNX; the variant is built on first
+use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
+hash of the bundle's graph files.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+VARIANT_VERSION = 1
+KEEP_INPUT = "num_logits_to_keep"
+_EXTERNAL_THRESHOLD = 1 << 30
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVFORGE_CACHE", Path.home() / ".cache" / "kvforge"))
+
+
+def fuse_sibling_matmuls(model) -> int:
+    """Merge MatMuls that share their activation and have 2-D constant weights; returns groups merged."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consumers = collections.Counter(x for n in g.node for x in n.input)
+    groups = collections.defaultdict(list)
+    for n in g.node:
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" else None
+        if w is not None and len(w.dims) == 2 and consumers[n.input[1]] == 1:
+            groups[n.input[0]].append(n)
+    replace, drop, dropped_weights = {}, set(), set()
+    for x, nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        weights = [numpy_helper.to_array(inits[n.input[1]]) for n in nodes]
+        if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            continue
+        base = f"{nodes[0].name or nodes[0].output[0]}_siblings"
+        g.initializer.append(numpy_helper.from_array(np.concatenate(weights, axis=1), f"{base}.weight"))
+        g.initializer.append(numpy_helper.from_array(np.array([w.shape[1] for w in weights], np.int64), f"{base}.split"))
+        replace[id(nodes[0])] = [
+            helper.make_node("MatMul", [x, f"{base}.weight"], [f"{base}.out"], name=base),
+            helper.make_node("Split", [f"{base}.out", f"{base}.split"], [n.output[0] for n in nodes], name=f"{base}.split", axis=-1),
+        ]
+        drop |= {id(n) for n in nodes}
+        dropped_weights |= {n.input[1] for n in nodes}
+    nodes = []
+    for n in g.node:
+        nodes += replace.get(id(n), [] if id(n) in drop else [n])
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [i for i in g.initializer if i.name not in dropped_weights]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return len(replace)
+
+
+def add_logits_to_keep(model) -> None:
+    """Slice the last `num_logits_to_keep` positions before the MatMul that produces `logits`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    head = producer.get("logits")
+    if head is None or head.op_type != "MatMul":
+        raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
+    g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))
+    g.initializer.extend([
+        numpy_helper.from_array(np.array([0], np.int64), "kvforge_zero"),
+        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "kvforge_end"),
+        numpy_helper.from_array(np.array([1], np.int64), "kvforge_axis_seq"),
+    ])
+    hidden = head.input[0]
+    nodes = [
+        helper.make_node("Sub", ["kvforge_zero", KEEP_INPUT], ["kvforge_keep_start"], name="kvforge_keep_start"),
+        helper.make_node("Slice", [hidden, "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"], ["kvforge_kept_hidden"],
+                         name="kvforge_keep_slice"),
+    ]
+    head.input[0] = "kvforge_kept_hidden"
+    index = list(g.node).index(head)
+    for offset, n in enumerate(nodes):
+        g.node.insert(index + offset, n)
+    for out in g.output:
+        if out.name == "logits":
+            out.type.tensor_type.shape.dim[1].dim_param = "num_logits_to_keep"
+
+
+def variant_path(bundle) -> Path:
+    """Build (once) and return the cached ORT variant of `bundle`'s graph."""
+    files = bundle.manifest.get("files", {})
+    graph = bundle.manifest["graph"]
+    # The cache is keyed by the manifest's hashes; a file that no longer matches
+    # its recorded size must not be served someone else's cached variant.
+    for name in filter(None, (graph, bundle.manifest.get("external_data"))):
+        actual = (bundle.path / name).stat().st_size if (bundle.path / name).is_file() else None
+        if name in files and actual != files[name]["bytes"]:
+            raise KvforgeError(f"bundle {bundle.path} is damaged: {name} has {actual} bytes, the manifest says {files[name]['bytes']}")
+    key_parts = [files.get(graph, {}).get("sha256", "")]
+    if bundle.manifest.get("external_data"):
+        key_parts.append(files.get(bundle.manifest["external_data"], {}).get("sha256", ""))
+    key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}"
+    directory = cache_root() / "ort-variants" / key
+    target = directory / "model.onnx"
+    if target.is_file():
+        return target
+    import onnx
+
+    try:
+        model = onnx.load(str(bundle.graph_file))
+    except Exception as e:  # protobuf DecodeError, missing external data, ...
+        raise KvforgeError(f"ONNX Runtime cannot load {bundle.graph_file}: it is not a readable ONNX model ({e})") from e
+    fuse_sibling_matmuls(model)
+    add_logits_to_keep(model)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
+    try:
+        big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD
+        onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
+        try:
+            os.replace(tmp, directory)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
