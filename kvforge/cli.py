@@ -216,6 +216,42 @@ def inspect(bundle, as_json):
                       f"({entry['input']['kind']}, sha256 {entry['input']['sha256'][:16]}), options {entry['options']}")
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write.")
+@click.option("--precision", required=True, type=click.Choice(["int8", "fp8", "int4"]))
+@click.option("--method", default="max", show_default=True, type=click.Choice(["max", "percentile", "entropy", "mse"]),
+              help="How activation ranges are chosen from the statistics.")
+@click.option("--percentile", default=99.99, show_default=True, type=float, help="For --method percentile.")
+@click.option("--data", type=click.Path(dir_okay=False), help="Calibration text: a UTF-8 file, or .jsonl with one text per line.")
+@click.option("--samples", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
+@click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
+@click.option("--block-size", default=32, show_default=True, type=click.IntRange(1), help="INT4 block size along K.")
+@click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
+@click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
+              random_data, quantize_lm_head, batch_size, force, quiet):
+    """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
+    from kvforge.calibration import calibrate as run
+
+    with _PhaseProgress(enabled=not quiet) as progress:
+        b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
+                random_data, batch_size, quantize_lm_head, force, progress)
+    q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
+    data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
+    click.echo(
+        f"wrote {b.path}: {precision} ({q['weights']} weights"
+        + (f", {q['activations']} activations, {q['method']}" if q["activations"] else "")
+        + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
+        f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
+    )
+
+
 def _backend_option(f):
     return click.option(
         "--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),

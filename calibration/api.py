@@ -1,0 +1,191 @@
+"""`calibrate(bundle, out, precision=...)`: a float bundle -> a Q/DQ bundle, written atomically."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import kvforge
+from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
+from kvforge.errors import KvforgeError
+
+from .data import load_calibration_set
+from .observers import METHODS, TensorObserver
+from .qdq import FORMATS, find_targets, rewrite, smoothquant_factors
+
+MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
+Progress = Callable[[str, int, int], None]
+
+
+def _ort_session(model):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
+             need_histograms: bool, progress: Progress) -> tuple[dict[str, TensorObserver], dict[str, np.ndarray]]:
+    """Run the float graph over the calibration set, exposing the activations as outputs; two streaming passes."""
+    from onnx import TensorProto, helper
+
+    probe = type(model)()
+    probe.CopyFrom(model)
+    del probe.graph.output[1:]  # keep logits; drop presents
+    elem = TensorProto.FLOAT16 if bundle.manifest["precision"]["dtype"] == "float16" else TensorProto.FLOAT
+    for name in activations:  # activations carry the model dtype
+        probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+    sess = _ort_session(probe)
+    names = [o.name for o in sess.get_outputs()][1:]
+    cfg = bundle.model_config
+    kv_dtype = np.float16 if bundle.manifest["precision"]["dtype"] == "float16" else np.float32
+    past = {i.name: None for i in sess.get_inputs() if i.name.startswith("past_key_values")}
+
+    def run(batch):
+        b, t = batch.shape
+        feeds = {
+            "input_ids": batch,
+            "attention_mask": np.ones((b, t), np.int64),
+            "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
+            **{n: np.zeros((b, cfg["n_kv_heads"], 0, cfg["head_dim"]), kv_dtype) for n in past},
+        }
+        return dict(zip(names, sess.run(names, feeds)))
+
+    observers = {n: TensorObserver(n) for n in activations}
+    channel_amax: dict[str, np.ndarray] = {}
+    n_batches = -(-len(cset.samples) // batch_size)
+    for i, batch in enumerate(cset.batches(batch_size)):
+        for name, x in run(batch).items():
+            x = x.astype(np.float32)
+            observers[name].observe_range(x)
+            if smooth_needed:
+                m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)
+                channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)
+        progress("observe", i + 1, n_batches)
+    return observers, channel_amax, run, n_batches
+
+
+def calibrate(
+    bundle_path: str | Path,
+    out: str | Path,
+    precision: str = "int8",
+    method: str = "max",
+    percentile: float = 99.99,
+    data: str | Path | None = None,
+    samples: int = 128,
+    seq_len: int = 256,
+    smoothquant: float | None = None,
+    exclude: Sequence[str] = (),
+    block_size: int = 32,
+    random_data: bool = False,
+    batch_size: int = 8,
+    quantize_lm_head: bool = False,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Bundle:
+    """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only."""
+    import onnx
+
+    progress = progress or (lambda phase, done, total: None)
+    started = time.time()
+    bundle = Bundle(bundle_path)
+    if precision not in FORMATS:
+        raise KvforgeError(f"precision {precision!r} is not one of {FORMATS}")
+    if method not in METHODS:
+        raise KvforgeError(f"method {method!r} is not one of {METHODS}")
+    if bundle.manifest["precision"].get("quantization"):
+        raise KvforgeError(f"{bundle.path} is already quantized ({bundle.manifest['precision']['quantization']['format']}); calibrate a float bundle")
+    dtype = bundle.manifest["precision"]["dtype"]
+    if dtype == "bfloat16":
+        raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; calibrate a float32 or float16 bundle")
+    if smoothquant is not None and (precision == "int4" or not 0.0 <= smoothquant <= 1.0):
+        raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 (got {smoothquant} for {precision})")
+    if precision == "int4" and block_size < 1:
+        raise KvforgeError(f"--block-size must be positive, got {block_size}")
+    if bundle.manifest.get("opset", 0) < MIN_OPSET[precision]:
+        raise KvforgeError(f"{precision} Q/DQ needs opset >= {MIN_OPSET[precision]}; re-export with --opset {max(21, MIN_OPSET[precision])}")
+    check_output_path(out, force)
+
+    model = onnx.load(str(bundle.graph_file))
+    targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
+    activations = list(dict.fromkeys(t.activation for t in targets))
+    float_dtype = np.float16 if dtype == "float16" else np.float32
+
+    act_amax, smooth, calibration = None, None, {"data": None}
+    if precision != "int4":  # weight-only INT4 needs no data
+        cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
+        observers, channel_amax, run, n_batches = _observe(
+            bundle, model, activations, cset, batch_size, smoothquant is not None, method != "max", progress
+        )
+        if smoothquant is not None:
+            smooth = {}
+            inits = {i.name: i for i in model.graph.initializer}
+            for act in activations:
+                weights = [onnx.numpy_helper.to_array(inits[t.weight]) for t in targets if t.activation == act]
+                smooth[act] = smoothquant_factors(channel_amax[act], np.concatenate(weights, axis=1), smoothquant)
+            # the quantized tensor is x / s: its range is the per-channel amax divided by s
+            for act, obs in observers.items():
+                obs.amax = float((channel_amax[act] / smooth[act]).max())
+        if method != "max":
+            for i, batch in enumerate(cset.batches(batch_size)):
+                for name, x in run(batch).items():
+                    x = x.astype(np.float32)
+                    observers[name].observe_histogram(x / smooth[name] if smooth else x)
+                progress("histogram", i + 1, n_batches)
+        act_amax = {a: observers[a].compute_amax(method, precision, percentile) for a in activations}
+        calibration = {
+            "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
+            "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
+        }
+
+    progress("quantize", 0, 1)
+    record = rewrite(model, targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype)
+    progress("quantize", 1, 1)
+
+    from kvforge.export.lint import lint
+
+    quantization = {
+        "format": precision,
+        "weights": "block-wise" if precision == "int4" else "per-channel",
+        "activations": None if precision == "int4" else "per-tensor static",
+        "method": None if precision == "int4" else method,
+        "percentile": percentile if method == "percentile" and precision != "int4" else None,
+        "smoothquant_alpha": smoothquant,
+        "block_size": block_size if precision == "int4" else None,
+        "quantized_layers": [t.layer for t in targets],
+        "excluded_layers": excluded,
+    }
+    with staged_bundle(out, force) as tmp:
+        big = sum(len(i.raw_data) for i in model.graph.initializer) > (1 << 30)
+        onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (bundle.path / name).is_file():
+                shutil.copy2(bundle.path / name, tmp / name)
+        lint_result = lint(tmp / "model.onnx")
+        manifest: dict[str, Any] = {
+            k: v for k, v in bundle.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")
+        }
+        manifest.update(
+            stage="calibrate",
+            external_data="model.onnx.data" if big else None,
+            precision={"dtype": dtype, "quantization": quantization},
+            calibration={**calibration, "scales": record},
+            lint=lint_result,
+            lineage=bundle.manifest.get("lineage", []) + [{
+                "stage": "calibrate",
+                "tool": f"kvforge {kvforge.__version__}",
+                "time": now_utc(),
+                "input": {"source": str(bundle.path), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
+                "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
+                            "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
+                            "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head},
+                "seconds": {"total": round(time.time() - started, 2)},
+            }],
+        )
+        write_manifest(tmp, manifest)
+    return Bundle(out)

@@ -1,0 +1,117 @@
+"""Calibration data: text or JSONL files tokenized with the bundle's tokenizer.
+
+Without a file, `tiny` calibrates on its built-in corpus (text from its
+training split); any other model is refused with instructions, because
+calibrating on random tokens silently gives scales that do not fit real
+activations. Random tokens are used only when asked for explicitly, and the
+manifest says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+from kvforge.tokenizer import Tokenizer
+
+BUILTIN_TINY_CORPUS = "calibration.txt"
+
+
+@dataclass
+class CalibrationSet:
+    samples: np.ndarray  # int64 (N, seq_len)
+    source: str  # the file, "built-in tiny corpus" or "random tokens"
+    sha256: str  # of the token ids
+    random: bool = False
+
+    def batches(self, batch_size: int):
+        for i in range(0, len(self.samples), batch_size):
+            yield self.samples[i : i + batch_size]
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """A .jsonl file: one JSON string or {"text": ...} object per line; anything else: one UTF-8 text."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvforgeError(f"calibration data file {path} does not exist")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise KvforgeError(f"calibration data {path} is not UTF-8 text: {e}") from e
+    if path.suffix == ".jsonl":
+        texts = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KvforgeError(f"{path}:{n} is not valid JSON: {e}") from e
+            text = item.get("text") if isinstance(item, dict) else item
+            if not isinstance(text, str):
+                raise KvforgeError(f"{path}:{n}: expected a string or an object with a \"text\" string")
+            texts.append(text)
+    else:
+        texts = [raw]
+    if not any(t.strip() for t in texts):
+        raise KvforgeError(f"calibration data {path} holds no text")
+    return texts
+
+
+def _is_builtin_tiny(bundle: Bundle) -> bool:
+    from kvforge.model_defs import ModelConfig
+
+    source = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
+    return source == "tiny" and bundle.model_config == ModelConfig.from_name("tiny").to_dict()
+
+
+def load_calibration_set(
+    bundle: Bundle,
+    data: str | Path | None = None,
+    samples: int = 128,
+    seq_len: int = 256,
+    random_data: bool = False,
+    seed: int = 0,
+) -> CalibrationSet:
+    """Up to `samples` windows of `seq_len` tokens, spread evenly over the corpus."""
+    if samples < 1 or seq_len < 1:
+        raise KvforgeError(f"need samples >= 1 and seq_len >= 1, got {samples} and {seq_len}")
+    max_context = bundle.io.max_context or bundle.model_config["max_seq_len"]
+    if seq_len > max_context:
+        raise KvforgeError(f"seq_len {seq_len} exceeds the bundle's max context {max_context}")
+    vocab = bundle.model_config["vocab_size"]
+    if random_data:
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, vocab, (samples, seq_len), dtype=np.int64)
+        return CalibrationSet(ids, "random tokens", hashlib.sha256(ids.tobytes()).hexdigest(), random=True)
+    if data is None:
+        if not _is_builtin_tiny(bundle):
+            raise KvforgeError(
+                "no calibration data: pass --data FILE (a UTF-8 text file, or JSONL with one text per line) "
+                "with text like what the model will see; only the built-in tiny model has a built-in corpus. "
+                "--random-data calibrates on random tokens instead (scales then rarely fit real inputs)"
+            )
+        from kvforge.model_defs.checkpoint import TINY_DIR
+
+        texts, source = [(TINY_DIR / BUILTIN_TINY_CORPUS).read_text(encoding="utf-8")], "built-in tiny corpus"
+    else:
+        texts, source = read_texts(data), str(data)
+    if bundle.tokenizer_file is None:
+        raise KvforgeError(f"bundle {bundle.path} has no tokenizer to tokenize calibration text with")
+    tok = Tokenizer.from_file(bundle.tokenizer_file)
+    stream: list[int] = []
+    for text in texts:
+        stream += tok.encode(text)
+    if len(stream) < seq_len:
+        raise KvforgeError(f"calibration data has {len(stream)} tokens; one sample needs seq_len={seq_len}")
+    windows = len(stream) // seq_len
+    n = min(samples, windows)
+    starts = np.linspace(0, (windows - 1) * seq_len, n).astype(np.int64) // seq_len * seq_len
+    ids = np.stack([np.asarray(stream[s : s + seq_len], np.int64) for s in starts])
+    return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest())

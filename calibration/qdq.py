@@ -1,0 +1,196 @@
+"""Quantization primitives and the Q/DQ rewrite of DESIGN.md's recipe.
+
+Targets are the linear layers: MatMuls whose second input is a 2-D constant
+weight [K, N]. Normalization, softmax, embeddings and residual adds stay in
+float; `lm_head` stays in float unless asked. Per target:
+- the weight is stored quantized behind a DequantizeLinear: INT8 / FP8 E4M3
+  per output channel (axis 1), symmetric, scale = amax / 127 or / 448;
+  INT4 block-wise along K (axis 0, `block_size`), scale = amax / 7;
+- W8A8 (INT8, FP8): the activation gets one per-tensor scale, shared by every
+  target that reads it, and a QuantizeLinear -> DequantizeLinear pair per
+  target (ONNX Runtime fuses a pair into an integer MatMul only when it feeds
+  that one MatMul; TensorRT takes either form);
+- SmoothQuant (INT8): the activation is divided per input channel by s and
+  the weight rows multiplied by s (s_k = amax_x,k^a / amax_w,k^(1-a)),
+  an exact rewrite that moves outliers from activations into weights.
+Scales have the dtype of the tensor they quantize; zero points are zero and
+typed like the quantized tensor (an int8 zero point makes ONNX Runtime fuse
+the pattern into integer kernels; omitting it would mean uint8).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+FORMATS = ("int8", "fp8", "int4")
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+
+
+@dataclass
+class Target:
+    node: object  # the MatMul NodeProto
+    layer: str  # module path, e.g. "layers.0.attn.q_proj" or "lm_head"
+    weight: str  # initializer name
+    activation: str  # the MatMul's first input
+
+
+def layer_name(node) -> str:
+    """The module a node came from, from the exporter's name scopes ("layers.0.attn.q_proj")."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                break
+            if len(scopes) >= 2:
+                return scopes[-2].removeprefix("model.")
+    return node.name
+
+
+def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False) -> tuple[list[Target], list[str]]:
+    """The linear layers to quantize, and the names of those excluded."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    patterns = []
+    for p in exclude:
+        try:
+            patterns.append(re.compile(p))
+        except re.error as e:
+            raise KvforgeError(f"--exclude {p!r} is not a valid regular expression: {e}") from e
+    targets, excluded = [], []
+    for node in g.node:
+        if node.op_type != "MatMul" or node.input[1] not in inits or len(inits[node.input[1]].dims) != 2:
+            continue
+        name = "lm_head" if "logits" in node.output else layer_name(node)
+        if (name == "lm_head" and not quantize_lm_head) or any(p.search(name) for p in patterns):
+            excluded.append(name)
+            continue
+        targets.append(Target(node, name, node.input[1], node.input[0]))
+    if not targets:
+        raise KvforgeError("no linear layer is left to quantize" + (f" after excluding {excluded}" if excluded else ""))
+    return targets, excluded
+
+
+# --- primitives (numpy) ----------------------------------------------------------
+def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
+    """Symmetric scales of a [K, N] weight: per output channel [N], or per block [ceil(K/B), N] for int4."""
+    a = np.abs(w.astype(np.float32))
+    if fmt == "int4":
+        K = w.shape[0]
+        blocks = -(-K // block_size)
+        padded = np.zeros((blocks * block_size, w.shape[1]), np.float32)
+        padded[:K] = a
+        amax = padded.reshape(blocks, block_size, -1).max(axis=1)
+    else:
+        amax = a.max(axis=0)
+    return np.where(amax > 0, amax / QMAX[fmt], 1.0).astype(np.float32)
+
+
+def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
+    """ONNX QuantizeLinear semantics (round half to even, saturate), zero point 0."""
+    import ml_dtypes
+
+    if fmt == "int4":
+        scale = np.repeat(scale, block_size, axis=0)[: x.shape[0]]
+    y = x.astype(np.float32) / scale
+    if fmt == "int8":
+        return np.clip(np.rint(y), -128, 127).astype(np.int8)
+    if fmt == "int4":
+        return np.clip(np.rint(y), -8, 7).astype(ml_dtypes.int4)
+    return np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
+    if fmt == "int4":
+        scale = np.repeat(scale, block_size, axis=0)[: q.shape[0]]
+    return q.astype(np.float32) * scale
+
+
+def smoothquant_factors(act_amax: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
+    """s_k = amax_x,k^alpha / amax_w,k^(1 - alpha), over the input channels k of a [K, N] weight."""
+    w_amax = np.abs(weight).max(axis=1)
+    s = np.power(np.maximum(act_amax, 1e-5), alpha) / np.power(np.maximum(w_amax, 1e-5), 1 - alpha)
+    return np.clip(s, 1e-4, 1e4).astype(np.float32)
+
+
+# --- the graph rewrite -------------------------------------------------------------
+def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
+            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype) -> dict:
+    """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
+    new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
+    index = {id(n): i for i, n in enumerate(g.node)}
+    record = {"weights": {}, "activations": {}}
+    shared: dict[str, str] = {}  # activation -> the tensor its consumers now read
+
+    for t in targets:
+        w = numpy_helper.to_array(inits[t.weight]).astype(np.float32)
+        if smooth and t.activation in smooth:
+            w = w * smooth[t.activation][:, None]  # W' = diag(s) W
+        scale = weight_scales(w, fmt, block_size)
+        q = quantize(w, scale, fmt, block_size)
+        base = f"{t.layer}.weight"
+        q_name, s_name, z_name = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
+        g.initializer.remove(inits[t.weight])
+        g.initializer.append(numpy_helper.from_array(q, q_name))
+        g.initializer.append(numpy_helper.from_array(scale.astype(float_dtype), s_name))
+        dq_inputs = [q_name, s_name]
+        attrs = {"axis": 0, "block_size": block_size} if fmt == "int4" else {"axis": 1}
+        if fmt != "int4":
+            zp = np.zeros(scale.shape, np.int8) if fmt == "int8" else None
+            g.initializer.append(
+                numpy_helper.from_array(zp, z_name) if zp is not None
+                else helper.make_tensor(z_name, q_type, list(scale.shape), [0.0] * scale.size)
+            )
+            dq_inputs.append(z_name)
+        dq = helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq", **attrs)
+        new_nodes.setdefault(index[id(t.node)], []).append(dq)
+        t.node.input[1] = f"{base}_dequantized"
+        record["weights"][t.layer] = {"shape": list(w.shape), "scale": scale.astype(np.float64).round(9).tolist()}
+
+        if act_amax is None:  # weight-only
+            continue
+        if t.activation not in shared:  # one scale (and smoothing) per activation, shared by its consumers
+            act = t.activation
+            prefix = f"{t.layer}.input"
+            if smooth and act in smooth:
+                g.initializer.append(numpy_helper.from_array((1.0 / smooth[act]).astype(float_dtype), f"{prefix}_smooth"))
+                new_nodes.setdefault(index[id(t.node)], []).append(
+                    helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"], name=f"{prefix}_smooth"))
+                act = f"{prefix}_smoothed"
+            a_scale = np.array(max(act_amax[t.activation], 1e-8) / QMAX[fmt], dtype=float_dtype)
+            g.initializer.append(numpy_helper.from_array(a_scale, f"{prefix}_scale"))
+            g.initializer.append(
+                numpy_helper.from_array(np.array(0, np.int8), f"{prefix}_zero_point") if fmt == "int8"
+                else helper.make_tensor(f"{prefix}_zero_point", q_type, [], [0.0])
+            )
+            shared[t.activation] = (prefix, act)
+            record["activations"][t.layer + ".input"] = {"tensor": t.activation, "amax": float(act_amax[t.activation]),
+                                                         "scale": float(a_scale)}
+        # ... and a QuantizeLinear -> DequantizeLinear pair per consumer: ONNX Runtime fuses a
+        # Q/DQ/MatMul group into an integer kernel only when the pair feeds that one MatMul.
+        prefix, act = shared[t.activation]
+        scale, zp, mine = f"{prefix}_scale", f"{prefix}_zero_point", f"{t.layer}.input"
+        new_nodes.setdefault(index[id(t.node)], []).extend([
+            helper.make_node("QuantizeLinear", [act, scale, zp], [f"{mine}_quantized"], name=f"{mine}_q"),
+            helper.make_node("DequantizeLinear", [f"{mine}_quantized", scale, zp], [f"{mine}_dequantized"], name=f"{mine}_dq"),
+        ])
+        t.node.input[0] = f"{mine}_dequantized"
+
+    nodes = []
+    for i, n in enumerate(g.node):
+        nodes += new_nodes.get(i, [])
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    return record

@@ -1,0 +1,202 @@
+"""Calibration: observers, quantization primitives against ONNX Runtime, and quantized `tiny` bundles."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from kvforge import metrics, runtime
+from kvforge.calibration import TensorObserver, calibrate
+from kvforge.calibration.qdq import dequantize, quantize, weight_scales
+from kvforge.errors import KvforgeError
+from kvforge.export import export
+from kvforge.model_defs.evaluate import heldout_text
+from kvforge.runtime.evaluate import window_logits, windows
+from kvforge.tokenizer import Tokenizer
+
+
+# -- observers -----------------------------------------------------------------------
+def _observe(x, batch):
+    o = TensorObserver("t")
+    for i in range(0, len(x), batch):
+        o.observe_range(x[i:i + batch])
+    for i in range(0, len(x), batch):
+        o.observe_histogram(x[i:i + batch])
+    return o
+
+
+def test_observers_give_the_same_scales_whatever_the_batching():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal((4000, 16)), 25 * rng.standard_normal((3, 16))])
+    a, b = _observe(x, 7), _observe(x, 1000)
+    for method in ("max", "percentile", "mse", "entropy"):
+        for fmt in ("int8", "fp8"):
+            assert a.compute_amax(method, fmt) == b.compute_amax(method, fmt), (method, fmt)
+    assert a.hist.nbytes == b.hist.nbytes == 2048 * 8  # constant memory, however much data
+
+
+def test_methods_clip_outliers_that_max_keeps():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(200_000), [80.0, -75.0]])
+    o = _observe(x, 10_000)
+    amax = o.compute_amax("max", "int8")
+    assert amax == pytest.approx(80.0)
+    for method in ("percentile", "entropy"):
+        clipped = o.compute_amax(method, "int8")
+        assert 2.0 < clipped < 0.5 * amax, method
+    # MSE is judged by what it minimizes: the real quantization error on the data
+    from kvforge.calibration.observers import fake_quant
+
+    def err(t):
+        return float(np.mean((fake_quant(np.clip(x, -t, t), t, "int8") - x) ** 2))
+
+    best = o.compute_amax("mse", "int8")
+    assert err(best) <= min(err(amax), err(o.compute_amax("percentile", "int8"))) * 1.01
+
+
+def test_nan_activations_are_named():
+    o = TensorObserver("layers.1.ffn.down_proj.input")
+    with pytest.raises(KvforgeError, match="down_proj.input.*NaN"):
+        o.observe_range(np.array([1.0, np.nan]))
+
+
+# -- primitives match ONNX Runtime's DequantizeLinear ----------------------------------
+@pytest.mark.parametrize("fmt,K,block", [("int8", 64, None), ("fp8", 64, None), ("int4", 100, 32), ("int4", 64, 16)])
+def test_quantized_weights_dequantize_identically_in_onnxruntime(fmt, K, block):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((K, 24)).astype(np.float32)
+    scale = weight_scales(w, fmt, block)
+    q = quantize(w, scale, fmt, block)
+    ours = dequantize(q, scale, fmt, block)
+    assert np.abs(ours - w).max() <= (np.repeat(scale, block, 0)[:K] if block else scale).max() * (0.51 if fmt != "fp8" else 32)
+    attrs = {"axis": 0, "block_size": block} if fmt == "int4" else {"axis": 1}
+    node = helper.make_node("DequantizeLinear", ["q", "s"], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    (theirs,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-6)
+    if fmt == "fp8":
+        assert q.dtype == ml_dtypes.float8_e4m3fn
+
+
+# -- quantized tiny ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return export("tiny", tmp_path_factory.mktemp("cal") / "fp32")
+
+
+@pytest.fixture(scope="module")
+def heldout(fp32):
+    tok = Tokenizer.from_file(fp32.tokenizer_file)
+    return windows(tok.encode(heldout_text(), add_special_tokens=False), 256)[:40]
+
+
+def _quality(bundle_path, reference, chunks):
+    with runtime.load(bundle_path) as s, runtime.load(reference) as r:
+        nll, ref_nll, agree = [], [], []
+        for (cand, targets), (ref, _) in zip(window_logits(s, chunks), window_logits(r, chunks)):
+            nll.append(-np.take_along_axis(metrics.log_softmax(cand), targets[..., None], -1))
+            ref_nll.append(-np.take_along_axis(metrics.log_softmax(ref), targets[..., None], -1))
+            agree.append(metrics.top1_agreement(cand, ref))
+    ppl = float(np.exp(np.mean(np.concatenate([n.ravel() for n in nll]))))
+    ref_ppl = float(np.exp(np.mean(np.concatenate([n.ravel() for n in ref_nll]))))
+    return 100 * (ppl / ref_ppl - 1), float(np.mean(agree))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,options,max_ppl_pct", [
+    ("int8", {"method": "mse", "smoothquant": 0.5}, 1.0),
+    ("fp8", {"method": "max"}, 0.5),
+    ("int4", {"block_size": 32}, 2.0),
+])
+def test_quantized_tiny_stays_close_to_fp32(tmp_path, fp32, heldout, precision, options, max_ppl_pct):
+    q = calibrate(fp32.path, tmp_path / precision, precision=precision, **options)
+    delta, top1 = _quality(q.path, fp32.path, heldout)
+    assert delta <= max_ppl_pct, f"perplexity +{delta:.2f}%"
+    assert top1 >= 0.9, top1
+    m = q.manifest
+    assert m["lint"]["passed"], m["lint"]["findings"]
+    assert m["precision"]["quantization"]["format"] == precision and m["stage"] == "calibrate"
+    assert [e["stage"] for e in m["lineage"]] == ["export", "calibrate"]
+    assert len(m["calibration"]["scales"]["weights"]) == 28
+    if precision != "int4":
+        c = m["calibration"]
+        assert c["samples"] == 128 and c["seq_len"] == 256 and len(c["data_sha256"]) == 64 and not c["random_data"]
+        assert c["data"] == "built-in tiny corpus" and len(c["scales"]["activations"]) == 16  # q/k/v and gate/up share theirs
+    else:
+        assert m["calibration"]["data"] is None
+
+
+def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
+    """The speed of INT8 comes from ORT fusing each Q/DQ/MatMul group; every quantized layer must fuse."""
+    q = calibrate(fp32.path, tmp_path / "int8", precision="int8", samples=8, seq_len=64)
+    from kvforge.runtime.ort_backend import _QUANT_DISABLED_OPTIMIZERS
+
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(q.graph_file), opts, providers=["CPUExecutionProvider"],
+                         disabled_optimizers=_QUANT_DISABLED_OPTIMIZERS["int8"])
+    ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] == len(q.manifest["precision"]["quantization"]["quantized_layers"])
+
+
+def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
+    a = calibrate(fp32.path, tmp_path / "a", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
+    b = calibrate(fp32.path, tmp_path / "b", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=12)
+    assert a.manifest["calibration"]["scales"] == b.manifest["calibration"]["scales"]
+
+
+def test_exclusions_keep_layers_in_float(tmp_path, fp32):
+    q = calibrate(fp32.path, tmp_path / "ex", precision="fp8", exclude=[r"down_proj", r"layers\.0\."], samples=8, seq_len=64)
+    quant = q.manifest["precision"]["quantization"]
+    assert not any("down_proj" in n or n.startswith("layers.0.") for n in quant["quantized_layers"])
+    assert len(quant["quantized_layers"]) == 3 * 6 and "layers.2.ffn.down_proj" in quant["excluded_layers"]
+
+
+def test_data_files_and_their_errors(tmp_path, fp32):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": heldout_text()[i * 3000:(i + 1) * 3000]}) for i in range(8)))
+    q = calibrate(fp32.path, tmp_path / "j", precision="int8", data=jsonl, samples=4, seq_len=128)
+    assert q.manifest["calibration"]["data"] == str(jsonl) and q.manifest["calibration"]["samples"] == 4
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(KvforgeError, match="holds no text"):
+        calibrate(fp32.path, tmp_path / "e", precision="int8", data=tmp_path / "empty.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(KvforgeError, match=r"bad.jsonl:2 is not valid JSON"):
+        calibrate(fp32.path, tmp_path / "e", precision="int8", data=tmp_path / "bad.jsonl")
+    (tmp_path / "short.txt").write_text("x = 1")
+    with pytest.raises(KvforgeError, match="calibration data has .* tokens; one sample needs seq_len=256"):
+        calibrate(fp32.path, tmp_path / "e", precision="int8", data=tmp_path / "short.txt")
+    assert not (tmp_path / "e").exists()
+
+
+def test_other_models_need_data_or_an_explicit_random_flag(tmp_path):
+    b = export("llama3-micro", tmp_path / "micro")
+    with pytest.raises(KvforgeError, match="no calibration data: pass --data FILE"):
+        calibrate(b.path, tmp_path / "q", precision="int8")
+    q = calibrate(b.path, tmp_path / "q", precision="int8", random_data=True, samples=4, seq_len=32)
+    assert q.manifest["calibration"]["random_data"] is True and q.manifest["calibration"]["data"] == "random tokens"
+
+
+def test_option_errors(tmp_path, fp32):
+    with pytest.raises(KvforgeError, match="precision 'int3'"):
+        calibrate(fp32.path, tmp_path / "x", precision="int3")
+    with pytest.raises(KvforgeError, match="not a valid regular expression"):
+        calibrate(fp32.path, tmp_path / "x", precision="int8", exclude=["("])
+    with pytest.raises(KvforgeError, match="not weight-only int4"):
+        calibrate(fp32.path, tmp_path / "x", precision="int4", smoothquant=0.5)
+    with pytest.raises(KvforgeError, match="seq_len 2000 exceeds the bundle's max context 1024"):
+        calibrate(fp32.path, tmp_path / "x", precision="int8", seq_len=2000)
+    q = calibrate(fp32.path, tmp_path / "q4", precision="int4")
+    with pytest.raises(KvforgeError, match="already quantized"):
+        calibrate(q.path, tmp_path / "x", precision="int8")
+    assert not (tmp_path / "x").exists()
