@@ -1,0 +1,127 @@
+"""Accuracy of every quantization recipe on `tiny`, against its FP32 bundle, over the held-out corpus.
+
+For each recipe: perplexity and its change, top-1 next-token agreement and
+mean KL divergence from FP32, and calibration time. The headline INT8 recipe
+is also calibrated in a fresh process on 128 x 256 tokens to measure time and
+peak memory. Writes JSON and prints a Markdown table (the README's).
+
+    python3 benchmarks/quantization_tiny.py [--out benchmarks/results/quantization_tiny.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RECIPES = [
+    ("int8", {"method": "max"}),
+    ("int8", {"method": "percentile", "percentile": 99.99}),
+    ("int8", {"method": "entropy"}),
+    ("int8", {"method": "mse"}),
+    ("int8", {"method": "max", "smoothquant": 0.5}),
+    ("int8", {"method": "percentile", "percentile": 99.99, "smoothquant": 0.5}),
+    ("int8", {"method": "entropy", "smoothquant": 0.5}),
+    ("int8", {"method": "mse", "smoothquant": 0.5}),
+    ("fp8", {"method": "max"}),
+    ("fp8", {"method": "percentile", "percentile": 99.99}),
+    ("fp8", {"method": "entropy"}),
+    ("fp8", {"method": "mse"}),
+    ("fp8", {"method": "max", "smoothquant": 0.5}),
+    ("fp8", {"method": "mse", "smoothquant": 0.5}),
+    ("int4", {"block_size": 32}),
+    ("int4", {"block_size": 64}),
+    ("int4", {"block_size": 128}),
+]
+HEADLINE = ("int8", {"method": "mse", "smoothquant": 0.5})
+
+CHILD = r"""
+import json, resource, sys, time
+from kvforge.calibration import calibrate
+t = time.perf_counter()
+calibrate(sys.argv[1], sys.argv[2], precision="int8", method="mse", smoothquant=0.5, samples=128, seq_len=256, force=True)
+print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def evaluate(bundle, reference_logits, chunks):
+    from kvforge import metrics, runtime
+    from kvforge.runtime.evaluate import window_logits
+
+    nll, agree, kl = [], [], []
+    with runtime.load(bundle) as s:
+        for (logits, targets), ref in zip(window_logits(s, chunks), reference_logits):
+            nll.append(-np.take_along_axis(metrics.log_softmax(logits), targets[..., None], -1).ravel())
+            agree.append(metrics.top1_agreement(logits, ref))
+            kl.append(metrics.kl_divergence(logits, ref).mean())
+    return float(np.exp(np.mean(np.concatenate(nll)))), float(np.mean(agree)), float(np.mean(kl))
+
+
+def label(precision, options):
+    parts = [precision.upper()]
+    if precision == "int4":
+        parts.append(f"block {options['block_size']}")
+    else:
+        m = options["method"]
+        parts.append(f"{m} {options['percentile']}" if m == "percentile" else m)
+        parts.append(f"SmoothQuant {options['smoothquant']}" if "smoothquant" in options else "no SmoothQuant")
+    return ", ".join(parts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantization_tiny.json")
+    args = ap.parse_args()
+    from kvforge import runtime
+    from kvforge.calibration import calibrate
+    from kvforge.export import export
+    from kvforge.model_defs.evaluate import heldout_text
+    from kvforge.runtime.evaluate import window_logits, windows
+    from kvforge.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        fp32 = export("tiny", tmp / "fp32")
+        tok = Tokenizer.from_file(fp32.tokenizer_file)
+        chunks = windows(tok.encode(heldout_text(), add_special_tokens=False), 256)
+        with runtime.load(fp32.path) as s:
+            reference = [logits for logits, _ in window_logits(s, chunks)]
+        ref_ppl, _, _ = evaluate(fp32.path, reference, chunks)
+        rows = []
+        for precision, options in RECIPES:
+            t = time.perf_counter()
+            q = calibrate(fp32.path, tmp / "q", precision=precision, force=True, **options)
+            seconds = time.perf_counter() - t
+            ppl, top1, kl = evaluate(q.path, reference, chunks)
+            rows.append({"recipe": label(precision, options), "precision": precision, "options": options,
+                         "perplexity": ppl, "perplexity_delta_pct": 100 * (ppl / ref_ppl - 1),
+                         "top1_agreement": top1, "kl_divergence_mean": kl, "calibration_s": seconds})
+            print(f"{rows[-1]['recipe']:45s} ppl {ppl:.3f} ({rows[-1]['perplexity_delta_pct']:+.2f}%)  top-1 {top1:.4f}  KL {kl:.5f}", flush=True)
+        child = subprocess.run([sys.executable, "-c", CHILD, str(fp32.path), str(tmp / "headline")],
+                               capture_output=True, text=True, check=True)
+        headline_cost = json.loads(child.stdout.strip().splitlines()[-1])
+    result = {
+        "benchmark": "quantization_tiny", "corpus": "tiny held-out", "tokens": int(chunks.size - len(chunks)),
+        "windows": int(len(chunks)), "fp32_perplexity": ref_ppl, "recipes": rows,
+        "headline": {"recipe": label(*HEADLINE), "calibration_128x256": headline_cost},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nFP32 perplexity {ref_ppl:.3f} over {result['tokens']} held-out tokens\n")
+    print("| recipe | perplexity | change | top-1 agreement | KL (nats) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['recipe']} | {r['perplexity']:.3f} | {r['perplexity_delta_pct']:+.2f}% | {100 * r['top1_agreement']:.2f}% | {r['kl_divergence_mean']:.5f} |")
+    print(f"\nheadline calibration ({result['headline']['recipe']}, 128 x 256 tokens): {headline_cost}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
