@@ -15,7 +15,7 @@ from kvforge.errors import KvforgeError
 
 from .data import load_calibration_set
 from .observers import METHODS, TensorObserver
-from .qdq import FORMATS, find_targets, rewrite, smoothquant_factors
+from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
 
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
 Progress = Callable[[str, int, int], None]
@@ -87,6 +87,7 @@ def calibrate(
     quantize_lm_head: bool = False,
     force: bool = False,
     progress: Progress | None = None,
+    kv_cache: str | None = None,
 ) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only."""
     import onnx
@@ -105,6 +106,12 @@ def calibrate(
         raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; calibrate a float32 or float16 bundle")
     if smoothquant is not None and (precision == "int4" or not 0.0 <= smoothquant <= 1.0):
         raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 (got {smoothquant} for {precision})")
+    if kv_cache not in (None, "fp8"):
+        raise KvforgeError(f"--kv-cache {kv_cache!r} is not supported; the choice is fp8")
+    if kv_cache and precision == "int4":
+        raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with int8 or fp8, not weight-only int4")
+    if kv_cache and bundle.manifest.get("opset", 0) < 19:
+        raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
     if precision == "int4" and block_size < 1:
         raise KvforgeError(f"--block-size must be positive, got {block_size}")
     if bundle.manifest.get("opset", 0) < MIN_OPSET[precision]:
@@ -114,13 +121,14 @@ def calibrate(
     model = onnx.load(str(bundle.graph_file))
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
     activations = list(dict.fromkeys(t.activation for t in targets))
+    presents = [n for layer in bundle.io.present for n in layer] if kv_cache else []
     float_dtype = np.float16 if dtype == "float16" else np.float32
 
     act_amax, smooth, calibration = None, None, {"data": None}
     if precision != "int4":  # weight-only INT4 needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
         observers, channel_amax, run, n_batches = _observe(
-            bundle, model, activations, cset, batch_size, smoothquant is not None, method != "max", progress
+            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, method != "max", progress
         )
         if smoothquant is not None:
             smooth = {}
@@ -129,13 +137,13 @@ def calibrate(
                 weights = [onnx.numpy_helper.to_array(inits[t.weight]) for t in targets if t.activation == act]
                 smooth[act] = smoothquant_factors(channel_amax[act], np.concatenate(weights, axis=1), smoothquant)
             # the quantized tensor is x / s: its range is the per-channel amax divided by s
-            for act, obs in observers.items():
-                obs.amax = float((channel_amax[act] / smooth[act]).max())
+            for act in activations:
+                observers[act].amax = float((channel_amax[act] / smooth[act]).max())
         if method != "max":
             for i, batch in enumerate(cset.batches(batch_size)):
                 for name, x in run(batch).items():
                     x = x.astype(np.float32)
-                    observers[name].observe_histogram(x / smooth[name] if smooth else x)
+                    observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
                 progress("histogram", i + 1, n_batches)
         act_amax = {a: observers[a].compute_amax(method, precision, percentile) for a in activations}
         calibration = {
@@ -145,6 +153,8 @@ def calibrate(
 
     progress("quantize", 0, 1)
     record = rewrite(model, targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype)
+    if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
+        record["kv_cache"] = add_kv_cache_qdq(model, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
     progress("quantize", 1, 1)
 
     from kvforge.export.lint import lint
@@ -157,6 +167,7 @@ def calibrate(
         "percentile": percentile if method == "percentile" and precision != "int4" else None,
         "smoothquant_alpha": smoothquant,
         "block_size": block_size if precision == "int4" else None,
+        "kv_cache": kv_cache,
         "quantized_layers": [t.layer for t in targets],
         "excluded_layers": excluded,
     }
@@ -183,7 +194,8 @@ def calibrate(
                 "input": {"source": str(bundle.path), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
                 "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                             "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
-                            "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head},
+                            "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
+                            "kv_cache": kv_cache},
                 "seconds": {"total": round(time.time() - started, 2)},
             }],
         )

@@ -194,3 +194,39 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
     del g.node[:]
     g.node.extend(nodes)
     return record
+
+
+def add_kv_cache_qdq(model, present_amax: dict[str, float], float_dtype) -> dict:
+    """FP8 KV cache: quantize each cache write (the new K/V entering the `present` Concat).
+
+    Per-tensor E4M3 scales from the calibrated amax of each present tensor.
+    The cache then only ever holds FP8-representable values (past entries
+    were written the same way), so it can be stored in FP8 losslessly.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inserted, record = [], {}
+    for name, amax in present_amax.items():
+        concat = producer.get(name)
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
+            raise KvforgeError(f"cannot find the cache write of {name} (expected Concat(past, new))")
+        scale = np.array(max(amax, 1e-8) / QMAX["fp8"], dtype=float_dtype)
+        g.initializer.append(numpy_helper.from_array(scale, f"{name}.kv_scale"))
+        g.initializer.append(helper.make_tensor(f"{name}.kv_zero_point", TensorProto.FLOAT8E4M3FN, [], [0.0]))
+        new = concat.input[1]
+        q = helper.make_node("QuantizeLinear", [new, f"{name}.kv_scale", f"{name}.kv_zero_point"], [f"{name}.kv_quantized"], name=f"{name}.kv_q")
+        dq = helper.make_node("DequantizeLinear", [f"{name}.kv_quantized", f"{name}.kv_scale", f"{name}.kv_zero_point"],
+                              [f"{name}.kv_dequantized"], name=f"{name}.kv_dq")
+        concat.input[1] = f"{name}.kv_dequantized"
+        inserted.append((concat, [q, dq]))
+        record[name] = {"amax": float(amax), "scale": float(scale)}
+    nodes = []
+    targets = {id(c): qdq for c, qdq in inserted}
+    for n in g.node:
+        nodes += targets.get(id(n), [])
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    return record

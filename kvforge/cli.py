@@ -232,21 +232,23 @@ def inspect(bundle, as_json):
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--kv-cache", type=click.Choice(["fp8"]), help="Quantize the KV cache writes to FP8 E4M3 (with int8 or fp8).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
-              random_data, quantize_lm_head, batch_size, force, quiet):
+              random_data, quantize_lm_head, batch_size, kv_cache, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     from kvforge.calibration import calibrate as run
 
     with _PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
-                random_data, batch_size, quantize_lm_head, force, progress)
+                random_data, batch_size, quantize_lm_head, force, progress, kv_cache)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
         f"wrote {b.path}: {precision} ({q['weights']} weights"
         + (f", {q['activations']} activations, {q['method']}" if q["activations"] else "")
+        + (f", {q['kv_cache']} KV cache" if q.get("kv_cache") else "")
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
         f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
     )

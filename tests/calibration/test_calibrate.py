@@ -200,3 +200,21 @@ def test_option_errors(tmp_path, fp32):
     with pytest.raises(KvforgeError, match="already quantized"):
         calibrate(q.path, tmp_path / "x", precision="int8")
     assert not (tmp_path / "x").exists()
+
+
+def test_fp8_kv_cache_holds_only_fp8_values(tmp_path, fp32, heldout):
+    q = calibrate(fp32.path, tmp_path / "kv", precision="int8", method="mse", smoothquant=0.5, kv_cache="fp8")
+    kv = q.manifest["calibration"]["scales"]["kv_cache"]
+    names = [n for layer in q.io.present for n in layer]
+    assert sorted(kv) == sorted(names) and q.manifest["precision"]["quantization"]["kv_cache"] == "fp8"
+    assert q.manifest["lint"]["passed"]
+    with runtime.load(q.path) as s:
+        _, cache = s.forward(heldout[:2, :30].copy())
+        _, cache = s.forward(np.array([[7], [9]], np.int64), cache=cache)
+        for name, a in zip(names, s.backend.cache_arrays(cache)):
+            scale = kv[name]["scale"]
+            np.testing.assert_array_equal((a / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale, a)
+    delta, _ = _quality(q.path, fp32.path, heldout[:16])
+    assert delta <= 1.0
+    with pytest.raises(KvforgeError, match="not weight-only int4"):
+        calibrate(fp32.path, tmp_path / "x", precision="int4", kv_cache="fp8")
