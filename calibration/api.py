@@ -30,8 +30,12 @@ def _ort_session(model):
 
 
 def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
-             need_histograms: bool, progress: Progress) -> tuple[dict[str, TensorObserver], dict[str, np.ndarray]]:
-    """Run the float graph over the calibration set, exposing the activations as outputs; two streaming passes."""
+             progress: Progress):
+    """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
+
+    Returns the observers (amax recorded), per-channel amax (for SmoothQuant),
+    the batch runner (for pass 2's histograms) and the batch count.
+    """
     from onnx import TensorProto, helper
 
     probe = type(model)()
@@ -128,7 +132,7 @@ def calibrate(
     if precision != "int4":  # weight-only INT4 needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
         observers, channel_amax, run, n_batches = _observe(
-            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, method != "max", progress
+            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, progress
         )
         if smoothquant is not None:
             smooth = {}

@@ -9,6 +9,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def windows(ids, seq_len: int) -> np.ndarray:
+    """Non-overlapping windows of seq_len + 1 tokens (inputs plus next-token targets), int64 (n, seq_len + 1)."""
+    n = (len(ids) - 1) // seq_len
+    if n < 1:
+        from kvforge.errors import KvforgeError
+
+        raise KvforgeError(f"need more than {seq_len} tokens, got {len(ids)}")
+    arr = np.asarray(ids[: n * seq_len + 1], np.int64)
+    return np.stack([arr[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
 def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from kvforge.errors import KvforgeError
+from kvforge.metrics import windows
 from kvforge.tokenizer import Tokenizer
 
 from .checkpoint import TINY_DIR
@@ -22,22 +23,13 @@ def heldout_text() -> str:
     return HELDOUT_FILE.read_text(encoding="utf-8")
 
 
-def windows(ids: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Non-overlapping windows of seq_len + 1 tokens (inputs plus next-token targets)."""
-    step = seq_len
-    out = [list(ids[i : i + seq_len + 1]) for i in range(0, len(ids) - 1, step)]
-    return [w for w in out if len(w) == seq_len + 1]
-
-
 @torch.no_grad()
 def perplexity(model: Transformer, ids: Sequence[int], seq_len: int = 256, batch_size: int = 8) -> float:
     """exp(mean next-token cross-entropy) over non-overlapping windows of `seq_len` tokens."""
     chunks = windows(ids, seq_len)
-    if not chunks:
-        raise KvforgeError(f"need more than {seq_len} tokens to measure perplexity, got {len(ids)}")
     total, count = 0.0, 0
     for i in range(0, len(chunks), batch_size):
-        batch = torch.tensor(chunks[i : i + batch_size], dtype=torch.int64)
+        batch = torch.from_numpy(chunks[i : i + batch_size])
         logits, _ = model(batch[:, :-1])
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         total += nll.item()

@@ -8,18 +8,9 @@ from typing import Sequence
 import numpy as np
 
 from kvforge import metrics
-from kvforge.errors import KvforgeError
+from kvforge.metrics import windows
 
 from .session import Session
-
-
-def windows(ids: Sequence[int], seq_len: int) -> np.ndarray:
-    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets)."""
-    n = (len(ids) - 1) // seq_len
-    if n < 1:
-        raise KvforgeError(f"need more than {seq_len} tokens, got {len(ids)}")
-    arr = np.asarray(ids[: n * seq_len + 1], np.int64)
-    return np.stack([arr[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
 
 
 def window_logits(session: Session, chunks: np.ndarray, batch_size: int = 8):

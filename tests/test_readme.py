@@ -39,10 +39,15 @@ def test_the_main_job_runs(tmp_path):
     env = {**os.environ, "COLUMNS": "120"}
     out = subprocess.run(["bash", "-c", main_job], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "validation passed" in out.stdout
-    assert "perplexity" in out.stdout
-    bundle = tmp_path / shlex.split(main_job)[shlex.split(main_job).index("-o") + 1]
-    assert (bundle / "kvforge.json").is_file() and (bundle / "model.onnx").is_file()
+    assert "validation passed" in out.stdout  # export
+    assert "int8 (per-channel weights" in out.stdout and "lint passed" in out.stdout  # calibrate
+    generated = out.stdout.split("wrote runs/tiny-int8", 1)[1].split("\n", 1)[1]  # after calibrate's line
+    assert generated.strip(), "generate streamed no text"
+    words = shlex.split(main_job)
+    for i, word in enumerate(words):
+        if word == "-o":
+            bundle = tmp_path / words[i + 1]
+            assert (bundle / "kvforge.json").is_file() and (bundle / "model.onnx").is_file()
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
