@@ -74,12 +74,14 @@ def fuse_sibling_matmuls(model) -> int:
 
 
 def add_logits_to_keep(model) -> None:
-    """Slice the last `num_logits_to_keep` positions before the MatMul that produces `logits`."""
+    """Slice the last `num_logits_to_keep` positions before the MatMul that produces `logits` (through any Cast)."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
     producer = {o: n for n in g.node for o in n.output}
     head = producer.get("logits")
+    while head is not None and head.op_type == "Cast":  # half-precision graphs cast the logits to float32
+        head = producer.get(head.input[0])
     if head is None or head.op_type != "MatMul":
         raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
     g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))

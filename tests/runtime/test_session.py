@@ -253,3 +253,22 @@ def test_ort_variant_is_exact_and_slices_logits(tiny_bundle):
         for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
             np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
     assert variant_path(Bundle(tiny_bundle)) == path  # built once, then cached
+
+
+@pytest.mark.slow
+def test_float16_bundles_and_their_int8_calibration_run(tmp_path):
+    """Half-precision graphs cast logits to float32 after the vocabulary projection; the runtime handles it."""
+    from kvforge.calibration import calibrate
+
+    fp16 = export("tiny", tmp_path / "fp16", dtype="float16")
+    model, tok = load_model("tiny")
+    reference = greedy_continuation(model, tok.encode(PROMPT), 16)
+    with runtime.load(fp16.path) as s:
+        out = s.generate(PROMPT, max_new_tokens=16)
+        full, _ = s.forward(np.array([tok.encode(PROMPT)]))
+        last, _ = s.forward(np.array([tok.encode(PROMPT)]), last_logits_only=True)
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-3, rtol=0)
+    assert sum(a == b for a, b in zip(out.tokens, reference)) >= 14
+    q = calibrate(fp16.path, tmp_path / "int8", precision="int8", samples=16, seq_len=128)
+    with runtime.load(q.path) as s:
+        assert len(s.generate(PROMPT, max_new_tokens=8).tokens) == 8
