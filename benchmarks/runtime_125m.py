@@ -87,20 +87,10 @@ class Kvforge:
         self.session = runtime.load(bundle.path).activate()
 
     def run(self, prompt: np.ndarray) -> dict:
-        s = self.session
-        t0 = time.perf_counter()
-        logits, cache = s.forward(prompt, last_logits_only=True)
-        token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-        t1 = time.perf_counter()
-        mask = np.ones((1, prompt.shape[1]), np.int64)
-        tokens = [int(token[0, 0])]
-        for _ in range(NEW_TOKENS - 1):
-            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
-            logits, cache = s.forward(token, mask, None, cache, last_logits_only=True)
-            token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-            tokens.append(int(token[0, 0]))
-        t2 = time.perf_counter()
-        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": NEW_TOKENS - 1, "tokens": tokens}
+        from kvforge.runtime.bench import timed_greedy
+
+        result = timed_greedy(self.session, prompt, NEW_TOKENS)
+        return {**result, "tokens": result["tokens"][0]}
 
     def decode_ms_at(self, context: int, steps: int = 16) -> float:
         s = self.session

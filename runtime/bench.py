@@ -15,6 +15,29 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def timed_greedy(session: Session, ids: np.ndarray, new_tokens: int) -> dict:
+    """One timed generation: prefill `ids` (batch, prompt), then greedy decode to `new_tokens` tokens.
+
+    prefill_s covers the prefill and the first token's choice (time to first
+    token); decode_s the new_tokens - 1 cached decode steps after it.
+    """
+    batch, prompt_len = ids.shape
+    t0 = time.perf_counter()
+    logits, cache = session.forward(ids, last_logits_only=True)
+    token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    t1 = time.perf_counter()
+    mask = np.ones((batch, prompt_len), np.int64)
+    tokens = [token[:, 0]]
+    for _ in range(new_tokens - 1):
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        logits, cache = session.forward(token, mask, None, cache, last_logits_only=True)
+        token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+        tokens.append(token[:, 0])
+    t2 = time.perf_counter()
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": new_tokens - 1,
+            "tokens": np.stack(tokens, axis=1).tolist()}
+
+
 def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, runs: int, warmup: int = 1, seed: int = 0) -> dict:
     """Time prefill (batch x prompt_len tokens) and `new_tokens` greedy decode steps.
 
@@ -27,22 +50,12 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
         raise KvforgeError(f"prompt {prompt_len} + {new_tokens} new tokens exceed the bundle's max context {session.max_context}")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, session.vocab_size, (batch, prompt_len), dtype=np.int64)
-    prefill, ttft, decode = [], [], []
+    prefill, decode = [], []
     for i in range(warmup + runs):
-        t0 = time.perf_counter()
-        logits, cache = session.forward(ids, last_logits_only=True)
-        token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-        t1 = time.perf_counter()
-        mask = np.ones((batch, prompt_len), np.int64)
-        for _ in range(new_tokens - 1):
-            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-            logits, cache = session.forward(token, mask, None, cache, last_logits_only=True)
-            token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-        t2 = time.perf_counter()
+        t = timed_greedy(session, ids, new_tokens)
         if i >= warmup:
-            prefill.append(t1 - t0)
-            ttft.append(t1 - t0)
-            decode.append(t2 - t1)
+            prefill.append(t["prefill_s"])
+            decode.append(t["decode_s"])
     med_prefill, med_decode = statistics.median(prefill), statistics.median(decode)
     return {
         "backend": session.backend_name,
@@ -52,7 +65,7 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
         "runs": runs,
         "prefill_tokens_per_s": batch * prompt_len / med_prefill,
         "decode_tokens_per_s": batch * (new_tokens - 1) / med_decode if new_tokens > 1 else 0.0,
-        "ttft_ms": 1000 * statistics.median(ttft),
+        "ttft_ms": 1000 * med_prefill,  # prefill plus the first token's choice
         "decode_ms_per_token": 1000 * med_decode / max(1, new_tokens - 1),
         "peak_rss_mb": peak_rss_mb(),
     }
