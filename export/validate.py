@@ -92,6 +92,10 @@ class OrtRunner:
     def run(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         return self.session.run(None, _feeds(args, self.names, self.cast))
 
+    def step(self, base: tuple[torch.Tensor, ...], past: list[np.ndarray]) -> list[np.ndarray]:
+        """input_ids, attention_mask, position_ids from Torch plus a cache already in the graph's dtype."""
+        return self.session.run(None, {**_feeds(base, self.names[:3], lambda t: t.numpy()), **dict(zip(self.names[3:], past))})
+
 
 def _grid(cfg, max_context: int) -> list[Case]:
     window = max((cfg.layer_window(i) or 0) for i in range(cfg.n_layers))
@@ -231,13 +235,13 @@ def _lockstep(runner: OrtRunner, flat, cfg, tol, seed, progress, done) -> dict[s
     steps = min(LOCKSTEP_STEPS, cfg.max_seq_len - prompt.shape[1])
     worst_logits, worst_present, failures = [], [], []
     # teacher-forced
-    ref_past, cand_past = empty, [runner.cast(t) for t in empty]
+    cand_empty = [runner.cast(t) for t in empty]
+    ref_past, cand_past = empty, cand_empty
     ids, past_len = prompt, 0
     for step in range(steps + 1):
         base = step_inputs(ids, past_len)
         ref_out = flat(*base, *ref_past)
-        cand_out = runner.session.run(None, {**_feeds(base, runner.names[:3], lambda t: t.numpy()),
-                                             **dict(zip(runner.names[3:], cand_past))})
+        cand_out = runner.step(base, cand_past)
         m = _compare(cand_out, ref_out, [], None)
         worst_logits.append(m["logits"])
         worst_present.append(m["present"])
@@ -263,8 +267,7 @@ def _lockstep(runner: OrtRunner, flat, cfg, tol, seed, progress, done) -> dict[s
         return out[0], out[1:]
 
     def run_cand(base, past):
-        past = past if past is not None else [runner.cast(t) for t in empty]
-        out = runner.session.run(None, {**_feeds(base, runner.names[:3], lambda t: t.numpy()), **dict(zip(runner.names[3:], past))})
+        out = runner.step(base, past if past is not None else cand_empty)
         return out[0], out[1:]
 
     ref_tokens, cand_tokens = greedy(run_ref), greedy(run_cand)
