@@ -30,7 +30,7 @@ def _ort_session(model):
 
 
 def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
-             progress: Progress):
+             float_dtype, progress: Progress):
     """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
 
     Returns the observers (amax recorded), per-channel amax (for SmoothQuant),
@@ -41,13 +41,12 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
     probe = type(model)()
     probe.CopyFrom(model)
     del probe.graph.output[1:]  # keep logits; drop presents
-    elem = TensorProto.FLOAT16 if bundle.manifest["precision"]["dtype"] == "float16" else TensorProto.FLOAT
+    elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
     for name in activations:  # activations carry the model dtype
         probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
     sess = _ort_session(probe)
     names = [o.name for o in sess.get_outputs()][1:]
     cfg = bundle.model_config
-    kv_dtype = np.float16 if bundle.manifest["precision"]["dtype"] == "float16" else np.float32
     past = {i.name: None for i in sess.get_inputs() if i.name.startswith("past_key_values")}
 
     def run(batch):
@@ -56,7 +55,7 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
             "input_ids": batch,
             "attention_mask": np.ones((b, t), np.int64),
             "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
-            **{n: np.zeros((b, cfg["n_kv_heads"], 0, cfg["head_dim"]), kv_dtype) for n in past},
+            **{n: np.zeros((b, cfg["n_kv_heads"], 0, cfg["head_dim"]), float_dtype) for n in past},
         }
         return dict(zip(names, sess.run(names, feeds)))
 
@@ -132,7 +131,7 @@ def calibrate(
     if precision != "int4":  # weight-only INT4 needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
         observers, channel_amax, run, n_batches = _observe(
-            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, progress
+            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, float_dtype, progress
         )
         if smoothquant is not None:
             smooth = {}
