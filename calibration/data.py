@@ -35,15 +35,15 @@ class CalibrationSet:
             yield self.samples[i : i + batch_size]
 
 
-def read_texts(path: str | Path) -> list[str]:
+def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
     """A .jsonl file: one JSON string or {"text": ...} object per line; anything else: one UTF-8 text."""
     path = Path(path)
     if not path.is_file():
-        raise KvforgeError(f"calibration data file {path} does not exist")
+        raise KvforgeError(f"{what} file {path} does not exist")
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise KvforgeError(f"calibration data {path} is not UTF-8 text: {e}") from e
+        raise KvforgeError(f"{what} {path} is not UTF-8 text: {e}") from e
     if path.suffix == ".jsonl":
         texts = []
         for n, line in enumerate(raw.splitlines(), 1):
@@ -60,7 +60,7 @@ def read_texts(path: str | Path) -> list[str]:
     else:
         texts = [raw]
     if not any(t.strip() for t in texts):
-        raise KvforgeError(f"calibration data {path} holds no text")
+        raise KvforgeError(f"{what} {path} holds no text")
     return texts
 
 

@@ -42,6 +42,44 @@ _QUANT_SESSION_CONFIG = {
 }
 
 
+def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
+                 threads: int | None = None):
+    """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs."""
+    ort = _ort()
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }[optimization]
+    if threads:
+        opts.intra_op_num_threads = threads
+    for key, value in _QUANT_SESSION_CONFIG.get(quant_format, {}).items():
+        opts.add_session_config_entry(key, value)
+    try:
+        return ort.InferenceSession(
+            model if isinstance(model, bytes) else str(model), opts, providers=providers or ["CPUExecutionProvider"],
+            disabled_optimizers=_QUANT_DISABLED_OPTIMIZERS.get(quant_format, []),
+        )
+    except Exception as e:  # ORT raises its own exception types for bad graphs
+        where = "the graph" if isinstance(model, bytes) else model
+        raise KvforgeError(f"ONNX Runtime cannot load {where}: {e}") from e
+
+
+def prefill_feeds(batch: np.ndarray, config: dict, past_names: list[str], dtype: str) -> dict[str, np.ndarray]:
+    """Feeds for a prefill of `batch` (B, T) from an empty cache: what calibration and attribution runs use."""
+    b, t = batch.shape
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    return {
+        "input_ids": batch,
+        "attention_mask": np.ones((b, t), np.int64),
+        "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
+        **{n: np.zeros((b, config["n_kv_heads"], 0, config["head_dim"]), np_dtype) for n in past_names},
+    }
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
@@ -75,36 +113,17 @@ class OnnxRuntimeBackend(Backend):
         return ["CPUExecutionProvider"]
 
     def activate_impl(self) -> None:
-        ort = _ort()
         providers = self._providers()
         if self.kv_dtype == "bfloat16" and providers == ["CPUExecutionProvider"]:
             raise KvforgeError(
                 "ONNX Runtime's CPU provider has no bfloat16 kernels; run this bundle on a GPU, "
                 "with the torch backend, or export float16/float32 for the CPU"
             )
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.graph_optimization_level = {
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        }[self.optimization]
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
-        for key, value in _QUANT_SESSION_CONFIG.get(self.quant_format, {}).items():
-            opts.add_session_config_entry(key, value)
         if self.variant:
             from .ort_variant import variant_path
 
             self.graph_path = variant_path(self.bundle)
-        try:
-            self.session = ort.InferenceSession(
-                str(self.graph_path), opts, providers=providers,
-                disabled_optimizers=_QUANT_DISABLED_OPTIMIZERS.get(self.quant_format, []),
-            )
-        except Exception as e:  # ORT raises its own exception types for bad graphs
-            raise KvforgeError(f"ONNX Runtime cannot load {self.graph_path}: {e}") from e
+        self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads)
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
         expected = [t.name for t in self.io.inputs] + ([KEEP_INPUT] if self.variant else [])
