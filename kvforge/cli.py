@@ -254,10 +254,55 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
     )
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", type=click.Path(file_okay=False), help="Engine bundle directory to write (not needed with --dry-run).")
+@click.option("--max-batch", type=click.IntRange(1), help="Largest batch the engine accepts.  [default: 8]")
+@click.option("--max-context", type=click.IntRange(2), help="Longest past + new tokens (default: the bundle's max context).")
+@click.option("--opt-batch", type=click.IntRange(1), help="Batch the kernels are tuned for.  [default: 1]")
+@click.option("--opt-context", type=click.IntRange(1), help="Prompt / context length the kernels are tuned for.  [default: 256]")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), help="TensorRT timing cache: reused if it exists, updated after the build.")
+@click.option("--builder-optimization-level", default=3, show_default=True, type=click.IntRange(0, 5),
+              help="TensorRT's kernel search effort (higher: slower build, maybe faster engine).")
+@click.option("--hardware-compatibility", default="none", show_default=True,
+              type=click.Choice(["none", "ampere_plus", "same_compute_capability"]),
+              help="Which GPUs besides this one's kind may run the engine.")
+@click.option("--version-compatible", is_flag=True, help="Let later TensorRT versions run the engine (embeds the lean runtime).")
+@click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 matmuls (faster; the graph says FP32, so off by default).")
+@click.option("--dry-run", is_flag=True, help="Check everything on the CPU and print the build plan; needs no TensorRT.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as one JSON object.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def build(bundle, out, max_batch, max_context, opt_batch, opt_context, timing_cache, builder_optimization_level,
+          hardware_compatibility, version_compatible, tf32, dry_run, as_json, force, quiet):
+    """Build a TensorRT engine bundle from an ONNX BUNDLE: strongly typed, prefill and decode profiles."""
+    from kvforge.export.engine import BuildOptions, build as run, build_plan, plan_text
+
+    options = BuildOptions(builder_optimization_level, hardware_compatibility, version_compatible, tf32, timing_cache)
+    if dry_run:
+        plan = build_plan(bundle, max_batch, max_context, opt_batch, opt_context, options)
+        click.echo(json.dumps(plan) if as_json else plan_text(plan))
+        return
+    if out is None:
+        raise click.UsageError("missing option -o / --out (only --dry-run needs none)")
+    with _PhaseProgress(enabled=not quiet) as progress:
+        b = run(bundle, out, max_batch, max_context, opt_batch, opt_context, options, force, progress)
+    e = b.manifest["engine"]
+    lim = e["limits"]
+    size = b.manifest["files"]["model.engine"]["bytes"] / 2**20
+    tc = e["timing_cache"]
+    click.echo(
+        f"wrote {b.path}: TensorRT {e['tensorrt_version']} engine ({size:.1f} MB) for {e['gpu']['name']} "
+        f"(compute capability {e['gpu']['compute_capability']}), profiles {', '.join(p['name'] for p in e['profiles'])}, "
+        f"max batch {lim['max_batch']}, max context {lim['max_context']}; built in {b.manifest['lineage'][-1]['seconds']['build']:.0f} s"
+        + (f"; timing cache {tc['path']} {'updated' if tc['loaded_sha256'] else 'created'}" if tc else "")
+    )
+
+
 def _backend_option(f):
     return click.option(
-        "--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
-        help="auto: ONNX Runtime for bundles, Torch for model sources.",
+        "--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "tensorrt", "torch"]),
+        help="auto: TensorRT for engine bundles, ONNX Runtime for ONNX bundles, Torch for model sources.",
     )(f)
 
 

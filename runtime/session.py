@@ -24,16 +24,26 @@ from kvforge.tokenizer import Tokenizer
 from .backend import Backend, KVCache
 from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens
 
-BACKENDS = ("onnxruntime", "torch")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
 def available_backends() -> list[str]:
-    """The backends whose libraries import here."""
+    """The backends whose libraries import here (tensorrt: also a CUDA device)."""
     import importlib.util
 
     found = []
     if importlib.util.find_spec("onnxruntime"):
         found.append("onnxruntime")
+    if importlib.util.find_spec("tensorrt"):
+        from kvforge.errors import MissingDependencyError
+
+        from .trt_backend import cuda_device
+
+        try:
+            cuda_device()
+            found.append("tensorrt")
+        except MissingDependencyError:
+            pass
     if importlib.util.find_spec("torch"):
         found.append("torch")
     return found
@@ -42,24 +52,40 @@ def available_backends() -> list[str]:
 def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session:
     """Open a bundle (or, with the torch backend, any model source) as a Session.
 
-    backend: "auto" (onnxruntime for ONNX bundles; torch for model sources),
-    "onnxruntime" or "torch". options go to the backend: onnxruntime takes
-    device ("auto", "cpu", "cuda"), threads, optimization ("all", "extended",
-    "basic", "none"), variant (True: the faster ORT-specific variant of the
-    graph, see runtime/ort_variant.py; False: the bundle's graph exactly); torch takes device and source (the model to rebuild the
-    reference from; default: the one recorded in the bundle's lineage).
+    backend: "auto" (tensorrt for engine bundles, onnxruntime for ONNX bundles;
+    torch for model sources), "onnxruntime", "tensorrt" or "torch". options go
+    to the backend: onnxruntime takes device ("auto", "cpu", "cuda"), threads,
+    optimization ("all", "extended", "basic", "none"), variant (True: the
+    faster ORT-specific variant of the graph, see runtime/ort_variant.py;
+    False: the bundle's graph exactly); tensorrt runs engine bundles (`kvforge
+    build`), and an ONNX bundle through an engine built once with the default
+    limits and cached (runtime/trt_backend.py); torch takes device and source
+    (the model to rebuild the reference from; default: the one recorded in the
+    bundle's lineage).
     """
     if backend not in ("auto", *BACKENDS):
         raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
     if Bundle.is_bundle(source):
+        from .trt_backend import is_engine_bundle
+
         bundle = Bundle(source)
         io, config = bundle.io, bundle.model_config
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
         dtype = bundle.manifest["precision"]["dtype"]
-        if backend in ("auto", "onnxruntime"):
+        engine = is_engine_bundle(bundle.manifest)
+        if backend == "auto":
+            backend = "tensorrt" if engine else "onnxruntime"
+        if backend == "onnxruntime" and engine:
+            raise KvforgeError(f"{bundle.path} holds a TensorRT engine ({bundle.manifest['graph']}); it runs on the tensorrt "
+                               "backend (or torch, for the reference), not onnxruntime")
+        if backend == "onnxruntime":
             from .ort_backend import OnnxRuntimeBackend
 
             impl: Backend = OnnxRuntimeBackend(config, io, bundle, **options)
+        elif backend == "tensorrt":
+            from .trt_backend import TensorRTBackend
+
+            impl = TensorRTBackend(config, io, bundle, **options)
         else:
             from .torch_backend import TorchBackend
 
@@ -71,6 +97,9 @@ def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session
         return Session(impl, tokenizer, config, io, str(source))
     if backend == "onnxruntime":
         raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`) to run it on ONNX Runtime")
+    if backend == "tensorrt":
+        raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`, then optionally "
+                           "`kvforge build OUT -o ENGINE`) to run it on TensorRT")
     return _torch_session(source, **options)
 
 

@@ -1,0 +1,589 @@
+"""TensorRT backend: one strongly typed engine with a prefill and a decode profile; the KV cache stays on the GPU.
+
+Each step copies the (small) int64 inputs to the device, binds the previous
+step's `present` buffers as this step's `past` inputs (no host round trip),
+runs `execute_async_v3` on the backend's CUDA stream and copies back only the
+logits that were asked for. Profile 0 serves prefill (sequence_length > 1,
+past 0), profile 1 decode (sequence_length 1); the engine's manifest records
+both, and the backend picks one per step. A step with sequence_length > 1
+over a non-empty cache fits neither profile box, so it runs token by token
+through the decode profile (same arithmetic: attention is causal).
+
+The graph writes the whole cache, past + new, into each `present` output, so
+a step needs output buffers other than its inputs. Caches own their device
+buffers through a lease: a buffer set is reused once no cache refers to it
+any more, so a generation loop that drops each cache as it goes ping-pongs
+between two sets, each grown geometrically as the context grows.
+
+Nothing here imports TensorRT or touches the GPU before `activate()`; the
+checks that need neither (engine file hash and size, TensorRT version and
+compute capability against the manifest, profile choice, buffer reuse) are
+pure functions, tested on the CPU. CUDA memory and streams come from
+Polygraphy's CUDA helpers (`polygraphy.cuda`); no Torch on this path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import itertools
+import json
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError, MissingDependencyError
+
+from .backend import Backend, KVCache
+
+ENGINE_FILE = "model.engine"
+INSTALL = "Install it with `bash scripts/install.sh --gpu` (the `gpu` extra: tensorrt, onnxruntime-gpu) on a machine with an NVIDIA GPU."
+HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
+PREFILL, DECODE = "prefill", "decode"
+# The IO contract's symbolic dimensions (docs/bundle.md); export/onnx_export.py writes them.
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+_ALIGN = 256  # TensorRT wants 256-byte aligned tensor addresses; cudaMalloc gives that
+CACHE_GRANULE = 128  # cache buffers are sized in steps of this many tokens (then doubled as needed)
+
+
+def is_engine_bundle(manifest: dict[str, Any]) -> bool:
+    """True for a bundle written by `kvforge build` (its graph is a serialized TensorRT engine)."""
+    return str(manifest.get("graph", "")).endswith(".engine") or manifest.get("stage") == "build"
+
+
+# -- what this machine has ------------------------------------------------------------
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise MissingDependencyError("TensorRT (the `tensorrt` Python package)", INSTALL) from e
+    return tensorrt
+
+
+def tensorrt_version() -> str | None:
+    """The installed TensorRT's version, without importing it (None when absent)."""
+    if importlib.util.find_spec("tensorrt") is None:
+        return None
+    from importlib import metadata
+
+    for dist in ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt-cu11", "tensorrt_cu12"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def cuda_device(index: int = 0) -> dict[str, Any]:
+    """Name and compute capability of CUDA device `index`, asked of the driver (libcuda): no toolkit needed."""
+    candidates = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.so", "libcuda.dylib"]
+    lib = None
+    for name in candidates:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise MissingDependencyError("an NVIDIA GPU (no CUDA driver, libcuda, was found)", INSTALL)
+    rc = lib.cuInit(0)
+    count = ctypes.c_int(0)
+    if rc != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value <= index:
+        raise MissingDependencyError(
+            f"an NVIDIA GPU (the CUDA driver finds no usable device{'' if rc == 0 else f': cuInit error {rc}'})", INSTALL
+        )
+    dev = ctypes.c_int(0)
+    lib.cuDeviceGet(ctypes.byref(dev), index)
+    name = ctypes.create_string_buffer(256)
+    lib.cuDeviceGetName(name, 256, dev)
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)  # ..._MINOR
+    return {"name": name.value.decode(errors="replace"), "compute_capability": f"{major.value}.{minor.value}", "count": count.value}
+
+
+def require_tensorrt_gpu():
+    """(tensorrt module, cuda_device()), or one MissingDependencyError naming everything that is missing."""
+    try:
+        trt = import_tensorrt()
+    except MissingDependencyError as e:
+        try:
+            cuda_device()
+        except MissingDependencyError as gpu:
+            raise MissingDependencyError(e.what, f"Nor is {gpu.what}. {INSTALL}") from e
+        raise
+    return trt, cuda_device()
+
+
+def _polygraphy_cuda():
+    """polygraphy.cuda with the CUDA runtime library loaded."""
+    try:
+        from polygraphy import cuda
+        from polygraphy.exception import PolygraphyException
+    except ImportError as e:
+        raise MissingDependencyError("polygraphy (TensorRT's CUDA helpers)", "Install it with `bash scripts/install.sh --gpu`.") from e
+    try:
+        cuda.wrapper()
+    except (OSError, PolygraphyException) as e:
+        raise MissingDependencyError(
+            f"the CUDA runtime library, libcudart ({e})",
+            "TensorRT's wheels normally bring it; otherwise `pip install nvidia-cuda-runtime-cu12` or add the CUDA toolkit's lib64 to LD_LIBRARY_PATH.",
+        ) from e
+    return cuda
+
+
+class _Log:
+    """A TensorRT logger that keeps the errors, to be quoted in the KvforgeError that follows a failure.
+
+    TensorRT keeps one logger per process (a later one is ignored with a
+    warning), so there is one instance, made on first use.
+    """
+
+    instance = None
+
+    @classmethod
+    def get(cls, trt):
+        if cls.instance is None:
+
+            class Logger(trt.ILogger):
+                def __init__(self):
+                    trt.ILogger.__init__(self)
+                    self.errors: list[str] = []
+
+                def log(self, severity, msg):
+                    if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                        self.errors.append(msg)
+                    elif severity == trt.ILogger.Severity.WARNING:
+                        print(f"[TensorRT] warning: {msg}", file=sys.stderr)
+
+                def take(self) -> str:
+                    text = " | ".join(self.errors[-5:]) or "no error was logged"
+                    self.errors.clear()
+                    return text
+
+            cls.instance = Logger()
+        return cls.instance
+
+
+# -- pure checks ------------------------------------------------------------------------
+def _version(v: str) -> tuple[int, int, int]:
+    parts = [int("".join(itertools.takewhile(str.isdigit, p)) or 0) for p in str(v).split(".")[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+def _cc(v: str) -> tuple[int, int]:
+    major, _, minor = str(v).partition(".")
+    return int(major), int(minor or 0)
+
+
+def check_compatibility(engine: dict[str, Any], tensorrt_version: str, compute_capability: str,
+                        gpu_name: str = "this GPU", where: str = "the bundle") -> None:
+    """Refuse an engine that this TensorRT or GPU cannot run, with what was recorded and what is here.
+
+    Engines run only on the TensorRT version (major.minor.patch) that built
+    them, unless built version-compatible (then on that version or later);
+    and only on GPUs of the compute capability they were built for, unless
+    built hardware-compatible (ampere_plus: any compute capability >= 8.0).
+    """
+    built_v = engine["tensorrt_version"]
+    built_cc, built_gpu = engine["gpu"]["compute_capability"], engine["gpu"].get("name", "?")
+    problems = []
+    if engine.get("version_compatible"):
+        if _version(tensorrt_version) < _version(built_v):
+            problems.append(f"it was built version-compatible with TensorRT {built_v}, which runs on {built_v} or later, "
+                            f"and this machine has TensorRT {tensorrt_version}")
+    elif _version(tensorrt_version) != _version(built_v):
+        problems.append(f"it was built with TensorRT {built_v} and this machine has TensorRT {tensorrt_version} "
+                        "(an engine runs only on the TensorRT version that built it unless built with --version-compatible)")
+    level = engine.get("hardware_compatibility", "none")
+    if level == "ampere_plus":
+        if _cc(compute_capability) < (8, 0):
+            problems.append(f"it was built for Ampere or newer (compute capability >= 8.0) and {gpu_name} has compute capability {compute_capability}")
+    elif _cc(compute_capability) != _cc(built_cc):
+        problems.append(f"it was built for compute capability {built_cc} ({built_gpu}) and {gpu_name} has compute capability "
+                        f"{compute_capability} (build with --hardware-compatibility ampere_plus to run on any GPU from Ampere on)")
+    if problems:
+        source = engine.get("source", {}).get("bundle", "the ONNX bundle")
+        raise KvforgeError(f"the TensorRT engine in {where} cannot run here: " + "; ".join(problems)
+                           + f". Rebuild it on this machine: kvforge build {source} -o OUT")
+
+
+def concrete_shape(shape: list, values: dict[str, int], name: str = "?") -> tuple[int, ...]:
+    """An IO-spec shape with its symbolic dimensions replaced by `values`."""
+    out = []
+    for d in shape:
+        if isinstance(d, int):
+            out.append(d)
+        elif d in values:
+            out.append(values[d])
+        else:
+            raise KvforgeError(f"tensor {name!r} has a symbolic dimension {d!r} that kvforge cannot size "
+                               f"(known: {', '.join(sorted(values))})")
+    return tuple(out)
+
+
+def step_shapes(io, batch: int, seq: int, past: int) -> dict[str, tuple[int, ...]]:
+    values = {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
+    return {t.name: concrete_shape(t.shape, values, t.name) for t in io.inputs}
+
+
+def _violation(profile: dict, shapes: dict[str, tuple[int, ...]], io) -> str | None:
+    """None when every input shape lies in the profile's [min, max] box, else what lies outside."""
+    for name, box in profile["shapes"].items():
+        actual = shapes.get(name)
+        if actual is None:
+            continue
+        for axis, (v, lo, hi) in enumerate(zip(actual, box["min"], box["max"])):
+            if not lo <= v <= hi:
+                dim = io.input(name).shape[axis]
+                what = f"{dim} = {v}" if isinstance(dim, str) else f"dimension {axis} of {name} = {v}"
+                flag = "--max-batch" if dim == BATCH else "--max-context"
+                return f"{what} is outside {lo}..{hi} of the engine's {profile['name']!r} profile (rebuild with a larger {flag})"
+    return None
+
+
+def plan_step(profiles: list[dict], io, batch: int, seq: int, past: int) -> tuple[int, bool]:
+    """(profile index, stepwise) for a step of `seq` tokens over a past of `past`.
+
+    Decode (seq == 1) prefers the decode profile, anything longer the prefill
+    profile; a step no profile box holds (seq > 1 over a non-empty past) runs
+    token by token through the decode profile when its first and last tokens fit.
+    """
+    by_name = {p["name"]: i for i, p in enumerate(profiles)}
+    order = [DECODE, PREFILL] if seq == 1 else [PREFILL, DECODE]
+    order = [by_name[n] for n in order if n in by_name] + [i for i in range(len(profiles)) if profiles[i]["name"] not in order]
+    shapes = step_shapes(io, batch, seq, past)
+    for i in order:
+        if _violation(profiles[i], shapes, io) is None:
+            return i, False
+    if seq > 1 and DECODE in by_name:
+        i = by_name[DECODE]
+        first, last = step_shapes(io, batch, 1, past), step_shapes(io, batch, 1, past + seq - 1)
+        if _violation(profiles[i], first, io) is None and _violation(profiles[i], last, io) is None:
+            return i, True
+    raise KvforgeError(f"a step of batch {batch}, {seq} new tokens over a past of {past} does not fit this engine: "
+                       + _violation(profiles[order[0]], shapes, io))
+
+
+def verify_engine_file(bundle: Bundle) -> None:
+    """Size and sha256 of every file against the manifest, before TensorRT sees a byte of the engine."""
+    graph = bundle.manifest.get("graph")
+    if graph not in bundle.manifest.get("files", {}):
+        raise KvforgeError(f"bundle {bundle.path} is damaged: the manifest records no size or hash for its engine {graph!r}")
+    bundle.verify_files()
+
+
+# -- device buffers ----------------------------------------------------------------------
+class _Lease:
+    """Held by every tensor of one cache; once the last goes, the buffer set it used is free again."""
+
+    __slots__ = ("pool", "__weakref__")
+
+    def __init__(self, pool):
+        self.pool = pool
+
+
+@dataclass(eq=False)
+class DeviceTensor:
+    """A contiguous tensor at the start of a device buffer (ptr 0: empty, no memory)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    lease: _Lease | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class _BufferSet:
+    def __init__(self):
+        self.buffers: list = []
+        self.lease: weakref.ref | None = None
+
+    def free(self) -> bool:
+        return self.lease is None or self.lease() is None
+
+
+class BufferPool:
+    """Buffer sets for cache outputs, reused once no live cache holds them.
+
+    alloc(nbytes) returns an object with `ptr`, `nbytes` and `free()`.
+    """
+
+    def __init__(self, alloc: Callable[[int], Any], keep_idle: int = 2):
+        self.alloc = alloc
+        self.keep_idle = keep_idle
+        self.sets: list[_BufferSet] = []
+        self.closed = False
+
+    def acquire(self, sizes: list[int]) -> tuple[list, _Lease]:
+        """Buffers of at least `sizes` bytes that no live cache uses, and the lease the new cache must hold."""
+        chosen = next((s for s in self.sets if s.free()), None)
+        if chosen is None:
+            chosen = _BufferSet()
+            self.sets.append(chosen)
+        for i, need in enumerate(sizes):
+            need = max(need, _ALIGN)
+            if i < len(chosen.buffers) and chosen.buffers[i].nbytes >= need:
+                continue
+            old = chosen.buffers[i].nbytes if i < len(chosen.buffers) else 0
+            if i < len(chosen.buffers):
+                chosen.buffers[i].free()
+            buf = self.alloc(max(need, 2 * old))  # geometric growth: few reallocations as the context grows
+            if i < len(chosen.buffers):
+                chosen.buffers[i] = buf
+            else:
+                chosen.buffers.append(buf)
+        lease = _Lease(self)
+        chosen.lease = weakref.ref(lease)
+        idle = [s for s in self.sets if s.free()]
+        for s in idle[self.keep_idle:]:
+            for b in s.buffers:
+                b.free()
+            self.sets.remove(s)
+        return chosen.buffers[: len(sizes)], lease
+
+    def close(self) -> None:
+        for s in self.sets:
+            for b in s.buffers:
+                b.free()
+        self.sets = []
+        self.closed = True
+
+
+class _DeviceBuffer:
+    """A raw cudaMalloc'd region (through polygraphy.cuda.DeviceArray)."""
+
+    def __init__(self, cuda, nbytes: int):
+        self.array = cuda.DeviceArray.raw((int(nbytes),))
+        self.ptr = self.array.ptr
+        self.nbytes = int(nbytes)
+
+    def free(self) -> None:
+        if self.array is not None:
+            self.array.free()
+            self.array, self.ptr, self.nbytes = None, 0, 0
+
+
+def _numpy_dtype(trt_dtype) -> np.dtype:
+    import ml_dtypes
+
+    table = {
+        "FLOAT": np.float32, "HALF": np.float16, "BF16": ml_dtypes.bfloat16, "FP8": ml_dtypes.float8_e4m3fn,
+        "INT8": np.int8, "UINT8": np.uint8, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_,
+    }
+    name = getattr(trt_dtype, "name", str(trt_dtype)).split(".")[-1]
+    if name not in table:
+        raise KvforgeError(f"the engine has an IO tensor of type {name}, which the tensorrt backend does not bind")
+    return np.dtype(table[name])
+
+
+# -- the backend ---------------------------------------------------------------------------
+class TensorRTBackend(Backend):
+    name = "tensorrt"
+
+    def __init__(self, config, io, bundle: Bundle, **options):
+        super().__init__(config, io, **options)
+        self.bundle = bundle
+        self.past_names = [n for layer in io.past for n in layer]
+        self.present_names = [n for layer in io.present for n in layer]
+        self.engine = None
+
+    # lifecycle
+    def activate_impl(self) -> None:
+        bundle = self.bundle if is_engine_bundle(self.bundle.manifest) else engine_for(self.bundle)
+        verify_engine_file(bundle)
+        meta = bundle.manifest.get("engine")
+        if not meta:
+            raise KvforgeError(f"{bundle.path} is not an engine bundle: its manifest has no `engine` section")
+        trt, device = require_tensorrt_gpu()
+        check_compatibility(meta, trt.__version__, device["compute_capability"], device["name"], str(bundle.path))
+        cuda = _polygraphy_cuda()
+        log = _Log.get(trt)
+        log.errors.clear()
+        self._trt, self._cuda, self._log = trt, cuda, log
+        self.runtime = trt.Runtime(log)
+        if meta.get("version_compatible"):
+            # a version-compatible plan carries the lean runtime's host code; the hash above vouches for the file
+            self.runtime.engine_host_code_allowed = True
+        engine_path = bundle.path / bundle.manifest["graph"]
+        try:
+            self.engine = self.runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        except (RuntimeError, TypeError, ValueError) as e:  # TensorRT mostly returns None, and logs why
+            raise KvforgeError(f"TensorRT {trt.__version__} cannot deserialize {engine_path}: {e}; {log.take()}") from e
+        if self.engine is None:
+            raise KvforgeError(f"TensorRT {trt.__version__} cannot deserialize {engine_path}: {log.take()}")
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.engine_inputs = {n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
+        outputs = {n for n in names if n not in self.engine_inputs}
+        spec_inputs = {t.name for t in self.io.inputs}
+        missing = [n for n in ["logits", *self.present_names] if n not in outputs] + [n for n in self.past_names if n not in self.engine_inputs]
+        unknown = sorted(self.engine_inputs - spec_inputs)
+        if missing or unknown:
+            raise KvforgeError(f"{engine_path} does not match the manifest's IO spec: missing {missing}, unexpected inputs {unknown}")
+        self.dtypes = {n: _numpy_dtype(self.engine.get_tensor_dtype(n)) for n in names}
+        self.profiles = meta["profiles"]
+        self.max_context = int(meta["limits"]["max_context"])
+        self.present_specs = [next(t for t in self.io.outputs if t.name == n) for n in self.present_names]
+        if self.engine.num_optimization_profiles != len(self.profiles):
+            raise KvforgeError(f"{engine_path} has {self.engine.num_optimization_profiles} optimization profiles, the manifest records {len(self.profiles)}")
+        self.context = self.engine.create_execution_context()
+        if self.context is None:
+            raise KvforgeError(f"TensorRT cannot create an execution context for {engine_path} (out of GPU memory?): {log.take()}")
+        self.stream = cuda.Stream()
+        alloc = lambda n: _DeviceBuffer(cuda, n)  # noqa: E731
+        self.pool = BufferPool(alloc)
+        self.scratch = BufferPool(alloc, keep_idle=1)  # inputs and logits: one set, reused every step
+        self.dummy = _DeviceBuffer(cuda, _ALIGN)  # the address of empty (zero-volume) tensors
+        self.context.set_optimization_profile_async(0, self.stream.ptr)
+        self.active_profile = 0
+
+    def deactivate_impl(self) -> None:
+        if self.engine is None:
+            return
+        self.stream.synchronize()
+        self.context = None
+        self.engine = None
+        self.runtime = None
+        self.pool.close()
+        self.scratch.close()
+        self.dummy.free()
+        self.stream.free()
+
+    # steps
+    def empty_cache_impl(self, batch: int):
+        values = {BATCH: batch, PAST: 0}
+        return [DeviceTensor(0, concrete_shape(self.io.input(n).shape, values, n), self.dtypes[n]) for n in self.past_names]
+
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+        self._check_alive(cache.values)
+        B, T = input_ids.shape
+        index, stepwise = plan_step(self.profiles, self.io, B, T, cache.length)
+        if not stepwise:
+            return self._run(index, input_ids, attention_mask, position_ids, cache, last_only)
+        kept = []
+        for i in range(T):
+            total = cache.length + 1
+            logits, cache = self._run(index, input_ids[:, i:i + 1], attention_mask[:, :total], position_ids[:, i:i + 1], cache, True)
+            kept.append(logits)
+        return (kept[-1] if last_only else np.concatenate(kept, axis=1)), cache
+
+    def _run(self, index: int, ids, mask, pos, cache: KVCache, last_only: bool):
+        cuda, ctx, stream = self._cuda, self.context, self.stream
+        copy, kind = cuda.wrapper().memcpy, cuda.MemcpyKind
+        B, T = ids.shape
+        if index != self.active_profile:
+            ctx.set_optimization_profile_async(index, stream.ptr)
+            self.active_profile = index
+        # inputs the engine kept (TensorRT drops inputs that no output depends on), in the engine's dtypes
+        host = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+        host = {n: np.ascontiguousarray(a, dtype=self.dtypes[n]) for n, a in host.items() if n in self.engine_inputs}
+        for name, arr in host.items():
+            self._set_shape(name, arr.shape)
+        for name, t in zip(self.past_names, cache.values):
+            self._set_shape(name, t.shape)
+        shapes = {n: tuple(ctx.get_tensor_shape(n)) for n in ["logits", *self.present_names]}
+        if any(d < 0 for s in shapes.values() for d in s):
+            raise KvforgeError(f"TensorRT cannot infer the output shapes {shapes} for batch {B}, {T} tokens over a past of "
+                               f"{cache.length}: {self._log.take()}")
+        # device memory: inputs and logits from a scratch set reused every step; presents from the cache pool
+        scratch, _scratch_lease = self.scratch.acquire([a.nbytes for a in host.values()] + [self._nbytes("logits", shapes["logits"])])
+        for (name, arr), buf in zip(host.items(), scratch):
+            copy(buf.ptr, arr.ctypes.data, arr.nbytes, kind.HostToDevice, stream.ptr)
+            ctx.set_tensor_address(name, buf.ptr)
+        for name, t in zip(self.past_names, cache.values):
+            ctx.set_tensor_address(name, t.ptr or self.dummy.ptr)  # the previous step's present: no copy
+        logits_buf = scratch[-1]
+        ctx.set_tensor_address("logits", logits_buf.ptr)
+        buffers, lease = self.pool.acquire(self._reserve(B, T, cache.length + T))
+        for name, buf in zip(self.present_names, buffers):
+            ctx.set_tensor_address(name, buf.ptr)
+        if not ctx.execute_async_v3(stream.ptr):
+            raise KvforgeError(f"TensorRT failed to run a step (batch {B}, {T} tokens, past {cache.length}): {self._log.take()}")
+        dtype = self.dtypes["logits"]
+        V, row = shapes["logits"][-1], shapes["logits"][-1] * dtype.itemsize
+        if last_only and T > 1:  # copy back each row's last position only
+            logits = np.empty((B, 1, V), dtype)
+            for b in range(B):
+                copy(logits.ctypes.data + b * row, logits_buf.ptr + (b * T + T - 1) * row, row, kind.DeviceToHost, stream.ptr)
+        else:
+            logits = np.empty(shapes["logits"], dtype)
+            copy(logits.ctypes.data, logits_buf.ptr, logits.nbytes, kind.DeviceToHost, stream.ptr)
+        stream.synchronize()  # the step is done; `host` lived until its copies were
+        values = [DeviceTensor(buf.ptr, shapes[n], self.dtypes[n], lease) for n, buf in zip(self.present_names, buffers)]
+        return logits.astype(np.float32, copy=False), KVCache(self.name, B, cache.length + T, values)
+
+    def _check_alive(self, tensors) -> None:
+        pool = getattr(self, "pool", None)
+        for t in tensors:
+            if t.lease is not None and (t.lease.pool is not pool or pool.closed):
+                raise KvforgeError("this cache was made before the session was last deactivated; its GPU memory is gone")
+
+    def _reserve(self, batch: int, seq: int, total: int) -> list[int]:
+        """Bytes to hold each present tensor with room to grow: its size at `total` rounded up to CACHE_GRANULE tokens."""
+        room = min(max(self.max_context, total), -(-total // CACHE_GRANULE) * CACHE_GRANULE)
+        values = {BATCH: batch, SEQ: seq, PAST: room - seq, TOTAL: room}
+        return [self._nbytes(t.name, concrete_shape(t.shape, values, t.name)) for t in self.present_specs]
+
+    def _nbytes(self, name: str, shape) -> int:
+        return int(np.prod(shape, dtype=np.int64)) * self.dtypes[name].itemsize
+
+    def _set_shape(self, name: str, shape) -> None:
+        if not self.context.set_input_shape(name, tuple(int(d) for d in shape)):
+            profile = self.profiles[self.active_profile]
+            raise KvforgeError(f"TensorRT refuses shape {tuple(shape)} for {name} in the {profile['name']!r} profile "
+                               f"({profile['shapes'].get(name)}): {self._log.take()}")
+
+    def to_numpy(self, value: DeviceTensor) -> np.ndarray:
+        out = np.zeros(value.shape, value.dtype)
+        if value.ptr and out.nbytes:
+            self._check_alive([value])
+            self._cuda.wrapper().memcpy(out.ctypes.data, value.ptr, out.nbytes, self._cuda.MemcpyKind.DeviceToHost)
+        return out
+
+
+# -- engines for ONNX bundles ------------------------------------------------------------------
+ENGINE_CACHE_VERSION = 1
+
+
+def engine_cache_key(bundle: Bundle, tensorrt_version: str, compute_capability: str) -> str:
+    files = bundle.manifest.get("files", {})
+    parts = {
+        "graph": files.get(bundle.manifest["graph"], {}).get("sha256"),
+        "external_data": files.get(bundle.manifest.get("external_data") or "", {}).get("sha256"),
+        "tensorrt": tensorrt_version,
+        "compute_capability": compute_capability,
+        "version": ENGINE_CACHE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def engine_for(bundle: Bundle) -> Bundle:
+    """The engine for an ONNX bundle, built once with the default limits and cached under $KVFORGE_CACHE.
+
+    This is what `runtime.load(onnx_bundle, backend="tensorrt")` runs; `kvforge
+    build` makes an engine bundle with chosen limits instead.
+    """
+    from .ort_variant import cache_root
+
+    trt, device = require_tensorrt_gpu()
+    target = cache_root() / "trt-engines" / engine_cache_key(bundle, trt.__version__, device["compute_capability"])
+    if Bundle.is_bundle(target):
+        return Bundle(target)
+    from kvforge.export.engine import build
+
+    print(f"kvforge: building a TensorRT engine for {bundle.path} (cached in {target}) ...", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return build(bundle.path, target)
+    except KvforgeError:
+        if Bundle.is_bundle(target):  # another process built it first
+            return Bundle(target)
+        raise
