@@ -12,6 +12,7 @@ import numpy as np
 import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
 from kvforge.errors import KvforgeError
+from kvforge.runtime.ort_backend import make_session, prefill_feeds
 
 from .data import load_calibration_set
 from .observers import METHODS, TensorObserver
@@ -19,14 +20,6 @@ from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_f
 
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
 Progress = Callable[[str, int, int], None]
-
-
-def _ort_session(model):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
@@ -44,20 +37,13 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
     elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
     for name in activations:  # activations carry the model dtype
         probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
-    sess = _ort_session(probe)
+    sess = make_session(probe.SerializeToString())
     names = [o.name for o in sess.get_outputs()][1:]
-    cfg = bundle.model_config
-    past = {i.name: None for i in sess.get_inputs() if i.name.startswith("past_key_values")}
+    past = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values")]
+    dtype = "float16" if float_dtype == np.float16 else "float32"
 
     def run(batch):
-        b, t = batch.shape
-        feeds = {
-            "input_ids": batch,
-            "attention_mask": np.ones((b, t), np.int64),
-            "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
-            **{n: np.zeros((b, cfg["n_kv_heads"], 0, cfg["head_dim"]), float_dtype) for n in past},
-        }
-        return dict(zip(names, sess.run(names, feeds)))
+        return dict(zip(names, sess.run(names, prefill_feeds(batch, bundle.model_config, past, dtype))))
 
     observers = {n: TensorObserver(n) for n in activations}
     channel_amax: dict[str, np.ndarray] = {}
@@ -91,6 +77,9 @@ def calibrate(
     force: bool = False,
     progress: Progress | None = None,
     kv_cache: str | None = None,
+    accuracy_budget: dict[str, float] | None = None,
+    budget_data: str | Path | None = None,
+    budget_tokens: int = 4096,
 ) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only."""
     import onnx
@@ -98,6 +87,10 @@ def calibrate(
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(bundle_path)
+    if accuracy_budget:
+        from .budget import parse_budget
+
+        accuracy_budget = parse_budget(accuracy_budget)
     if precision not in FORMATS:
         raise KvforgeError(f"precision {precision!r} is not one of {FORMATS}")
     if method not in METHODS:
@@ -154,10 +147,25 @@ def calibrate(
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
         }
 
+    def quantize(extra_exclude: list[str]):
+        """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
+        q = type(model)()
+        q.CopyFrom(model)
+        q_targets, q_excluded = find_targets(q, list(exclude) + extra_exclude, quantize_lm_head)
+        rec = rewrite(q, q_targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype)
+        if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
+            rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
+        return q, q_targets, q_excluded, rec
+
     progress("quantize", 0, 1)
-    record = rewrite(model, targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype)
-    if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
-        record["kv_cache"] = add_kv_cache_qdq(model, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
+    budget_report = None
+    if accuracy_budget:
+        from .budget import fit_budget
+
+        (model, targets, excluded, record), budget_report = fit_budget(
+            bundle, model, quantize, precision, accuracy_budget, budget_data, budget_tokens, progress)
+    else:
+        model, targets, excluded, record = quantize([])
     progress("quantize", 1, 1)
 
     from kvforge.export.lint import lint
@@ -188,7 +196,7 @@ def calibrate(
             stage="calibrate",
             external_data="model.onnx.data" if big else None,
             precision={"dtype": dtype, "quantization": quantization},
-            calibration={**calibration, "scales": record},
+            calibration={**calibration, "scales": record, "accuracy_budget": budget_report},
             lint=lint_result,
             lineage=bundle.manifest.get("lineage", []) + [{
                 "stage": "calibrate",
@@ -198,7 +206,7 @@ def calibrate(
                 "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                             "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
                             "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
-                            "kv_cache": kv_cache},
+                            "kv_cache": kv_cache, "accuracy_budget": accuracy_budget},
                 "seconds": {"total": round(time.time() - started, 2)},
             }],
         )

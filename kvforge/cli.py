@@ -208,6 +208,17 @@ def inspect(bundle, as_json):
             f"max abs {v['logits']['max_abs']:.2e}, rel L2 {v['logits']['rel_l2']:.2e}, top-1 {v['logits']['top1_agreement']:.3f}; "
             f"lockstep {v['lockstep']['steps']} steps, greedy {v['lockstep']['greedy_matching_steps']}/{v['lockstep']['steps']}"
         )
+    engine = m.get("engine")
+    if engine:
+        lim = engine["limits"]
+        console.print(
+            f"engine: TensorRT {engine['tensorrt_version']} for {engine['gpu']['name']} (compute capability "
+            f"{engine['gpu']['compute_capability']}), max batch {lim['max_batch']}, max context {lim['max_context']}, "
+            f"hardware compatibility {engine['hardware_compatibility']}, version compatible {engine['version_compatible']}"
+        )
+        for prof in engine["profiles"]:
+            shapes = ", ".join(f"{n} {b['min']}..{b['max']}" for n, b in prof["shapes"].items() if n in ("input_ids", "attention_mask"))
+            console.print(f"  profile {prof['index']} {prof['name']}: {shapes}")
     lint_result = m.get("lint")
     if lint_result:
         console.print(f"lint: {'passed' if lint_result['passed'] else 'FAILED'} ({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
@@ -233,16 +244,23 @@ def inspect(bundle, as_json):
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--kv-cache", type=click.Choice(["fp8"]), help="Quantize the KV cache writes to FP8 E4M3 (with int8 or fp8).")
+@click.option("--accuracy-budget", "budget", multiple=True, metavar="METRIC=VALUE",
+              help="Keep the most sensitive blocks in float until this holds against the float graph "
+                   "(perplexity_delta_pct, top1_agreement, kl_divergence_mean, logits_rel_l2); repeatable.")
+@click.option("--budget-data", type=click.Path(dir_okay=False), help="Held-out text for the budget (default: tiny's held-out text).")
+@click.option("--budget-tokens", default=4096, show_default=True, type=click.IntRange(2), help="Tokens the budget is measured on.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
-              random_data, quantize_lm_head, batch_size, kv_cache, force, quiet):
+              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     from kvforge.calibration import calibrate as run
+    from kvforge.verify.compare import parse_tolerances
 
     with _PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
-                random_data, batch_size, quantize_lm_head, force, progress, kv_cache)
+                random_data, batch_size, quantize_lm_head, force, progress, kv_cache, parse_tolerances(list(budget)),
+                budget_data, budget_tokens)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
@@ -252,6 +270,15 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
         f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
     )
+    fit = c.get("accuracy_budget")
+    if fit:
+        last, speed = fit["iterations"][-1], fit["speed"]
+        click.echo(
+            f"accuracy budget {fit['budget']} met with {', '.join(fit['kept_in_float']) or 'nothing'} kept in float "
+            f"(perplexity {last['perplexity_delta_pct']:+.3f}%, top-1 {last['top1_agreement']:.4f} vs the float graph); "
+            f"decode {speed['result_decode_tokens_per_s']:.1f} tok/s vs {speed['quantized_decode_tokens_per_s']:.1f} fully "
+            f"quantized ({speed['change_pct']:+.1f}%) and {speed['float_decode_tokens_per_s']:.1f} float (ONNX Runtime, this machine)"
+        )
 
 
 @main.command()
@@ -357,6 +384,157 @@ def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json)
             f"TTFT {result['ttft_ms']:.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB"
         )
     click.echo(json.dumps(result))
+
+
+def _wide_console():
+    """A console at least 120 columns wide, so that report tables stay readable in CI logs."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 120))
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+@main.command()
+@click.argument("candidate", type=click.Path(exists=True, file_okay=False))
+@click.option("--reference", help="Bundle or model source run on Torch (default: the source CANDIDATE was exported from).")
+@click.option("--data", type=click.Path(dir_okay=False), help="Held-out text (UTF-8, or JSONL; default: tiny's held-out text).")
+@_backend_option
+@click.option("--steps", default=32, show_default=True, type=click.IntRange(1), help="Decode steps per prompt.")
+@click.option("--prompts", default=4, show_default=True, type=click.IntRange(1), help="Prompts for the decode comparison.")
+@click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(2), help="Corpus tokens for perplexity and logits.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1), help="Perplexity window.")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=VALUE",
+              help="Override a default bound (floor for agreements/cosines, ceiling for errors); repeatable.")
+@click.option("--per-layer", is_flag=True, help="Rank decoder blocks by their contribution to the error.")
+@click.option("--random-data", is_flag=True, help="Seeded random tokens instead of text.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Write the report here, with -drift.png (and -layers.png) beside it.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
+            json_file, quiet):
+    """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
+    from rich.table import Table
+
+    from kvforge.verify.compare import HIGHER_IS_BETTER, REPORT_METRICS, compare as run, parse_tolerances, write_report
+
+    with _PhaseProgress(enabled=not quiet) as progress:
+        report = run(candidate, reference, data, backend, steps, prompts, max_tokens=max_tokens, seq_len=seq_len,
+                     tolerances=parse_tolerances(list(tolerances)), per_layer=per_layer, random_data=random_data,
+                     progress=progress)
+    r = report.result
+    console = _wide_console()
+    table = Table(title=f"{r['candidate']} ({r['precision']}, {r['candidate_backend']}) vs {r['reference']} ({r['reference_backend']})")
+    for col in ("metric", "value", "bound"):
+        table.add_column(col)
+    for key in REPORT_METRICS:
+        bound = r["tolerances"].get(key)
+        table.add_row(key, _fmt(r[key]), "" if bound is None else (">= " if key in HIGHER_IS_BETTER else "<= ") + _fmt(bound))
+    console.print(table)
+    if r["per_layer"]:
+        layers = Table(title="per-layer error, ranked by contribution (a block's own rel L2, fed the reference's input)")
+        for col in ("rank", "layer", "accumulated rel L2", "contribution", "cosine", "max abs"):
+            layers.add_column(col)
+        for row in sorted(r["per_layer"], key=lambda x: x["rank"]):
+            layers.add_row(str(row["rank"]), row["layer"], _fmt(row["rel_l2"]), _fmt(row["contribution"]), _fmt(row["cosine"]), _fmt(row["max_abs"]))
+        console.print(layers)
+    console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
+    if json_file:
+        for path in write_report(report, json_file):
+            console.print(f"wrote {path}")
+    if report.passed:
+        console.print("[green]passed[/]")
+    else:
+        console.print(f"[red]FAILED[/]: {'; '.join(report.failures)}")
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--update-baseline", is_flag=True, help="Rewrite the spec's baseline from this run (on purpose).")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep the artifacts here (default: a temporary directory).")
+@click.option("--report", "report_file", type=click.Path(dir_okay=False), help="Write the JSON report here, with -drift.png beside it.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def check(spec, update_baseline, workdir, report_file, quiet):
+    """Run the accuracy regression check SPEC (TOML); exit 1 on a regression against its baseline."""
+    from rich.table import Table
+
+    from kvforge.verify.check import check as run, write_check_report
+
+    console = _wide_console()
+    with _PhaseProgress(enabled=not quiet) as progress:
+        result = run(spec, update_baseline, workdir, progress, log=lambda m: console.print(m, style="dim"))
+    table = Table(title=f"check {spec}: against {result.spec.baseline.name}")
+    for col in ("artifact/backend", "metric", "baseline", "now", "limit", ""):
+        table.add_column(col)
+    for f in result.findings:
+        table.add_row(f.key, f.metric, _fmt(f.baseline), _fmt(f.current), _fmt(f.limit),
+                      "[green]ok[/]" if f.ok else f"[red]{f.note}[/]")
+    for o in result.outcomes:
+        if o.skipped:
+            table.add_row(o.key, "-", "", "", "", f"skipped: {o.skipped}")
+    console.print(table)
+    if report_file:
+        for path in write_check_report(result, report_file):
+            console.print(f"wrote {path}")
+    if result.baseline_written:
+        console.print(f"wrote the baseline {result.spec.baseline}")
+    if result.passed:
+        console.print("[green]check passed[/]")
+    else:
+        console.print(f"[red]check FAILED[/]: {len(result.regressions)} finding(s): "
+                      + "; ".join(f"{f.key} {f.metric} {f.note}" for f in result.regressions))
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("source", required=False)
+@click.option("-o", "--out", "workdir", default="runs/tiny", show_default=True, type=click.Path(file_okay=False),
+              help="Work directory for the bundles and the report.")
+@click.option("--precision", "precisions", multiple=True, type=click.Choice(["fp32", "fp16", "bf16", "int8", "fp8", "int4"]),
+              help="Repeatable (default: fp32 fp16 int8 fp8 int4).")
+@click.option("--calibration-data", type=click.Path(dir_okay=False), help="Calibration text (needed for models other than tiny).")
+@click.option("--random-data", is_flag=True, help="Calibrate and compare on random tokens (models without data).")
+@click.option("--force", is_flag=True, help="Reuse a non-empty work directory, replacing its artifacts.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def pipeline(source, workdir, precisions, calibration_data, random_data, force, quiet):
+    """The main job: export, calibrate, build engines (where TensorRT runs), compare all, report."""
+    from rich.table import Table
+
+    from kvforge.verify.pipeline import DEFAULT_PRECISIONS, bundle_megabytes, pipeline as run
+
+    console = _wide_console()
+    with _PhaseProgress(enabled=not quiet) as progress:
+        result = run(source, workdir, precisions or DEFAULT_PRECISIONS, calibration_data, force, random_data, progress,
+                     log=lambda m: console.print(m, style="dim"))
+    table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
+    for col in ("artifact", "backend", "MB", "perplexity", "delta %", "top-1", "KL", "greedy", "result"):
+        table.add_column(col)
+    for o in result.outcomes:
+        if o.report is None:
+            table.add_row(o.artifact, o.backend, "", "", "", "", "", "", f"skipped: {o.skipped}")
+            continue
+        r = o.report.result
+        table.add_row(o.artifact, o.backend, f"{bundle_megabytes(o.bundle):.1f}", f"{r['perplexity_candidate']:.3f}",
+                      f"{r['perplexity_delta_pct']:+.2f}", f"{r['top1_agreement']:.4f}", _fmt(r["kl_divergence_mean"]),
+                      f"{r['greedy_agreement']:.3f}", "[green]pass[/]" if o.report.passed else "[red]FAIL: " + "; ".join(o.report.failures) + "[/]")
+    console.print(table)
+    first = next(o.report for o in result.outcomes if o.report is not None)
+    console.print(f"reference: {first['reference']} on torch, perplexity {first['perplexity_reference']:.3f} over "
+                  f"{first['tokens']} tokens of {first['data']}; greedy = teacher-forced agreement over "
+                  f"{first['prompts']} x {first['steps']} decode steps")
+    if result.engine_skipped:
+        console.print(f"TensorRT engine build skipped: {result.engine_skipped}")
+    if result.sample:
+        console.print(f"sample from {result.sample}", markup=False)
+    console.print(f"report: {result.workdir / 'report.json'} (+ drift.png, *-layers.png)")
+    if not result.passed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,3 +108,19 @@ _TRT_GPU_ABSENT = tensorrt_gpu_absent()
 # Use as a decorator together with @pytest.mark.gpu.
 requires_tensorrt_gpu = pytest.mark.skipif(_TRT_GPU_ABSENT is not None, reason=f"needs TensorRT and an NVIDIA GPU: {_TRT_GPU_ABSENT}")
 
+
+# -- shared artifacts ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_fp32(tmp_path_factory):
+    """One validated FP32 export of the built-in tiny model for the whole run (tests only read it)."""
+    from kvforge.export import export
+
+    return export("tiny", tmp_path_factory.mktemp("shared") / "tiny-fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_int8(tiny_fp32, tmp_path_factory):
+    """tiny calibrated to INT8 (max, built-in corpus, 32 samples of 128 tokens: quick)."""
+    from kvforge.calibration import calibrate
+
+    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("shared") / "tiny-int8", "int8", samples=32, seq_len=128)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -34,20 +35,22 @@ def test_the_first_two_commands_set_up_then_run_the_main_job_and_the_tests():
 
 @pytest.mark.slow
 def test_the_main_job_runs(tmp_path):
-    """The first command after its install step, from a scratch directory."""
+    """The first command after its install step, from a scratch directory: the pipeline's summary table."""
     main_job = _first_commands()[0].split("&&", 1)[1]
     env = {**os.environ, "COLUMNS": "120"}
     out = subprocess.run(["bash", "-c", main_job], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "validation passed" in out.stdout  # export
-    assert "int8 (per-channel weights" in out.stdout and "lint passed" in out.stdout  # calibrate
-    generated = out.stdout.split("wrote runs/tiny-int8", 1)[1].split("\n", 1)[1]  # after calibrate's line
-    assert generated.strip(), "generate streamed no text"
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "kvforge pipeline: tiny" in out.stdout
+    rows = [[c.strip() for c in line.strip().strip("│").split("│")] for line in out.stdout.splitlines() if "│" in line]
+    table = {cells[0]: cells for cells in rows}
+    assert set(table) >= {"fp32", "fp16", "int8", "fp8", "int4"}, out.stdout
+    assert all(cells[-1] == "pass" for cells in table.values()), out.stdout
     words = shlex.split(main_job)
-    for i, word in enumerate(words):
-        if word == "-o":
-            bundle = tmp_path / words[i + 1]
-            assert (bundle / "kvforge.json").is_file() and (bundle / "model.onnx").is_file()
+    work = tmp_path / words[words.index("-o") + 1]
+    report = json.loads((work / "report.json").read_text())
+    assert report["passed"] and (work / "drift.png").is_file()
+    for name in ("fp32", "fp16", "int8", "fp8", "int4"):
+        assert (work / name / "kvforge.json").is_file() and (work / name / "model.onnx").is_file()
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))

@@ -90,8 +90,8 @@ def test_quantized_weights_dequantize_identically_in_onnxruntime(fmt, K, block):
 
 # -- quantized tiny ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
-    return export("tiny", tmp_path_factory.mktemp("cal") / "fp32")
+def fp32(tiny_fp32):
+    return tiny_fp32
 
 
 @pytest.fixture(scope="module")

@@ -284,3 +284,12 @@ def test_engine_manifest_records_the_build(fp32, int8, tmp_path):
     b = _fake_engine_bundle(fp32, tmp_path / "e")
     assert b.manifest["files"]["model.engine"]["bytes"] == 15 * 8 and b.io.max_context == 128
     b.verify_files()
+
+
+def test_inspect_shows_the_engine(int8, tmp_path, cli):
+    b = _fake_engine_bundle(int8, tmp_path / "eng")
+    out = cli("inspect", b.path)
+    assert out.exit_code == 0
+    text = " ".join(out.output.split())
+    assert "engine: TensorRT 10.13.0.35 for NVIDIA H100 80GB HBM3 (compute capability 9.0), max batch 4, max context 128" in text
+    assert "profile 0 prefill" in text and "profile 1 decode" in text

@@ -40,11 +40,6 @@ def _ort_greedy(bundle, dtype, prompt_ids, steps):
     return tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_fp32(tmp_path_factory):
-    return export("tiny", tmp_path_factory.mktemp("tiny") / "fp32")
-
-
 def test_tiny_fp32_matches_and_decodes_identically(tiny_fp32):
     v = tiny_fp32.manifest["validation"]
     assert v["passed"] and v["logits"]["max_abs"] <= 1e-4 and v["lockstep"]["greedy_matching_steps"] == 32

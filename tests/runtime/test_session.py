@@ -23,8 +23,8 @@ PROMPT = "def fibonacci(n):\n    if n"
 
 
 @pytest.fixture(scope="module")
-def tiny_bundle(tmp_path_factory):
-    return export("tiny", tmp_path_factory.mktemp("rt") / "tiny").path
+def tiny_bundle(tiny_fp32):
+    return tiny_fp32.path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,156 @@
+"""`calibrate --accuracy-budget`: keep the most sensitive decoder blocks in float until the budget holds.
+
+1. The fully quantized graph is compared with the float graph it came from
+   (both on ONNX Runtime) over held-out windows: perplexity change, top-1
+   agreement, KL (kvforge.verify.compare's metrics and bounds).
+2. If a bound fails, the blocks are ranked by their contribution to the
+   error of the residual stream (kvforge.verify.layers, the same ranking as
+   `kvforge compare --per-layer`), and kept in float one at a time, most
+   sensitive first, re-measuring after each, until every bound holds.
+   The calibration statistics are reused; only the Q/DQ rewrite is redone.
+3. What it kept costs speed: decode tokens/s of the float graph, the fully
+   quantized graph and the result are measured on ONNX Runtime, same
+   machine, same run.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+BUDGET_METRICS = ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean", "logits_rel_l2")
+
+
+def parse_budget(items) -> dict[str, float]:
+    from kvforge.verify.compare import parse_tolerances
+
+    budget = parse_tolerances(items)
+    bad = [k for k in budget if k not in BUDGET_METRICS]
+    if bad:
+        raise KvforgeError(f"--accuracy-budget measures {list(BUDGET_METRICS)} on held-out windows; {bad} is not among them")
+    return budget
+
+
+class _Evaluator:
+    """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
+
+    def __init__(self, bundle, float_model, data, tokens: int, seq_len: int = 256, batch_size: int = 4):
+        from kvforge.metrics import windows
+        from kvforge.runtime.ort_backend import make_session
+        from kvforge.tokenizer import Tokenizer
+        from kvforge.verify.compare import eval_ids
+
+        if bundle.tokenizer_file is None:
+            raise KvforgeError(f"--accuracy-budget measures on text, and {bundle.path} has no tokenizer")
+        self.bundle = bundle
+        self.dtype = bundle.manifest["precision"]["dtype"]
+        self.past = [n for layer in bundle.io.past for n in layer]
+        ids, self.data = eval_ids(Tokenizer.from_file(bundle.tokenizer_file), data, tokens)
+        max_context = bundle.io.max_context or bundle.model_config["max_seq_len"]
+        self.chunks = windows(ids, min(seq_len, max_context))
+        self.batch_size = batch_size
+        self.float_model = float_model
+        self.reference = make_session(float_model.SerializeToString())
+
+    def feeds(self, batch):
+        from kvforge.runtime.ort_backend import prefill_feeds
+
+        return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.past, self.dtype)
+
+    def metrics(self, model, quant: str) -> dict[str, float]:
+        from kvforge.runtime.ort_backend import make_session
+        from kvforge.verify.compare import _WindowStats
+
+        cand = make_session(model.SerializeToString(), quant)
+        stats = _WindowStats()
+        for i in range(0, len(self.chunks), self.batch_size):
+            feeds = self.feeds(self.chunks[i : i + self.batch_size, :-1])
+            lc = cand.run(["logits"], feeds)[0]
+            lr = self.reference.run(["logits"], feeds)[0]
+            stats.add(lc, lr, self.chunks[i : i + self.batch_size, 1:])
+        return stats.result()
+
+    def ranking(self, model, quant: str) -> list[dict[str, Any]]:
+        from kvforge.verify.layers import compare_blocks, graph_block_outputs
+
+        sample = np.ascontiguousarray(self.chunks[:2, :-1])
+        cfg, io = self.bundle.model_config, self.bundle.io
+        return compare_blocks(lambda inject: graph_block_outputs(model, cfg, io, self.dtype, quant, sample, inject),
+                              graph_block_outputs(self.float_model, cfg, io, self.dtype, None, sample))
+
+    def decode_tokens_per_s(self, model, quant: str | None, past: int = 128, runs: int = 15) -> float:
+        """Median single-token decode steps per second over a past of `past` tokens (batch 1)."""
+        from kvforge.runtime.ort_backend import make_session
+
+        sess = make_session(model.SerializeToString(), quant)
+        cfg = self.bundle.model_config
+        rng = np.random.default_rng(0)
+        np_dtype = np.float16 if self.dtype == "float16" else np.float32
+        feeds = {
+            "input_ids": np.array([[1]], np.int64),
+            "attention_mask": np.ones((1, past + 1), np.int64),
+            "position_ids": np.array([[past]], np.int64),
+            **{n: rng.standard_normal((1, cfg["n_kv_heads"], past, cfg["head_dim"])).astype(np_dtype) for n in self.past},
+        }
+        times = []
+        for i in range(runs + 3):
+            t0 = time.perf_counter()
+            sess.run(["logits"], feeds)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return 1.0 / statistics.median(times)
+
+
+def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: dict[str, float], data, tokens: int,
+               progress) -> tuple[Any, dict[str, Any]]:
+    """quantize(extra_exclude) -> (model, targets, excluded, record). Returns the last quantize() result and the record."""
+    from kvforge.verify.compare import check_tolerances
+
+    ev = _Evaluator(bundle, float_model, data, tokens)
+    result = quantize([])
+    full = result[0]
+    measured = ev.metrics(full, precision)
+    iterations = [{"kept_in_float": [], **{k: measured[k] for k in BUDGET_METRICS}}]
+    progress("budget", 1, 1)
+    rows = None
+    kept: list[str] = []
+    if check_tolerances(measured, budget):
+        rows = ev.ranking(full, precision)
+        order = [r["layer"] for r in sorted(rows, key=lambda r: r["rank"])]
+        progress("budget", 1, len(order) + 1)
+        for n, layer in enumerate(order, 1):
+            kept.append(layer)
+            try:
+                result = quantize([rf"^{re.escape(k)}\." for k in kept])
+            except KvforgeError:  # every linear layer is now in float
+                kept.pop()
+                break
+            measured = ev.metrics(result[0], precision)
+            iterations.append({"kept_in_float": list(kept), **{k: measured[k] for k in BUDGET_METRICS}})
+            progress("budget", n + 1, len(order) + 1)
+            if not check_tolerances(measured, budget):
+                break
+    failures = check_tolerances(measured, budget)
+    if failures:
+        raise KvforgeError(
+            f"the accuracy budget cannot be met: with {kept or 'nothing'} kept in float, {'; '.join(failures)}. "
+            "Loosen the budget, try another --method or --smoothquant, or a wider format"
+        )
+    speed = {"float_decode_tokens_per_s": ev.decode_tokens_per_s(float_model, None),
+             "quantized_decode_tokens_per_s": ev.decode_tokens_per_s(full, precision)}
+    speed["result_decode_tokens_per_s"] = (ev.decode_tokens_per_s(result[0], precision) if kept
+                                           else speed["quantized_decode_tokens_per_s"])
+    # what keeping blocks in float did to decode speed (negative: slower than fully quantized)
+    speed["change_pct"] = 100.0 * (speed["result_decode_tokens_per_s"] / speed["quantized_decode_tokens_per_s"] - 1)
+    report = {
+        "budget": budget, "data": ev.data, "tokens": int(ev.chunks[:, :-1].size), "reference": "the float input graph on ONNX Runtime",
+        "kept_in_float": kept, "ranking": rows, "iterations": iterations, "met": True,
+        "speed": {**speed, "measured": "batch 1, one-token decode steps over a past of 128, median of 15, ONNX Runtime CPU"},
+    }
+    return result, report

@@ -1,0 +1,245 @@
+"""`kvforge check SPEC.toml`: the accuracy regression check for CI.
+
+The spec names a source model, the artifacts to produce (float exports,
+calibrations, or existing bundles), the backends to run each on, the data,
+and a committed baseline of metrics (JSON, beside the spec). `check` makes
+every artifact, compares it with the Torch reference, and then with the
+baseline: a metric may move in the bad direction by no more than its
+regression tolerance, max(abs, rel x |baseline|). It fails on a regression,
+on a comparison outside its absolute bounds, and on an artifact the
+baseline lacks. `update_baseline=True` rewrites the baseline on purpose.
+
+    source = "tiny"
+    baseline = "tiny.baseline.json"
+    [data]
+    max_tokens = 4096
+    [tolerances]                 # optional: regression allowances
+    top1_agreement = 0.01        # a number: absolute
+    kl_divergence_mean = { abs = 1e-4, rel = 0.25 }
+    [[artifacts]]
+    name = "fp32"
+    [[artifacts]]
+    name = "int8"
+    precision = "int8"
+    method = "mse"
+    smoothquant = 0.5
+
+Spec format: docs/verification.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import kvforge
+from kvforge.bundle import now_utc
+from kvforge.errors import KvforgeError
+
+from .compare import HIGHER_IS_BETTER
+from .stages import Artifact, Outcome, compare_all, drift_curves, produce
+
+# How far a metric may move in its bad direction before it counts as a regression: (absolute, relative).
+# perplexity_delta_pct is judged by its magnitude. Relative terms absorb run-to-run kernel differences
+# between machines (different CPUs pick different ONNX Runtime kernels); absolute terms, values near zero.
+REGRESSION_TOLERANCES: dict[str, tuple[float, float]] = {
+    "perplexity_delta_pct": (0.1, 0.1),
+    "top1_agreement": (0.01, 0.0),
+    "greedy_agreement": (0.05, 0.0),
+    "kl_divergence_mean": (1e-4, 0.25),
+    "logits_rel_l2": (1e-4, 0.25),
+    "present_rel_l2": (1e-4, 0.25),
+}
+DATA_KEYS = {"eval": "data", "max_tokens": "max_tokens", "seq_len": "seq_len", "steps": "steps", "prompts": "prompts",
+             "random": "random_data"}
+
+
+@dataclass
+class Spec:
+    path: Path
+    source: str
+    baseline: Path
+    artifacts: list[Artifact]
+    calibration_data: str | None = None
+    compare_options: dict[str, Any] = field(default_factory=dict)
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
+    reference: str | None = None
+
+
+def _tolerance(key: str, value) -> tuple[float, float]:
+    if isinstance(value, (int, float)):
+        return float(value), 0.0
+    if isinstance(value, dict) and set(value) <= {"abs", "rel"}:
+        return float(value.get("abs", 0.0)), float(value.get("rel", 0.0))
+    raise KvforgeError(f"tolerance {key}: a number (absolute) or {{ abs = ..., rel = ... }}, got {value!r}")
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise KvforgeError(f"no such spec: {path}") from e
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise KvforgeError(f"{path} is not a valid TOML spec: {e}") from e
+    root = path.resolve().parent
+    unknown = set(raw) - {"source", "baseline", "reference", "data", "tolerances", "artifacts"}
+    if unknown:
+        raise KvforgeError(f"{path}: unknown keys {sorted(unknown)}")
+    if not raw.get("artifacts"):
+        raise KvforgeError(f"{path} lists no [[artifacts]]")
+    data = dict(raw.get("data", {}))
+    calibration = data.pop("calibration", None)
+    bad = set(data) - set(DATA_KEYS)
+    if bad:
+        raise KvforgeError(f"{path} [data]: unknown keys {sorted(bad)}; known: {sorted(DATA_KEYS) + ['calibration']}")
+    options = {DATA_KEYS[k]: v for k, v in data.items()}
+    if "data" in options:
+        options["data"] = str(root / options["data"])
+    tolerances = dict(REGRESSION_TOLERANCES)
+    for key, value in raw.get("tolerances", {}).items():
+        tolerances[key] = _tolerance(key, value)
+    reference = raw.get("reference")
+    source = str(raw.get("source", "tiny"))
+    if (root / source).exists():  # a checkpoint directory beside the spec
+        source = str(root / source)
+    return Spec(
+        path=path, source=source, baseline=root / raw.get("baseline", f"{path.stem}.baseline.json"),
+        artifacts=[Artifact.from_dict(a, root) for a in raw["artifacts"]],
+        calibration_data=str(root / calibration) if calibration else None,
+        compare_options=options, tolerances=tolerances,
+        reference=str(root / reference) if reference and (root / reference).exists() else reference,
+    )
+
+
+@dataclass
+class Finding:
+    key: str  # artifact/backend
+    metric: str
+    baseline: float | None
+    current: float | None
+    limit: float | None
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class CheckResult:
+    spec: Spec
+    outcomes: list[Outcome]
+    findings: list[Finding]
+    baseline_written: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def regressions(self) -> list[Finding]:
+        return [f for f in self.findings if not f.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": str(self.spec.path), "passed": self.passed, "baseline": str(self.spec.baseline),
+            "baseline_written": self.baseline_written,
+            "results": {o.key: (o.report.result if o.report else {"skipped": o.skipped}) for o in self.outcomes},
+            "findings": [f.__dict__ for f in self.findings],
+        }
+
+
+def limit_for(metric: str, baseline: float, tolerance: tuple[float, float]) -> float:
+    """The worst value still accepted: baseline moved in the bad direction by max(abs, rel x |baseline|)."""
+    allowed = max(tolerance[0], tolerance[1] * abs(baseline))
+    if metric in HIGHER_IS_BETTER:
+        return baseline - allowed
+    if metric == "perplexity_delta_pct":
+        return abs(baseline) + allowed
+    return baseline + allowed
+
+
+def against_baseline(outcomes: list[Outcome], baseline: dict[str, Any], tolerances: dict[str, tuple[float, float]]) -> list[Finding]:
+    findings = []
+    recorded = baseline.get("results", {})
+    for o in outcomes:
+        if o.report is None:
+            continue
+        r = o.report.result
+        for failure in r["failures"]:
+            findings.append(Finding(o.key, failure.split()[0].strip("|"), None, None, None, False, f"outside the absolute bound: {failure}"))
+        base = recorded.get(o.key)
+        if base is None:
+            findings.append(Finding(o.key, "-", None, None, None, False, "not in the baseline; run with --update-baseline"))
+            continue
+        for metric, tol in tolerances.items():
+            if metric not in base:
+                continue
+            current = r[metric]
+            limit = limit_for(metric, base[metric], tol)
+            if metric in HIGHER_IS_BETTER:
+                ok = current >= limit
+            elif metric == "perplexity_delta_pct":
+                ok = abs(current) <= limit
+            else:
+                ok = current <= limit
+            findings.append(Finding(o.key, metric, base[metric], current, limit, ok, "" if ok else "regressed"))
+    return findings
+
+
+def baseline_record(outcomes: list[Outcome], spec: Spec) -> dict[str, Any]:
+    keep = set(REGRESSION_TOLERANCES) | set(spec.tolerances) | {"perplexity_reference", "perplexity_candidate", "logits_max_abs"}
+    return {
+        "spec": spec.path.name,
+        "written": now_utc(),
+        "tool": f"kvforge {kvforge.__version__}",
+        "results": {o.key: {k: v for k, v in o.report.result.items() if k in keep} for o in outcomes if o.report is not None},
+    }
+
+
+def check(spec_path: str | Path, update_baseline: bool = False, workdir: str | Path | None = None,
+          progress=None, log: Callable[[str], None] = print) -> CheckResult:
+    """Run a spec: produce, compare with the reference, then with the baseline (or rewrite it)."""
+    spec = load_spec(spec_path)
+    baseline: dict[str, Any] | None = None
+    if not update_baseline:
+        if not spec.baseline.is_file():
+            raise KvforgeError(f"no baseline at {spec.baseline}; create it on purpose with `kvforge check {spec.path} --update-baseline`")
+        try:
+            baseline = json.loads(spec.baseline.read_text())
+        except json.JSONDecodeError as e:
+            raise KvforgeError(f"baseline {spec.baseline} is not valid JSON: {e}") from e
+    tmp = None
+    if workdir is None:
+        tmp = Path(tempfile.mkdtemp(prefix="kvforge-check-"))
+    work = Path(workdir) if workdir is not None else tmp
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        paths = produce(spec.source, spec.artifacts, work, spec.calibration_data, progress, log)
+        outcomes = compare_all(spec.artifacts, paths, work, spec.reference, spec.compare_options, progress, log)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if update_baseline:
+        record = baseline_record(outcomes, spec)
+        findings = against_baseline(outcomes, record, spec.tolerances)
+        spec.baseline.write_text(json.dumps(record, indent=2) + "\n")
+        return CheckResult(spec, outcomes, findings, baseline_written=True)
+    return CheckResult(spec, outcomes, against_baseline(outcomes, baseline, spec.tolerances))
+
+
+def write_check_report(result: CheckResult, json_path: str | Path) -> list[Path]:
+    """The check's JSON report and a drift picture of every artifact beside it."""
+    from .plots import drift_png
+
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    written = [json_path]
+    curves = drift_curves(result.outcomes)
+    if curves:
+        written.append(drift_png(curves, json_path.with_name(f"{json_path.stem}-drift.png")))
+    return written

@@ -1,0 +1,340 @@
+"""`compare(candidate, reference)`: DESIGN.md's verification metrics for one artifact against the Torch reference.
+
+Three measurements, all seeded and on real text (or random tokens when asked):
+- windows: perplexity of candidate and reference over non-overlapping
+  windows of a held-out corpus, and the logits metrics over every position
+  (max abs, rel L2, cosine, top-1 agreement, KL of candidate from reference);
+- lockstep decode: from several prompts, both models decode `steps` tokens
+  through their KV caches, fed the reference's greedy tokens (teacher
+  forcing); per step: logits rel L2, KL, argmax agreement (the drift curve),
+  and at the end the present tensors;
+- free running: the candidate's own greedy continuation against the
+  reference's, as the fraction of steps before they first differ.
+
+The report's keys are stable (docs/verification.md). A tolerance names a
+metric and a bound: a floor for agreements and cosines, a ceiling for
+errors; `perplexity_delta_pct` is bounded in absolute value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge import metrics
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+
+# Metrics where larger is better: a tolerance is a floor. Every other bounded metric has a ceiling.
+HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine"})
+
+# Default bounds per precision (measured on tiny, with margin; see docs/verification.md).
+# Quantized logits move by whole units, so there the bounds are on what users feel:
+# perplexity, agreement and KL. greedy_agreement counts prompts x steps decisions
+# (128 by default), so its floor sits below top1_agreement's.
+DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
+    "float32": {"perplexity_delta_pct": 0.01, "top1_agreement": 0.999, "kl_divergence_mean": 1e-6,
+                "logits_rel_l2": 1e-4, "greedy_agreement": 0.99, "present_rel_l2": 1e-4},
+    "float16": {"perplexity_delta_pct": 0.5, "top1_agreement": 0.98, "kl_divergence_mean": 1e-3,
+                "logits_rel_l2": 2e-2, "greedy_agreement": 0.95, "present_rel_l2": 2e-2},
+    "bfloat16": {"perplexity_delta_pct": 2.0, "top1_agreement": 0.95, "kl_divergence_mean": 1e-2,
+                 "logits_rel_l2": 8e-2, "greedy_agreement": 0.9, "present_rel_l2": 8e-2},
+    "int8": {"perplexity_delta_pct": 2.0, "top1_agreement": 0.9, "kl_divergence_mean": 0.05, "greedy_agreement": 0.8},
+    "fp8": {"perplexity_delta_pct": 1.0, "top1_agreement": 0.93, "kl_divergence_mean": 0.03, "greedy_agreement": 0.8},
+    "int4": {"perplexity_delta_pct": 3.0, "top1_agreement": 0.88, "kl_divergence_mean": 0.05, "greedy_agreement": 0.75},
+}
+
+
+def precision_of(manifest: dict[str, Any]) -> str:
+    """The key of DEFAULT_TOLERANCES for a bundle: its Q/DQ format, else its float dtype."""
+    quant = manifest["precision"].get("quantization")
+    return quant["format"] if quant else manifest["precision"]["dtype"]
+
+
+def check_tolerances(result: dict[str, Any], tolerances: dict[str, float]) -> list[str]:
+    """The violated bounds, one sentence each."""
+    failures = []
+    for key, bound in tolerances.items():
+        value = result.get(key)
+        if value is None:
+            failures.append(f"{key}: not measured")
+        elif key in HIGHER_IS_BETTER:
+            if not value >= bound:
+                failures.append(f"{key} {value:.6g} < {bound:g}")
+        elif key == "perplexity_delta_pct":
+            if not abs(value) <= bound:
+                failures.append(f"|{key}| {abs(value):.4g} > {bound:g}")
+        elif not value <= bound:
+            failures.append(f"{key} {value:.4g} > {bound:g}")
+    return failures
+
+
+def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, float]:
+    """"key=value" strings (CLI) or a mapping -> {metric: bound}, with the keys checked."""
+    if not items:
+        return {}
+    pairs = items.items() if isinstance(items, dict) else [_split(s) for s in items]
+    out = {}
+    known = set(REPORT_METRICS)
+    for key, value in pairs:
+        if key not in known:
+            raise KvforgeError(f"unknown tolerance {key!r}; choose from {sorted(known)}")
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError) as e:
+            raise KvforgeError(f"tolerance {key}={value!r} is not a number") from e
+    return out
+
+
+def _split(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise KvforgeError(f"a tolerance is METRIC=VALUE (e.g. top1_agreement=0.97), got {item!r}")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+# The scalar metrics of a report (all floats), in table order.
+REPORT_METRICS = (
+    "perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
+    "logits_max_abs", "logits_rel_l2", "logits_cosine", "greedy_agreement", "greedy_prefix_match",
+    "present_max_abs", "present_rel_l2", "present_cosine",
+)
+
+
+@dataclass
+class Report:
+    """One comparison: `result` holds the JSON-ready report (keys in docs/verification.md)."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.result["passed"])
+
+    @property
+    def failures(self) -> list[str]:
+        return list(self.result["failures"])
+
+    def __getitem__(self, key: str):
+        return self.result[key]
+
+
+def eval_ids(tokenizer, data: str | Path | None, max_tokens: int) -> tuple[list[int], str]:
+    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids."""
+    if tokenizer is None:
+        raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
+    if data is None:
+        from kvforge.model_defs.evaluate import heldout_text
+
+        texts, name = [heldout_text()], "built-in held-out text"
+    else:
+        from kvforge.calibration.data import read_texts
+
+        texts, name = read_texts(data, what="evaluation data"), str(data)
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > max_tokens:
+            break
+    return ids[: max_tokens + 1], name
+
+
+class _WindowStats:
+    """Streaming sums over every window position: perplexities and the logits metrics."""
+
+    def __init__(self):
+        self.nll_c = self.nll_r = self.kl = 0.0
+        self.count = self.agree = 0
+        self.max_abs = self.diff_sq = self.ref_sq = self.cand_sq = self.dot = 0.0
+
+    def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
+        lc, lr = metrics.log_softmax(cand), metrics.log_softmax(ref)
+        t = targets[..., None]
+        self.nll_c -= float(np.take_along_axis(lc, t, -1).sum())
+        self.nll_r -= float(np.take_along_axis(lr, t, -1).sum())
+        self.kl += float((np.exp(lr) * (lr - lc)).sum())
+        self.count += targets.size
+        self.agree += int((cand.argmax(-1) == ref.argmax(-1)).sum())
+        c, r = cand.astype(np.float64), ref.astype(np.float64)
+        self.max_abs = max(self.max_abs, float(np.abs(c - r).max()))
+        self.diff_sq += float(((c - r) ** 2).sum())
+        self.ref_sq += float((r**2).sum())
+        self.cand_sq += float((c**2).sum())
+        self.dot += float((c * r).sum())
+
+    def result(self) -> dict[str, float]:
+        ppl_c, ppl_r = math.exp(self.nll_c / self.count), math.exp(self.nll_r / self.count)
+        return {
+            "perplexity_reference": ppl_r,
+            "perplexity_candidate": ppl_c,
+            "perplexity_delta_pct": 100.0 * (ppl_c - ppl_r) / ppl_r,
+            "top1_agreement": self.agree / self.count,
+            "kl_divergence_mean": self.kl / self.count,
+            "logits_max_abs": self.max_abs,
+            "logits_rel_l2": math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else 0.0,
+            "logits_cosine": self.dot / math.sqrt(self.cand_sq * self.ref_sq) if self.cand_sq and self.ref_sq else 1.0,
+        }
+
+
+def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[int], list[dict[str, float]], dict]:
+    """Decode `steps` tokens in both sessions, both fed the reference's greedy token.
+
+    Returns the reference's tokens, per-step logits metrics (step 0 is the
+    prefill's last position) and the metrics of the final present tensors.
+    """
+    ids = np.asarray([prompt], np.int64)
+    lc, cache_c = candidate.forward(ids, last_logits_only=True)
+    lr, cache_r = reference.forward(ids, last_logits_only=True)
+    tokens, per_step = [], []
+    for step in range(steps):
+        c, r = lc[0, -1], lr[0, -1]
+        token = int(r.argmax())
+        per_step.append({
+            "logits_rel_l2": metrics.rel_l2(c, r),
+            "kl_divergence": float(metrics.kl_divergence(c, r)),
+            "top1_agreement": float(int(c.argmax()) == token),
+        })
+        tokens.append(token)
+        if step + 1 < steps:
+            nxt = np.asarray([[token]], np.int64)
+            lc, cache_c = candidate.forward(nxt, cache=cache_c, last_logits_only=True)
+            lr, cache_r = reference.forward(nxt, cache=cache_r, last_logits_only=True)
+    pc, pr = candidate.backend.cache_arrays(cache_c), reference.backend.cache_arrays(cache_r)
+    present = metrics.worst([metrics.tensor_metrics(c, r) for c, r in zip(pc, pr)])
+    return tokens, per_step, present
+
+
+def _reference_session(candidate: Bundle, reference):
+    from kvforge import runtime
+
+    if reference is None:
+        lineage = candidate.manifest.get("lineage") or [{}]
+        reference = lineage[0].get("input", {}).get("source")
+        if reference is None:
+            raise KvforgeError(f"{candidate.path} records no source model; pass --reference")
+    return runtime.load(reference, backend="torch"), str(reference)
+
+
+def compare(
+    candidate: str | Path,
+    reference: str | Path | None = None,
+    data: str | Path | None = None,
+    backend: str = "auto",
+    steps: int = 32,
+    prompts: int = 4,
+    prompt_len: int = 32,
+    max_tokens: int = 4096,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    tolerances: dict[str, float] | None = None,
+    per_layer: bool = False,
+    random_data: bool = False,
+    seed: int = 0,
+    progress=None,
+    **backend_options,
+) -> Report:
+    """Compare a bundle run on `backend` with the Torch reference (REF: a bundle or a model source;
+    default: the source the candidate was exported from). Returns a Report; report.passed applies
+    the precision's default tolerances, updated with `tolerances`."""
+    from kvforge import runtime
+
+    progress = progress or (lambda phase, done, total: None)
+    started = time.time()
+    if steps < 1 or prompts < 1 or prompt_len < 1:
+        raise KvforgeError(f"steps, prompts and prompt_len must be >= 1, got {steps}, {prompts}, {prompt_len}")
+    if not Bundle.is_bundle(candidate):
+        raise KvforgeError(f"{candidate} is not a bundle (no kvforge.json); compare runs a bundle against the reference")
+    cand_bundle = Bundle(candidate)
+    precision = precision_of(cand_bundle.manifest)
+    bounds = {**DEFAULT_TOLERANCES.get(precision, {}), **(tolerances or {})}
+    cand = runtime.load(candidate, backend=backend, **backend_options)
+    ref, ref_name = _reference_session(cand_bundle, reference)
+    with cand, ref:
+        if cand.vocab_size != ref.vocab_size:
+            raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
+        max_context = min(cand.max_context, ref.max_context)
+        seq_len = min(seq_len, max_context)
+        if random_data:
+            rng = np.random.default_rng(seed)
+            ids, data_name = rng.integers(0, cand.vocab_size, max_tokens + 1).tolist(), f"random tokens (seed {seed})"
+        else:
+            ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens)
+        chunks = metrics.windows(ids, seq_len)
+        stats = _WindowStats()
+        n_batches = -(-len(chunks) // batch_size)
+        for i in range(0, len(chunks), batch_size):
+            batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])
+            lc, _ = cand.forward(batch)
+            lr, _ = ref.forward(batch)
+            stats.add(lc, lr, chunks[i : i + batch_size, 1:])
+            progress("windows", i // batch_size + 1, n_batches)
+        result: dict[str, Any] = {
+            "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
+            "reference": ref_name, "reference_backend": ref.backend_name,
+            "data": data_name, "tokens": int(chunks[:, :-1].size), "seq_len": seq_len,
+            **stats.result(),
+        }
+
+        # lockstep decode from prompts spread over the corpus
+        prompt_len = min(prompt_len, len(ids) - 1, max_context - 1)
+        steps = min(steps, max_context - prompt_len)
+        starts = np.linspace(0, len(ids) - prompt_len - 1, prompts).astype(int)
+        drift = np.zeros((steps, 3))
+        agree = prefix = 0.0
+        presents = []
+        for n, s in enumerate(starts):
+            prompt = [int(t) for t in ids[s : s + prompt_len]]
+            tokens, per_step, present = lockstep(cand, ref, prompt, steps)
+            drift += [[p["logits_rel_l2"], p["kl_divergence"], p["top1_agreement"]] for p in per_step]
+            agree += sum(p["top1_agreement"] for p in per_step) / steps
+            free = cand.generate(prompt, max_new_tokens=steps, ignore_eos=True).tokens
+            matched = next((k for k, (a, b) in enumerate(zip(free, tokens)) if a != b), min(len(free), len(tokens)))
+            prefix += matched / steps
+            presents.append(present)
+            progress("decode", n + 1, prompts)
+        drift /= prompts
+        present = metrics.worst(presents)
+        result.update({
+            "greedy_agreement": agree / prompts,
+            "greedy_prefix_match": prefix / prompts,
+            "present_max_abs": present["max_abs"], "present_rel_l2": present["rel_l2"], "present_cosine": present["cosine"],
+            "steps": steps, "prompts": prompts, "prompt_len": prompt_len,
+            "drift": [{"step": k, "logits_rel_l2": d[0], "kl_divergence": d[1], "top1_agreement": d[2]} for k, d in enumerate(drift)],
+        })
+
+        result["per_layer"] = None
+        if per_layer:
+            from .layers import compare_blocks, onnx_block_outputs, torch_block_outputs
+
+            if cand.backend_name != "onnxruntime":
+                raise KvforgeError(f"--per-layer reads intermediate tensors from the ONNX graph; run the candidate on onnxruntime, not {cand.backend_name}")
+            sample = np.ascontiguousarray(chunks[: min(2, len(chunks)), :-1])
+            result["per_layer"] = compare_blocks(lambda inject: onnx_block_outputs(cand_bundle, sample, inject),
+                                                 torch_block_outputs(ref, sample))
+            progress("per-layer", 1, 1)
+
+    failures = check_tolerances(result, bounds)
+    result.update({"tolerances": bounds, "failures": failures, "passed": not failures,
+                   "seconds": round(time.time() - started, 2)})
+    return Report(result)
+
+
+def write_report(report: Report, json_path: str | Path) -> list[Path]:
+    """The report as JSON, with its pictures beside it: <stem>-drift.png and, with per-layer data, <stem>-layers.png."""
+    import json
+
+    from .plots import drift_png, layers_png
+
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report.result, indent=2) + "\n")
+    label = f"{report['precision']} on {report['candidate_backend']}"
+    written = [json_path, drift_png({label: report["drift"]}, json_path.with_name(f"{json_path.stem}-drift.png"))]
+    if report["per_layer"]:
+        written.append(layers_png(report["per_layer"], json_path.with_name(f"{json_path.stem}-layers.png"), label))
+    return written

@@ -1,0 +1,137 @@
+"""`kvforge pipeline [SOURCE] -o WORKDIR`: the main job, end to end.
+
+Export, calibrate, build TensorRT engines where TensorRT and a GPU exist
+(saying plainly that the build was skipped where they do not), compare
+every artifact with the Torch reference, and write one report:
+
+    WORKDIR/<precision>/          one bundle per precision (engines beside them)
+    WORKDIR/report.json           every comparison (docs/verification.md)
+    WORKDIR/drift.png             per-step decode drift of every artifact
+    WORKDIR/<precision>-layers.png  per-layer error of the quantized artifacts
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import kvforge
+from kvforge.bundle import now_utc
+from kvforge.errors import KvforgeError
+
+from .stages import Artifact, Outcome, compare_all, drift_curves, produce
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
+DEFAULT_PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
+
+
+def recipe(precision: str) -> Artifact:
+    """The pipeline's recipe per precision: the most accurate measured on tiny (README, quantization table),
+    INT4 at block size 128, which TensorRT documents."""
+    return {
+        "fp32": lambda: Artifact("fp32", dtype="float32"),
+        "fp16": lambda: Artifact("fp16", dtype="float16"),
+        "bf16": lambda: Artifact("bf16", dtype="bfloat16", backends=["torch"]),
+        "int8": lambda: Artifact("int8", precision="int8", calibrate={"method": "mse", "smoothquant": 0.5}, per_layer=True),
+        "fp8": lambda: Artifact("fp8", precision="fp8", per_layer=True),
+        "int4": lambda: Artifact("int4", precision="int4", calibrate={"block_size": 128}, per_layer=True),
+    }[precision]()
+
+
+def tensorrt_unavailable() -> str | None:
+    """Why no engine can be built here (None when TensorRT and a CUDA GPU are present)."""
+    from kvforge.errors import MissingDependencyError
+    from kvforge.runtime.trt_backend import require_tensorrt_gpu
+
+    try:
+        require_tensorrt_gpu()
+    except MissingDependencyError as e:
+        return str(e)
+    return None
+
+
+@dataclass
+class PipelineResult:
+    workdir: Path
+    outcomes: list[Outcome]
+    engine_skipped: str | None
+    sample: str | None
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(o.report.passed for o in self.outcomes if o.report is not None)
+
+
+def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_PRECISIONS, calibration_data=None,
+             force: bool = False, random_data: bool = False, progress=None, log: Callable[[str], None] = print,
+             sample_prompt: str | None = "def fibonacci(n):") -> PipelineResult:
+    started = time.time()
+    source = "tiny" if source is None else source
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not precisions:
+        raise KvforgeError(f"precisions {list(bad or precisions)} must be a non-empty choice from {PRECISIONS}")
+    workdir = Path(workdir)
+    if workdir.exists() and any(workdir.iterdir()) and not force:
+        raise KvforgeError(f"{workdir} exists and is not empty; pass --force to replace the artifacts in it")
+    workdir.mkdir(parents=True, exist_ok=True)
+    artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
+    if random_data:
+        for a in artifacts:
+            if a.precision in ("int8", "fp8"):
+                a.calibrate["random_data"] = True
+    engine_skipped = tensorrt_unavailable()
+    if not engine_skipped:
+        for a in artifacts:
+            if a.dtype != "bfloat16" or a.precision:
+                a.backends.append("tensorrt")
+    paths = produce(source, artifacts, workdir, calibration_data, progress, log)
+    compare_options = {"random_data": True} if random_data else {}
+    outcomes = compare_all(artifacts, paths, workdir, None, compare_options, progress, log)
+
+    sample = None
+    runs = [o for o in outcomes if o.report is not None and o.backend == "onnxruntime"]
+    if sample_prompt and runs:  # a taste of the most compressed artifact (int8 when there is one)
+        from kvforge import runtime
+
+        quantized = [o for o in runs if o.report["precision"] in ("int8", "fp8", "int4")]
+        chosen = next((o for o in quantized if o.report["precision"] == "int8"), None) or (quantized or runs)[-1]
+        with runtime.load(chosen.bundle) as session:
+            if session.tokenizer is not None:
+                sample = f"{chosen.artifact}: " + repr(sample_prompt + session.generate(sample_prompt, max_new_tokens=32).text)
+    result = PipelineResult(workdir, outcomes, engine_skipped, sample, round(time.time() - started, 1))
+    write_pipeline_report(result, source)
+    return result
+
+
+def write_pipeline_report(result: PipelineResult, source) -> list[Path]:
+    from .plots import drift_png, layers_png
+
+    w = result.workdir
+    report: dict[str, Any] = {
+        "source": str(source), "tool": f"kvforge {kvforge.__version__}", "written": now_utc(),
+        "passed": result.passed, "seconds": result.seconds, "tensorrt_skipped": result.engine_skipped,
+        "sample": result.sample,
+        "results": {o.key: {"bundle": o.bundle, **(o.report.result if o.report else {"skipped": o.skipped})} for o in result.outcomes},
+    }
+    written = [w / "report.json"]
+    written[0].write_text(json.dumps(report, indent=2) + "\n")
+    curves = drift_curves(result.outcomes)
+    if curves:
+        written.append(drift_png(curves, w / "drift.png"))
+    for o in result.outcomes:
+        if o.report is not None and o.report["per_layer"]:
+            written.append(layers_png(o.report["per_layer"], w / f"{o.artifact}-layers.png", o.key))
+    return written
+
+
+def bundle_megabytes(path: str | None) -> float | None:
+    if path is None:
+        return None
+    from kvforge.bundle import Bundle
+
+    files = Bundle(path).manifest.get("files", {})
+    return sum(f["bytes"] for f in files.values()) / 1e6

@@ -1,0 +1,42 @@
+"""kvforge pipeline: the main job's report, the plain TensorRT skip, and its refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvforge.cli import main
+from kvforge.errors import KvforgeError
+from kvforge.verify.pipeline import pipeline
+
+
+@pytest.mark.slow
+def test_pipeline_writes_bundles_a_report_and_pictures(tmp_path):
+    work = tmp_path / "run"
+    out = CliRunner().invoke(main, ["pipeline", "-o", str(work), "--precision", "fp32", "--precision", "int4", "--quiet"])
+    assert out.exit_code == 0, out.output
+    for name in ("fp32", "int4"):
+        assert (work / name / "kvforge.json").is_file()
+        assert f"{name}" in out.output
+    report = json.loads((work / "report.json").read_text())
+    assert set(report["results"]) >= {"fp32/onnxruntime", "int4/onnxruntime"}
+    fp32, int4 = report["results"]["fp32/onnxruntime"], report["results"]["int4/onnxruntime"]
+    assert fp32["passed"] and fp32["top1_agreement"] == 1.0
+    assert int4["passed"] and int4["top1_agreement"] < 1.0 and int4["per_layer"] is not None
+    assert (work / "drift.png").read_bytes()[:4] == b"\x89PNG" and (work / "int4-layers.png").is_file()
+    assert report["sample"].startswith("int4: 'def fibonacci(n):")
+    if importlib.util.find_spec("tensorrt") is None:  # said plainly, once, and recorded
+        assert "TensorRT engine build skipped" in out.output and "TensorRT" in report["tensorrt_skipped"]
+        assert not any(k.endswith("/tensorrt") for k in report["results"])
+
+
+def test_pipeline_refuses_a_used_workdir_and_unknown_precisions(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(KvforgeError, match="not empty; pass --force"):
+        pipeline(workdir=tmp_path, precisions=["fp32"])
+    with pytest.raises(KvforgeError, match="must be a non-empty choice"):
+        pipeline(workdir=tmp_path / "new", precisions=["int2"])
+    assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "new").exists()
