@@ -72,6 +72,12 @@ class Spec:
 
 
 def _tolerance(key: str, value) -> tuple[float, float]:
+    from .compare import REPORT_METRICS
+
+    if key not in REPORT_METRICS:
+        raise KvforgeError(f"[tolerances]: unknown metric {key!r}; choose from {list(REPORT_METRICS)}")
+    if isinstance(value, bool):
+        raise KvforgeError(f"tolerance {key}: a number (absolute) or {{ abs = ..., rel = ... }}, got {value!r}")
     if isinstance(value, (int, float)):
         return float(value), 0.0
     if isinstance(value, dict) and set(value) <= {"abs", "rel"}:

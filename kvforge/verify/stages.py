@@ -55,6 +55,9 @@ class Artifact:
             raise KvforgeError(f"artifact {name!r}: {sorted(calib)} apply to calibrated artifacts (set precision)")
         if art.bundle is not None and root is not None:
             art.bundle = str((root / art.bundle).resolve())
+        from .compare import parse_tolerances
+
+        art.tolerances = parse_tolerances(art.tolerances)
         if isinstance(art.backends, str):
             art.backends = [art.backends]
         from kvforge.runtime.session import BACKENDS

@@ -97,6 +97,8 @@ def test_regression_limits_move_in_the_bad_direction_only():
     ('[[artifacts]]\nname = "a"\nbackends = ["tpu"]\n', "backends \\['tpu'\\]"),
     ('[data]\nsamples = 3\n[[artifacts]]\nname = "a"\n', "\\[data\\]: unknown keys"),
     ('[tolerances]\ntop1_agreement = "1%"\n[[artifacts]]\nname = "a"\n', "a number \\(absolute\\) or"),
+    ('[tolerances]\ntop1 = 0.01\n[[artifacts]]\nname = "a"\n', "unknown metric 'top1'"),
+    ('[[artifacts]]\nname = "a"\ntolerances = { top1 = 0.9 }\n', "unknown tolerance 'top1'"),
     ("source = \n", "not a valid TOML spec"),
 ])
 def test_malformed_specs_are_refused(tmp_path, text, message):
