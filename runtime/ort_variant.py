@@ -25,7 +25,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-VARIANT_VERSION = 1
+VARIANT_VERSION = 2
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -90,14 +90,27 @@ def add_logits_to_keep(model) -> None:
         numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "kvforge_end"),
         numpy_helper.from_array(np.array([1], np.int64), "kvforge_axis_seq"),
     ])
-    hidden = head.input[0]
+    # A quantized lm_head reads its input through its own Q -> DQ pair: slice before the pair, so that the
+    # pair still feeds the MatMul alone (ORT fuses that; a Slice between DQ and MatMul makes ORT propagate the
+    # pair across the Slice with a mistyped zero point, and the session fails to load).
+    consumers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    sliced = head
+    dq = producer.get(head.input[0])
+    if dq is not None and dq.op_type == "DequantizeLinear" and consumers[dq.output[0]] == 1:
+        q = producer.get(dq.input[0])
+        if q is not None and q.op_type == "QuantizeLinear" and consumers[q.output[0]] == 1:
+            sliced = q
+    hidden = sliced.input[0]
     nodes = [
         helper.make_node("Sub", ["kvforge_zero", KEEP_INPUT], ["kvforge_keep_start"], name="kvforge_keep_start"),
         helper.make_node("Slice", [hidden, "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"], ["kvforge_kept_hidden"],
                          name="kvforge_keep_slice"),
     ]
-    head.input[0] = "kvforge_kept_hidden"
-    index = list(g.node).index(head)
+    sliced.input[0] = "kvforge_kept_hidden"
+    index = list(g.node).index(sliced)
     for offset, n in enumerate(nodes):
         g.node.insert(index + offset, n)
     for out in g.output:

@@ -218,3 +218,19 @@ def test_fp8_kv_cache_holds_only_fp8_values(tmp_path, fp32, heldout):
     assert delta <= 1.0
     with pytest.raises(KvforgeError, match="not weight-only int4"):
         calibrate(fp32.path, tmp_path / "x", precision="int4", kv_cache="fp8")
+
+
+def test_a_quantized_lm_head_runs_and_matches_the_exact_graph(tmp_path):
+    """--quantize-lm-head on an untied model: the runtime's faster ORT variant slices before the head's Q/DQ pair."""
+    from kvforge import runtime
+
+    fp32 = export("mistral-micro", tmp_path / "fp32")
+    q = calibrate(fp32.path, tmp_path / "q", "int8", random_data=True, samples=8, seq_len=32, quantize_lm_head=True)
+    assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
+    with runtime.load(q.path) as fast, runtime.load(q.path, variant=False) as exact:
+        last, cache = fast.forward(ids, last_logits_only=True)
+        full, _ = exact.forward(ids)
+        np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=1e-4, atol=1e-4)
+        step, _ = fast.forward(np.array([[5], [6]]), cache=cache, last_logits_only=True)
+        assert step.shape == (2, 1, q.model_config["vocab_size"]) and np.isfinite(step).all()
