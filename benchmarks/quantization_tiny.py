@@ -35,6 +35,10 @@ RECIPES = [
     ("fp8", {"method": "mse"}),
     ("fp8", {"method": "max", "smoothquant": 0.5}),
     ("fp8", {"method": "mse", "smoothquant": 0.5}),
+    ("int8", {"method": "mse", "smoothquant": 0.5, "quantize_lm_head": True}),
+    ("fp8", {"method": "max", "exclude": [r"layers\.0\."]}),
+    ("fp8", {"method": "max", "exclude": [r"layers\.0\.", r"layers\.3\."]}),
+    ("fp8", {"method": "max", "accuracy_budget": {"top1_agreement": 0.985}}),
     ("int4", {"block_size": 32}),
     ("int4", {"block_size": 64}),
     ("int4", {"block_size": 128}),
@@ -71,6 +75,14 @@ def label(precision, options):
         m = options["method"]
         parts.append(f"{m} {options['percentile']}" if m == "percentile" else m)
         parts.append(f"SmoothQuant {options['smoothquant']}" if "smoothquant" in options else "no SmoothQuant")
+    if options.get("quantize_lm_head"):
+        parts.append("lm_head quantized too")
+    if options.get("exclude"):
+        parts.append("kept in float: " + " ".join(e.replace("\\", "").rstrip(".") for e in options["exclude"]))
+    if options.get("accuracy_budget"):
+        parts.append("--accuracy-budget " + " ".join(f"{k}={v}" for k, v in options["accuracy_budget"].items()))
+    if "kept_in_float" in options:
+        parts.append(f"(kept {' '.join(options['kept_in_float']) or 'nothing'} in float)")
     return ", ".join(parts)
 
 
@@ -99,6 +111,9 @@ def main() -> int:
             q = calibrate(fp32.path, tmp / "q", precision=precision, force=True, **options)
             seconds = time.perf_counter() - t
             ppl, top1, kl = evaluate(q.path, reference, chunks)
+            budget = q.manifest["calibration"].get("accuracy_budget")
+            if budget:
+                options = {**options, "kept_in_float": budget["kept_in_float"]}
             rows.append({"recipe": label(precision, options), "precision": precision, "options": options,
                          "perplexity": ppl, "perplexity_delta_pct": 100 * (ppl / ref_ppl - 1),
                          "top1_agreement": top1, "kl_divergence_mean": kl, "calibration_s": seconds})

@@ -109,12 +109,12 @@ class Kvforge:
 class GenAI:
     name = "onnxruntime-genai"
 
-    def __init__(self, ckpt: Path, work: Path):
+    def __init__(self, ckpt: Path, work: Path, precision: str = "fp32"):
         import onnxruntime_genai as og
 
-        out = work / "genai"
+        out = work / f"genai-{precision}"
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
-                        "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache")], check=True, capture_output=True)
+                        "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache")], check=True, capture_output=True)
         self.og = og
         self.model = og.Model(str(out))
 

@@ -53,9 +53,42 @@ def layer_name(node) -> str:
     return node.name
 
 
-def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False) -> tuple[list[Target], list[str]]:
-    """The linear layers to quantize, and the names of those excluded."""
+def untie_lm_head(model) -> bool:
+    """Give a tied vocabulary projection (MatMul over Transpose(embedding)) its own [K, N] weight, in place.
+
+    The embedding stays as it is for the Gather; the projection gets the transposed copy, which
+    calibration can then quantize like any linear layer. Returns whether the graph changed.
+    """
+    from onnx import numpy_helper
+
     g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    head = next((n for n in g.node if "logits" in n.output), None)
+    while head is not None and head.op_type == "Cast":
+        head = producer.get(head.input[0])
+    inits = {i.name: i for i in g.initializer}
+    if head is None or head.op_type != "MatMul" or head.input[1] in inits:
+        return False
+    transpose = producer.get(head.input[1])
+    if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in inits:
+        return False
+    perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
+    embedding = numpy_helper.to_array(inits[transpose.input[0]])
+    if embedding.ndim != 2 or perm != [1, 0]:
+        return False
+    name = "lm_head.untied_weight"
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(embedding.T), name))
+    head.input[1] = name
+    if not any(transpose.output[0] in n.input for n in g.node) and transpose.output[0] not in {o.name for o in g.output}:
+        g.node.remove(transpose)
+    return True
+
+
+def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False) -> tuple[list[Target], list[str]]:
+    """The linear layers to quantize, and the names of those excluded (quantize_lm_head unties a tied head)."""
+    g = model.graph
+    if quantize_lm_head:
+        untie_lm_head(model)
     inits = {i.name: i for i in g.initializer}
     patterns = []
     for p in exclude:

@@ -234,3 +234,22 @@ def test_a_quantized_lm_head_runs_and_matches_the_exact_graph(tmp_path):
         np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=1e-4, atol=1e-4)
         step, _ = fast.forward(np.array([[5], [6]]), cache=cache, last_logits_only=True)
         assert step.shape == (2, 1, q.model_config["vocab_size"]) and np.isfinite(step).all()
+
+
+def test_a_tied_lm_head_is_untied_to_be_quantized(fp32, heldout, tmp_path):
+    """tiny ties its head to the embedding; --quantize-lm-head gives the head its own INT8 weight, the Gather keeps the table."""
+    q = calibrate(fp32.path, tmp_path / "q", "int8", samples=16, seq_len=128, quantize_lm_head=True)
+    assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
+    g = onnx.load(str(q.graph_file)).graph
+    producer = {o: n for n in g.node for o in n.output}
+    head = producer["logits"]
+    assert head.op_type == "MatMul" and producer[head.input[1]].op_type == "DequantizeLinear"
+    assert not any(n.op_type == "Transpose" and n.input[0] == "model.lm_head.weight" for n in g.node)
+    gather = next(n for n in g.node if n.op_type == "Gather" and "input_ids" in n.input)
+    assert gather.input[0] == "model.lm_head.weight"  # embeddings stay float
+    weights = {i.name: i for i in g.initializer}
+    assert weights["lm_head.weight_quantized"].data_type == TP.INT8
+    reference = runtime.load(fp32.path)
+    with reference, runtime.load(q.path) as s:
+        for (lq, _), (lr, _) in zip(window_logits(s, heldout[:4]), window_logits(reference, heldout[:4])):
+            assert metrics.top1_agreement(lq, lr) > 0.9 and metrics.kl_divergence(lq, lr).mean() < 0.02
