@@ -74,6 +74,12 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise KvforgeError(f"precisions {list(bad or precisions)} must be a non-empty choice from {PRECISIONS}")
+    if source != "tiny" and calibration_data is None and not random_data and {"int8", "fp8"} & set(precisions):
+        raise KvforgeError(
+            f"int8 and fp8 are calibrated on data, and only tiny has a built-in corpus: pass --calibration-data FILE "
+            f"(text like what {source} will see; UTF-8, or JSONL with one text per line), or --random-data, "
+            "or leave out int8/fp8"
+        )
     workdir = Path(workdir)
     if workdir.exists() and any(workdir.iterdir()) and not force:
         raise KvforgeError(f"{workdir} exists and is not empty; pass --force to replace the artifacts in it")

@@ -39,4 +39,6 @@ def test_pipeline_refuses_a_used_workdir_and_unknown_precisions(tmp_path):
         pipeline(workdir=tmp_path, precisions=["fp32"])
     with pytest.raises(KvforgeError, match="must be a non-empty choice"):
         pipeline(workdir=tmp_path / "new", precisions=["int2"])
+    with pytest.raises(KvforgeError, match="pass --calibration-data FILE"):  # before any export
+        pipeline("llama3-micro", workdir=tmp_path / "new", precisions=["fp32", "int8"])
     assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "new").exists()
