@@ -34,16 +34,10 @@ def available_backends() -> list[str]:
     found = []
     if importlib.util.find_spec("onnxruntime"):
         found.append("onnxruntime")
-    if importlib.util.find_spec("tensorrt"):
-        from kvforge.errors import MissingDependencyError
+    from .trt_backend import tensorrt_gpu_missing
 
-        from .trt_backend import cuda_device
-
-        try:
-            cuda_device()
-            found.append("tensorrt")
-        except MissingDependencyError:
-            pass
+    if tensorrt_gpu_missing() is None:
+        found.append("tensorrt")
     if importlib.util.find_spec("torch"):
         found.append("torch")
     return found

@@ -107,6 +107,19 @@ def cuda_device(index: int = 0) -> dict[str, Any]:
     return {"name": name.value.decode(errors="replace"), "compute_capability": f"{major.value}.{minor.value}", "count": count.value}
 
 
+def tensorrt_gpu_missing() -> str | None:
+    """Why the tensorrt backend cannot run here, naming everything absent; None when the `tensorrt`
+    package is installed and a CUDA GPU is present. Imports nothing heavy (a skip or a listing)."""
+    reasons = []
+    if importlib.util.find_spec("tensorrt") is None:
+        reasons.append("TensorRT (the `tensorrt` package) is not installed")
+    try:
+        cuda_device()
+    except MissingDependencyError as e:
+        reasons.append(f"{e.what} is absent")
+    return "; ".join(reasons) or None
+
+
 def require_tensorrt_gpu():
     """(tensorrt module, cuda_device()), or one MissingDependencyError naming everything that is missing."""
     try:

@@ -84,27 +84,10 @@ def hf_checkpoint(tmp_path_factory):
 
 
 # -- GPU tier: TensorRT and an NVIDIA GPU ------------------------------------------------------
-def tensorrt_gpu_absent() -> str | None:
-    """Why TensorRT tests cannot run here (None when `tensorrt` imports and a CUDA GPU is present).
+from kvforge.runtime.trt_backend import tensorrt_gpu_missing  # noqa: E402
 
-    Only these two facts decide a skip; any other failure of a gpu test is a failure.
-    """
-    import importlib.util
-
-    from kvforge.errors import MissingDependencyError
-    from kvforge.runtime.trt_backend import cuda_device
-
-    reasons = []
-    if importlib.util.find_spec("tensorrt") is None:
-        reasons.append("TensorRT (the `tensorrt` package) is not installed")
-    try:
-        cuda_device()
-    except MissingDependencyError as e:
-        reasons.append(f"{e.what} is absent")
-    return "; ".join(reasons) or None
-
-
-_TRT_GPU_ABSENT = tensorrt_gpu_absent()
+# Only these two facts (the package, a CUDA GPU) decide a gpu test's skip; any other failure of a gpu test is a failure.
+_TRT_GPU_ABSENT = tensorrt_gpu_missing()
 # Use as a decorator together with @pytest.mark.gpu.
 requires_tensorrt_gpu = pytest.mark.skipif(_TRT_GPU_ABSENT is not None, reason=f"needs TensorRT and an NVIDIA GPU: {_TRT_GPU_ABSENT}")
 

@@ -42,15 +42,11 @@ def recipe(precision: str) -> Artifact:
 
 
 def tensorrt_unavailable() -> str | None:
-    """Why no engine can be built here (None when TensorRT and a CUDA GPU are present)."""
-    from kvforge.errors import MissingDependencyError
-    from kvforge.runtime.trt_backend import require_tensorrt_gpu
+    """Why no engine can be built here, and how to fix it (None when TensorRT and a CUDA GPU are present)."""
+    from kvforge.runtime.trt_backend import INSTALL, tensorrt_gpu_missing
 
-    try:
-        require_tensorrt_gpu()
-    except MissingDependencyError as e:
-        return str(e)
-    return None
+    missing = tensorrt_gpu_missing()
+    return f"{missing}. {INSTALL}" if missing else None
 
 
 @dataclass
