@@ -65,10 +65,10 @@ class _Evaluator:
 
     def metrics(self, model, quant: str) -> dict[str, float]:
         from kvforge.runtime.ort_backend import make_session
-        from kvforge.verify.compare import _WindowStats
+        from kvforge.verify.compare import WindowStats
 
         cand = make_session(model.SerializeToString(), quant)
-        stats = _WindowStats()
+        stats = WindowStats()
         for i in range(0, len(self.chunks), self.batch_size):
             feeds = self.feeds(self.chunks[i : i + self.batch_size, :-1])
             lc = cand.run(["logits"], feeds)[0]

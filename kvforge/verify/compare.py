@@ -144,7 +144,7 @@ def eval_ids(tokenizer, data: str | Path | None, max_tokens: int) -> tuple[list[
     return ids[: max_tokens + 1], name
 
 
-class _WindowStats:
+class WindowStats:
     """Streaming sums over every window position: perplexities and the logits metrics."""
 
     def __init__(self):
@@ -265,7 +265,7 @@ def compare(
         else:
             ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens)
         chunks = metrics.windows(ids, seq_len)
-        stats = _WindowStats()
+        stats = WindowStats()
         n_batches = -(-len(chunks) // batch_size)
         for i in range(0, len(chunks), batch_size):
             batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])

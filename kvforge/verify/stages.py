@@ -124,13 +124,6 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
     return paths
 
 
-def engine_for(bundle: Path, workdir: Path) -> Path:
-    """Build a TensorRT engine bundle from an ONNX bundle (raises MissingDependencyError without TensorRT or a GPU)."""
-    from kvforge.export.engine import build
-
-    return build(bundle, workdir / f"{bundle.name}-engine", force=True).path
-
-
 def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path, reference=None,
                 compare_options: dict[str, Any] | None = None, progress: Progress | None = None,
                 log: Callable[[str], None] = print) -> list[Outcome]:
@@ -140,8 +133,10 @@ def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path
         for backend in a.backends:
             bundle = paths[a.name]
             if backend == "tensorrt":
-                try:
-                    bundle = engine_for(bundle, workdir)
+                from kvforge.export.engine import build
+
+                try:  # an engine bundle beside the ONNX one (MissingDependencyError without TensorRT or a GPU)
+                    bundle = build(bundle, workdir / f"{bundle.name}-engine", force=True).path
                 except MissingDependencyError as e:
                     log(f"skipped the TensorRT engine build for {a.name}: {e}")
                     outcomes.append(Outcome(a.name, backend, None, skipped=str(e)))
