@@ -15,6 +15,7 @@ from kvforge.errors import KvforgeError
 from kvforge.runtime.ort_backend import make_session, prefill_feeds
 
 from .data import load_calibration_set
+from .gptq import DAMP, HessianAccumulator, gptq_quantize
 from .observers import METHODS, TensorObserver
 from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
 
@@ -23,11 +24,12 @@ Progress = Callable[[str, int, int], None]
 
 
 def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
-             float_dtype, progress: Progress):
+             float_dtype, progress: Progress, hessians=None):
     """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
 
     Returns the observers (amax recorded), per-channel amax (for SmoothQuant),
-    the batch runner (for pass 2's histograms) and the batch count.
+    the batch runner (for pass 2's histograms) and the batch count; fills
+    `hessians` (GPTQ's X^T X) when given.
     """
     from onnx import TensorProto, helper
 
@@ -52,6 +54,8 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
         for name, x in run(batch).items():
             x = x.astype(np.float32)
             observers[name].observe_range(x)
+            if hessians is not None:
+                hessians.add(name, x)
             if smooth_needed:
                 m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)
                 channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)
@@ -80,8 +84,13 @@ def calibrate(
     accuracy_budget: dict[str, float] | None = None,
     budget_data: str | Path | None = None,
     budget_tokens: int = 4096,
+    gptq: bool = False,
 ) -> Bundle:
-    """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only."""
+    """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only.
+
+    gptq: round weights with GPTQ (error-compensating, from the calibration activations) instead of
+    to nearest; INT4 then needs calibration data too.
+    """
     import onnx
 
     progress = progress or (lambda phase, done, total: None)
@@ -120,12 +129,19 @@ def calibrate(
     presents = [n for layer in bundle.io.present for n in layer] if kv_cache else []
     float_dtype = np.float16 if dtype == "float16" else np.float32
 
-    act_amax, smooth, calibration = None, None, {"data": None}
-    if precision != "int4":  # weight-only INT4 needs no data
+    act_amax, smooth, calibration, hessians = None, None, {"data": None}, None
+    if precision != "int4" or gptq:  # weight-only INT4 rounded to nearest needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
+        hessians = HessianAccumulator(activations) if gptq else None
         observers, channel_amax, run, n_batches = _observe(
-            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, float_dtype, progress
+            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, float_dtype, progress,
+            hessians,
         )
+        calibration = {
+            "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
+            "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
+        }
+    if precision != "int4":
         if smoothquant is not None:
             smooth = {}
             inits = {i.name: i for i in model.graph.initializer}
@@ -142,17 +158,23 @@ def calibrate(
                     observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
                 progress("histogram", i + 1, n_batches)
         act_amax = {a: observers[a].compute_amax(method, precision, percentile) for a in activations}
-        calibration = {
-            "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
-            "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
-        }
+
+    rounded: dict[str, tuple] = {}  # weight -> GPTQ result; the budget's rewrites reuse it
+
+    def round_weight(t, w):
+        if t.weight not in rounded:
+            h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
+            rounded[t.weight] = gptq_quantize(w, h, precision, block_size if precision == "int4" else None)
+        progress("gptq", len(rounded), len(targets))
+        return rounded[t.weight]
 
     def quantize(extra_exclude: list[str]):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(exclude) + extra_exclude, quantize_lm_head)
-        rec = rewrite(q, q_targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype)
+        rec = rewrite(q, q_targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype,
+                      round_weight if gptq else None)
         if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
         return q, q_targets, q_excluded, rec
@@ -173,6 +195,8 @@ def calibrate(
     quantization = {
         "format": precision,
         "weights": "block-wise" if precision == "int4" else "per-channel",
+        "weight_rounding": "gptq" if gptq else "nearest",
+        "gptq_damp": DAMP if gptq else None,
         "activations": None if precision == "int4" else "per-tensor static",
         "method": None if precision == "int4" else method,
         "percentile": percentile if method == "percentile" and precision != "int4" else None,
@@ -206,7 +230,7 @@ def calibrate(
                 "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                             "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
                             "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
-                            "kv_cache": kv_cache, "accuracy_budget": accuracy_budget},
+                            "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq},
                 "seconds": {"total": round(time.time() - started, 2)},
             }],
         )

@@ -154,8 +154,11 @@ def smoothquant_factors(act_amax: np.ndarray, weight: np.ndarray, alpha: float) 
 
 # --- the graph rewrite -------------------------------------------------------------
 def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
-            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype) -> dict:
-    """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used."""
+            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None) -> dict:
+    """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
+
+    round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed.
+    """
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
@@ -170,8 +173,11 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         w = numpy_helper.to_array(inits[t.weight]).astype(np.float32)
         if smooth and t.activation in smooth:
             w = w * smooth[t.activation][:, None]  # W' = diag(s) W
-        scale = weight_scales(w, fmt, block_size)
-        q = quantize(w, scale, fmt, block_size)
+        if round_weight is not None:
+            q, scale = round_weight(t, w)
+        else:
+            scale = weight_scales(w, fmt, block_size)
+            q = quantize(w, scale, fmt, block_size)
         base = f"{t.layer}.weight"
         q_name, s_name, z_name = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
         g.initializer.remove(inits[t.weight])

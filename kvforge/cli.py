@@ -249,10 +249,12 @@ def inspect(bundle, as_json):
                    "(perplexity_delta_pct, top1_agreement, kl_divergence_mean, logits_rel_l2); repeatable.")
 @click.option("--budget-data", type=click.Path(dir_okay=False), help="Held-out text for the budget (default: tiny's held-out text).")
 @click.option("--budget-tokens", default=4096, show_default=True, type=click.IntRange(2), help="Tokens the budget is measured on.")
+@click.option("--gptq", is_flag=True, help="Round weights with GPTQ (compensates each rounding error using the calibration "
+                                           "activations) instead of to nearest; INT4 then needs calibration data too.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
-              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, force, quiet):
+              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     from kvforge.calibration import calibrate as run
     from kvforge.verify.compare import parse_tolerances
@@ -260,11 +262,12 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
     with _PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
                 random_data, batch_size, quantize_lm_head, force, progress, kv_cache, parse_tolerances(list(budget)),
-                budget_data, budget_tokens)
+                budget_data, budget_tokens, gptq)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
         f"wrote {b.path}: {precision} ({q['weights']} weights"
+        + (", GPTQ-rounded" if q.get("weight_rounding") == "gptq" else "")
         + (f", {q['activations']} activations, {q['method']}" if q["activations"] else "")
         + (f", {q['kv_cache']} KV cache" if q.get("kv_cache") else "")
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
