@@ -70,3 +70,12 @@ def test_eval_on_a_text_file(run, tmp_path):
     assert 1.0 < data["perplexity"] < 10 * data["uniform_perplexity"]
     missing = run("eval", "llama3-micro", "--data", tmp_path / "nope.txt")
     assert missing.exit_code == 1 and "no such file" in missing.output
+
+
+def test_calibrate_gptq_from_the_command_line(run, tmp_path, tiny_fp32):
+    out = run("calibrate", tiny_fp32.path, "-o", tmp_path / "q", "--precision", "int4", "--gptq",
+              "--samples", "4", "--seq-len", "32", "--quiet")
+    assert out.exit_code == 0, out.output
+    assert "block-wise weights, GPTQ-rounded" in out.output and "4 x 32 tokens of built-in tiny corpus" in out.output
+    manifest = json.loads(run("inspect", tmp_path / "q", "--json").output)
+    assert manifest["precision"]["quantization"]["weight_rounding"] == "gptq"
