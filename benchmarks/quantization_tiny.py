@@ -42,6 +42,11 @@ RECIPES = [
     ("int4", {"block_size": 32}),
     ("int4", {"block_size": 64}),
     ("int4", {"block_size": 128}),
+    ("int8", {"method": "mse", "smoothquant": 0.5, "gptq": True}),
+    ("fp8", {"method": "max", "gptq": True}),
+    ("fp8", {"method": "mse", "gptq": True}),
+    ("int4", {"block_size": 32, "gptq": True}),
+    ("int4", {"block_size": 128, "gptq": True}),
 ]
 HEADLINE = ("int8", {"method": "mse", "smoothquant": 0.5})
 
@@ -75,6 +80,8 @@ def label(precision, options):
         m = options["method"]
         parts.append(f"{m} {options['percentile']}" if m == "percentile" else m)
         parts.append(f"SmoothQuant {options['smoothquant']}" if "smoothquant" in options else "no SmoothQuant")
+    if options.get("gptq"):
+        parts.append("GPTQ")
     if options.get("quantize_lm_head"):
         parts.append("lm_head quantized too")
     if options.get("exclude"):

@@ -30,15 +30,27 @@ DEFAULT_PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
 
 def recipe(precision: str) -> Artifact:
     """The pipeline's recipe per precision: the most accurate measured on tiny (README, quantization table),
-    INT4 at block size 128, which TensorRT documents."""
+    INT4 at block size 128, which TensorRT documents. GPTQ is dropped where there is no real text to fit to."""
     return {
         "fp32": lambda: Artifact("fp32", dtype="float32"),
         "fp16": lambda: Artifact("fp16", dtype="float16"),
         "bf16": lambda: Artifact("bf16", dtype="bfloat16", backends=["torch"]),
         "int8": lambda: Artifact("int8", precision="int8", calibrate={"method": "mse", "smoothquant": 0.5}, per_layer=True),
-        "fp8": lambda: Artifact("fp8", precision="fp8", per_layer=True),
-        "int4": lambda: Artifact("int4", precision="int4", calibrate={"block_size": 128}, per_layer=True),
+        "fp8": lambda: Artifact("fp8", precision="fp8", calibrate={"gptq": True}, per_layer=True),
+        "int4": lambda: Artifact("int4", precision="int4", calibrate={"block_size": 128, "gptq": True}, per_layer=True),
     }[precision]()
+
+
+def recipes(precisions, source: str, calibration_data=None, random_data: bool = False) -> list[Artifact]:
+    """The artifacts for these precisions, adapted to the data there is."""
+    artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
+    real_text = calibration_data is not None or (source == "tiny" and not random_data)
+    for a in artifacts:
+        if not real_text:  # GPTQ fits the weights to the calibration activations: random tokens would mislead it
+            a.calibrate.pop("gptq", None)
+        if random_data and a.precision in ("int8", "fp8"):
+            a.calibrate["random_data"] = True
+    return artifacts
 
 
 def tensorrt_unavailable() -> str | None:
@@ -80,11 +92,7 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     if workdir.exists() and any(workdir.iterdir()) and not force:
         raise KvforgeError(f"{workdir} exists and is not empty; pass --force to replace the artifacts in it")
     workdir.mkdir(parents=True, exist_ok=True)
-    artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
-    if random_data:
-        for a in artifacts:
-            if a.precision in ("int8", "fp8"):
-                a.calibrate["random_data"] = True
+    artifacts = recipes(precisions, source, calibration_data, random_data)
     engine_skipped = tensorrt_unavailable()
     if not engine_skipped:
         for a in artifacts:

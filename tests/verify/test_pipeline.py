@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from kvforge.cli import main
 from kvforge.errors import KvforgeError
-from kvforge.verify.pipeline import pipeline
+from kvforge.verify.pipeline import pipeline, recipes
 
 
 @pytest.mark.slow
@@ -28,6 +28,8 @@ def test_pipeline_writes_bundles_a_report_and_pictures(tmp_path):
     assert int4["passed"] and int4["top1_agreement"] < 1.0 and int4["per_layer"] is not None
     assert (work / "drift.png").read_bytes()[:4] == b"\x89PNG" and (work / "int4-layers.png").is_file()
     assert report["sample"].startswith("int4: 'def fibonacci(n):")
+    int4_manifest = json.loads((work / "int4" / "kvforge.json").read_text())
+    assert int4_manifest["precision"]["quantization"]["weight_rounding"] == "gptq"  # tiny has real text to fit to
     if importlib.util.find_spec("tensorrt") is None:  # said plainly, once, and recorded
         assert "TensorRT engine build skipped" in out.output and "TensorRT" in report["tensorrt_skipped"]
         assert not any(k.endswith("/tensorrt") for k in report["results"])
@@ -42,3 +44,15 @@ def test_pipeline_refuses_a_used_workdir_and_unknown_precisions(tmp_path):
     with pytest.raises(KvforgeError, match="pass --calibration-data FILE"):  # before any export
         pipeline("llama3-micro", workdir=tmp_path / "new", precisions=["fp32", "int8"])
     assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "new").exists()
+
+
+def test_recipes_round_to_nearest_without_real_text():
+    def rounding(arts):
+        return {a.name: a.calibrate.get("gptq", False) for a in arts if a.precision}
+
+    assert rounding(recipes(["fp32", "int8", "fp8", "int4"], "tiny")) == {"int8": False, "fp8": True, "int4": True}
+    assert rounding(recipes(["fp8", "int4"], "llama3-micro", calibration_data="my.txt")) == {"fp8": True, "int4": True}
+    random = recipes(["fp8", "int4"], "llama3-micro", random_data=True)
+    assert rounding(random) == {"fp8": False, "int4": False}
+    assert random[0].calibrate.get("random_data") is True and "random_data" not in random[1].calibrate
+    assert rounding(recipes(["int4"], "llama3-micro")) == {"int4": False}  # weight-only INT4 needs no data then
