@@ -102,6 +102,17 @@ def tiny_fp32(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_heldout(tiny_fp32):
+    """The first 40 windows of 256 tokens of tiny's held-out text."""
+    from kvforge.model_defs.evaluate import heldout_text
+    from kvforge.runtime.evaluate import windows
+    from kvforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tiny_fp32.tokenizer_file)
+    return windows(tok.encode(heldout_text(), add_special_tokens=False), 256)[:40]
+
+
+@pytest.fixture(scope="session")
 def tiny_int8(tiny_fp32, tmp_path_factory):
     """tiny calibrated to INT8 (max, built-in corpus, 32 samples of 128 tokens: quick)."""
     from kvforge.calibration import calibrate

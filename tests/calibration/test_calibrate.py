@@ -19,8 +19,7 @@ from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
 from kvforge.export import export
 from kvforge.model_defs.evaluate import heldout_text
-from kvforge.runtime.evaluate import window_logits, windows
-from kvforge.tokenizer import Tokenizer
+from kvforge.runtime.evaluate import window_logits
 
 
 # -- observers -----------------------------------------------------------------------
@@ -95,9 +94,8 @@ def fp32(tiny_fp32):
 
 
 @pytest.fixture(scope="module")
-def heldout(fp32):
-    tok = Tokenizer.from_file(fp32.tokenizer_file)
-    return windows(tok.encode(heldout_text(), add_special_tokens=False), 256)[:40]
+def heldout(tiny_heldout):
+    return tiny_heldout
 
 
 def _quality(bundle_path, reference, chunks):

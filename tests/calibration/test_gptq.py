@@ -11,9 +11,7 @@ from kvforge.calibration.gptq import HessianAccumulator, gptq_quantize
 from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
 from kvforge.export import export
-from kvforge.model_defs.evaluate import heldout_text
-from kvforge.runtime.evaluate import window_logits, windows
-from kvforge.tokenizer import Tokenizer
+from kvforge.runtime.evaluate import window_logits
 
 FORMATS = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 40)]  # 40 does not divide K = 100
 
@@ -81,9 +79,8 @@ def test_hessian_accumulator_errors_and_smoothing():
 
 # -- on tiny ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def heldout(tiny_fp32):
-    tok = Tokenizer.from_file(tiny_fp32.tokenizer_file)
-    return windows(tok.encode(heldout_text(), add_special_tokens=False), 256)[:12]
+def heldout(tiny_heldout):
+    return tiny_heldout[:12]
 
 
 def _kl(candidate, reference, chunks):
@@ -95,8 +92,8 @@ def _kl(candidate, reference, chunks):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,options", [("int4", {"block_size": 32}), ("fp8", {"method": "max"})])
 def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, precision, options):
-    nearest = calibrate(tiny_fp32.path, tmp_path / "nearest", precision=precision, samples=32, **options)
-    gptq = calibrate(tiny_fp32.path, tmp_path / "gptq", precision=precision, samples=32, gptq=True, **options)
+    nearest = calibrate(tiny_fp32.path, tmp_path / "nearest", precision=precision, samples=16, seq_len=128, **options)
+    gptq = calibrate(tiny_fp32.path, tmp_path / "gptq", precision=precision, samples=16, seq_len=128, gptq=True, **options)
     kl_nearest, kl_gptq = _kl(nearest.path, tiny_fp32.path, heldout), _kl(gptq.path, tiny_fp32.path, heldout)
     assert kl_gptq < 0.9 * kl_nearest, (kl_gptq, kl_nearest)
     m = gptq.manifest
@@ -104,7 +101,7 @@ def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, p
     q = m["precision"]["quantization"]
     assert q["weight_rounding"] == "gptq" and q["gptq_damp"] == 0.01
     assert nearest.manifest["precision"]["quantization"]["weight_rounding"] == "nearest"
-    assert m["calibration"]["data"] == "built-in tiny corpus" and m["calibration"]["samples"] == 32
+    assert m["calibration"]["data"] == "built-in tiny corpus" and m["calibration"]["samples"] == 16
     assert m["lineage"][-1]["options"]["gptq"] is True
 
 
