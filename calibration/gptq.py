@@ -38,9 +38,9 @@ class HessianAccumulator:
         if name not in self.names:
             return
         x = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
-        if not np.isfinite(x).all():
-            raise KvforgeError(f"activation {name} is not finite on the calibration data; GPTQ cannot use it")
         h = x.T @ x
+        if not np.isfinite(h).all():  # checked on the K x K product: any NaN/inf row shows there, at a fraction of the cost
+            raise KvforgeError(f"activation {name} is not finite on the calibration data; GPTQ cannot use it")
         self.h[name] = self.h[name] + h if name in self.h else h
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
@@ -99,16 +99,12 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
         err = np.zeros_like(W1)
         for i in range(i2 - i1):
             row = i1 + i
-            if blocked:
-                if row % block_size == 0:
-                    end = min(i + block_size, i2 - i1)
-                    scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), "int4", end - i)[0]
-                s = scales[row // block_size][None]
-                q = quantize(W1[i][None], s, fmt, 1)
-                deq = dequantize(q, s, fmt, 1)[0]
-            else:
-                q = quantize(W1[i][None], scales, fmt)
-                deq = dequantize(q, scales, fmt)[0]
+            if blocked and row % block_size == 0:
+                end = min(i + block_size, i2 - i1)
+                scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), "int4", end - i)[0]
+            s = scales[row // block_size][None] if blocked else scales  # this row's scales
+            q = quantize(W1[i][None], s, fmt, 1)  # block size 1: one row, its own scale row (ignored per-channel)
+            deq = dequantize(q, s, fmt, 1)[0]
             codes.append(q[0])
             e = (W1[i] - deq) / U[row, row]
             W1[i + 1:] -= np.outer(U[row, row + 1:i2], e)
