@@ -1,12 +1,14 @@
 """An ONNX Runtime-specific variant of a bundle's graph, faster on ORT; the bundle's graph is untouched.
 
-Two rewrites, both exact (same arithmetic, fewer or narrower kernels):
+Rewrites that keep the arithmetic (fewer or narrower kernels):
 - sibling MatMuls that read the same activation with constant weights (q/k/v,
   gate/up) become one wider MatMul and a Split: one pass over the activation,
   one GEMV per group instead of three or two;
 - a `num_logits_to_keep` input (int64 [1], as transformers calls it) slices
   the hidden states before the vocabulary projection, so a prefill that only
-  needs the last position's logits does not compute the other positions'.
+  needs the last position's logits does not compute the other positions';
+- in float32 graphs, RMSNorm and RoPE chains become ONNX Runtime's fused
+  kernels (see ort_fusions.py).
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
@@ -25,7 +27,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-VARIANT_VERSION = 2
+VARIANT_VERSION = 3
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -144,6 +146,12 @@ def variant_path(bundle) -> Path:
         raise KvforgeError(f"ONNX Runtime cannot load {bundle.graph_file}: it is not a readable ONNX model ({e})") from e
     fuse_sibling_matmuls(model)
     add_logits_to_keep(model)
+    if bundle.manifest["precision"]["dtype"] == "float32":
+        from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary
+
+        fuse_rms_norms(model)
+        fuse_rotary(model)
+        drop_dead_nodes(model)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:

@@ -1,0 +1,119 @@
+"""The ORT variant's RMSNorm and RoPE fusions: they fire on the exporter's chains, keep the function, and touch nothing else."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvforge import runtime
+from kvforge.bundle import Bundle
+from kvforge.export import export
+from kvforge.runtime.ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary
+from kvforge.runtime.ort_variant import variant_path
+
+
+def _ops(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+# llama3-micro: Llama-3 RoPE scaling; geglu-micro: partial rotary (12 of head_dim 24), linear scaling;
+# qwen2-micro: MQA, qkv biases, a sliding window on one layer.
+@pytest.mark.parametrize("preset", ["llama3-micro", "geglu-micro", "qwen2-micro"])
+def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
+    bundle = export(preset, tmp_path / preset)
+    layers = bundle.model_config["n_layers"]
+    ops = _ops(variant_path(Bundle(bundle.path)))
+    assert ops["SimplifiedLayerNormalization"] == 2 * layers + 1  # two per block and the final norm
+    assert ops["RotaryEmbedding"] == 2 * layers  # q and k per block
+    assert ops["Pow"] == ops["Neg"] == ops["Reciprocal"] == 0  # nothing of the chains is left over
+
+    # A left-padded batch: prefill, then decode steps, through the bundle's graph and the fused variant.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 259, (2, 11), dtype=np.int64)
+    mask = np.ones((2, 11), np.int64)
+    mask[1, :4] = 0
+    pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+    with runtime.load(bundle.path, variant=False) as plain, runtime.load(bundle.path) as fast:
+        a, ca = plain.forward(ids, mask, pos)
+        b, cb = fast.forward(ids, mask, pos)
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+        for step in range(3):
+            token = rng.integers(0, 259, (2, 1), dtype=np.int64)
+            mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+            pos = pos[:, -1:] + 1
+            a, ca = plain.forward(token, mask, pos, ca)
+            b, cb = fast.forward(token, mask, pos, cb)
+            np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+        for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
+            np.testing.assert_allclose(y, x, atol=2e-5, rtol=0)
+
+
+def test_half_precision_and_rope_free_graphs_are_left_unfused(tmp_path):
+    """float16 chains carry Casts (and the fusions are float32-only); a LayerNorm, sinusoidal model has no chain."""
+    half = export("llama3-micro", tmp_path / "half", dtype="float16")
+    ops = _ops(variant_path(Bundle(half.path)))
+    assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == 0 and ops["Pow"] > 0
+    classic = export("classic-micro", tmp_path / "classic")
+    ops = _ops(variant_path(Bundle(classic.path)))
+    assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == 0 and ops["LayerNormalization"] > 0
+
+
+def _rms_graph(extra_output: str | None = None, exponent: float = 2.0, axis: int = -1):
+    f = TensorProto.FLOAT
+    inits = [
+        numpy_helper.from_array(np.array(exponent, np.float32), "two"),
+        numpy_helper.from_array(np.array([axis], np.int64), "axes"),
+        numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+        numpy_helper.from_array(np.linspace(0.5, 1.5, 8).astype(np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("Pow", ["x", "two"], ["p"]),
+        helper.make_node("ReduceMean", ["p", "axes"], ["m"], keepdims=1),
+        helper.make_node("Add", ["m", "eps"], ["a"]),
+        helper.make_node("Sqrt", ["a"], ["s"]),
+        helper.make_node("Reciprocal", ["s"], ["r"]),
+        helper.make_node("Mul", ["x", "r"], ["n"]),
+        helper.make_node("Mul", ["w", "n"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", f, [2, 3, 8])]
+    if extra_output:
+        outputs.append(helper.make_tensor_value_info(extra_output, f, None))
+    graph = helper.make_graph(nodes, "rms", [helper.make_tensor_value_info("x", f, [2, 3, 8])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _run(model, x):
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, {"x": x})
+
+
+def test_rms_norm_fusion_matches_and_refuses_near_misses():
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
+    model = _rms_graph()
+    expected = _run(model, x)[0]
+    assert fuse_rms_norms(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["SimplifiedLayerNormalization"]
+    np.testing.assert_allclose(_run(model, x)[0], expected, atol=1e-6, rtol=0)
+    # an intermediate the graph also returns, another exponent, another axis: not an RMSNorm chain to replace
+    for near_miss in (_rms_graph(extra_output="r"), _rms_graph(exponent=3.0), _rms_graph(axis=1)):
+        before = [n.op_type for n in near_miss.graph.node]
+        assert fuse_rms_norms(near_miss) == 0
+        assert [n.op_type for n in near_miss.graph.node] == before
+
+
+def test_rotary_fusion_needs_the_whole_rotate_half_chain(tmp_path):
+    """A RoPE chain whose q rotation is also read elsewhere is left decomposed; the rest still fuses."""
+    bundle = export("llama3-micro", tmp_path / "m")
+    model = onnx.load(str(bundle.graph_file))
+    concat = next(n for n in model.graph.node if n.op_type == "Concat" and any(
+        p.op_type == "Neg" for p in model.graph.node if p.output[0] in n.input))
+    model.graph.output.append(helper.make_tensor_value_info(concat.output[0], TensorProto.FLOAT, None))
+    assert fuse_rotary(model) == 2 * bundle.model_config["n_layers"] - 1
+    assert drop_dead_nodes(model) == 0  # the chain left decomposed still reads the Cos/Sin tables
+    assert any(n.output[0] == concat.output[0] for n in model.graph.node)  # and is still computed
