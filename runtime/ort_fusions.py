@@ -7,8 +7,9 @@ provider pays a kernel launch and a pass over memory for each, which at batch
 chains, so the variant rewrites them:
 
 - x -> Pow 2 -> ReduceMean(-1) -> Add eps -> Sqrt -> Reciprocal -> Mul x -> Mul weight
-  becomes SimplifiedLayerNormalization(x, weight, epsilon) (ORT then folds a
-  residual Add into SkipSimplifiedLayerNormalization by itself);
+  becomes SimplifiedLayerNormalization(x, weight, epsilon), and with the
+  residual Add that produces x, SkipSimplifiedLayerNormalization (which also
+  returns the sum for the next residual);
 - x * cos + cat(-x[half:], x[:half]) * sin, with cos/sin = Cos/Sin(cat(f, f))
   and f the graph's own angles, becomes com.microsoft RotaryEmbedding over
   the half-angle tables Cos(f), Sin(f). The tables are indexed by each
@@ -130,6 +131,52 @@ def fuse_rms_norms(model) -> int:
     return count
 
 
+def _dims(g: _Graph, name: str):
+    info = next((v for v in (*g.graph.value_info, *g.graph.input) if v.name == name), None)
+    if info is None or not info.type.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_param or d.dim_value for d in info.type.tensor_type.shape.dim]
+
+
+def fuse_skip_rms_norms(model) -> int:
+    """Residual Add -> SimplifiedLayerNormalization becomes com.microsoft SkipSimplifiedLayerNormalization; returns how many.
+
+    Only where the graph's shape information says both addends are the same
+    (batch, seq, hidden) shape, which is what the fused kernel takes.
+    """
+    from onnx import helper
+
+    g = _Graph(model.graph)
+    removed, added, count = set(), {}, 0
+    for norm in list(model.graph.node):
+        if norm.op_type != "SimplifiedLayerNormalization" or len(norm.output) != 1:
+            continue
+        add = g.producer.get(norm.input[0])
+        if add is None or add.op_type != "Add" or len(add.input) != 2 or id(add) in removed:
+            continue
+        a, b = (_dims(g, x) for x in add.input)
+        if a is None or a != b or len(a) != 3 or any(g.const(x) is not None for x in add.input):
+            continue
+        removed |= {id(add), id(norm)}
+        added[id(norm)] = [helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
+            [norm.output[0], "", "", add.output[0]], domain=MS_DOMAIN, name=f"{norm.name}_skip",
+            epsilon=_attr(norm, "epsilon", 1e-5),
+        )]
+        count += 1
+    if count:
+        _use_ms_domain(model)
+        _replace(model.graph, removed, added)
+    return count
+
+
+def _use_ms_domain(model) -> None:
+    from onnx import helper
+
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
 def _slice_bounds(g: _Graph, node) -> tuple[int, int] | None:
     """(start, end) of a Slice on the last axis with step 1, else None."""
     if node.op_type != "Slice" or len(node.input) < 3:
@@ -210,8 +257,7 @@ def fuse_rotary(model) -> int:
             numpy_helper.from_array(np.array(0, np.int64), "kvforge_rope_start"),
             numpy_helper.from_array(np.array(1, np.int64), "kvforge_rope_step"),
         ])
-        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _use_ms_domain(model)
         _replace(model.graph, removed, added)
     return count
 

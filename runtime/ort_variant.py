@@ -147,9 +147,10 @@ def variant_path(bundle) -> Path:
     fuse_sibling_matmuls(model)
     add_logits_to_keep(model)
     if bundle.manifest["precision"]["dtype"] == "float32":
-        from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary
+        from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 
         fuse_rms_norms(model)
+        fuse_skip_rms_norms(model)
         fuse_rotary(model)
         drop_dead_nodes(model)
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kvforge import runtime
 from kvforge.bundle import Bundle
 from kvforge.export import export
-from kvforge.runtime.ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary
+from kvforge.runtime.ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from kvforge.runtime.ort_variant import variant_path
 
 
@@ -27,7 +27,8 @@ def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
     bundle = export(preset, tmp_path / preset)
     layers = bundle.model_config["n_layers"]
     ops = _ops(variant_path(Bundle(bundle.path)))
-    assert ops["SimplifiedLayerNormalization"] == 2 * layers + 1  # two per block and the final norm
+    # two norms per block and the final one; all but the first read a residual Add, which joins them
+    assert ops["SkipSimplifiedLayerNormalization"] == 2 * layers and ops["SimplifiedLayerNormalization"] == 1
     assert ops["RotaryEmbedding"] == 2 * layers  # q and k per block
     assert ops["Pow"] == ops["Neg"] == ops["Reciprocal"] == 0  # nothing of the chains is left over
 
@@ -56,7 +57,8 @@ def test_half_precision_and_rope_free_graphs_are_left_unfused(tmp_path):
     """float16 chains carry Casts (and the fusions are float32-only); a LayerNorm, sinusoidal model has no chain."""
     half = export("llama3-micro", tmp_path / "half", dtype="float16")
     ops = _ops(variant_path(Bundle(half.path)))
-    assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == 0 and ops["Pow"] > 0
+    assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == ops["SkipSimplifiedLayerNormalization"] == 0
+    assert ops["Pow"] > 0
     classic = export("classic-micro", tmp_path / "classic")
     ops = _ops(variant_path(Bundle(classic.path)))
     assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == 0 and ops["LayerNormalization"] > 0
@@ -100,6 +102,7 @@ def test_rms_norm_fusion_matches_and_refuses_near_misses():
     assert fuse_rms_norms(model) == 1
     assert [n.op_type for n in model.graph.node] == ["SimplifiedLayerNormalization"]
     np.testing.assert_allclose(_run(model, x)[0], expected, atol=1e-6, rtol=0)
+    assert fuse_skip_rms_norms(model) == 0  # x is a graph input, not a residual Add
     # an intermediate the graph also returns, another exponent, another axis: not an RMSNorm chain to replace
     for near_miss in (_rms_graph(extra_output="r"), _rms_graph(exponent=3.0), _rms_graph(axis=1)):
         before = [n.op_type for n in near_miss.graph.node]
