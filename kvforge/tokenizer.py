@@ -136,11 +136,13 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Ids past the tokenizer's vocabulary have no text and are skipped, as in transformers:
+        a model's embedding is often padded beyond its tokenizer (Qwen2), and it may generate those ids."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if i < 0]
         if bad:
-            raise KvforgeError(f"token ids {bad[:8]} are outside the tokenizer's vocabulary (size {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            raise KvforgeError(f"token ids {bad[:8]} are negative; token ids start at 0")
+        return self.backend.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, specials={self.special_tokens})"
