@@ -74,7 +74,7 @@ def calibrate(
     seq_len: int = 256,
     smoothquant: float | None = None,
     exclude: Sequence[str] = (),
-    block_size: int = 32,
+    block_size: int | None = None,
     random_data: bool = False,
     batch_size: int = 8,
     quantize_lm_head: bool = False,
@@ -117,11 +117,17 @@ def calibrate(
         raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with int8 or fp8, not weight-only int4")
     if kv_cache and bundle.manifest.get("opset", 0) < 19:
         raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
-    if precision == "int4" and block_size < 1:
+    if block_size is not None and precision != "int4":
+        raise KvforgeError(f"--block-size applies to int4's block-wise weights; {precision} weights are per channel")
+    block_size = 32 if block_size is None else block_size
+    if block_size < 1:
         raise KvforgeError(f"--block-size must be positive, got {block_size}")
+    if data is not None and random_data:
+        raise KvforgeError("--data and --random-data name two different calibration sets; pass one of them")
     if bundle.manifest.get("opset", 0) < MIN_OPSET[precision]:
         raise KvforgeError(f"{precision} Q/DQ needs opset >= {MIN_OPSET[precision]}; re-export with --opset {max(21, MIN_OPSET[precision])}")
-    check_output_path(out, force)
+    check_output_path(out, force, [bundle.path])
+    bundle.verify_files()  # a truncated or altered graph is named here, not by protobuf mid-calibration
 
     model = onnx.load(str(bundle.graph_file))
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
@@ -206,7 +212,7 @@ def calibrate(
         "quantized_layers": [t.layer for t in targets],
         "excluded_layers": excluded,
     }
-    with staged_bundle(out, force) as tmp:
+    with staged_bundle(out, force, [bundle.path]) as tmp:
         big = sum(len(i.raw_data) for i in model.graph.initializer) > (1 << 30)
         onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -229,7 +235,7 @@ def calibrate(
                 "input": {"source": str(bundle.path), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
                 "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                             "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
-                            "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
+                            "block_size": block_size if precision == "int4" else None, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
                             "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq},
                 "seconds": {"total": round(time.time() - started, 2)},
             }],

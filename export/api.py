@@ -43,14 +43,15 @@ def source_digest(source) -> dict[str, Any]:
 
     kind = source_kind(source)
     if kind == "preset" and str(source) == "tiny":
-        kind, path = "kvforge", TINY_DIR
+        kind, path, name = "kvforge", TINY_DIR, "tiny"
     elif kind == "preset":
         blob = json.dumps({"preset": str(source), "config": ModelConfig.from_name(str(source)).to_dict(), "seed": 0}, sort_keys=True)
         return {"source": str(source), "kind": "preset", "sha256": hashlib.sha256(blob.encode()).hexdigest()}
     else:
         path = Path(source)
+        name = str(path.resolve())  # absolute: the bundle is used from other directories than the one it was made in
     files = [p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")]
-    return {"source": str(source), "kind": kind, "sha256": sha256_tree(files, path)}
+    return {"source": name, "kind": kind, "sha256": sha256_tree(files, path)}
 
 
 def export(
@@ -74,7 +75,7 @@ def export(
         raise KvforgeError(f"dtype {dtype!r} is not one of {DTYPES}")
     if not 18 <= opset <= 24:
         raise KvforgeError(f"opset {opset} is outside the supported range 18..24 (the exporter needs >= 18, TensorRT 10.15 reads <= 24)")
-    check_output_path(out, force)  # fail before any work
+    check_output_path(out, force, [source])  # fail before any work
     progress = progress or (lambda phase, done, total: None)
     source = DEFAULT_MODEL if source is None else source
     started = time.time()
@@ -90,7 +91,7 @@ def export(
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
-    with staged_bundle(out, force) as tmp:
+    with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
         graph = export_onnx(model, tmp / GRAPH_FILE, opset, external_data)
         export_seconds = time.time() - started

@@ -514,7 +514,7 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     plan = build_plan(bundle, max_batch, max_context, opt_batch, opt_context, options)
     progress("check", 1, 1)
     trt, device = require_tensorrt_gpu()
-    check_output_path(out, force)
+    check_output_path(out, force, [plan["bundle"]])
     source = Bundle(plan["bundle"])
     source.verify_files()  # the hashes the manifest records must be the files built from
     tc_path = Path(options.timing_cache) if options.timing_cache else None
@@ -532,7 +532,7 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
                   "saved_sha256": sha256_file(tc_path)}
 
     progress("write", 0, 1)
-    with staged_bundle(out, force) as tmp:
+    with staged_bundle(out, force, [plan["bundle"]]) as tmp:
         (tmp / ENGINE_FILE).write_bytes(engine_bytes)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (source.path / name).is_file():

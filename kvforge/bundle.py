@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from kvforge.errors import KvforgeError
 
@@ -178,13 +178,24 @@ def file_records(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def check_output_path(out: str | Path, force: bool) -> Path:
-    """Refuse an existing output (unless force) or an unwritable parent, before any work is done."""
+def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = ()) -> Path:
+    """Refuse, before any work is done: an output that is or holds one of the inputs, an existing output
+    (unless force), a non-empty directory that is not a bundle (force replaces bundles only), an unwritable parent."""
     out = Path(out)
+    target = out.resolve()
+    for source in inputs:
+        if source is None or not Path(source).exists():  # a preset name is not a path
+            continue
+        where = Path(source).resolve()
+        if where == target or target in where.parents:
+            raise KvforgeError(f"the output {out} is, or holds, the input {source}; write the output somewhere else")
     if out.exists() and not force:
         raise KvforgeError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise KvforgeError(f"{out} exists and is not a directory")
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise KvforgeError(f"{out} is a directory but not a kvforge bundle (no {MANIFEST}); --force replaces only bundles, "
+                           "so remove it yourself or choose another output")
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -196,13 +207,13 @@ def check_output_path(out: str | Path, force: bool) -> Path:
 
 
 @contextlib.contextmanager
-def staged_bundle(out: str | Path, force: bool = False) -> Iterator[Path]:
+def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | Path | None] = ()) -> Iterator[Path]:
     """Yield a temporary directory; on success it becomes `out`, on any error it vanishes.
 
     The caller writes the files and finally `write_manifest`; an existing
     `out` (with force) is replaced only after the block completes.
     """
-    out = check_output_path(out, force)
+    out = check_output_path(out, force, inputs)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
     try:
         yield tmp

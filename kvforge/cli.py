@@ -174,6 +174,7 @@ def inspect(bundle, as_json):
     m = b.manifest
     if as_json:
         click.echo(json.dumps(m))
+        b.verify_files()  # a damaged bundle: the manifest is printed, then the error (exit 1)
         return
     from rich.console import Console
     from rich.table import Table
@@ -221,10 +222,13 @@ def inspect(bundle, as_json):
             console.print(f"  profile {prof['index']} {prof['name']}: {shapes}")
     lint_result = m.get("lint")
     if lint_result:
-        console.print(f"lint: {'passed' if lint_result['passed'] else 'FAILED'} ({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
+        console.print(f"lint (when written): {'passed' if lint_result['passed'] else 'FAILED'} "
+                      f"({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
     for entry in m.get("lineage", []):
         console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {entry['input']['source']} "
                       f"({entry['input']['kind']}, sha256 {entry['input']['sha256'][:16]}), options {entry['options']}")
+    b.verify_files()  # raises, naming each damaged file (exit 1)
+    console.print("files: intact (sizes and sha256 match the manifest)")
 
 
 @main.command()
@@ -239,7 +243,7 @@ def inspect(bundle, as_json):
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
 @click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
-@click.option("--block-size", default=32, show_default=True, type=click.IntRange(1), help="INT4 block size along K.")
+@click.option("--block-size", default=None, type=click.IntRange(1), help="INT4 block size along K (default 32).")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))

@@ -79,3 +79,57 @@ def test_calibrate_gptq_from_the_command_line(run, tmp_path, tiny_fp32):
     assert "block-wise weights, GPTQ-rounded" in out.output and "4 x 32 tokens of built-in tiny corpus" in out.output
     manifest = json.loads(run("inspect", tmp_path / "q", "--json").output)
     assert manifest["precision"]["quantization"]["weight_rounding"] == "gptq"
+
+
+def test_damaged_bundles_are_named_and_force_never_replaces_inputs_or_other_files(run, tmp_path):
+    import shutil
+
+    from tests.conftest import make_hf_model
+
+    bundle = tmp_path / "b"
+    assert run("export", "gpt2-micro", "-o", bundle, "--quiet").exit_code == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(bundle, damaged)
+    graph = (damaged / "model.onnx").read_bytes()
+    (damaged / "model.onnx").write_bytes(graph[: len(graph) // 2])
+    shown = run("inspect", damaged)
+    assert shown.exit_code == 1 and f"model.onnx has {len(graph) // 2} bytes, the manifest says {len(graph)}" in shown.output
+    assert run("inspect", bundle).exit_code == 0 and "files: intact" in run("inspect", bundle).output
+    calib = run("calibrate", damaged, "-o", tmp_path / "q", "--precision", "int8", "--random-data", "--quiet")
+    assert calib.exit_code == 1 and "is damaged: model.onnx has" in calib.output and not (tmp_path / "q").exists()
+
+    # --force replaces bundles only, and never the input it reads
+    same = run("calibrate", bundle, "-o", bundle, "--precision", "int8", "--random-data", "--force", "--quiet")
+    assert same.exit_code == 1 and "is, or holds, the input" in same.output
+    parent = tmp_path / "parent"
+    make_hf_model("gpt2").save_pretrained(parent / "child")
+    (parent / "notes.txt").write_text("mine")
+    for out in (parent, parent / "child"):
+        refused = run("export", parent / "child", "-o", out, "--force", "--quiet")
+        assert refused.exit_code == 1 and "is, or holds, the input" in refused.output
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    refused = run("export", "gpt2-micro", "-o", other, "--force", "--quiet")
+    assert refused.exit_code == 1 and "not a kvforge bundle" in refused.output
+    assert (other / "notes.txt").read_text() == (parent / "notes.txt").read_text() == "mine"
+    assert (parent / "child" / "config.json").is_file()
+    assert run("inspect", bundle).exit_code == 0  # untouched
+
+
+def test_eval_keeps_to_the_models_context(run, tmp_path):
+    """GPT-2 with 16 learned positions: windows shrink to the context; a longer prompt is a clear error."""
+    from kvforge.tokenizer import Tokenizer
+
+    from tests.conftest import make_hf_model
+
+    make_hf_model("gpt2", n_positions=16).save_pretrained(tmp_path / "m")
+    Tokenizer.byte_level().save(tmp_path / "m")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("x = 1\n" * 30)
+    result = run("eval", tmp_path / "m", "--data", corpus, "--prompt", "x =", "--max-new-tokens", "20", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert 1.0 < data["perplexity"] < 10 * data["uniform_perplexity"]
+    long = run("eval", tmp_path / "m", "--data", corpus, "--prompt", "y" * 40)
+    assert long.exit_code == 1 and "the prompt is 41 tokens" in long.output and "takes at most 16" in long.output

@@ -194,6 +194,11 @@ def test_option_errors(tmp_path, fp32):
         calibrate(fp32.path, tmp_path / "x", precision="int4", smoothquant=0.5)
     with pytest.raises(KvforgeError, match="seq_len 2000 exceeds the bundle's max context 1024"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", seq_len=2000)
+    with pytest.raises(KvforgeError, match="--block-size applies to int4"):
+        calibrate(fp32.path, tmp_path / "x", precision="int8", block_size=64)
+    (tmp_path / "c.txt").write_text(heldout_text()[:20000])
+    with pytest.raises(KvforgeError, match="--data and --random-data name two different calibration sets"):
+        calibrate(fp32.path, tmp_path / "x", precision="int8", data=tmp_path / "c.txt", random_data=True)
     q = calibrate(fp32.path, tmp_path / "q4", precision="int4")
     with pytest.raises(KvforgeError, match="already quantized"):
         calibrate(q.path, tmp_path / "x", precision="int8")
