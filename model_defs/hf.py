@@ -48,12 +48,15 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """RoPE settings from either the v5 `rope_parameters` or the v4 `rope_theta`/`rope_scaling` keys."""
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
-    out: dict[str, Any] = {
-        "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        "rotary_fraction": float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
-    }
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    # transformers' Llama, Mistral and Qwen2 rotate the whole head: their default RoPE ignores
+    # partial_rotary_factor, and the scaled RoPE types would compute tables too short for the head.
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     if kind == "default":
         return out
+    if partial != 1.0:
+        raise KvforgeError(f"partial_rotary_factor {partial} with rope type {kind!r} is not supported: transformers' "
+                           f"{hf.get('model_type')} rotates whole heads, so its tables would not match them")
     if kind == "linear":
         out["rope_scaling"] = {"type": "linear", "factor": float(params["factor"])}
     elif kind == "llama3":
@@ -119,6 +122,7 @@ def _llama(hf):
 
 def _mistral(hf):
     cfg = _llama_like(hf, "mistral")
+    cfg.update(qkv_bias=False, out_bias=False, ffn_bias=False)  # transformers' Mistral has no biases, whatever the config says
     cfg["sliding_window"] = hf.get("sliding_window")
     return cfg
 
@@ -225,6 +229,7 @@ _GPT2_WEIGHTS = {
     "layers.{i}.ffn.up_proj.bias": ("h.{i}.mlp.c_fc.bias", None),
     "layers.{i}.ffn.down_proj.weight": ("h.{i}.mlp.c_proj.weight", "T"),
     "layers.{i}.ffn.down_proj.bias": ("h.{i}.mlp.c_proj.bias", None),
+    "lm_head.weight": ("lm_head.weight", None),  # only when tie_word_embeddings is false
 }
 WEIGHT_TABLES: dict[str, dict[str, Any]] = {
     "llama": {k: (v, None) for k, v in _LLAMA_WEIGHTS.items()},
@@ -266,11 +271,16 @@ def safetensors_files(directory: Path) -> list[Path]:
         if missing:
             raise KvforgeError(f"{index} names shard files that do not exist: {missing}")
         return files
+    if (directory / "model.safetensors").is_file():  # as transformers: other .safetensors (adapters, ...) are not the model
+        return [directory / "model.safetensors"]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = f" It has {pickles}: kvforge reads no pickle files; convert them to safetensors first." if pickles else ""
         raise KvforgeError(f"no *.safetensors weights in {directory}.{hint}")
+    if len(files) > 1:
+        raise KvforgeError(f"{directory} has several .safetensors files ({[f.name for f in files]}) but neither "
+                           "model.safetensors nor model.safetensors.index.json to say which hold the model")
     return files
 
 
@@ -335,7 +345,17 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
+    """config.json, with generation_config.json's eos_token_id over the config's: what transformers' generate stops on."""
+    hf = _read_json(directory / "config.json")
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        eos = _read_json(generation).get("eos_token_id")
+        if eos is not None:
+            hf["eos_token_id"] = eos
+    return hf
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

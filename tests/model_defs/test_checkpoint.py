@@ -120,6 +120,21 @@ def test_pickle_checkpoints_are_refused(tmp_path, hf_checkpoint):
         load(d)
 
 
+def test_other_safetensors_beside_the_model_are_not_read(tmp_path, hf_checkpoint):
+    """As in transformers: model.safetensors is the model; an adapter or a consolidated copy beside it is not."""
+    d = _copy(hf_checkpoint("gpt2"), tmp_path / "m")
+    save_file({"lora_A": torch.zeros(2, 2)}, str(d / "adapter_model.safetensors"))
+    model, _ = load(d)
+    reference, _ = load(hf_checkpoint("gpt2"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(model(ids)[0], reference(ids)[0], atol=0, rtol=0)
+    (d / "model.safetensors").rename(d / "weights.safetensors")
+    with pytest.raises(KvforgeError, match="several .safetensors files .* neither model.safetensors nor"):
+        load(d)
+    (d / "adapter_model.safetensors").unlink()
+    torch.testing.assert_close(load(d)[0](ids)[0], reference(ids)[0], atol=0, rtol=0)  # one file, any name
+
+
 def test_corrupt_safetensors(tmp_path, hf_checkpoint):
     d = _copy(hf_checkpoint("gpt2"), tmp_path / "m")
     data = (d / "model.safetensors").read_bytes()

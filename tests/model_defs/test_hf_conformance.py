@@ -94,3 +94,27 @@ def test_import_maps_config(hf_checkpoint):
     qwen = load(hf_checkpoint("qwen2")).model.config
     assert qwen.qkv_bias and not qwen.out_bias and qwen.n_kv_heads == 1
     assert [qwen.layer_window(i) for i in range(3)] == [None, 5, 5]  # max_window_layers=1
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt2", dict(tie_word_embeddings=False)),  # an untied head: GPT2LMHeadModel writes lm_head.weight
+    ("mistral", dict(attention_bias=True, mlp_bias=True)),  # transformers' Mistral has no biases whatever the config says
+    ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),  # ignored
+])
+@torch.no_grad()
+def test_config_keys_mean_what_they_mean_in_transformers(tmp_path, family, overrides):
+    hf_model = make_hf_model(family, **overrides)
+    hf_model.save_pretrained(tmp_path)
+    ours, _ = load(tmp_path)
+    ids = _ids(1, 9, seed=3)
+    torch.testing.assert_close(ours(ids)[0], hf_model(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_partial_rotary_with_scaled_rope_is_refused(tmp_path):
+    """transformers' Llama would build tables shorter than its heads: there is no reference to match, so refuse."""
+    from kvforge.errors import KvforgeError
+
+    make_hf_model("llama", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0,
+                                                partial_rotary_factor=0.5)).save_pretrained(tmp_path)
+    with pytest.raises(KvforgeError, match="partial_rotary_factor 0.5 with rope type 'linear' is not supported"):
+        load(tmp_path)
