@@ -85,6 +85,12 @@ def evaluate(
     text = read_text(data) if data is not None else heldout_text()
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt_ids = tokenizer.encode(prompt)
+    limit = model.config.max_seq_len
+    if len(prompt_ids) > limit:
+        raise KvforgeError(f"the prompt is {len(prompt_ids)} tokens; {source} takes at most {limit}")
+    if seq_len < 1:
+        raise KvforgeError(f"seq_len must be at least 1, got {seq_len}")
+    seq_len = min(seq_len, limit)  # windows of the model's context at most
     new = greedy_continuation(model, prompt_ids, max_new_tokens, stop=model.config.eos_token_ids)
     return {
         "source": str(source),

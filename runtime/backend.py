@@ -66,6 +66,10 @@ class Backend:
     def empty_cache(self, batch: int) -> KVCache:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
 
+    def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
+        """The cache without its first n positions (columns that are padding for every row still generating)."""
+        return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, n))
+
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache as numpy arrays (for inspection and tests; copies)."""
         return [self.to_numpy(v) for v in cache.values]
@@ -82,6 +86,9 @@ class Backend:
 
     def empty_cache_impl(self, batch: int) -> list[Any]:
         raise NotImplementedError
+
+    def drop_oldest_impl(self, values: list[Any], n: int) -> list[Any]:
+        raise NotImplementedError  # a backend without it ends a batch at the batch's width (generate.py)
 
     def to_numpy(self, value) -> np.ndarray:
         raise NotImplementedError

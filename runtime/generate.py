@@ -76,6 +76,8 @@ def _events(it) -> Iterator[TokenEvent]:
         if not row.tokens:
             continue
         if pending is not None and pending.index == len(row.tokens) - 1:
+            if row.finish:  # the same token, now known to be the last
+                pending.last, pending.finish_reason = True, row.finish
             continue
         if pending is not None:
             yield pending
@@ -130,11 +132,24 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
                 r.finish = "stop"
             elif len(r.tokens) >= config.max_new_tokens:
                 r.finish = "length"
-            elif mask.shape[1] + 1 >= session.max_context:  # the sequence fills the context
+            elif len(r.prompt) + len(r.tokens) >= session.max_context:  # this row's own sequence fills the context
                 r.finish = "context"
         yield rows
         if all(r.finish for r in rows):
             return
+        if mask.shape[1] + 1 > session.max_context:
+            # The batch is as wide as the context, but the rows still going are shorter than the longest
+            # prompt: their leading columns are padding. Drop as many as the next step needs, so that each
+            # row gets the length it would get alone (positions and windows are unaffected).
+            excess = mask.shape[1] + 1 - session.max_context
+            try:
+                cache = session.backend.drop_oldest(cache, excess)
+            except NotImplementedError:
+                for r in rows:
+                    r.finish = r.finish or "context"
+                yield rows
+                return
+            mask = mask[:, excess:]
         # Finished rows keep a slot in the batch; what they are fed is ignored.
         nxt = np.array([[r.tokens[-1]] for r in rows], np.int64)
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)

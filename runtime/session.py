@@ -83,6 +83,12 @@ def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session
         else:
             from .torch_backend import TorchBackend
 
+            quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+            if quant:
+                raise KvforgeError(
+                    f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was made from, "
+                    "not this bundle. Run it on onnxruntime (or tensorrt); `kvforge compare` measures it against that float reference"
+                )
             recorded = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
             src = options.pop("source", None) or recorded
             if src is None:
@@ -240,9 +246,11 @@ class Session:
         extra = {int(t) for t in config.stop_token_ids}
         if config.ignore_eos:
             return extra
+        # As transformers' generate: the model's eos ids (config.json, or generation_config.json where it
+        # has them); the tokenizer's eos only for a model that names none.
         eos = self.config.get("eos_token_id")
         stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+        if not stop and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             stop.add(self.tokenizer.eos_token_id)
         return stop | extra
 

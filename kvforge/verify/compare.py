@@ -214,9 +214,18 @@ def _reference_session(candidate: Bundle, reference):
 
     if reference is None:
         lineage = candidate.manifest.get("lineage") or [{}]
-        reference = lineage[0].get("input", {}).get("source")
+        recorded = lineage[0].get("input", {})
+        reference = recorded.get("source")
         if reference is None:
             raise KvforgeError(f"{candidate.path} records no source model; pass --reference")
+        from kvforge.export.api import source_digest
+
+        now = source_digest(reference)["sha256"]
+        if recorded.get("sha256") and now != recorded["sha256"]:
+            raise KvforgeError(
+                f"the source {reference} has changed since {candidate.path} was made from it (sha256 recorded "
+                f"{recorded['sha256'][:16]}, now {now[:16]}); re-export, or pass --reference to compare against it as it is"
+            )
     return runtime.load(reference, backend="torch"), str(reference)
 
 
@@ -257,6 +266,10 @@ def compare(
     with cand, ref:
         if cand.vocab_size != ref.vocab_size:
             raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
+        shape = lambda s: {k: s.config[k] for k in ("n_layers", "n_kv_heads", "head_dim")}  # noqa: E731
+        if shape(cand) != shape(ref):
+            raise KvforgeError(f"the candidate's KV cache {shape(cand)} differs from the reference's {shape(ref)}: "
+                               "they are not the same model")
         max_context = min(cand.max_context, ref.max_context)
         seq_len = min(seq_len, max_context)
         if random_data:

@@ -65,6 +65,9 @@ class Artifact:
         bad = [b for b in art.backends if b not in BACKENDS]
         if bad or not art.backends:
             raise KvforgeError(f"artifact {name!r}: backends {art.backends} must be a non-empty list from {list(BACKENDS)}")
+        if art.precision is not None and "torch" in art.backends:
+            raise KvforgeError(f"artifact {name!r}: a {art.precision} artifact cannot run on the torch backend, "
+                               "which runs the float reference; use onnxruntime or tensorrt")
         return art
 
     @property

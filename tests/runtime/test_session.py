@@ -87,6 +87,26 @@ def test_greedy_matches_torch_reference_and_transformers_generate(tmp_path, hf_c
     assert ours == hf[0, len(prompt):].tolist()
 
 
+def test_generation_config_eos_stops_generation_as_in_transformers(tmp_path):
+    """generation_config.json's eos_token_id is what transformers' generate stops on; so does the runtime."""
+    import transformers
+
+    make_hf_model("llama").save_pretrained(tmp_path)
+    prompt = [5, 77, 123, 9, 250, 31]
+    with runtime.load(tmp_path) as s:
+        free = s.generate(prompt, max_new_tokens=12, ignore_eos=True).tokens
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # first new token from the 4th on
+    config_eos = json.loads((tmp_path / "config.json").read_text()).get("eos_token_id")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config_eos, stop], "do_sample": False}))
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, pad_token_id=0)[0, len(prompt):].tolist()
+    with runtime.load(tmp_path) as s:
+        ours = s.generate(prompt, max_new_tokens=12)
+    first_stop = next(i for i, t in enumerate(free) if t in (config_eos, stop))
+    assert ours.tokens == hf == free[: first_stop + 1] and ours.finish_reason == "stop"
+
+
 # -- generation ---------------------------------------------------------------------
 def test_batched_left_padded_generation_equals_each_prompt_alone(micro_bundle):
     prompts = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 6], [200, 100, 50, 25]]
@@ -94,6 +114,20 @@ def test_batched_left_padded_generation_equals_each_prompt_alone(micro_bundle):
         batched = s.generate(prompts, max_new_tokens=12, ignore_eos=True)
         alone = [s.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_a_batch_at_the_context_limit_gives_each_row_its_own_length(tmp_path_factory, backend):
+    """A short prompt batched with one near the max context is not cut short by the other's padding."""
+    bundle = export("mistral-micro", tmp_path_factory.mktemp("ctx") / "m", max_context=16).path  # window 8 < 16
+    prompts = [list(range(20, 34)), [7, 8, 9]]  # 14 and 3 tokens
+    with runtime.load(bundle, backend=backend) as s:
+        batched = s.generate(prompts, max_new_tokens=10, ignore_eos=True)
+        alone = [s.generate(p, max_new_tokens=10, ignore_eos=True) for p in prompts]
+        streamed = list(s.stream(prompts[0], max_new_tokens=10, ignore_eos=True))
+    assert [(r.tokens, r.finish_reason) for r in batched] == [(r.tokens, r.finish_reason) for r in alone]
+    assert [len(r.tokens) for r in batched] == [2, 10] and [r.finish_reason for r in batched] == ["context", "length"]
+    assert [e.token for e in streamed] == alone[0].tokens and streamed[-1].finish_reason == "context"
 
 
 def test_sampling_is_seeded_and_its_limits_hold(tiny_bundle):
@@ -203,6 +237,12 @@ def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(micro_b
         for t in threads:
             t.join()
     assert got == expected
+
+
+def test_torch_backend_refuses_a_quantized_bundle(tiny_int8):
+    """The torch backend rebuilds the float model a bundle came from: for a quantized bundle that would be a false reference."""
+    with pytest.raises(KvforgeError, match=r"is quantized \(int8\); the torch backend would run the float model"):
+        runtime.load(tiny_int8.path, backend="torch")
 
 
 def test_torch_backend_on_a_model_source_needs_no_bundle():

@@ -95,6 +95,7 @@ def test_regression_limits_move_in_the_bad_direction_only():
     ('[[artifacts]]\nname = "a"\nprecision = "int3"\n', "precision 'int3' is not one of"),
     ('[[artifacts]]\nname = "a"\nmethod = "mse"\n', "apply to calibrated artifacts"),
     ('[[artifacts]]\nname = "a"\nbackends = ["tpu"]\n', "backends \\['tpu'\\]"),
+    ('[[artifacts]]\nname = "a"\nprecision = "int4"\nbackends = ["torch"]\n', "int4 artifact cannot run on the torch backend"),
     ('[data]\nsamples = 3\n[[artifacts]]\nname = "a"\n', "\\[data\\]: unknown keys"),
     ('[tolerances]\ntop1_agreement = "1%"\n[[artifacts]]\nname = "a"\n', "a number \\(absolute\\) or"),
     ('[tolerances]\ntop1 = 0.01\n[[artifacts]]\nname = "a"\n', "unknown metric 'top1'"),
