@@ -4,20 +4,27 @@ The checkpoint: a Hugging Face Llama directory made locally (hidden 768, 12
 layers, 12 heads / 4 KV heads, FFN 2048, vocab 32000, random weights) with a
 BPE tokenizer trained locally (the GenAI builder wants one). FP32, batch 1,
 prompt 64, 128 new tokens, greedy; medians over runs, contenders interleaved
-run by run so a noisy neighbour hits them alike.
+run by run so a noisy neighbour hits them alike, with a pause before each so
+that the previous contender's worker threads (OpenMP spins after its last
+parallel region) have gone idle and do not take the cores from the next. The
+order changes every run through all its permutations: a run just after
+another contender's (whose weights have pushed this one's out of the cache)
+is slower, measured here by up to 20% for a prefill, so each contender
+follows each other one equally often.
 
 Also measured: this machine's memory read bandwidth (a 1 GiB buffer summed
 by both cores) and from it the decode roofline (weight bytes read per token /
 bandwidth), and kvforge's decode time per token at 64, 512 and 1024 tokens of
 context.
 
-    python3 benchmarks/runtime_125m.py [--runs 5] [--skip genai,transformers]
+    python3 benchmarks/runtime_125m.py [--runs 6] [--skip genai,transformers]
 Needs: pip install onnxruntime-genai (the contender), transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -36,6 +43,7 @@ CONFIG = dict(
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
 )
 PROMPT_LEN, NEW_TOKENS = 64, 128
+PAUSE_S = 1.0  # idle time before each contender's run
 
 
 def make_checkpoint(directory: Path) -> dict:
@@ -164,7 +172,7 @@ class Transformers:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=6, help="runs per contender (6: every order of the three once)")
     ap.add_argument("--skip", default="", help="comma-separated contenders to skip: genai, transformers")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "runtime_125m.json")
     args = ap.parse_args()
@@ -182,8 +190,10 @@ def main() -> int:
         for c in contenders:  # warm-up
             c.run(prompt)
         runs = {c.name: [] for c in contenders}
+        orders = list(itertools.permutations(contenders))
         for i in range(args.runs):
-            for c in contenders:
+            for c in orders[i % len(orders)]:
+                time.sleep(PAUSE_S)
                 runs[c.name].append(c.run(prompt))
             print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_steps'] / r[-1]['decode_s']:.1f} tok/s" for n, r in runs.items()), flush=True)
         context_ms = {str(n): contenders[0].decode_ms_at(n) for n in (64, 512, 1024)}
