@@ -4,13 +4,15 @@ The checkpoint is the runtime benchmark's (hidden 768, 12 layers, 12/4 heads,
 FFN 2048, vocab 32000, random weights, a locally trained tokenizer). The FP32
 bundle is calibrated to INT8 (MSE + SmoothQuant 0.5) on `tiny`'s built-in
 calibration text tokenized with the checkpoint's tokenizer. Both bundles are
-then benchmarked alternately (batch 1, prompt 64, 128 new tokens, greedy),
-and the script reports the medians and their ratio. ONNX Runtime GenAI's INT8
+then benchmarked alternately (batch 1, prompt 64, 128 new tokens, greedy;
+a pause before each run, and the order balanced so that each contender
+follows each other one equally often, as in runtime_125m.py), and the script
+reports the medians and their ratio. ONNX Runtime GenAI's INT8
 build of the same checkpoint (`-p int8 -e cpu`: 8-bit weight-only MatMulNBits,
 its CPU defaults) runs in the same loop, so the issue's figure to beat is
 measured on this machine alongside.
 
-    python3 benchmarks/int8_speed_125m.py [--runs 5] [--skip-genai]
+    python3 benchmarks/int8_speed_125m.py [--runs 8] [--skip-genai]
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, make_checkpoint  # noqa: E402  (the same checkpoint recipe)
+from runtime_125m import NEW_TOKENS, PAUSE_S, PROMPT_LEN, GenAI, balanced_orders, make_checkpoint  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--skip-genai", action="store_true", help="no ONNX Runtime GenAI INT8 contender")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "int8_speed_125m.json")
     args = ap.parse_args()
@@ -57,17 +59,23 @@ def main() -> int:
                     "int8+lm_head": runtime.load(int8_head.path).activate()}
         genai = None if args.skip_genai else GenAI(tmp / "ckpt", tmp, precision="int8")
         prompt = np.random.default_rng(0).integers(3, 8000, (1, PROMPT_LEN), dtype=np.int64)
-        runs = {name: [] for name in [*sessions, *(["genai-int8"] if genai else [])]}
+        def genai_run() -> dict:
+            g = genai.run(prompt)
+            return {"prefill_tokens_per_s": PROMPT_LEN / g["prefill_s"], "decode_tokens_per_s": g["decode_steps"] / g["decode_s"],
+                    "ttft_ms": 1000 * g["prefill_s"]}
+
+        contenders = {name: (lambda s=s: benchmark(s, 1, PROMPT_LEN, NEW_TOKENS, runs=1, warmup=0)) for name, s in sessions.items()}
+        if genai:
+            contenders["genai-int8"] = genai_run
+        names = list(contenders)
+        for run in contenders.values():  # warm-up
+            run()
+        runs = {name: [] for name in names}
+        orders = balanced_orders(len(names))
         for i in range(args.runs):
-            for name, s in sessions.items():
-                runs[name].append(benchmark(s, 1, PROMPT_LEN, NEW_TOKENS, runs=1, warmup=1 if i == 0 else 0))
-            if genai:
-                if i == 0:
-                    genai.run(prompt)  # warm-up
-                g = genai.run(prompt)
-                runs["genai-int8"].append({"prefill_tokens_per_s": PROMPT_LEN / g["prefill_s"],
-                                           "decode_tokens_per_s": g["decode_steps"] / g["decode_s"],
-                                           "ttft_ms": 1000 * g["prefill_s"]})
+            for name in (names[k] for k in orders[i % len(orders)]):
+                time.sleep(PAUSE_S)
+                runs[name].append(contenders[name]())
             print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_tokens_per_s']:.1f} tok/s" for n, r in runs.items()), flush=True)
         sizes = {n: sum(f["bytes"] for f in b.manifest["files"].values())
                  for n, b in (("fp32", fp32), ("int8", int8), ("int8+lm_head", int8_head))}
