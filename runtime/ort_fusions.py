@@ -230,6 +230,9 @@ def fuse_rotary(model) -> int:
         if lb != (0, half) or hb[1] < np.iinfo(np.int32).max:  # x[..., half:] and x[..., :half]
             continue
         x = high.input[0]
+        dims = _dims(g, x)
+        if dims is not None and len(dims) != 4:  # the kernel's (batch, heads, seq, head_dim) layout
+            continue
         mul_sin = g.only_consumer(cat.output[0], "Mul")
         sin_t = g.other_input(mul_sin, cat.output[0]) if mul_sin is not None else None
         add = g.only_consumer(mul_sin.output[0], "Add") if mul_sin is not None else None
