@@ -27,17 +27,21 @@ class KVCache:
     batch: int
     length: int
     values: list[Any]
+    owner: str | None = None  # the model (its graph's hash) whose session made it
 
 
 class Backend:
     """One interface over the runtimes; subclasses implement the `_impl` hooks."""
 
     name = "base"
+    option_names: tuple[str, ...] = ()  # what load(..., **options) may pass this backend (for the error message)
 
     def __init__(self, config: dict[str, Any], io, **options):
+        if options:  # a misspelt option must not be ignored silently
+            known = ", ".join(self.option_names) or "none"
+            raise KvforgeError(f"unknown {self.name} backend option(s) {sorted(options)}; it takes: {known}")
         self.config = config
         self.io = io
-        self.options = options
         self.active = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -68,7 +72,7 @@ class Backend:
 
     def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
         """The cache without its first n positions (columns that are padding for every row still generating)."""
-        return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, n))
+        return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, n), cache.owner)
 
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache as numpy arrays (for inspection and tests; copies)."""

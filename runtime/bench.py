@@ -44,10 +44,13 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
     TTFT is the prefill plus the choice of the first token. Decode tokens/s
     counts batch x (new_tokens - 1) tokens over the decode steps alone.
     """
-    if prompt_len + new_tokens > session.max_context:
-        from kvforge.errors import KvforgeError
+    from kvforge.errors import KvforgeError
 
-        raise KvforgeError(f"prompt {prompt_len} + {new_tokens} new tokens exceed the bundle's max context {session.max_context}")
+    if prompt_len < 1 or new_tokens < 1 or batch < 1 or runs < 1:
+        raise KvforgeError(f"batch, prompt length, new tokens and runs must be >= 1, got {batch}, {prompt_len}, {new_tokens}, {runs}")
+    if prompt_len + new_tokens - 1 > session.max_context:  # the last new token is chosen, never fed back
+        raise KvforgeError(f"prompt {prompt_len} + {new_tokens} new tokens need {prompt_len + new_tokens - 1} positions; "
+                           f"the bundle's max context is {session.max_context}")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, session.vocab_size, (batch, prompt_len), dtype=np.int64)
     prefill, decode = [], []
@@ -64,8 +67,9 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
         "new_tokens": new_tokens,
         "runs": runs,
         "prefill_tokens_per_s": batch * prompt_len / med_prefill,
-        "decode_tokens_per_s": batch * (new_tokens - 1) / med_decode if new_tokens > 1 else 0.0,
+        # with one new token there is no decode step to time: null, not a rate
+        "decode_tokens_per_s": batch * (new_tokens - 1) / med_decode if new_tokens > 1 else None,
         "ttft_ms": 1000 * med_prefill,  # prefill plus the first token's choice
-        "decode_ms_per_token": 1000 * med_decode / max(1, new_tokens - 1),
+        "decode_ms_per_token": 1000 * med_decode / (new_tokens - 1) if new_tokens > 1 else None,
         "peak_rss_mb": peak_rss_mb(),
     }

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -27,9 +27,33 @@ class GenerationConfig:
     seed: int | None = None  # seeds sampling; same seed, same tokens
 
     def __post_init__(self):
-        if self.max_new_tokens < 0:
-            raise KvforgeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        def is_int(v) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise KvforgeError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if not is_int(self.top_k):
+            raise KvforgeError(f"top_k must be an int (0: no limit), got {self.top_k!r}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not isinstance(getattr(self, name), (int, float, np.floating, np.integer)) or isinstance(getattr(self, name), bool):
+                raise KvforgeError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise KvforgeError(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise KvforgeError(f"stop_token_ids takes a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        bad = [t for t in self.stop_token_ids if not is_int(t) or t < 0]
+        if bad:
+            raise KvforgeError(f"stop_token_ids must be token ids (ints >= 0), got {bad[:8]}")
         self.sampling = SamplingConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> GenerationConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise KvforgeError(f"unknown generation option(s) {unknown}; options: {sorted(known)}")
+        return cls(**kwargs)
 
 
 @dataclass
@@ -107,7 +131,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
         yield rows
         return
     B = len(rows)
-    rng = np.random.default_rng(config.seed)
+    rngs = [np.random.default_rng(config.seed) for _ in rows]  # one per row: a row samples what it would alone
     pad = session.config.get("pad_token_id") or 0
 
     # Prefill: left-pad to the longest prompt; position ids count real tokens only.
@@ -121,7 +145,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     last = logits[:, -1]
 
     for step in range(config.max_new_tokens):
-        chosen = select(last, seen, config.sampling, rng)
+        chosen = select(last, seen, config.sampling, rngs)
         for i, r in enumerate(rows):
             if r.finish:
                 continue

@@ -80,12 +80,22 @@ def prefill_feeds(batch: np.ndarray, config: dict, past_names: list[str], dtype:
     }
 
 
+_OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    option_names = ("device", "threads", "optimization", "variant")
 
     def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
                  variant: bool = True, **options):
         super().__init__(config, io, **options)
+        if device not in ("auto", "cpu", "cuda"):
+            raise KvforgeError(f"onnxruntime device {device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if optimization not in _OPTIMIZATION_LEVELS:
+            raise KvforgeError(f"optimization {optimization!r} is not one of {_OPTIMIZATION_LEVELS}")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise KvforgeError(f"threads must be a positive int (or None for ONNX Runtime's default), got {threads!r}")
         self.bundle = bundle
         self.graph_path = bundle.graph_file
         self.variant = variant  # run the ORT-specific variant of the graph (see ort_variant.py)

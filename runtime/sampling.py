@@ -73,12 +73,14 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rng: np.random.Generator) -> np.ndarray:
-    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids."""
+def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs: list[np.random.Generator]) -> np.ndarray:
+    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids; one generator per row."""
     logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, cfg.repetition_penalty)
     if cfg.temperature == 0.0:
         return logits.argmax(axis=-1)
-    scaled = _top_p(_top_k(logits.astype(np.float64) / cfg.temperature, cfg.top_k), cfg.top_p)
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)  # <= 0: a tiny temperature gives -inf, not NaN
+    with np.errstate(over="ignore"):
+        scaled = _top_p(_top_k(shifted / cfg.temperature, cfg.top_k), cfg.top_p)
     probs = _softmax(scaled)
-    u = rng.random((probs.shape[0], 1))
+    u = np.array([[g.random()] for g in rngs])
     return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)

@@ -43,7 +43,7 @@ def available_backends() -> list[str]:
     return found
 
 
-def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session:
+def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Session:
     """Open a bundle (or, with the torch backend, any model source) as a Session.
 
     backend: "auto" (tensorrt for engine bundles, onnxruntime for ONNX bundles;
@@ -94,7 +94,9 @@ def load(source: str | os.PathLike, backend: str = "auto", **options) -> Session
             if src is None:
                 raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
             impl = TorchBackend(config, io, src, dtype=dtype, **options)
-        return Session(impl, tokenizer, config, io, str(source))
+        graph_record = bundle.manifest.get("files", {}).get(bundle.manifest.get("graph"), {})
+        model_id = graph_record.get("sha256") or str(bundle.path.resolve())  # caches pass between sessions of one model only
+        return Session(impl, tokenizer, config, io, str(source), model_id)
     if backend == "onnxruntime":
         raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`) to run it on ONNX Runtime")
     if backend == "tensorrt":
@@ -113,7 +115,7 @@ def _torch_session(source, dtype: str = "float32", **options) -> Session:
     cfg = model.config.to_dict()
     io = _io_from_config(cfg, dtype)
     impl = TorchBackend(cfg, io, source, dtype=dtype, **options)
-    return Session(impl, tokenizer, cfg, io, str(source))
+    return Session(impl, tokenizer, cfg, io, str(source), f"{source}:{dtype}")
 
 
 def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
@@ -126,8 +128,10 @@ def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
 
 
 class Session:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str):
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str,
+                 model_id: str | None = None):
         self.backend = backend
+        self.model_id = model_id or source  # which model's caches this session accepts
         self.tokenizer = tokenizer
         self.config = config
         self.io = io
@@ -163,7 +167,9 @@ class Session:
     def empty_cache(self, batch: int) -> KVCache:
         with self._lock:
             self.backend.activate()
-            return self.backend.empty_cache(batch)
+            cache = self.backend.empty_cache(batch)
+            cache.owner = self.model_id
+            return cache
 
     def forward(
         self,
@@ -191,6 +197,12 @@ class Session:
                 cache = self.backend.empty_cache(B)
             if not isinstance(cache, KVCache):
                 raise KvforgeError(f"cache must be a KVCache from this session, got {type(cache).__name__}")
+            if cache.owner is not None and cache.owner != self.model_id:
+                raise KvforgeError(f"this cache was made by a session of another model ({cache.owner[:16]}), "
+                                   f"not {self.source}; a cache continues only the model that made it")
+            if len(cache.values) != 2 * len(self.io.past) or not 0 <= cache.length <= self.max_context:
+                raise KvforgeError(f"this cache holds {len(cache.values)} tensors over {cache.length} positions; "
+                                   f"{self.source} takes {2 * len(self.io.past)} tensors over 0..{self.max_context}")
             if cache.batch != B:
                 raise KvforgeError(f"the cache holds {cache.batch} rows but input_ids has {B}")
             total = cache.length + T
@@ -206,7 +218,9 @@ class Session:
             pos = self._check_int64("position_ids", position_ids, shape=(B, T))
             if (pos < 0).any() or (pos >= self.max_context).any():
                 raise KvforgeError(f"position_ids must lie in 0..{self.max_context - 1}")
-            return self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache, last_logits_only)
+            logits, present = self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache, last_logits_only)
+            present.owner = self.model_id
+            return logits, present
 
     @staticmethod
     def _check_int64(name: str, value, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -244,6 +258,9 @@ class Session:
 
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
         extra = {int(t) for t in config.stop_token_ids}
+        outside = sorted(t for t in extra if t >= self.vocab_size)
+        if outside:
+            raise KvforgeError(f"stop_token_ids {outside[:8]} are outside the vocabulary (0..{self.vocab_size - 1})")
         if config.ignore_eos:
             return extra
         # As transformers' generate: the model's eos ids (config.json, or generation_config.json where it
@@ -256,7 +273,7 @@ class Session:
 
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list (-> list, left-padded batch)."""
-        config = config or GenerationConfig(**kwargs)
+        config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._prompts(prompt)
         with self._lock:
             results = generate_tokens(self, rows, config, self._stop_ids(config))
@@ -266,7 +283,7 @@ class Session:
 
     def stream(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Iterator[TokenEvent]:
         """Yield each generated token with the text it completes (one prompt)."""
-        config = config or GenerationConfig(**kwargs)
+        config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._prompts(prompt)
         if not single:
             raise KvforgeError("stream() takes one prompt; use generate() for a batch")

@@ -13,9 +13,12 @@ class TorchBackend(Backend):
     """Runs the kvforge reference model built from `source` (a preset, checkpoint or HF directory)."""
 
     name = "torch"
+    option_names = ("device", "source (for a bundle)", "dtype (for a model source)")
 
     def __init__(self, config, io, source, dtype: str = "float32", device: str = "cpu", **options):
         super().__init__(config, io, **options)
+        if not isinstance(device, str) or not (device == "cpu" or device.split(":")[0] == "cuda"):
+            raise KvforgeError(f"torch device {device!r} is not 'cpu' or 'cuda[:N]'")
         self.source = source
         self.dtype = dtype
         self.device = device
@@ -28,6 +31,8 @@ class TorchBackend(Backend):
             raise MissingDependencyError("PyTorch (for the torch backend)", "Install it with `bash scripts/install.sh`.") from e
         from kvforge.model_defs import load
 
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise KvforgeError(f"torch device {self.device!r}: this PyTorch build sees no CUDA device; use device='cpu'")
         self._torch = torch
         model, _ = load(self.source, dtype=self.dtype)
         if model.config.to_dict() != self.config:

@@ -222,6 +222,63 @@ def test_bad_bundles_and_backends(tmp_path, micro_bundle):
         runtime.load(broken, variant=False).activate()
 
 
+def test_backend_options_are_checked_and_source_reaches_the_torch_backend(micro_bundle):
+    for options, message in [
+        (dict(threeads=2), r"unknown onnxruntime backend option\(s\) \['threeads'\]; it takes: device, threads"),
+        (dict(device="gpu"), "onnxruntime device 'gpu' is not one of"),
+        (dict(optimization="max"), "optimization 'max' is not one of"),
+        (dict(threads=0), "threads must be a positive int"),
+    ]:
+        with pytest.raises(KvforgeError, match=message):
+            runtime.load(micro_bundle, **options)
+    with pytest.raises(KvforgeError, match="torch device 'tpu' is not"):
+        runtime.load(micro_bundle, backend="torch", device="tpu")
+    ids = np.array([[3, 1, 4, 1, 5]], np.int64)
+    with runtime.load(micro_bundle, backend="torch", source="mistral-micro") as ref, runtime.load(micro_bundle) as ort:
+        np.testing.assert_allclose(ort.forward(ids)[0], ref.forward(ids)[0], atol=1e-4, rtol=0)
+
+
+def test_a_cache_continues_only_the_model_that_made_it(tmp_path, micro_bundle):
+    """Same shapes, another model: refused, not silently wrong; another session of the same bundle: accepted."""
+    other = export("llama3-micro", tmp_path / "llama").path  # the same cache shapes as mistral-micro
+    ids = np.array([[3, 1, 4, 1, 5]], np.int64)
+    with runtime.load(micro_bundle) as a, runtime.load(micro_bundle) as b, runtime.load(other) as c:
+        _, cache = a.forward(ids)
+        with pytest.raises(KvforgeError, match="made by a session of another model"):
+            c.forward(np.array([[2]], np.int64), cache=cache)
+        step_a, _ = a.forward(np.array([[2]], np.int64), cache=cache)
+        step_b, _ = b.forward(np.array([[2]], np.int64), cache=cache)
+        np.testing.assert_array_equal(step_a, step_b)
+
+
+def test_generation_options_are_checked(micro_bundle):
+    with runtime.load(micro_bundle) as s:
+        for options, message in [
+            (dict(stop_token_ids=5), "stop_token_ids takes a list"),
+            (dict(stop_token_ids=["a"]), "stop_token_ids must be token ids"),
+            (dict(stop_token_ids=[10**6]), r"stop_token_ids \[1000000\] are outside the vocabulary"),
+            (dict(top_k=2.5), "top_k must be an int"),
+            (dict(max_new_tokens=2.5), "max_new_tokens must be an int"),
+            (dict(max_new_tokens=None), "max_new_tokens must be an int"),
+            (dict(seed="x"), "seed must be an int or None"),
+            (dict(temperature="hot"), "temperature must be a number"),
+            (dict(max_tokens=3), r"unknown generation option\(s\) \['max_tokens'\]"),
+        ]:
+            with pytest.raises(KvforgeError, match=message):
+                s.generate("abc", **options)
+        greedy = s.generate("abc", max_new_tokens=6).tokens
+        assert s.generate("abc", max_new_tokens=6, temperature=1e-300, seed=1).tokens == greedy  # no overflow to NaN
+
+
+def test_seeded_sampling_in_a_batch_gives_each_row_what_it_samples_alone(micro_bundle):
+    prompts = ["abc", "hello there", "abc"]
+    kw = dict(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True)
+    with runtime.load(micro_bundle) as s:
+        batched = [r.tokens for r in s.generate(prompts, **kw)]
+        alone = [s.generate(p, **kw).tokens for p in prompts]
+    assert batched == alone and batched[0] == batched[2]
+
+
 def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(micro_bundle):
     prompts = [[i + 1, 2 * i + 3, 7] for i in range(6)]
     with runtime.load(micro_bundle) as s:
