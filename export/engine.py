@@ -319,6 +319,7 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
                opt_context: int | None = None, options: BuildOptions | None = None) -> dict[str, Any]:
     """Everything a build would do, checked on the CPU: limits, profiles, shape inference, precision, lint."""
     b = _source_bundle(bundle)
+    b.verify_files()  # the plan is for the files the manifest records, not a truncated or altered copy
     options = options or BuildOptions()
     io = b.io
     limits = resolve_limits(io, max_batch, max_context, opt_batch, opt_context)
@@ -515,8 +516,7 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     progress("check", 1, 1)
     trt, device = require_tensorrt_gpu()
     check_output_path(out, force, [plan["bundle"]])
-    source = Bundle(plan["bundle"])
-    source.verify_files()  # the hashes the manifest records must be the files built from
+    source = Bundle(plan["bundle"])  # build_plan verified its files against the manifest
     tc_path = Path(options.timing_cache) if options.timing_cache else None
     tc_in = tc_path.read_bytes() if tc_path and tc_path.is_file() else None
 

@@ -167,6 +167,23 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
     return findings
 
 
+def _structure_findings(graph) -> list[Finding]:
+    """Every tensor a node reads is a graph input, an initializer or an earlier node's output; every output is produced."""
+    known = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    findings = []
+    for i, node in enumerate(graph.node):
+        name = node.name or (node.output[0] if node.output else f"#{i}")
+        missing = [x for x in node.input if x not in known]
+        if missing:
+            findings.append(Finding("error", "structure", f"reads {missing[:3]}, which no graph input, initializer or earlier "
+                                    "node provides (a broken or unsorted graph)", name, node.op_type))
+        known.update(node.output)
+    for out in graph.output:
+        if out.name not in known:
+            findings.append(Finding("error", "structure", f"graph output {out.name!r} is produced by no node"))
+    return findings
+
+
 def lint(model_or_path) -> dict[str, Any]:
     """Return {"passed": bool, "targets": {...}, "findings": [...]} for a model or an .onnx path."""
     model = _load(model_or_path)
@@ -215,6 +232,7 @@ def lint(model_or_path) -> dict[str, Any]:
         elif tname and tname not in allowed:
             findings.append(Finding("error", "dtype", f"{op} does not take {tname} in TensorRT (accepts {', '.join(allowed)})", name, op))
 
+    findings += _structure_findings(graph)
     findings += _qdq_findings(graph, types, opset)
     return {
         "passed": not any(f.severity == "error" for f in findings),

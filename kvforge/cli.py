@@ -385,9 +385,11 @@ def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json)
     with runtime.load(bundle, backend=backend) as session:
         result = benchmark(session, batch, prompt_len, new_tokens, runs, warmup)
     if not as_json:
+        decode = result["decode_tokens_per_s"]
         click.echo(
             f"{session.backend_name}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, median of {runs}: "
-            f"prefill {result['prefill_tokens_per_s']:.1f} tok/s, decode {result['decode_tokens_per_s']:.1f} tok/s, "
+            f"prefill {result['prefill_tokens_per_s']:.1f} tok/s, "
+            + (f"decode {decode:.1f} tok/s, " if decode is not None else "no decode step, ") +
             f"TTFT {result['ttft_ms']:.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB"
         )
     click.echo(json.dumps(result))

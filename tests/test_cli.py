@@ -133,3 +133,27 @@ def test_eval_keeps_to_the_models_context(run, tmp_path):
     assert 1.0 < data["perplexity"] < 10 * data["uniform_perplexity"]
     long = run("eval", tmp_path / "m", "--data", corpus, "--prompt", "y" * 40)
     assert long.exit_code == 1 and "the prompt is 41 tokens" in long.output and "takes at most 16" in long.output
+
+
+def test_tiny_contexts_lint_structure_and_bench_edges(run, tmp_path):
+    """--max-context 3 exports (validation fits its grid into 3 positions); lint names a node that reads nothing;
+    bench with one new token has no decode rate, and a prompt may fill the context."""
+    import onnx
+
+    bundle = tmp_path / "b"
+    out = run("export", "classic-micro", "-o", bundle, "--max-context", "3", "--quiet")
+    assert out.exit_code == 0 and "validation passed" in out.output, out.output
+    gen = json.loads(run("generate", bundle, "--prompt", "ab", "--max-new-tokens", "5", "--json").output.strip().splitlines()[-1])
+    assert len(gen["tokens"]) == 1  # BOS + 2 prompt tokens fill 3 positions; one token is chosen, none fed back
+    bench = run("bench", bundle, "--prompt-len", "3", "--new-tokens", "1", "--runs", "1", "--json")
+    assert bench.exit_code == 0, bench.output
+    result = json.loads(bench.output.strip().splitlines()[-1])
+    assert result["decode_tokens_per_s"] is None and result["prefill_tokens_per_s"] > 0
+    over = run("bench", bundle, "--prompt-len", "3", "--new-tokens", "2", "--runs", "1")
+    assert over.exit_code == 1 and "need 4 positions; the bundle's max context is 3" in over.output
+
+    model = onnx.load(str(bundle / "model.onnx"))
+    del model.graph.node[next(i for i, n in enumerate(model.graph.node) if n.op_type == "MatMul")]
+    onnx.save(model, str(tmp_path / "broken.onnx"))
+    lint = run("lint", tmp_path / "broken.onnx")
+    assert lint.exit_code == 1 and "which no graph input, initializer or earlier node provides" in lint.output
