@@ -30,11 +30,13 @@ BUDGET_METRICS = ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean"
 def parse_budget(items) -> dict[str, float]:
     from kvforge.verify.compare import parse_tolerances
 
-    budget = parse_tolerances(items)
-    bad = [k for k in budget if k not in BUDGET_METRICS]
+    from kvforge.verify.compare import _split
+
+    keys = list(items) if isinstance(items, dict) else [_split(s)[0] for s in items or []]
+    bad = [k for k in keys if k not in BUDGET_METRICS]
     if bad:
         raise KvforgeError(f"--accuracy-budget measures {list(BUDGET_METRICS)} on held-out windows; {bad} is not among them")
-    return budget
+    return parse_tolerances(items)
 
 
 class _Evaluator:

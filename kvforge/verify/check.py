@@ -99,12 +99,18 @@ def load_spec(path: str | Path) -> Spec:
         raise KvforgeError(f"{path}: unknown keys {sorted(unknown)}")
     if not raw.get("artifacts"):
         raise KvforgeError(f"{path} lists no [[artifacts]]")
+    if not isinstance(raw["artifacts"], list) or not all(isinstance(a, dict) for a in raw["artifacts"]):
+        raise KvforgeError(f"{path}: artifacts must be an array of tables, one [[artifacts]] block each")
     data = dict(raw.get("data", {}))
     calibration = data.pop("calibration", None)
     bad = set(data) - set(DATA_KEYS)
     if bad:
         raise KvforgeError(f"{path} [data]: unknown keys {sorted(bad)}; known: {sorted(DATA_KEYS) + ['calibration']}")
     options = {DATA_KEYS[k]: v for k, v in data.items()}
+    for key in ("max_tokens", "seq_len", "steps", "prompts"):
+        value = options.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise KvforgeError(f"{path} [data]: {key} must be a positive integer, got {value!r}")
     if "data" in options:
         options["data"] = str(root / options["data"])
     tolerances = dict(REGRESSION_TOLERANCES)
@@ -114,13 +120,44 @@ def load_spec(path: str | Path) -> Spec:
     source = str(raw.get("source", "tiny"))
     if (root / source).exists():  # a checkpoint directory beside the spec
         source = str(root / source)
+    artifacts = [Artifact.from_dict(a, root) for a in raw["artifacts"]]
+    _check_artifacts(path, artifacts)
     return Spec(
         path=path, source=source, baseline=root / raw.get("baseline", f"{path.stem}.baseline.json"),
-        artifacts=[Artifact.from_dict(a, root) for a in raw["artifacts"]],
+        artifacts=artifacts,
         calibration_data=str(root / calibration) if calibration else None,
         compare_options=options, tolerances=tolerances,
         reference=str(root / reference) if reference and (root / reference).exists() else reference,
     )
+
+
+_METHODS = ("max", "percentile", "entropy", "mse")
+
+
+def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
+    """What can be checked before any work: names, bases, bundle paths, calibration options' values."""
+    names = [a.name for a in artifacts]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise KvforgeError(f"{path}: artifact names {dup} appear more than once")
+    for a in artifacts:
+        where = f"{path}: artifact {a.name!r}"
+        if a.base is not None and a.base not in names:
+            raise KvforgeError(f"{where}: base {a.base!r} is not an artifact of this spec ({names})")
+        if a.bundle is not None:
+            if not Path(a.bundle).is_dir():
+                raise KvforgeError(f"{where}: bundle {a.bundle} does not exist")
+            if a.dtype != "float32" or a.precision is not None:
+                raise KvforgeError(f"{where}: an existing bundle is used as it is; drop dtype/precision")
+        method = a.calibrate.get("method")
+        if method is not None and method not in _METHODS:
+            raise KvforgeError(f"{where}: method {method!r} is not one of {_METHODS}")
+        for key in ("samples", "seq_len", "block_size"):
+            value = a.calibrate.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise KvforgeError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if "block_size" in a.calibrate and a.precision != "int4":
+            raise KvforgeError(f"{where}: block_size applies to int4 artifacts")
 
 
 @dataclass

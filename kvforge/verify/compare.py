@@ -88,6 +88,12 @@ def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, floa
             out[key] = float(value)
         except (TypeError, ValueError) as e:
             raise KvforgeError(f"tolerance {key}={value!r} is not a number") from e
+        bound = out[key]
+        if key in HIGHER_IS_BETTER and not -1.0 <= bound <= 1.0:
+            raise KvforgeError(f"tolerance {key}={value!r}: an agreement or cosine bound lies in [0, 1]")
+        if key not in HIGHER_IS_BETTER and not 0.0 <= bound < float("inf"):
+            raise KvforgeError(f"tolerance {key}={value!r}: the bound is a finite number >= 0 "
+                               + ("(on |change|)" if key == "perplexity_delta_pct" else "(an upper limit)"))
     return out
 
 

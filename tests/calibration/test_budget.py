@@ -36,6 +36,8 @@ def test_a_met_budget_keeps_nothing_and_a_tighter_one_keeps_the_top_ranked_block
 
 def test_an_unreachable_budget_writes_nothing(tiny_fp32, tmp_path):
     with pytest.raises(KvforgeError, match="accuracy budget cannot be met"):
+        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"kl_divergence_mean": 0.0}, **QUICK)
+    with pytest.raises(KvforgeError, match="an agreement or cosine bound lies in"):  # refused before any work
         calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 1.01}, **QUICK)
     assert not (tmp_path / "out").exists()
     with pytest.raises(KvforgeError, match="greedy_agreement.. is not among them"):

@@ -101,6 +101,13 @@ def test_regression_limits_move_in_the_bad_direction_only():
     ('[tolerances]\ntop1 = 0.01\n[[artifacts]]\nname = "a"\n', "unknown metric 'top1'"),
     ('[[artifacts]]\nname = "a"\ntolerances = { top1 = 0.9 }\n', "unknown tolerance 'top1'"),
     ("source = \n", "not a valid TOML spec"),
+    ("artifacts = 5\n", "artifacts must be an array of tables"),
+    ('[artifacts]\nname = "a"\n', "artifacts must be an array of tables"),
+    ('[[artifacts]]\nname = "a"\n[[artifacts]]\nname = "a"\n', "artifact names \\['a'\\] appear more than once"),
+    ('[[artifacts]]\nname = "q"\nprecision = "int8"\nbase = "nope"\n', "base 'nope' is not an artifact"),
+    ('[[artifacts]]\nname = "q"\nprecision = "int8"\nmethod = "bogus"\n', "method 'bogus' is not one of"),
+    ('[[artifacts]]\nname = "q"\nbundle = "missing-dir"\n', "bundle .*missing-dir does not exist"),
+    ('[data]\nsteps = -3\n[[artifacts]]\nname = "a"\n', "steps must be a positive integer"),
 ])
 def test_malformed_specs_are_refused(tmp_path, text, message):
     path = tmp_path / "bad.toml"

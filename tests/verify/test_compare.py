@@ -113,6 +113,11 @@ def test_bad_requests_get_clear_errors(tiny_fp32, tmp_path):
         from kvforge.verify.compare import parse_tolerances
 
         parse_tolerances(["top1=0.9"])
+    for item, message in [("top1_agreement=2", "lies in \\[0, 1\\]"), ("perplexity_delta_pct=-1", "finite number >= 0 \\(on \\|change\\|\\)"),
+                          ("kl_divergence_mean=nan", "finite number >= 0"), ("logits_max_abs=inf", "finite number >= 0")]:
+        with pytest.raises(KvforgeError, match=message):
+            parse_tolerances([item])
+    assert parse_tolerances(["top1_agreement=0.95", "perplexity_delta_pct=1"]) == {"top1_agreement": 0.95, "perplexity_delta_pct": 1.0}
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n")
     with pytest.raises(KvforgeError, match="need more than 256 tokens"):
