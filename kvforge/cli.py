@@ -294,7 +294,7 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
 @click.option("--max-batch", type=click.IntRange(1), help="Largest batch the engine accepts.  [default: 8]")
 @click.option("--max-context", type=click.IntRange(2), help="Longest past + new tokens (default: the bundle's max context).")
 @click.option("--opt-batch", type=click.IntRange(1), help="Batch the kernels are tuned for.  [default: 1]")
-@click.option("--opt-context", type=click.IntRange(1), help="Prompt / context length the kernels are tuned for.  [default: 256]")
+@click.option("--opt-context", type=click.IntRange(1), help="Prompt / context length the kernels are tuned for.  [default: min(256, max context)]")
 @click.option("--timing-cache", type=click.Path(dir_okay=False), help="TensorRT timing cache: reused if it exists, updated after the build.")
 @click.option("--builder-optimization-level", default=3, show_default=True, type=click.IntRange(0, 5),
               help="TensorRT's kernel search effort (higher: slower build, maybe faster engine).")
@@ -477,7 +477,7 @@ def check(spec, update_baseline, workdir, report_file, quiet):
 
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
-        result = run(spec, update_baseline, workdir, progress, log=lambda m: console.print(m, style="dim"))
+        result = run(spec, update_baseline, workdir, progress, log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     table = Table(title=f"check {spec}: against {result.spec.baseline.name}")
     for col in ("artifact/backend", "metric", "baseline", "now", "limit", ""):
         table.add_column(col)
@@ -520,7 +520,7 @@ def pipeline(source, workdir, precisions, calibration_data, random_data, force, 
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
         result = run(source, workdir, precisions or DEFAULT_PRECISIONS, calibration_data, force, random_data, progress,
-                     log=lambda m: console.print(m, style="dim"))
+                     log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
     for col in ("artifact", "backend", "MB", "perplexity", "delta %", "top-1", "KL", "greedy", "result"):
         table.add_column(col)
@@ -541,7 +541,8 @@ def pipeline(source, workdir, precisions, calibration_data, random_data, force, 
         console.print(f"TensorRT engine build skipped: {result.engine_skipped}")
     if result.sample:
         console.print(f"sample from {result.sample}", markup=False)
-    console.print(f"report: {result.workdir / 'report.json'} (+ drift.png, *-layers.png)")
+    pictures = sorted(p.name for p in result.workdir.glob("*.png"))
+    console.print(f"report: {result.workdir / 'report.json'}" + (f" (+ {', '.join(pictures)})" if pictures else ""))
     if not result.passed:
         sys.exit(1)
 

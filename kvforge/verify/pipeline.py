@@ -28,13 +28,20 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
 DEFAULT_PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
 
 
+def _ort_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 def recipe(precision: str) -> Artifact:
     """The pipeline's recipe per precision: the most accurate measured on tiny (README, quantization table),
     INT4 at block size 128, which TensorRT documents. GPTQ is dropped where there is no real text to fit to."""
     return {
         "fp32": lambda: Artifact("fp32", dtype="float32"),
         "fp16": lambda: Artifact("fp16", dtype="float16"),
-        "bf16": lambda: Artifact("bf16", dtype="bfloat16", backends=["torch"]),
+        # ONNX Runtime runs a BF16 graph only on its CUDA provider; on a CPU the BF16 reference model stands in
+        "bf16": lambda: Artifact("bf16", dtype="bfloat16", backends=["onnxruntime" if _ort_cuda() else "torch"]),
         "int8": lambda: Artifact("int8", precision="int8", calibrate={"method": "mse", "smoothquant": 0.5}, per_layer=True),
         "fp8": lambda: Artifact("fp8", precision="fp8", calibrate={"gptq": True}, per_layer=True),
         "int4": lambda: Artifact("int4", precision="int4", calibrate={"block_size": 128, "gptq": True}, per_layer=True),
