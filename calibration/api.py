@@ -119,8 +119,9 @@ def calibrate(
         raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
     if block_size is not None and precision != "int4":
         raise KvforgeError(f"--block-size applies to int4's block-wise weights; {precision} weights are per channel")
-    block_size = 32 if block_size is None else block_size
-    if block_size < 1:
+    if precision == "int4":
+        block_size = 32 if block_size is None else block_size  # None from here on for per-channel formats
+    if block_size is not None and block_size < 1:
         raise KvforgeError(f"--block-size must be positive, got {block_size}")
     if data is not None and random_data:
         raise KvforgeError("--data and --random-data name two different calibration sets; pass one of them")
@@ -170,7 +171,7 @@ def calibrate(
     def round_weight(t, w):
         if t.weight not in rounded:
             h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
-            rounded[t.weight] = gptq_quantize(w, h, precision, block_size if precision == "int4" else None)
+            rounded[t.weight] = gptq_quantize(w, h, precision, block_size)
         progress("gptq", len(rounded), len(targets))
         return rounded[t.weight]
 
@@ -179,7 +180,7 @@ def calibrate(
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(exclude) + extra_exclude, quantize_lm_head)
-        rec = rewrite(q, q_targets, precision, act_amax, block_size if precision == "int4" else None, smooth, float_dtype,
+        rec = rewrite(q, q_targets, precision, act_amax, block_size, smooth, float_dtype,
                       round_weight if gptq else None)
         if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
@@ -207,7 +208,7 @@ def calibrate(
         "method": None if precision == "int4" else method,
         "percentile": percentile if method == "percentile" and precision != "int4" else None,
         "smoothquant_alpha": smoothquant,
-        "block_size": block_size if precision == "int4" else None,
+        "block_size": block_size,
         "kv_cache": kv_cache,
         "quantized_layers": [t.layer for t in targets],
         "excluded_layers": excluded,
@@ -235,7 +236,7 @@ def calibrate(
                 "input": {"source": str(bundle.path), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
                 "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                             "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
-                            "block_size": block_size if precision == "int4" else None, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
+                            "block_size": block_size, "random_data": random_data, "quantize_lm_head": quantize_lm_head,
                             "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq},
                 "seconds": {"total": round(time.time() - started, 2)},
             }],

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-from .sampling import SamplingConfig, select
+from .sampling import SamplingConfig, is_int, select
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
@@ -27,16 +27,8 @@ class GenerationConfig:
     seed: int | None = None  # seeds sampling; same seed, same tokens
 
     def __post_init__(self):
-        def is_int(v) -> bool:
-            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise KvforgeError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not is_int(self.top_k):
-            raise KvforgeError(f"top_k must be an int (0: no limit), got {self.top_k!r}")
-        for name in ("temperature", "top_p", "repetition_penalty"):
-            if not isinstance(getattr(self, name), (int, float, np.floating, np.integer)) or isinstance(getattr(self, name), bool):
-                raise KvforgeError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.seed is not None and not is_int(self.seed):
             raise KvforgeError(f"seed must be an int or None, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):

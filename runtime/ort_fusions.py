@@ -36,7 +36,6 @@ class _Graph:
     def __init__(self, graph):
         from onnx import numpy_helper
 
-        self.graph = graph
         self.producer = {o: n for n in graph.node for o in n.output}
         self.consumers = collections.defaultdict(list)
         for n in graph.node:
@@ -45,6 +44,18 @@ class _Graph:
         self.outputs = {o.name for o in graph.output}
         self._inits = {i.name: i for i in graph.initializer}
         self._to_array = numpy_helper.to_array
+        self._shapes = {v.name: v.type.tensor_type for v in (*graph.input, *graph.value_info)}
+
+    def dims(self, name: str) -> list | None:
+        """The shape recorded for `name` (ints and symbols), or None where the graph records none."""
+        t = self._shapes.get(name)
+        if t is None or not t.HasField("shape"):
+            return None
+        return [d.dim_param or d.dim_value for d in t.shape.dim]
+
+    def axes(self, node) -> np.ndarray | None:
+        """A Reduce/Unsqueeze node's axes: its second input (opset >= 13/18) or its `axes` attribute."""
+        return self.const(node.input[1]) if len(node.input) > 1 else np.array(_attr(node, "axes", []))
 
     def const(self, name: str) -> np.ndarray | None:
         if name in self._inits:
@@ -105,7 +116,7 @@ def fuse_rms_norms(model) -> int:
         mean = g.only_consumer(pow_.output[0], "ReduceMean")
         if mean is None or _attr(mean, "keepdims", 1) != 1:
             continue
-        axes = g.const(mean.input[1]) if len(mean.input) > 1 else np.array(_attr(mean, "axes", []))
+        axes = g.axes(mean)
         if axes is None or axes.tolist() != [-1]:
             continue
         add = g.only_consumer(mean.output[0], "Add")
@@ -131,13 +142,6 @@ def fuse_rms_norms(model) -> int:
     return count
 
 
-def _dims(g: _Graph, name: str):
-    info = next((v for v in (*g.graph.value_info, *g.graph.input) if v.name == name), None)
-    if info is None or not info.type.tensor_type.HasField("shape"):
-        return None
-    return [d.dim_param or d.dim_value for d in info.type.tensor_type.shape.dim]
-
-
 def fuse_skip_rms_norms(model) -> int:
     """Residual Add -> SimplifiedLayerNormalization becomes com.microsoft SkipSimplifiedLayerNormalization; returns how many.
 
@@ -154,7 +158,7 @@ def fuse_skip_rms_norms(model) -> int:
         add = g.producer.get(norm.input[0])
         if add is None or add.op_type != "Add" or len(add.input) != 2 or id(add) in removed:
             continue
-        a, b = (_dims(g, x) for x in add.input)
+        a, b = (g.dims(x) for x in add.input)
         if a is None or a != b or len(a) != 3 or any(g.const(x) is not None for x in add.input):
             continue
         removed |= {id(add), id(norm)}
@@ -198,7 +202,7 @@ def _angle_source(g: _Graph, table: str, op: str) -> str | None:
     unsq = g.producer.get(table)
     if unsq is None or unsq.op_type != "Unsqueeze":
         return None
-    axes = g.const(unsq.input[1]) if len(unsq.input) > 1 else np.array(_attr(unsq, "axes", []))
+    axes = g.axes(unsq)
     trig = g.producer.get(unsq.input[0])
     if axes is None or axes.tolist() != [1] or trig is None or trig.op_type != op:
         return None
@@ -230,7 +234,7 @@ def fuse_rotary(model) -> int:
         if lb != (0, half) or hb[1] < np.iinfo(np.int32).max:  # x[..., half:] and x[..., :half]
             continue
         x = high.input[0]
-        dims = _dims(g, x)
+        dims = g.dims(x)
         if dims is not None and len(dims) != 4:  # the kernel's (batch, heads, seq, head_dim) layout
             continue
         mul_sin = g.only_consumer(cat.output[0], "Mul")

@@ -13,6 +13,15 @@ import numpy as np
 from kvforge.errors import KvforgeError
 
 
+def is_int(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
@@ -21,6 +30,11 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1 = none; > 1 discourages tokens already in the sequence
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise KvforgeError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not is_int(self.top_k):
+            raise KvforgeError(f"top_k must be an int (0: no limit), got {self.top_k!r}")
         problems = []
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             problems.append(f"temperature must be >= 0, got {self.temperature}")

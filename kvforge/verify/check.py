@@ -108,9 +108,8 @@ def load_spec(path: str | Path) -> Spec:
         raise KvforgeError(f"{path} [data]: unknown keys {sorted(bad)}; known: {sorted(DATA_KEYS) + ['calibration']}")
     options = {DATA_KEYS[k]: v for k, v in data.items()}
     for key in ("max_tokens", "seq_len", "steps", "prompts"):
-        value = options.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise KvforgeError(f"{path} [data]: {key} must be a positive integer, got {value!r}")
+        if not _positive_int_or_none(options.get(key)):
+            raise KvforgeError(f"{path} [data]: {key} must be a positive integer, got {options[key]!r}")
     if "data" in options:
         options["data"] = str(root / options["data"])
     tolerances = dict(REGRESSION_TOLERANCES)
@@ -131,11 +130,14 @@ def load_spec(path: str | Path) -> Spec:
     )
 
 
-_METHODS = ("max", "percentile", "entropy", "mse")
+def _positive_int_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
 def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
     """What can be checked before any work: names, bases, bundle paths, calibration options' values."""
+    from kvforge.calibration.observers import METHODS
+
     names = [a.name for a in artifacts]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -150,12 +152,11 @@ def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
             if a.dtype != "float32" or a.precision is not None:
                 raise KvforgeError(f"{where}: an existing bundle is used as it is; drop dtype/precision")
         method = a.calibrate.get("method")
-        if method is not None and method not in _METHODS:
-            raise KvforgeError(f"{where}: method {method!r} is not one of {_METHODS}")
+        if method is not None and method not in METHODS:
+            raise KvforgeError(f"{where}: method {method!r} is not one of {METHODS}")
         for key in ("samples", "seq_len", "block_size"):
-            value = a.calibrate.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise KvforgeError(f"{where}: {key} must be a positive integer, got {value!r}")
+            if not _positive_int_or_none(a.calibrate.get(key)):
+                raise KvforgeError(f"{where}: {key} must be a positive integer, got {a.calibrate[key]!r}")
         if "block_size" in a.calibrate and a.precision != "int4":
             raise KvforgeError(f"{where}: block_size applies to int4 artifacts")
 
