@@ -20,6 +20,8 @@ from .observers import METHODS, TensorObserver
 from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
 
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
+# TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings
+DEFAULT_BLOCK_SIZE = 128
 Progress = Callable[[str, int, int], None]
 
 
@@ -120,7 +122,7 @@ def calibrate(
     if block_size is not None and precision != "int4":
         raise KvforgeError(f"--block-size applies to int4's block-wise weights; {precision} weights are per channel")
     if precision == "int4":
-        block_size = 32 if block_size is None else block_size  # None from here on for per-channel formats
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size  # None from here on for per-channel formats
     if block_size is not None and block_size < 1:
         raise KvforgeError(f"--block-size must be positive, got {block_size}")
     if data is not None and random_data:

@@ -5,7 +5,10 @@ weight [K, N]. Normalization, softmax, embeddings and residual adds stay in
 float; `lm_head` stays in float unless asked. Per target:
 - the weight is stored quantized behind a DequantizeLinear: INT8 / FP8 E4M3
   per output channel (axis 1), symmetric, scale = amax / 127 or / 448;
-  INT4 block-wise along K (axis 0, `block_size`), scale = amax / 7;
+  INT4 block-wise along K (axis 0, `block_size`), scale = amax / 7; where the
+  block size does not divide K, the codes get zero rows to the last block's
+  end and the activation as many zero columns (a Pad), as TensorRT reads the
+  block size as K / scale rows;
 - W8A8 (INT8, FP8): the activation gets one per-tensor scale, shared by every
   target that reads it, and a QuantizeLinear -> DequantizeLinear pair per
   target (ONNX Runtime fuses a pair into an integer MatMul only when it feeds
@@ -168,6 +171,7 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
     index = {id(n): i for i, n in enumerate(g.node)}
     record = {"weights": {}, "activations": {}}
     shared: dict[str, str] = {}  # activation -> the tensor its consumers now read
+    padded: dict[str, str] = {}  # int4: activation -> its copy padded to whole blocks along K
 
     for t in targets:
         w = numpy_helper.to_array(inits[t.weight]).astype(np.float32)
@@ -178,6 +182,21 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         else:
             scale = weight_scales(w, fmt, block_size)
             q = quantize(w, scale, fmt, block_size)
+        k_padding = -w.shape[0] % block_size if fmt == "int4" else 0
+        if k_padding:
+            # TensorRT reads the block size as K / scale rows, so every block must be whole: the codes
+            # get zero rows up to the last block's end, and the activation as many zero columns.
+            q = np.concatenate([q, np.zeros((k_padding, q.shape[1]), q.dtype)])
+            if t.activation not in padded:
+                pads = f"{t.layer}.input_pads"
+                g.initializer.append(numpy_helper.from_array(np.array([0, k_padding], np.int64), pads))
+                if "input_pad_axes" not in inits:
+                    inits["input_pad_axes"] = numpy_helper.from_array(np.array([-1], np.int64), "input_pad_axes")
+                    g.initializer.append(inits["input_pad_axes"])
+                padded[t.activation] = f"{t.layer}.input_padded"
+                new_nodes.setdefault(index[id(t.node)], []).append(helper.make_node(
+                    "Pad", [t.activation, pads, "", "input_pad_axes"], [padded[t.activation]], name=f"{t.layer}.input_pad"))
+            t.node.input[0] = padded[t.activation]
         base = f"{t.layer}.weight"
         q_name, s_name, z_name = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
         g.initializer.remove(inits[t.weight])
@@ -195,7 +214,8 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         dq = helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq", **attrs)
         new_nodes.setdefault(index[id(t.node)], []).append(dq)
         t.node.input[1] = f"{base}_dequantized"
-        record["weights"][t.layer] = {"shape": list(w.shape), "scale": scale.astype(np.float64).round(9).tolist()}
+        record["weights"][t.layer] = {"shape": list(w.shape), "scale": scale.astype(np.float64).round(9).tolist(),
+                                      **({"k_padding": k_padding} if k_padding else {})}
 
         if act_amax is None:  # weight-only
             continue

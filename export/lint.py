@@ -9,7 +9,8 @@ Rules (each finding names the offending node):
 - control flow: no If / Loop / Scan on a path to a graph output;
 - Q/DQ (DESIGN.md's recipe): zero points are zero; scales are positive
   constants whose dtype equals the dequantized dtype; FP8 needs opset >= 19
-  and block-wise INT4 needs opset >= 21.
+  and block-wise INT4 needs opset >= 21 and whole blocks (TensorRT reads the
+  block size as the blocked length over the scale's).
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
             findings.append(Finding("error", "qdq", f"block-wise Q/DQ needs opset >= 21, the graph has {opset}", name, op))
         if block and q_type == "INT4" and block not in (64, 128):
             findings.append(Finding("warning", "qdq", f"TensorRT documents INT4 block sizes 64 and 128, this is {block}", name, op))
+        if block and op == "DequantizeLinear":
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+            dims = next((list(i.dims) for i in graph.initializer if i.name == node.input[0]), None)
+            if dims and dims[axis] % block:
+                findings.append(Finding(
+                    "error", "qdq",
+                    f"blocked axis has {dims[axis]} elements, not a multiple of block_size {block}: TensorRT reads the "
+                    f"block size as that length over the scale's, so the last block must be padded whole", name, op))
         if len(node.input) > 2 and node.input[2]:
             zp = _constant(graph, node.input[2])
             if zp is None:

@@ -243,7 +243,7 @@ def inspect(bundle, as_json):
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
 @click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
-@click.option("--block-size", default=None, type=click.IntRange(1), help="INT4 block size along K (default 32).")
+@click.option("--block-size", default=None, type=click.IntRange(1), help="INT4 block size along K (default 128; TensorRT documents 64 and 128).")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))

@@ -256,3 +256,38 @@ def test_a_tied_lm_head_is_untied_to_be_quantized(fp32, heldout, tmp_path):
     with reference, runtime.load(q.path) as s:
         for (lq, _), (lr, _) in zip(window_logits(s, heldout[:4]), window_logits(reference, heldout[:4])):
             assert metrics.top1_agreement(lq, lr) > 0.9 and metrics.kl_divergence(lq, lr).mean() < 0.02
+
+
+def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, fp32, heldout):
+    """Block 48 divides neither tiny's K=256 nor K=704: the codes are padded to whole blocks (TensorRT reads the
+    block size as K / scale rows), the activation gets zero columns, and the graph computes exactly x @ dequant(W)."""
+    from kvforge.calibration.qdq import find_targets
+
+    q = calibrate(fp32.path, tmp_path / "int4", precision="int4", block_size=48)
+    assert q.manifest["lint"]["passed"], q.manifest["lint"]["findings"]
+    g = onnx.load(str(q.graph_file)).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    records = q.manifest["calibration"]["scales"]["weights"]
+    dequantized = {}
+    for layer, rec in records.items():
+        codes, scale = inits[f"{layer}.weight_quantized"], inits[f"{layer}.weight_scale"]
+        K = rec["shape"][0]
+        assert codes.shape[0] == 48 * scale.shape[0] == K + rec["k_padding"] > K
+        assert not codes[K:].astype(np.int8).any()  # the padding codes are zeros
+        dequantized[layer] = dequantize(codes[:K], scale, "int4", 48)
+    assert sum(n.op_type == "Pad" for n in g.node) == 4 * 4  # per block: q/k/v, o_proj, gate/up and down_proj inputs
+    # the same function in float: the FP32 graph with its weights replaced by the dequantized ones
+    reference = onnx.load(str(fp32.graph_file))
+    targets, _ = find_targets(reference)
+    weights = {i.name: i for i in reference.graph.initializer}
+    for t in targets:
+        weights[t.weight].CopyFrom(numpy_helper.from_array(dequantized[t.layer], t.weight))
+    feeds_ids = heldout[:2, :64].copy()
+    with runtime.load(q.path, variant=False) as s, runtime.load(q.path) as fast:
+        ours, _ = s.forward(feeds_ids)
+        np.testing.assert_allclose(fast.forward(feeds_ids)[0], ours, rtol=0, atol=2e-4)  # the runtime's ORT variant
+    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+
+    past = [n for layer in fp32.io.past for n in layer]
+    (theirs,) = make_session(reference.SerializeToString()).run(["logits"], prefill_feeds(feeds_ids, fp32.model_config, past, "float32"))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-4)

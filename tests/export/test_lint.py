@@ -96,6 +96,20 @@ def test_qdq_rules():
     assert any("scale dtype FP16 differs from the FP32 tensor 'x' it meets in MatMul" in f["message"] for f in _errors(r, "qdq"))
 
 
+@pytest.mark.parametrize("rows,passed", [(8, True), (6, False)])
+def test_int4_blocks_must_be_whole(rows, passed):
+    """TensorRT infers an INT4 block size as K / scale rows, so a ragged last block would be misread."""
+    import ml_dtypes
+
+    w = numpy_helper.from_array(np.ones((rows, 4), ml_dtypes.int4), "w_q")
+    scale = numpy_helper.from_array(np.full((2, 4), 0.1, np.float32), "w_scale")
+    dq = helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], name="dq_w", axis=0, block_size=4)
+    mm = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    r = lint(_model([dq, mm], [_vi("x", shape=(2, rows))], [_vi("y", shape=(2, 4))], inits=[w, scale]))
+    blocks = [f for f in _errors(r, "qdq") if "not a multiple of block_size 4" in f["message"]]
+    assert r["passed"] is passed and [f["node"] for f in blocks] == ([] if passed else ["dq_w"])
+
+
 def test_lint_reads_files_and_names_bad_ones(tmp_path):
     with pytest.raises(KvforgeError, match="no ONNX file"):
         lint(tmp_path / "missing.onnx")
