@@ -173,7 +173,7 @@ def calibrate(
     def round_weight(t, w):
         if t.weight not in rounded:
             h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
-            rounded[t.weight] = gptq_quantize(w, h, precision, block_size)
+            rounded[t.weight] = gptq_quantize(w, h, precision, block_size, dtype=float_dtype)
         progress("gptq", len(rounded), len(targets))
         return rounded[t.weight]
 

@@ -72,11 +72,12 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
 
 
 def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None = None,
-                  damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+                  damp: float = DAMP, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ-round a [K, N] weight onto the `fmt` grid; returns (quantized codes, scales) like qdq.quantize/weight_scales.
 
     INT8 / FP8: per output channel scales of `w`. INT4: per block of `block_size` rows along K, each
     block's scale taken from its rows as they stand when GPTQ reaches it (earlier rows' errors included).
+    Scales are exact in the model dtype `dtype`, as the graph will store them.
     """
     if fmt not in QMAX:
         raise KvforgeError(f"GPTQ does not know the format {fmt!r}")
@@ -91,7 +92,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
         scales = np.zeros((-(-K // block_size), N), np.float32)
     else:
         lazy = _LAZY
-        scales = weight_scales(w.astype(np.float32), fmt)
+        scales = weight_scales(w.astype(np.float32), fmt, dtype=dtype)
     codes = []
     for i1 in range(0, K, lazy):
         i2 = min(i1 + lazy, K)
@@ -101,7 +102,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
             row = i1 + i
             if blocked and row % block_size == 0:
                 end = min(i + block_size, i2 - i1)
-                scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), "int4", end - i)[0]
+                scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), "int4", end - i, dtype)[0]
             s = scales[row // block_size][None] if blocked else scales  # this row's scales
             q = quantize(W1[i][None], s, fmt, 1)  # block size 1: one row, its own scale row (ignored per-channel)
             deq = dequantize(q, s, fmt, 1)[0]

@@ -114,8 +114,21 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False)
 
 
 # --- primitives (numpy) ----------------------------------------------------------
-def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
-    """Symmetric scales of a [K, N] weight: per output channel [N], or per block [ceil(K/B), N] for int4."""
+def stored_scale(scale, dtype=np.float32) -> np.ndarray:
+    """A scale as the graph stores it: in the model dtype, and at least that dtype's smallest normal number.
+
+    In float16 a scale under ~6e-5 would lose precision as a subnormal, or flush to 0 (which TensorRT
+    refuses); a larger scale only means smaller codes for values that small.
+    """
+    return np.maximum(np.asarray(scale, np.float32), np.finfo(dtype).tiny).astype(dtype)
+
+
+def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None, dtype=np.float32) -> np.ndarray:
+    """Symmetric scales of a [K, N] weight: per output channel [N], or per block [ceil(K/B), N] for int4.
+
+    float32, with values the model dtype `dtype` stores exactly (stored_scale), so codes round against
+    the scale the graph will hold.
+    """
     a = np.abs(w.astype(np.float32))
     if fmt == "int4":
         K = w.shape[0]
@@ -125,7 +138,7 @@ def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None) -> np.
         amax = padded.reshape(blocks, block_size, -1).max(axis=1)
     else:
         amax = a.max(axis=0)
-    return np.where(amax > 0, amax / QMAX[fmt], 1.0).astype(np.float32)
+    return stored_scale(np.where(amax > 0, amax / QMAX[fmt], 1.0), dtype).astype(np.float32)
 
 
 def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
@@ -160,7 +173,8 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
             smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None) -> dict:
     """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
 
-    round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed.
+    round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
+    and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)).
     """
     from onnx import TensorProto, helper, numpy_helper
 
@@ -180,7 +194,7 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         if round_weight is not None:
             q, scale = round_weight(t, w)
         else:
-            scale = weight_scales(w, fmt, block_size)
+            scale = weight_scales(w, fmt, block_size, float_dtype)
             q = quantize(w, scale, fmt, block_size)
         k_padding = -w.shape[0] % block_size if fmt == "int4" else 0
         if k_padding:
@@ -227,7 +241,7 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
                 new_nodes.setdefault(index[id(t.node)], []).append(
                     helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"], name=f"{prefix}_smooth"))
                 act = f"{prefix}_smoothed"
-            a_scale = np.array(max(act_amax[t.activation], 1e-8) / QMAX[fmt], dtype=float_dtype)
+            a_scale = stored_scale(max(act_amax[t.activation], 1e-8) / QMAX[fmt], float_dtype)
             g.initializer.append(numpy_helper.from_array(a_scale, f"{prefix}_scale"))
             g.initializer.append(
                 numpy_helper.from_array(np.array(0, np.int8), f"{prefix}_zero_point") if fmt == "int8"
@@ -271,7 +285,7 @@ def add_kv_cache_qdq(model, present_amax: dict[str, float], float_dtype) -> dict
         concat = producer.get(name)
         if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
             raise KvforgeError(f"cannot find the cache write of {name} (expected Concat(past, new))")
-        scale = np.array(max(amax, 1e-8) / QMAX["fp8"], dtype=float_dtype)
+        scale = stored_scale(max(amax, 1e-8) / QMAX["fp8"], float_dtype)
         g.initializer.append(numpy_helper.from_array(scale, f"{name}.kv_scale"))
         g.initializer.append(helper.make_tensor(f"{name}.kv_zero_point", TensorProto.FLOAT8E4M3FN, [], [0.0]))
         new = concat.input[1]

@@ -87,6 +87,25 @@ def test_quantized_weights_dequantize_identically_in_onnxruntime(fmt, K, block):
         assert q.dtype == ml_dtypes.float8_e4m3fn
 
 
+@pytest.mark.parametrize("fmt,block", [("int8", None), ("fp8", None), ("int4", 16)])
+def test_float16_scales_are_stored_exactly_and_never_flush_to_zero(fmt, block):
+    """A float16 model's scales are float16: amax / qmax of a near-dead channel (here ~1e-8) would round to 0,
+    which TensorRT refuses, or to a subnormal; codes must also round against the scale the graph stores."""
+    from kvforge.calibration.qdq import QMAX, stored_scale
+
+    w = np.random.default_rng(3).standard_normal((64, 4)).astype(np.float32)
+    w[:, 1] *= 1e-6
+    assert np.float16(np.abs(w[:, 1]).max() / QMAX[fmt]) < np.finfo(np.float16).tiny  # what a plain cast would store
+    s = weight_scales(w, fmt, block, dtype=np.float16)
+    assert s.dtype == np.float32 and np.array_equal(s.astype(np.float16).astype(np.float32), s)
+    assert s.min() >= np.finfo(np.float16).tiny
+    err = np.abs(dequantize(quantize(w, s, fmt, block), s, fmt, block) - w)
+    per_row = np.repeat(s, block, 0)[:64] if block else s
+    assert (err <= per_row * (0.5 if fmt != "fp8" else 16.0) + 1e-12).all()  # half a grid step (E4M3: 32 at the top)
+    assert stored_scale(0.0, np.float16) == np.finfo(np.float16).tiny
+    assert np.array_equal(weight_scales(w, fmt, block), weight_scales(w, fmt, block, dtype=np.float32))
+
+
 # -- quantized tiny ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp32(tiny_fp32):
