@@ -35,14 +35,17 @@ class HessianAccumulator:
         self.names = set(names)
 
     def add(self, name: str, x: np.ndarray) -> None:
+        """x: [samples, ..., K]. Summed one sample at a time, in order, so H is bit-identical whatever the batching."""
         if name not in self.names:
             return
-        x = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
-        h = x.T @ x
-        if not np.isfinite(h).all():  # checked on the K x K product: any NaN/inf row shows there, at a fraction of the cost
-            raise KvforgeError(f"activation {name} is not finite on the calibration data; GPTQ cannot use it")
-        self.h[name] = self.h[name] + h if name in self.h else h
-        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+        samples = x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim > 2 else x[None]
+        for sample in samples:
+            sample = np.ascontiguousarray(sample, np.float32)
+            h = sample.T @ sample
+            if not np.isfinite(h).all():  # checked on the K x K product: any NaN/inf row shows there, at a fraction of the cost
+                raise KvforgeError(f"activation {name} is not finite on the calibration data; GPTQ cannot use it")
+            self.h[name] = self.h[name] + h if name in self.h else h
+            self.rows[name] = self.rows.get(name, 0) + sample.shape[0]
 
     def hessian(self, name: str, smooth: np.ndarray | None = None) -> np.ndarray:
         """H of the tensor the weight actually sees: with SmoothQuant's x / s, diag(1/s) H diag(1/s)."""

@@ -77,6 +77,19 @@ def test_hessian_accumulator_errors_and_smoothing():
         gptq_quantize(np.ones((3, 2), np.float32), h, "int8")
 
 
+def test_the_hessian_does_not_depend_on_the_batching():
+    """GPTQ rounds on H, so calibrating with another --batch-size must give the same H to the bit."""
+    x = (np.random.default_rng(5).standard_normal((6, 33, 40)) * 3).astype(np.float32)
+    hessians = []
+    for batch in (1, 4, 6):
+        acc = HessianAccumulator(["x"])
+        for i in range(0, len(x), batch):
+            acc.add("x", x[i:i + batch])
+        hessians.append(acc.hessian("x"))
+    assert all(np.array_equal(hessians[0], h) for h in hessians[1:])
+    np.testing.assert_allclose(hessians[0], np.einsum("stk,stl->kl", x, x, dtype=np.float64) / (6 * 33), rtol=1e-5, atol=1e-4)
+
+
 # -- on tiny ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def heldout(tiny_heldout):
