@@ -65,6 +65,31 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
     return observers, channel_amax, run, n_batches
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def _check_sizes(**sizes) -> None:
+    from kvforge.runtime.sampling import is_int
+
+    for name, value in sizes.items():
+        if value is not None and (not is_int(value) or value < 1):
+            raise KvforgeError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_weights_finite(model, targets) -> None:
+    """A NaN or inf weight would quietly become a scale of 1 or inf (or NaN codes); name the layer instead."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    for t in targets:
+        w = numpy_helper.to_array(inits[t.weight])
+        bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+        if bad:
+            raise KvforgeError(f"layer {t.layer}'s weight holds {bad} NaN or infinite values: the float bundle is broken; "
+                               "re-export it from a sound checkpoint")
+
+
 def calibrate(
     bundle_path: str | Path,
     out: str | Path,
@@ -123,17 +148,25 @@ def calibrate(
         raise KvforgeError(f"--block-size applies to int4's block-wise weights; {precision} weights are per channel")
     if precision == "int4":
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size  # None from here on for per-channel formats
-    if block_size is not None and block_size < 1:
-        raise KvforgeError(f"--block-size must be positive, got {block_size}")
+    _check_sizes(samples=samples, seq_len=seq_len, batch_size=batch_size, block_size=block_size, budget_tokens=budget_tokens)
+    if method == "percentile" and precision != "int4" and not (_is_real(percentile) and 0.0 < percentile <= 100.0):
+        raise KvforgeError(f"--percentile must be a number in (0, 100], got {percentile!r}")
+    if isinstance(exclude, str):  # one pattern, not its characters
+        exclude = [exclude]
     if data is not None and random_data:
         raise KvforgeError("--data and --random-data name two different calibration sets; pass one of them")
     if bundle.manifest.get("opset", 0) < MIN_OPSET[precision]:
         raise KvforgeError(f"{precision} Q/DQ needs opset >= {MIN_OPSET[precision]}; re-export with --opset {max(21, MIN_OPSET[precision])}")
     check_output_path(out, force, [bundle.path])
     bundle.verify_files()  # a truncated or altered graph is named here, not by protobuf mid-calibration
+    if accuracy_budget:  # its held-out text is checked now, not after the calibration
+        from .budget import budget_ids
+
+        budget_ids(bundle, budget_data, budget_tokens)
 
     model = onnx.load(str(bundle.graph_file))
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
+    _check_weights_finite(model, targets)
     activations = list(dict.fromkeys(t.activation for t in targets))
     presents = [n for layer in bundle.io.present for n in layer] if kv_cache else []
     float_dtype = np.float16 if dtype == "float16" else np.float32

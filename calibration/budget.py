@@ -25,6 +25,7 @@ import numpy as np
 from kvforge.errors import KvforgeError
 
 BUDGET_METRICS = ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean", "logits_rel_l2")
+BUDGET_SEQ_LEN = 256  # tokens per held-out window (fewer where the model's context is shorter)
 
 
 def parse_budget(items) -> dict[str, float]:
@@ -39,23 +40,37 @@ def parse_budget(items) -> dict[str, float]:
     return parse_tolerances(items)
 
 
+def budget_window(bundle, seq_len: int = BUDGET_SEQ_LEN) -> int:
+    return min(seq_len, bundle.io.max_context or bundle.model_config["max_seq_len"])
+
+
+def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tuple[list[int], str]:
+    """The budget's held-out token stream, checked before any calibration work: enough for one window, in vocabulary."""
+    from kvforge.tokenizer import Tokenizer
+    from kvforge.verify.compare import eval_ids
+
+    if bundle.tokenizer_file is None:
+        raise KvforgeError(f"--accuracy-budget measures on text, and {bundle.path} has no tokenizer")
+    window = budget_window(bundle, seq_len)
+    if tokens < window:
+        raise KvforgeError(f"--budget-tokens must be at least the budget's window of {window} tokens, got {tokens}")
+    ids, name = eval_ids(Tokenizer.from_file(bundle.tokenizer_file), data, tokens, bundle.model_config["vocab_size"])
+    if len(ids) <= window:
+        raise KvforgeError(f"--accuracy-budget needs more than {window} tokens of held-out text; {name} gives {len(ids)}")
+    return ids, name
+
+
 class _Evaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
-    def __init__(self, bundle, float_model, data, tokens: int, seq_len: int = 256, batch_size: int = 4):
+    def __init__(self, bundle, float_model, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN, batch_size: int = 4):
         from kvforge.metrics import windows
         from kvforge.runtime.ort_backend import make_session
-        from kvforge.tokenizer import Tokenizer
-        from kvforge.verify.compare import eval_ids
-
-        if bundle.tokenizer_file is None:
-            raise KvforgeError(f"--accuracy-budget measures on text, and {bundle.path} has no tokenizer")
         self.bundle = bundle
         self.dtype = bundle.manifest["precision"]["dtype"]
         self.past = [n for layer in bundle.io.past for n in layer]
-        ids, self.data = eval_ids(Tokenizer.from_file(bundle.tokenizer_file), data, tokens)
-        max_context = bundle.io.max_context or bundle.model_config["max_seq_len"]
-        self.chunks = windows(ids, min(seq_len, max_context))
+        ids, self.data = budget_ids(bundle, data, tokens, seq_len)
+        self.chunks = windows(ids, budget_window(bundle, seq_len))
         self.batch_size = batch_size
         self.float_model = float_model
         self.reference = make_session(float_model.SerializeToString())

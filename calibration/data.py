@@ -41,12 +41,12 @@ def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
     if not path.is_file():
         raise KvforgeError(f"{what} file {path} does not exist")
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         raise KvforgeError(f"{what} {path} is not UTF-8 text: {e}") from e
     if path.suffix == ".jsonl":
         texts = []
-        for n, line in enumerate(raw.splitlines(), 1):
+        for n, line in enumerate(raw.split("\n"), 1):  # not splitlines(): U+2028 & co. are legal inside JSON strings
             if not line.strip():
                 continue
             try:
@@ -62,6 +62,14 @@ def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
     if not any(t.strip() for t in texts):
         raise KvforgeError(f"{what} {path} holds no text")
     return texts
+
+
+def check_vocab(ids, vocab_size: int, source: str) -> None:
+    """Token ids the model's embedding cannot look up mean the tokenizer is not this model's."""
+    top = int(np.max(ids)) if len(ids) else -1
+    if top >= vocab_size:
+        raise KvforgeError(f"{source} tokenizes to id {top}, but the model's vocabulary has {vocab_size} entries: "
+                           "the bundle's tokenizer does not belong to its model")
 
 
 def _is_builtin_tiny(bundle: Bundle) -> bool:
@@ -114,4 +122,5 @@ def load_calibration_set(
     n = min(samples, windows)
     starts = np.linspace(0, (windows - 1) * seq_len, n).astype(np.int64) // seq_len * seq_len
     ids = np.stack([np.asarray(stream[s : s + seq_len], np.int64) for s in starts])
+    check_vocab(ids, vocab, f"calibration data {source}")
     return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest())

@@ -261,11 +261,10 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
               random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     from kvforge.calibration import calibrate as run
-    from kvforge.verify.compare import parse_tolerances
 
     with _PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
-                random_data, batch_size, quantize_lm_head, force, progress, kv_cache, parse_tolerances(list(budget)),
+                random_data, batch_size, quantize_lm_head, force, progress, kv_cache, list(budget) or None,
                 budget_data, budget_tokens, gptq)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"

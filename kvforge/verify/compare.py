@@ -89,8 +89,9 @@ def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, floa
         except (TypeError, ValueError) as e:
             raise KvforgeError(f"tolerance {key}={value!r} is not a number") from e
         bound = out[key]
-        if key in HIGHER_IS_BETTER and not -1.0 <= bound <= 1.0:
-            raise KvforgeError(f"tolerance {key}={value!r}: an agreement or cosine bound lies in [0, 1]")
+        low = -1.0 if key.endswith("cosine") else 0.0
+        if key in HIGHER_IS_BETTER and not low <= bound <= 1.0:
+            raise KvforgeError(f"tolerance {key}={value!r}: " + ("a cosine bound lies in [-1, 1]" if low else "an agreement bound lies in [0, 1]"))
         if key not in HIGHER_IS_BETTER and not 0.0 <= bound < float("inf"):
             raise KvforgeError(f"tolerance {key}={value!r}: the bound is a finite number >= 0 "
                                + ("(on |change|)" if key == "perplexity_delta_pct" else "(an upper limit)"))
@@ -130,8 +131,9 @@ class Report:
         return self.result[key]
 
 
-def eval_ids(tokenizer, data: str | Path | None, max_tokens: int) -> tuple[list[int], str]:
-    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids."""
+def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: int | None = None) -> tuple[list[int], str]:
+    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids
+    (checked against the model's vocabulary where given)."""
     if tokenizer is None:
         raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
     if data is None:
@@ -147,6 +149,10 @@ def eval_ids(tokenizer, data: str | Path | None, max_tokens: int) -> tuple[list[
         ids += tokenizer.encode(text, add_special_tokens=False)
         if len(ids) > max_tokens:
             break
+    if vocab_size is not None:
+        from kvforge.calibration.data import check_vocab
+
+        check_vocab(ids[: max_tokens + 1], vocab_size, name)
     return ids[: max_tokens + 1], name
 
 
@@ -282,7 +288,7 @@ def compare(
             rng = np.random.default_rng(seed)
             ids, data_name = rng.integers(0, cand.vocab_size, max_tokens + 1).tolist(), f"random tokens (seed {seed})"
         else:
-            ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens)
+            ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens, cand.vocab_size)
         chunks = metrics.windows(ids, seq_len)
         stats = WindowStats()
         n_batches = -(-len(chunks) // batch_size)

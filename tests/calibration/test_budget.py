@@ -37,8 +37,16 @@ def test_a_met_budget_keeps_nothing_and_a_tighter_one_keeps_the_top_ranked_block
 def test_an_unreachable_budget_writes_nothing(tiny_fp32, tmp_path):
     with pytest.raises(KvforgeError, match="accuracy budget cannot be met"):
         calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"kl_divergence_mean": 0.0}, **QUICK)
-    with pytest.raises(KvforgeError, match="an agreement or cosine bound lies in"):  # refused before any work
-        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 1.01}, **QUICK)
+    # refused before any work
+    for budget, message in [({"top1_agreement": 1.01}, "an agreement bound lies in"), ({"top1_agreement": -0.5}, "an agreement bound lies in"),
+                            ({"greedy_agreement": 0.9}, "greedy_agreement.. is not among them"),
+                            (["greedy_agreement=0.9"], "greedy_agreement.. is not among them")]:  # the CLI's form
+        with pytest.raises(KvforgeError, match=message):
+            calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget=budget, **QUICK)
+    with pytest.raises(KvforgeError, match="--budget-tokens must be at least the budget's window of 256 tokens, got 100"):
+        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 0.9}, **{**QUICK, "budget_tokens": 100})
+    (tmp_path / "short.txt").write_text("def f(x):\n    return x\n")
+    with pytest.raises(KvforgeError, match="needs more than 256 tokens of held-out text; .*short.txt gives"):
+        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 0.9},
+                  budget_data=tmp_path / "short.txt", **QUICK)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(KvforgeError, match="greedy_agreement.. is not among them"):
-        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"greedy_agreement": 0.9}, **QUICK)

@@ -196,6 +196,46 @@ def test_data_files_and_their_errors(tmp_path, fp32):
     assert not (tmp_path / "e").exists()
 
 
+def test_data_files_read_as_users_write_them(tmp_path):
+    from kvforge.calibration.data import read_texts
+
+    jsonl = tmp_path / "u.jsonl"  # a byte-order mark, CRLF, and line/paragraph separators inside JSON strings
+    jsonl.write_bytes(b"\xef\xbb\xbf" + '{"text": "a\u2028b"}\r\n"c\u2029d\u0085e"\r\n'.encode())
+    assert read_texts(jsonl) == ["a\u2028b", "c\u2029d\u0085e"]
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"\xef\xbb\xbfdef f(): pass\n")
+    assert read_texts(text) == ["def f(): pass\n"]
+
+
+def test_token_ids_beyond_the_vocabulary_are_named(fp32, tmp_path):
+    """A tokenizer that is not the model's gives ids its embedding cannot look up: named before ORT fails on them."""
+    import types
+
+    from kvforge.calibration.data import load_calibration_set
+
+    small = types.SimpleNamespace(io=fp32.io, model_config={**fp32.model_config, "vocab_size": 300},
+                                  tokenizer_file=fp32.tokenizer_file, manifest=fp32.manifest, path=fp32.path)
+    (tmp_path / "v.txt").write_text(heldout_text()[:5000])
+    with pytest.raises(KvforgeError, match="tokenizes to id .*, but the model's vocabulary has 300 entries"):
+        load_calibration_set(small, tmp_path / "v.txt", samples=2, seq_len=64)
+
+
+def test_non_finite_weights_are_named(fp32):
+    from kvforge.calibration.api import _check_weights_finite
+    from kvforge.calibration.qdq import find_targets
+
+    model = onnx.load(str(fp32.graph_file))
+    targets, _ = find_targets(model)
+    _check_weights_finite(model, targets)  # the sound graph passes; the broken one below must not
+    t = next(t for t in targets if t.layer == "layers.3.ffn.down_proj")
+    init = next(i for i in model.graph.initializer if i.name == t.weight)
+    w = numpy_helper.to_array(init).copy()
+    w[3, 5], w[0, 0] = np.nan, np.inf
+    init.CopyFrom(numpy_helper.from_array(w, t.weight))
+    with pytest.raises(KvforgeError, match="layer layers.3.ffn.down_proj's weight holds 2 NaN or infinite values"):
+        _check_weights_finite(model, targets)
+
+
 def test_other_models_need_data_or_an_explicit_random_flag(tmp_path):
     b = export("llama3-micro", tmp_path / "micro")
     with pytest.raises(KvforgeError, match="no calibration data: pass --data FILE"):
@@ -218,6 +258,17 @@ def test_option_errors(tmp_path, fp32):
     (tmp_path / "c.txt").write_text(heldout_text()[:20000])
     with pytest.raises(KvforgeError, match="--data and --random-data name two different calibration sets"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", data=tmp_path / "c.txt", random_data=True)
+    for options, message in [({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+                             ({"samples": 4.5}, "samples must be a positive integer, got 4.5"),
+                             ({"seq_len": "64"}, "seq_len must be a positive integer, got '64'"),
+                             ({"method": "percentile", "percentile": "99"}, "--percentile must be a number in \\(0, 100\\], got '99'"),
+                             ({"method": "percentile", "percentile": 150}, "--percentile must be a number in \\(0, 100\\], got 150")]:
+        with pytest.raises(KvforgeError, match=message):  # before any work
+            calibrate(fp32.path, tmp_path / "x", precision="int8", **options)
+    with pytest.raises(KvforgeError, match="block_size must be a positive integer, got 2.5"):
+        calibrate(fp32.path, tmp_path / "x", precision="int4", block_size=2.5)
+    one = calibrate(fp32.path, tmp_path / "one", precision="int4", exclude="layers\\.0\\.")  # one pattern, as a string
+    assert sum(name.startswith("layers.0.") for name in one.manifest["precision"]["quantization"]["excluded_layers"]) == 7
     q = calibrate(fp32.path, tmp_path / "q4", precision="int4")
     with pytest.raises(KvforgeError, match="already quantized"):
         calibrate(q.path, tmp_path / "x", precision="int8")
