@@ -35,7 +35,10 @@ def _ort():
 # - int8 also needs common-subexpression elimination off: it merges the per-MatMul
 #   QuantizeLinear nodes of a shared activation back into one, and ORT's QDQ
 #   selector fuses only a Q -> DQ pair that feeds a single MatMul.
-_QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"]}
+# - fp8 also needs ReluQuantRewrite off: it deletes a Relu that feeds a QuantizeLinear whose zero
+#   point is the format's minimum, and takes FP8's zero point 0 for that (a ReLU FFN then sees
+#   negative values: top-1 fell to ~0.2 on classic-micro).
+_QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"], "fp8": ["ReluQuantRewrite"]}
 _QUANT_SESSION_CONFIG = {
     "fp8": {"session.disable_quant_qdq": "1"},
     "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},

@@ -166,6 +166,21 @@ def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
     assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] == len(q.manifest["precision"]["quantization"]["quantized_layers"])
 
 
+def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
+    """ORT's ReluQuantRewrite drops a Relu before an FP8 QuantizeLinear (zero point 0); the runtime turns it off."""
+    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+
+    b = export("classic-micro", tmp_path / "fp32")
+    q = calibrate(b.path, tmp_path / "fp8", "fp8", random_data=True, samples=8, seq_len=32)
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 16))
+    feeds = prefill_feeds(ids, q.model_config, [n for layer in q.io.past for n in layer], "float32")
+    (plain,) = make_session(str(q.graph_file), optimization="none").run(["logits"], feeds)
+    (ours,) = make_session(str(q.graph_file), "fp8").run(["logits"], feeds)
+    np.testing.assert_allclose(ours, plain, rtol=0, atol=1e-4)
+    with runtime.load(q.path) as s:
+        np.testing.assert_allclose(s.forward(ids)[0], plain, rtol=0, atol=1e-4)
+
+
 def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
     a = calibrate(fp32.path, tmp_path / "a", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
     b = calibrate(fp32.path, tmp_path / "b", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=12)
