@@ -164,7 +164,10 @@ def calibrate(
 
         budget_ids(bundle, budget_data, budget_tokens)
 
-    model = onnx.load(str(bundle.graph_file))
+    try:
+        model = onnx.load(str(bundle.graph_file))
+    except Exception as e:  # protobuf's DecodeError and friends: the manifest did not catch the damage
+        raise KvforgeError(f"{bundle.graph_file} is not a readable ONNX model: {e}") from e
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
     _check_weights_finite(model, targets)
     activations = list(dict.fromkeys(t.activation for t in targets))

@@ -124,15 +124,38 @@ class Bundle:
         if not manifest.is_file():
             raise KvforgeError(f"{self.path} is not a kvforge bundle: no {MANIFEST}")
         try:
-            self.manifest: dict[str, Any] = json.loads(manifest.read_text())
-        except json.JSONDecodeError as e:
+            self.manifest: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise KvforgeError(f"{manifest} is not valid JSON: {e}") from e
-        if self.manifest.get("format") != FORMAT:
-            raise KvforgeError(f"{manifest}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
-        if self.manifest.get("format_version", 0) > FORMAT_VERSION:
-            raise KvforgeError(
-                f"{manifest}: bundle format {self.manifest['format_version']} is newer than this kvforge reads ({FORMAT_VERSION})"
-            )
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format") if isinstance(self.manifest, dict) else type(self.manifest).__name__
+            raise KvforgeError(f"{manifest}: format {found!r} is not {FORMAT!r}")
+        version = self.manifest.get("format_version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise KvforgeError(f"{manifest}: format_version {version!r} is not an integer")
+        if version > FORMAT_VERSION:
+            raise KvforgeError(f"{manifest}: bundle format {version} is newer than this kvforge reads ({FORMAT_VERSION})")
+        self._check_manifest(manifest)
+
+    def _check_manifest(self, manifest: Path) -> None:
+        """The entries every command reads, so that a damaged manifest is named here rather than by a KeyError later."""
+        from kvforge.model_defs.config import ModelConfig
+
+        m = self.manifest
+        kinds = {"graph": str, "model": dict, "io": dict, "precision": dict, "files": dict}
+        for key, kind in kinds.items():
+            if not isinstance(m.get(key), kind):
+                what = "missing" if key not in m else f"a {type(m[key]).__name__}, not a {kind.__name__}"
+                raise KvforgeError(f"{manifest} is damaged: {key!r} is {what}")
+        if not isinstance(m["precision"].get("dtype"), str):
+            raise KvforgeError(f"{manifest} is damaged: precision.dtype is missing")
+        if m["graph"] not in m["files"]:
+            raise KvforgeError(f"{manifest} is damaged: its files do not record the graph {m['graph']!r}")
+        try:
+            ModelConfig.from_dict(m["model"])
+            IOSpec.from_dict(m["io"])
+        except (KvforgeError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise KvforgeError(f"{manifest} is damaged: its model or io entry does not read ({type(e).__name__}: {e})") from e
 
     @staticmethod
     def is_bundle(path: str | Path) -> bool:
@@ -221,8 +244,15 @@ def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | P
             raise KvforgeError("internal error: a bundle was staged without a manifest")
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
+            moved = False
+            try:
+                os.replace(out, old)
+                moved = True
+                os.replace(tmp, out)
+            except BaseException:
+                if moved and not out.exists():  # interrupted between the two renames: the previous bundle goes back
+                    os.replace(old, out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)

@@ -174,6 +174,28 @@ def test_force_replaces_only_after_success(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
+def test_an_interrupted_replace_puts_the_previous_bundle_back(tmp_path, monkeypatch):
+    import os
+
+    from kvforge import bundle as bundle_mod
+
+    out = tmp_path / "b"
+    first = export("reglu-micro", out)
+    real = os.replace
+
+    def interrupted(src, dst):
+        if str(src).startswith(str(tmp_path / ".b.tmp-")):  # the new bundle's rename: as if Ctrl-C landed here
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(bundle_mod.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export("gpt2-micro", out, force=True)
+    monkeypatch.undo()
+    assert Bundle(out).manifest["files"] == first.manifest["files"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
 def test_output_and_option_errors(tmp_path):
     (tmp_path / "exists").mkdir()
     with pytest.raises(KvforgeError, match="already exists; pass --force"):
@@ -209,6 +231,25 @@ def test_damaged_bundles_are_named(tmp_path, micro_bundles):
     (b / "model.onnx").write_bytes(data[:-10])
     with pytest.raises(KvforgeError, match="model.onnx has .* bytes, the manifest says"):
         Bundle(b).verify_files()
+    import json
+
+    good = json.loads((b / MANIFEST).read_text())
+    damaged = [
+        ("[]", "format 'list' is not"),
+        (b"\xff{}", "not valid JSON"),
+        ({**good, "format_version": "2"}, "format_version '2' is not an integer"),
+        ({k: v for k, v in good.items() if k != "precision"}, "'precision' is missing"),
+        ({**good, "io": []}, "'io' is a list, not a dict"),
+        ({**good, "model": {k: v for k, v in good["model"].items() if k != "vocab_size"}}, "model or io entry does not read"),
+        ({**good, "files": {}}, "files do not record the graph 'model.onnx'"),
+    ]
+    for content, message in damaged:
+        if isinstance(content, bytes):
+            (b / MANIFEST).write_bytes(content)
+        else:
+            (b / MANIFEST).write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(KvforgeError, match=message):
+            Bundle(b)
     (b / MANIFEST).write_text("{oops")
     with pytest.raises(KvforgeError, match="not valid JSON"):
         Bundle(b)
