@@ -96,7 +96,10 @@ def load_calibration_set(
     vocab = bundle.model_config["vocab_size"]
     if random_data:
         rng = np.random.default_rng(seed)
-        ids = rng.integers(0, vocab, (samples, seq_len), dtype=np.int64)
+        try:
+            ids = rng.integers(0, vocab, (samples, seq_len), dtype=np.int64)
+        except MemoryError as e:
+            raise KvforgeError(f"{samples} random samples of {seq_len} tokens do not fit in memory; ask for fewer") from e
         return CalibrationSet(ids, "random tokens", hashlib.sha256(ids.tobytes()).hexdigest(), random=True)
     if data is None:
         if not _is_builtin_tiny(bundle):
@@ -113,14 +116,12 @@ def load_calibration_set(
     if bundle.tokenizer_file is None:
         raise KvforgeError(f"bundle {bundle.path} has no tokenizer to tokenize calibration text with")
     tok = Tokenizer.from_file(bundle.tokenizer_file)
-    stream: list[int] = []
-    for text in texts:
-        stream += tok.encode(text)
+    stream = np.concatenate([np.asarray(tok.encode(text), np.int64) for text in texts])
     if len(stream) < seq_len:
         raise KvforgeError(f"calibration data has {len(stream)} tokens; one sample needs seq_len={seq_len}")
     windows = len(stream) // seq_len
     n = min(samples, windows)
     starts = np.linspace(0, (windows - 1) * seq_len, n).astype(np.int64) // seq_len * seq_len
-    ids = np.stack([np.asarray(stream[s : s + seq_len], np.int64) for s in starts])
+    ids = np.stack([stream[s : s + seq_len] for s in starts])
     check_vocab(ids, vocab, f"calibration data {source}")
     return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest())

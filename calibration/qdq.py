@@ -168,6 +168,12 @@ def smoothquant_factors(act_amax: np.ndarray, weight: np.ndarray, alpha: float) 
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
 
 
+def recorded(scale: np.ndarray) -> list:
+    """Scales for the manifest: each the shortest decimal that reads back as the float32 the graph stores."""
+    a = np.asarray(scale, np.float32)
+    return np.array([float(str(v)) for v in a.ravel()], np.float64).reshape(a.shape).tolist()
+
+
 # --- the graph rewrite -------------------------------------------------------------
 def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
             smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None) -> dict:
@@ -228,7 +234,7 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         dq = helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq", **attrs)
         new_nodes.setdefault(index[id(t.node)], []).append(dq)
         t.node.input[1] = f"{base}_dequantized"
-        record["weights"][t.layer] = {"shape": list(w.shape), "scale": scale.astype(np.float64).round(9).tolist(),
+        record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
                                       **({"k_padding": k_padding} if k_padding else {})}
 
         if act_amax is None:  # weight-only

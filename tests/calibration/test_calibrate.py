@@ -348,8 +348,11 @@ def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, f
     block size as K / scale rows), the activation gets zero columns, and the graph computes exactly x @ dequant(W)."""
     from kvforge.calibration.qdq import find_targets
 
-    q = calibrate(fp32.path, tmp_path / "int4", precision="int4", block_size=48)
+    q = calibrate(fp32.path, tmp_path / "int4", precision="int4", block_size=48, random_data=True)
     assert q.manifest["lint"]["passed"], q.manifest["lint"]["findings"]
+    step = q.manifest["lineage"][-1]
+    assert step["input"]["source"] == str(fp32.path.resolve())  # absolute, as docs/bundle.md says
+    assert step["options"]["random_data"] is False and q.manifest["calibration"]["data"] is None  # RTN INT4 reads no data
     g = onnx.load(str(q.graph_file)).graph
     inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
     records = q.manifest["calibration"]["scales"]["weights"]
@@ -359,6 +362,7 @@ def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, f
         K = rec["shape"][0]
         assert codes.shape[0] == 48 * scale.shape[0] == K + rec["k_padding"] > K
         assert not codes[K:].astype(np.int8).any()  # the padding codes are zeros
+        assert np.array_equal(np.array(rec["scale"], np.float32), scale)  # the manifest's scales are the graph's
         dequantized[layer] = dequantize(codes[:K], scale, "int4", 48)
     assert sum(n.op_type == "Pad" for n in g.node) == 4 * 4  # per block: q/k/v, o_proj, gate/up and down_proj inputs
     # the same function in float: the FP32 graph with its weights replaced by the dequantized ones
