@@ -44,7 +44,7 @@ def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
         raw = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         raise KvforgeError(f"{what} {path} is not UTF-8 text: {e}") from e
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         texts = []
         for n, line in enumerate(raw.split("\n"), 1):  # not splitlines(): U+2028 & co. are legal inside JSON strings
             if not line.strip():

@@ -99,15 +99,19 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False)
             patterns.append(re.compile(p))
         except re.error as e:
             raise KvforgeError(f"--exclude {p!r} is not a valid regular expression: {e}") from e
-    targets, excluded = [], []
+    targets, excluded, names = [], [], []
     for node in g.node:
         if node.op_type != "MatMul" or node.input[1] not in inits or len(inits[node.input[1]].dims) != 2:
             continue
         name = "lm_head" if "logits" in node.output else layer_name(node)
+        names.append(name)
         if (name == "lm_head" and not quantize_lm_head) or any(p.search(name) for p in patterns):
             excluded.append(name)
             continue
         targets.append(Target(node, name, node.input[1], node.input[0]))
+    unmatched = [p.pattern for p in patterns if not any(p.search(n) for n in names)]
+    if unmatched:  # a typo would otherwise quantize what the user meant to keep
+        raise KvforgeError(f"--exclude {unmatched} matches no linear layer; their names look like {names[:3]}")
     if not targets:
         raise KvforgeError("no linear layer is left to quantize" + (f" after excluding {excluded}" if excluded else ""))
     return targets, excluded

@@ -212,6 +212,8 @@ def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path 
         where = Path(source).resolve()
         if where == target or target in where.parents:
             raise KvforgeError(f"the output {out} is, or holds, the input {source}; write the output somewhere else")
+        if where in target.parents and Bundle.is_bundle(where):
+            raise KvforgeError(f"the output {out} would sit inside the input bundle {source}; write the output somewhere else")
     if out.exists() and not force:
         raise KvforgeError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():

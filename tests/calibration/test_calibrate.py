@@ -217,6 +217,8 @@ def test_data_files_read_as_users_write_them(tmp_path):
     jsonl = tmp_path / "u.jsonl"  # a byte-order mark, CRLF, and line/paragraph separators inside JSON strings
     jsonl.write_bytes(b"\xef\xbb\xbf" + '{"text": "a\u2028b"}\r\n"c\u2029d\u0085e"\r\n'.encode())
     assert read_texts(jsonl) == ["a\u2028b", "c\u2029d\u0085e"]
+    upper = jsonl.rename(tmp_path / "U.JSONL")
+    assert read_texts(upper) == ["a\u2028b", "c\u2029d\u0085e"]
     text = tmp_path / "t.txt"
     text.write_bytes(b"\xef\xbb\xbfdef f(): pass\n")
     assert read_texts(text) == ["def f(): pass\n"]
@@ -282,6 +284,11 @@ def test_option_errors(tmp_path, fp32):
             calibrate(fp32.path, tmp_path / "x", precision="int8", **options)
     with pytest.raises(KvforgeError, match="block_size must be a positive integer, got 2.5"):
         calibrate(fp32.path, tmp_path / "x", precision="int4", block_size=2.5)
+    with pytest.raises(KvforgeError, match=r"--exclude \['c_attn'\] matches no linear layer; their names look like \['layers.0.attn.q_proj'"):
+        calibrate(fp32.path, tmp_path / "x", precision="int4", exclude=["c_attn", "down_proj"])
+    with pytest.raises(KvforgeError, match="would sit inside the input bundle"):
+        calibrate(fp32.path, fp32.path / "sub", precision="int4")
+    assert not (fp32.path / "sub").exists()
     one = calibrate(fp32.path, tmp_path / "one", precision="int4", exclude="layers\\.0\\.")  # one pattern, as a string
     assert sum(name.startswith("layers.0.") for name in one.manifest["precision"]["quantization"]["excluded_layers"]) == 7
     q = calibrate(fp32.path, tmp_path / "q4", precision="int4")
