@@ -50,6 +50,7 @@ from kvforge.runtime.trt_backend import (
     PREFILL,
     concrete_shape,
     is_engine_bundle,
+    check_precision_supported,
     require_tensorrt_gpu,
     tensorrt_version,
 )
@@ -517,6 +518,7 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     trt, device = require_tensorrt_gpu()
     check_output_path(out, force, [plan["bundle"]])
     source = Bundle(plan["bundle"])  # build_plan verified its files against the manifest
+    check_precision_supported(source.manifest["precision"].get("quantization"), device["compute_capability"], device["name"])
     tc_path = Path(options.timing_cache) if options.timing_cache else None
     tc_in = tc_path.read_bytes() if tc_path and tc_path.is_file() else None
 

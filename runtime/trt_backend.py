@@ -194,6 +194,14 @@ def _cc(v: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
+def check_precision_supported(quantization: dict[str, Any] | None, compute_capability: str, gpu_name: str) -> None:
+    """FP8 Q/DQ (weights, activations or the KV cache) builds only into kernels of compute capability >= 8.9."""
+    q = quantization or {}
+    if (q.get("format") == "fp8" or q.get("kv_cache") == "fp8") and _cc(compute_capability) < (8, 9):
+        raise KvforgeError(f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); {gpu_name} has "
+                           f"{compute_capability}: build an int8, int4 or float bundle for it instead")
+
+
 def check_compatibility(engine: dict[str, Any], tensorrt_version: str, compute_capability: str,
                         gpu_name: str = "this GPU", where: str = "the bundle") -> None:
     """Refuse an engine that this TensorRT or GPU cannot run, with what was recorded and what is here.

@@ -234,6 +234,19 @@ def test_incompatible_engines_are_refused_before_deserialization(micro, tmp_path
         runtime.load(engine.path).activate()
 
 
+def test_fp8_builds_are_refused_below_compute_capability_8_9(micro, tmp_path, monkeypatch):
+    from kvforge.export import engine as engine_mod
+
+    fp8 = calibrate(micro.path, tmp_path / "fp8", "fp8", random_data=True, samples=2, seq_len=16)
+    int8 = calibrate(micro.path, tmp_path / "int8", "int8", random_data=True, samples=2, seq_len=16, kv_cache="fp8")
+    monkeypatch.setattr(engine_mod, "require_tensorrt_gpu",
+                        lambda: (_FakeTensorRT("10.13.0.35"), {"name": "NVIDIA A100", "compute_capability": "8.0", "count": 1}))
+    for bundle in (fp8, int8):  # FP8 weights/activations, or only an FP8 KV cache
+        with pytest.raises(KvforgeError, match="FP8 needs a GPU of compute capability 8.9 or newer.*NVIDIA A100 has 8.0"):
+            build(bundle.path, tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
+
+
 def test_cli_takes_tensorrt_and_engine_bundles(micro, tmp_path, no_tensorrt):
     runner = CliRunner()
     engine = _engine_bundle(micro, tmp_path / "e")
