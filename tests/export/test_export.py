@@ -240,8 +240,8 @@ def test_damaged_bundles_are_named(tmp_path, micro_bundles):
         ({**good, "format_version": "2"}, "format_version '2' is not an integer"),
         ({k: v for k, v in good.items() if k != "precision"}, "'precision' is missing"),
         ({**good, "io": []}, "'io' is a list, not a dict"),
-        ({**good, "model": {k: v for k, v in good["model"].items() if k != "vocab_size"}}, "model or io entry does not read"),
-        ({**good, "files": {}}, "files do not record the graph 'model.onnx'"),
+        ({**good, "model": {k: v for k, v in good["model"].items() if k != "vocab_size"}}, "its model entry lacks \\['vocab_size'\\]"),
+        ({**good, "io": {"inputs": 3}}, "its io entry does not read"),
     ]
     for content, message in damaged:
         if isinstance(content, bytes):
