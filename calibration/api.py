@@ -13,6 +13,7 @@ import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
 from kvforge.errors import KvforgeError
 from kvforge.runtime.ort_backend import make_session, prefill_feeds
+from kvforge.runtime.sampling import is_number
 
 from .data import load_calibration_set
 from .gptq import DAMP, HessianAccumulator, gptq_quantize
@@ -65,15 +66,11 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
     return observers, channel_amax, run, n_batches
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and bool(np.isfinite(value))
-
-
 def _check_sizes(**sizes) -> None:
-    from kvforge.runtime.sampling import is_int
+    from kvforge.runtime.sampling import positive_int_or_none
 
     for name, value in sizes.items():
-        if value is not None and (not is_int(value) or value < 1):
+        if not positive_int_or_none(value):
             raise KvforgeError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -149,7 +146,7 @@ def calibrate(
     if precision == "int4":
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size  # None from here on for per-channel formats
     _check_sizes(samples=samples, seq_len=seq_len, batch_size=batch_size, block_size=block_size, budget_tokens=budget_tokens)
-    if method == "percentile" and precision != "int4" and not (_is_real(percentile) and 0.0 < percentile <= 100.0):
+    if method == "percentile" and precision != "int4" and not (is_number(percentile) and 0.0 < percentile <= 100.0):
         raise KvforgeError(f"--percentile must be a number in (0, 100], got {percentile!r}")
     if isinstance(exclude, str):  # one pattern, not its characters
         exclude = [exclude]
@@ -159,10 +156,11 @@ def calibrate(
         raise KvforgeError(f"{precision} Q/DQ needs opset >= {MIN_OPSET[precision]}; re-export with --opset {max(21, MIN_OPSET[precision])}")
     check_output_path(out, force, [bundle.path])
     bundle.verify_files()  # a truncated or altered graph is named here, not by protobuf mid-calibration
-    if accuracy_budget:  # its held-out text is checked now, not after the calibration
+    held_out = None
+    if accuracy_budget:  # its held-out text is read and checked now, not after the calibration
         from .budget import budget_ids
 
-        budget_ids(bundle, budget_data, budget_tokens)
+        held_out = budget_ids(bundle, budget_data, budget_tokens)
 
     try:
         model = onnx.load(str(bundle.graph_file))
@@ -230,7 +228,7 @@ def calibrate(
         from .budget import fit_budget
 
         (model, targets, excluded, record), budget_report = fit_budget(
-            bundle, model, quantize, precision, accuracy_budget, budget_data, budget_tokens, progress)
+            bundle, model, quantize, precision, accuracy_budget, held_out, progress)
     else:
         model, targets, excluded, record = quantize([])
     progress("quantize", 1, 1)

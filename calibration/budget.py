@@ -63,13 +63,16 @@ def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tupl
 class _Evaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
-    def __init__(self, bundle, float_model, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN, batch_size: int = 4):
+    def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
+                 batch_size: int = 4):
+        """held_out: budget_ids()'s token stream and its name."""
         from kvforge.metrics import windows
         from kvforge.runtime.ort_backend import make_session
+
         self.bundle = bundle
         self.dtype = bundle.manifest["precision"]["dtype"]
         self.past = [n for layer in bundle.io.past for n in layer]
-        ids, self.data = budget_ids(bundle, data, tokens, seq_len)
+        ids, self.data = held_out
         self.chunks = windows(ids, budget_window(bundle, seq_len))
         self.batch_size = batch_size
         self.float_model = float_model
@@ -124,12 +127,15 @@ class _Evaluator:
         return 1.0 / statistics.median(times)
 
 
-def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: dict[str, float], data, tokens: int,
-               progress) -> tuple[Any, dict[str, Any]]:
-    """quantize(extra_exclude) -> (model, targets, excluded, record). Returns the last quantize() result and the record."""
+def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: dict[str, float],
+               held_out: tuple[list[int], str], progress) -> tuple[Any, dict[str, Any]]:
+    """quantize(extra_exclude) -> (model, targets, excluded, record). Returns the last quantize() result and the record.
+
+    held_out: budget_ids()'s token stream and its name, read (and checked) before the calibration.
+    """
     from kvforge.verify.compare import check_tolerances
 
-    ev = _Evaluator(bundle, float_model, data, tokens)
+    ev = _Evaluator(bundle, float_model, held_out)
     result = quantize([])
     full = result[0]
     measured = ev.metrics(full, precision)

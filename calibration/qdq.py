@@ -214,9 +214,8 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
             if t.activation not in padded:
                 pads = f"{t.layer}.input_pads"
                 g.initializer.append(numpy_helper.from_array(np.array([0, k_padding], np.int64), pads))
-                if "input_pad_axes" not in inits:
-                    inits["input_pad_axes"] = numpy_helper.from_array(np.array([-1], np.int64), "input_pad_axes")
-                    g.initializer.append(inits["input_pad_axes"])
+                if not padded:  # the first padded activation adds the axes initializer they all share
+                    g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), "input_pad_axes"))
                 padded[t.activation] = f"{t.layer}.input_padded"
                 new_nodes.setdefault(index[id(t.node)], []).append(helper.make_node(
                     "Pad", [t.activation, pads, "", "input_pad_axes"], [padded[t.activation]], name=f"{t.layer}.input_pad"))

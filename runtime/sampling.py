@@ -18,8 +18,14 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """A Python or numpy int or float, not a bool (NaN passes: range checks then refuse it)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def positive_int_or_none(value) -> bool:
+    """None, or an integer (is_int) of at least 1: the test for counts and sizes given as options."""
+    return value is None or (is_int(value) and value >= 1)
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "repetition_penalty"):
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise KvforgeError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not is_int(self.top_k):
             raise KvforgeError(f"top_k must be an int (0: no limit), got {self.top_k!r}")

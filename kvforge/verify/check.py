@@ -40,6 +40,7 @@ from typing import Any, Callable
 import kvforge
 from kvforge.bundle import now_utc
 from kvforge.errors import KvforgeError
+from kvforge.runtime.sampling import positive_int_or_none
 
 from .compare import HIGHER_IS_BETTER
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
@@ -108,7 +109,7 @@ def load_spec(path: str | Path) -> Spec:
         raise KvforgeError(f"{path} [data]: unknown keys {sorted(bad)}; known: {sorted(DATA_KEYS) + ['calibration']}")
     options = {DATA_KEYS[k]: v for k, v in data.items()}
     for key in ("max_tokens", "seq_len", "steps", "prompts"):
-        if not _positive_int_or_none(options.get(key)):
+        if not positive_int_or_none(options.get(key)):
             raise KvforgeError(f"{path} [data]: {key} must be a positive integer, got {options[key]!r}")
     if "data" in options:
         options["data"] = str(root / options["data"])
@@ -128,10 +129,6 @@ def load_spec(path: str | Path) -> Spec:
         compare_options=options, tolerances=tolerances,
         reference=str(root / reference) if reference and (root / reference).exists() else reference,
     )
-
-
-def _positive_int_or_none(value) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
 def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
@@ -155,7 +152,7 @@ def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
         if method is not None and method not in METHODS:
             raise KvforgeError(f"{where}: method {method!r} is not one of {METHODS}")
         for key in ("samples", "seq_len", "block_size"):
-            if not _positive_int_or_none(a.calibrate.get(key)):
+            if not positive_int_or_none(a.calibrate.get(key)):
                 raise KvforgeError(f"{where}: {key} must be a positive integer, got {a.calibrate[key]!r}")
         if "block_size" in a.calibrate and a.precision != "int4":
             raise KvforgeError(f"{where}: block_size applies to int4 artifacts")
