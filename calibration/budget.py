@@ -116,7 +116,8 @@ class _Evaluator:
             "input_ids": np.array([[1]], np.int64),
             "attention_mask": np.ones((1, past + 1), np.int64),
             "position_ids": np.array([[past]], np.int64),
-            **{n: rng.standard_normal((1, cfg["n_kv_heads"], past, cfg["head_dim"])).astype(np_dtype) for n in self.past},
+            **{n: rng.standard_normal((1, cfg["n_kv_heads"], length, cfg["head_dim"])).astype(np_dtype)
+               for names, length in zip(self.bundle.io.past, self.bundle.io.cache_lengths(past)) for n in names},
         }
         times = []
         for i in range(runs + 3):

@@ -292,6 +292,8 @@ def add_kv_cache_qdq(model, present_amax: dict[str, float], float_dtype) -> dict
     inserted, record = [], {}
     for name, amax in present_amax.items():
         concat = producer.get(name)
+        if concat is not None and concat.op_type == "Slice":  # a capped (windowed) cache keeps the Concat's newest W
+            concat = producer.get(concat.input[0])
         if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
             raise KvforgeError(f"cannot find the cache write of {name} (expected Concat(past, new))")
         scale = stored_scale(max(amax, 1e-8) / QMAX["fp8"], float_dtype)

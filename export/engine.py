@@ -40,7 +40,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvforge
-from kvforge.bundle import Bundle, IOSpec, check_output_path, now_utc, sha256_file, staged_bundle, write_manifest
+from kvforge.bundle import (
+    BATCH,
+    PAST,
+    SEQ,
+    TOTAL,
+    Bundle,
+    IOSpec,
+    check_output_path,
+    now_utc,
+    sha256_file,
+    staged_bundle,
+    window_dims,
+    write_manifest,
+)
 from kvforge.errors import KvforgeError
 from kvforge.runtime.trt_backend import (
     DECODE,
@@ -56,7 +69,6 @@ from kvforge.runtime.trt_backend import (
 )
 
 from .lint import _TYPE_NAMES, _value_types, lint
-from .onnx_export import BATCH, PAST, SEQ, TOTAL
 
 DEFAULT_MAX_BATCH = 8  # runtime.evaluate scores windows in batches of 8
 DEFAULT_OPT_BATCH = 1
@@ -121,12 +133,12 @@ class BuildOptions:
 
 
 # -- profiles -------------------------------------------------------------------------------
-def profile_points(limits: Limits) -> dict[str, dict[str, dict[str, int]]]:
-    """The symbolic dimensions' values at each corner of the two profiles."""
+def profile_points(limits: Limits, io: IOSpec) -> dict[str, dict[str, dict[str, int]]]:
+    """The symbolic dimensions' values at each corner of the two profiles (capped caches: min(past, W), min(total, W))."""
     L = limits
 
     def point(batch: int, seq: int, past: int) -> dict[str, int]:
-        return {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
+        return io.dim_values(batch, seq, past)
 
     return {
         PREFILL: {"min": point(1, 1, 0), "opt": point(L.opt_batch, L.opt_context, 0), "max": point(L.max_batch, L.max_context, 0)},
@@ -138,7 +150,7 @@ def synthesize_profiles(io: IOSpec, limits: Limits) -> list[dict[str, Any]]:
     """Prefill and decode profiles over every input of the IO spec: min/opt/max shapes per input name."""
     used_for = {PREFILL: f"{SEQ} > 1", DECODE: f"{SEQ} == 1"}
     profiles = []
-    for index, (name, points) in enumerate(profile_points(limits).items()):
+    for index, (name, points) in enumerate(profile_points(limits, io).items()):
         shapes = {t.name: {p: list(concrete_shape(t.shape, points[p], t.name)) for p in POINTS} for t in io.inputs}
         profiles.append({"index": index, "name": name, "used_for": used_for[name], "dims": points, "shapes": shapes})
     return profiles
@@ -179,6 +191,13 @@ def check_profiles(io: IOSpec, profiles: list[dict[str, Any]], max_context: int)
             for k, lo in ((BATCH, 1), (SEQ, 1), (PAST, 0)):
                 if k in v and v[k] < lo:
                     raise KvforgeError(f"{where} {point}: {k} {v[k]} is below {lo}")
+            for w in {w for w in io.windows if w is not None}:  # a capped cache holds the newest min(., W) positions
+                past_w, total_w = window_dims(w)
+                want = {past_w: min(total - v.get(SEQ, 0), w), total_w: min(total, w)}
+                for k, x in want.items():
+                    if k in v and v[k] != x:
+                        raise KvforgeError(f"{where} {point}: {k} {v[k]} should be {x} (a cache capped at {w} positions "
+                                           f"over {total} tokens)")
         for name, box in prof["shapes"].items():
             if not all(a <= b <= c for a, b, c in zip(box["min"], box["opt"], box["max"])):
                 raise KvforgeError(f"{where}: {name} needs min <= opt <= max, got {box['min']} / {box['opt']} / {box['max']}")

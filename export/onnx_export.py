@@ -11,6 +11,12 @@ lengths are dynamic. Names follow Hugging Face Optimum / ONNX Runtime GenAI:
     present.{i}.key           model dtype [batch_size, kv_heads, total_sequence_length, head_dim] (and .value)
 
 total_sequence_length = past_sequence_length + sequence_length.
+
+A layer with a sliding window W keeps a capped cache (a rolling buffer of its
+newest positions): its past is [batch_size, kv_heads, past_sequence_length_wW,
+head_dim] with past_sequence_length_wW = min(past, W), and its present holds
+total_sequence_length_wW = min(total, W) positions. The IO spec's
+kv_cache.windows says which layers are capped.
 """
 
 from __future__ import annotations
@@ -22,13 +28,20 @@ from pathlib import Path
 
 import torch
 
-from kvforge.bundle import IOSpec, TensorSpec
+from kvforge.bundle import BATCH, PAST, SEQ, TOTAL, IOSpec, TensorSpec, window_dims
 from kvforge.errors import KvforgeError
-
-BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
-# neither merges two dynamic dimensions nor specializes one to a constant.
+# neither merges two dynamic dimensions nor specializes one to a constant. A
+# capped cache's example past (min(W, 4)) must differ from them too: a window
+# of 2 or 3 takes the batch of 3 / the sequence of 2 instead.
 _EX_BATCH, _EX_SEQ, _EX_PAST = 2, 3, 5
+
+
+def _example_sizes(windows: list[int | None]) -> tuple[int, int, int]:
+    capped = {min(w, 4) for w in windows if w is not None}
+    batch = next(b for b in (_EX_BATCH, 3, 6) if b not in capped)
+    seq = next(s for s in (_EX_SEQ, 2, 7) if s not in capped | {batch})
+    return batch, seq, _EX_PAST
 DEFAULT_OPSET = 21
 # ONNX's protobuf limit; above it weights must go to an external data file.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -47,20 +60,30 @@ def output_names(n_layers: int) -> list[str]:
     return ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
 
 
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (its cache is capped at it), or None."""
+    return [cfg.layer_window(i) for i in range(cfg.n_layers)]
+
+
 def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     kv = _NP_DTYPES[dtype]
-    cache = lambda length: [BATCH, cfg.n_kv_heads, length, cfg.head_dim]  # noqa: E731
+    windows = layer_windows(cfg)
+
+    def cache(layer: int, present: bool) -> list:
+        length = (TOTAL if present else PAST) if windows[layer] is None else window_dims(windows[layer])[present]
+        return [BATCH, cfg.n_kv_heads, length, cfg.head_dim]
+
+    past = [[f"past_key_values.{i}.key", f"past_key_values.{i}.value"] for i in range(cfg.n_layers)]
+    present = [[f"present.{i}.key", f"present.{i}.value"] for i in range(cfg.n_layers)]
     inputs = [
         TensorSpec("input_ids", "int64", [BATCH, SEQ]),
         TensorSpec("attention_mask", "int64", [BATCH, TOTAL]),
         TensorSpec("position_ids", "int64", [BATCH, SEQ]),
-    ] + [TensorSpec(n, kv, cache(PAST)) for n in input_names(cfg.n_layers)[3:]]
+    ] + [TensorSpec(n, kv, cache(i, False)) for i, names in enumerate(past) for n in names]
     outputs = [TensorSpec("logits", "float32", [BATCH, SEQ, cfg.vocab_size])] + [
-        TensorSpec(n, kv, cache(TOTAL)) for n in output_names(cfg.n_layers)[1:]
+        TensorSpec(n, kv, cache(i, True)) for i, names in enumerate(present) for n in names
     ]
-    past = [[f"past_key_values.{i}.key", f"past_key_values.{i}.value"] for i in range(cfg.n_layers)]
-    present = [[f"present.{i}.key", f"present.{i}.value"] for i in range(cfg.n_layers)]
-    return IOSpec(inputs, outputs, past, present, max_context=max_context)
+    return IOSpec(inputs, outputs, past, present, max_context=max_context, windows=windows)
 
 
 class FlatKVModel(torch.nn.Module):
@@ -77,25 +100,31 @@ class FlatKVModel(torch.nn.Module):
         return (logits, *[t for kv in present for t in kv])
 
 
-def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Seeded, non-trivial inputs in IO-contract order (random ids and cache, consecutive positions)."""
+def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, seed: int = 0,
+                   capped_past: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Seeded, non-trivial inputs in IO-contract order (random ids and cache, consecutive positions).
+
+    A windowed layer's cache holds min(past, W) positions (capped_past, when given, instead: for tracing).
+    """
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
+    lengths = [past if w is None else min(past, w) if capped_past is None else min(capped_past, w) for w in layer_windows(cfg)]
     cache = [
-        torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim, generator=gen).to(dtype)
-        for _ in range(2 * cfg.n_layers)
+        torch.randn(batch, cfg.n_kv_heads, n, cfg.head_dim, generator=gen).to(dtype)
+        for n in lengths for _ in range(2)
     ]
     return (ids, mask, positions, *cache)
 
 
-def _rename_dims(graph, n_layers: int) -> None:
+def _rename_dims(graph, windows: list[int | None]) -> None:
     """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names."""
     import onnx_ir as ir
 
     values = {v.name: v for v in list(graph.inputs) + list(graph.outputs)}
     symbol = {}
+    n_layers = len(windows)
 
     def sym(name, axis):
         dim = values[name].shape[axis]
@@ -104,12 +133,20 @@ def _rename_dims(graph, n_layers: int) -> None:
     symbol[sym("input_ids", 0)] = BATCH
     symbol[sym("input_ids", 1)] = SEQ
     symbol[sym("attention_mask", 1)] = TOTAL
-    # position_ids is unused by models without positions (NoPE): its symbols are free
+    # position_ids is unused by models without positions (NoPE, ALiBi): its symbols are free
     symbol.setdefault(sym("position_ids", 0), BATCH)
     symbol.setdefault(sym("position_ids", 1), SEQ)
-    for name in input_names(n_layers)[3:]:
-        symbol[sym(name, 2)] = PAST
+    for i, name in enumerate(input_names(n_layers)[3:]):
+        window = windows[i // 2]
+        symbol[sym(name, 2)] = PAST if window is None else window_dims(window)[0]
     symbol.pop(None, None)
+    # A capped present's length is an expression of the exporter's (Max(0, ... - Max(...))): named here.
+    for i, window in enumerate(windows):
+        for name in (f"present.{i}.key", f"present.{i}.value"):
+            if window is not None and values[name].shape is not None:
+                dims = list(values[name].shape)
+                dims[2] = window_dims(window)[1]
+                values[name].shape = ir.Shape(dims)
 
     def rename(text: str) -> str:
         named = re.sub(r"[A-Za-z_]\w*", lambda m: symbol.get(m.group(0), m.group(0)), text)
@@ -121,9 +158,8 @@ def _rename_dims(graph, n_layers: int) -> None:
             continue
         dims = [d if isinstance(d, int) else rename(str(d)) for d in v.shape]
         v.shape = ir.Shape(dims)
-    unknown = {
-        str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in (BATCH, SEQ, PAST, TOTAL)
-    }
+    known = {BATCH, SEQ, PAST, TOTAL} | {d for w in windows if w is not None for d in window_dims(w)}
+    unknown = {str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in known}
     if unknown:
         shapes = {v.name: [str(d) for d in v.shape] for v in values.values() if v.shape is not None}
         raise KvforgeError(f"export produced dimensions outside the IO contract: {sorted(unknown)} in {shapes}")
@@ -153,7 +189,9 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     cfg = model.config
     dtype = model.dtype
     flat = FlatKVModel(model).eval()
-    args = example_inputs(cfg, dtype, _EX_BATCH, _EX_SEQ, _EX_PAST)
+    windows = layer_windows(cfg)
+    batch, seq, past = _example_sizes(windows)
+    args = example_inputs(cfg, dtype, batch, seq, past, capped_past=4)
     dyn = torch.export.Dim.DYNAMIC
     n_past = 2 * cfg.n_layers
     dynamic_shapes = {
@@ -184,7 +222,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
         finally:
             quiet.setLevel(level)
     graph = program.model.graph
-    _rename_dims(graph, cfg.n_layers)
+    _rename_dims(graph, windows)
     _strip_debug_metadata(graph)
     program.model.producer_name = "kvforge"
     weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)

@@ -28,6 +28,15 @@ MANIFEST = "kvforge.json"
 FORMAT = "kvforge-bundle"
 FORMAT_VERSION = 1
 
+# The IO contract's symbolic dimensions (DESIGN.md). total = past + sequence.
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+
+
+def window_dims(window: int) -> tuple[str, str]:
+    """The dimensions of a capped cache of `window` positions: its past holds min(past, W) positions
+    (`past_sequence_length_wW`), its present min(total, W) (`total_sequence_length_wW`)."""
+    return f"{PAST}_w{window}", f"{TOTAL}_w{window}"
+
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -72,6 +81,8 @@ class IOSpec:
 
     `past[i]` / `present[i]` name the cache tensors of layer i (for per-head
     K/V: [key, value]). The runtime reads these names; it never guesses them.
+    `windows[i]` is layer i's sliding window W when its cache is capped (a
+    rolling buffer of the last W positions: see `window_dims`), else None.
     """
 
     inputs: list[TensorSpec]
@@ -81,15 +92,38 @@ class IOSpec:
     cache_layout: str = "batch,kv_heads,seq,head_dim"
     max_context: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    windows: list[int | None] | None = None
+
+    def __post_init__(self):
+        if self.windows is None:
+            self.windows = [None] * len(self.past)
+        if len(self.windows) != len(self.past) or any(
+                w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1) for w in self.windows):
+            raise KvforgeError(f"kv_cache windows {self.windows} must give one positive int or null per layer ({len(self.past)})")
 
     def to_dict(self) -> dict[str, Any]:
+        kv_cache = {"past": self.past, "present": self.present, "layout": self.cache_layout}
+        if any(w is not None for w in self.windows):
+            kv_cache["windows"] = self.windows
         return {
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
-            "kv_cache": {"past": self.past, "present": self.present, "layout": self.cache_layout},
+            "kv_cache": kv_cache,
             "max_context": self.max_context,
             **({"extra": self.extra} if self.extra else {}),
         }
+
+    def dim_values(self, batch: int, seq: int, past: int) -> dict[str, int]:
+        """Every symbolic dimension's value for a step of `seq` tokens over a past of `past`."""
+        values = {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
+        for w in {w for w in self.windows if w is not None}:
+            past_w, total_w = window_dims(w)
+            values[past_w], values[total_w] = min(past, w), min(past + seq, w)
+        return values
+
+    def cache_lengths(self, past: int) -> list[int]:
+        """How many positions each layer's cache holds after `past` tokens."""
+        return [past if w is None else min(past, w) for w in self.windows]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IOSpec:
@@ -102,6 +136,7 @@ class IOSpec:
                 cache_layout=d["kv_cache"].get("layout", "batch,kv_heads,seq,head_dim"),
                 max_context=d.get("max_context"),
                 extra=d.get("extra", {}),
+                windows=d["kv_cache"].get("windows"),
             )
         except (KeyError, TypeError) as e:
             raise KvforgeError(f"malformed IO spec in manifest: missing {e}") from e

@@ -41,14 +41,13 @@ def models(as_json):
     rows = []
     for name in sorted(PRESETS):
         cfg = ModelConfig.from_name(name)
-        window = f" window={cfg.sliding_window}" if cfg.sliding_window else ""
         rows.append({
             "name": name,
             "weights": "trained" if name == "tiny" else "random",
             "layers x dim": f"{cfg.n_layers} x {cfg.dim}",
             "heads q/kv": f"{cfg.n_heads}/{cfg.n_kv_heads}",
             "vocab": cfg.vocab_size,
-            "design": f"{cfg.position} {cfg.norm}-{cfg.norm_placement} {'gated-' if cfg.gated_ffn else ''}{cfg.activation}{window}",
+            "design": _design(cfg),
         })
     if as_json:
         click.echo(json.dumps({"presets": rows, "hf_families": list(SUPPORTED_FAMILIES)}))
@@ -64,6 +63,24 @@ def models(as_json):
     console = Console()
     console.print(table)
     console.print(f"Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+def _design(cfg) -> str:
+    """One line naming a config's design choices (the defaults of a Llama-style decoder are left out)."""
+    parts = [cfg.position + (f" x{cfg.rotary_fraction:g}" if cfg.position == "rope" and cfg.rotary_fraction < 1 else ""),
+             f"{cfg.norm}-{cfg.norm_placement}", f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}"]
+    if cfg.block != "sequential":
+        parts.append(f"block={cfg.block}")
+    if cfg.qk_norm:
+        parts.append(f"qk-norm={cfg.qk_norm}")
+    if cfg.sliding_window:
+        layers = "" if cfg.sliding_window_layers is None else f" on {cfg.sliding_window_layers}"
+        parts.append(f"window={cfg.sliding_window}{layers}")
+    if cfg.attn_softcap or cfg.final_softcap:
+        parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
+    if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:
+        parts.append("scaled")
+    return " ".join(parts)
 
 
 @main.command("eval")

@@ -81,7 +81,7 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
     source: a preset name (`tiny` has trained weights; other presets get
     seeded random weights), a kvforge checkpoint directory, or a Hugging Face
     checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) of a
-    supported family (gpt2, llama, mistral, qwen2).
+    supported family (kvforge.model_defs.SUPPORTED_FAMILIES).
     """
     dtype = resolve_dtype(dtype)
     kind = source_kind(source)
@@ -145,10 +145,11 @@ def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
 
 
 def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None]:
-    cfg = hf.config_from_hf(hf.read_hf_config(directory))
+    hf_config = hf.read_hf_config(directory)
+    cfg = hf.config_from_hf(hf_config)
     files = hf.safetensors_files(directory)
     model = build_model(cfg)
-    state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files))
+    state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files), hf_config)
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
     return model, _read_tokenizer(directory)
 

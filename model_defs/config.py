@@ -1,28 +1,41 @@
 """One config dataclass for every decoder kvforge builds, and named presets as data.
 
 The fields span the decoder design space of the notes the project grew from:
-the attention variant (MHA / GQA / MQA by the number of KV heads, optional
-sliding window), the position scheme (learned, sinusoidal, RoPE with partial
-rotary and Llama-3 frequency scaling), the norm (LayerNorm / RMSNorm, pre or
-post), the FFN (plain or gated, with ReLU / GELU / GELU-tanh / SiLU) and tied
-or untied embeddings. Derived fields are filled in `__post_init__` only when
-the user left them unset.
+the attention variant (MHA / GQA / MQA by the number of KV heads, q/k norms,
+sliding windows on all or some layers, each with a capped cache), the position
+scheme (learned, sinusoidal, ALiBi, RoPE with partial rotary and linear /
+Llama-3 / LongRoPE frequency scaling, a base of its own for windowed layers),
+the norm (LayerNorm / RMSNorm; pre, post, sandwich or output placement), the
+block (sequential, or attention and FFN in parallel off one or two norms), the
+FFN (plain or gated, with ReLU / GELU / GELU-tanh / SiLU), the constants some
+families scale by (embeddings, residual branches, attention scores, logits,
+soft-capping) and tied or untied embeddings. Derived fields are filled in
+`__post_init__` only when the user left them unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.errors import KvforgeError
 
-POSITIONS = ("rope", "learned", "sinusoidal", "none")
+POSITIONS = ("rope", "alibi", "learned", "sinusoidal", "none")
 NORMS = ("rmsnorm", "layernorm")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "output")
+BLOCKS = ("sequential", "parallel", "parallel_two_norms")
+QK_NORMS = ("head", "proj")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+    "yarn": ("factor", "original_max_seq_len"),  # beta_fast 32, beta_slow 1, truncate, attention_factor: optional
+    "longrope": ("short_factor", "long_factor", "original_max_seq_len", "attention_factor"),
+}
 
 
 @dataclass
@@ -41,21 +54,38 @@ class ModelConfig:
     out_bias: bool = False  # bias on the attention output projection (GPT-2)
     sliding_window: int | None = None  # a query sees at most this many keys, itself included
     sliding_window_layers: list[int] | None = None  # layers with the window; None -> all of them
+    qk_norm: str | None = None  # norm q and k before RoPE: "head" (each head: Qwen3, Gemma3, Cohere), "proj" (OLMo2)
+    attn_scale: float | None = None  # scores = q.k * attn_scale; None -> 1/sqrt(head_dim) (Gemma, Granite set it)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before masking (Gemma 2)
 
     # positions
     position: str = "rope"
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # partial rotary: rotate only the first fraction of head_dim
     # {"type": "linear", "factor": f} or {"type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_seq_len"}; None = plain RoPE
+    # "high_freq_factor", "original_max_seq_len"} or {"type": "yarn", "factor", "original_max_seq_len",
+    # ["beta_fast", "beta_slow", "attention_factor", "truncate"]} or {"type": "longrope", "short_factor": [...],
+    # "long_factor": [...], "original_max_seq_len", "attention_factor"}; None = plain RoPE
     rope_scaling: dict[str, Any] | None = None
+    # Windowed layers' RoPE base (Gemma 3's rope_local_base_freq): they then rotate with plain RoPE of
+    # this base and rope_scaling applies to full-attention layers only. None: one RoPE for all layers.
+    local_rope_theta: float | None = None
+    alibi_scale: float = 1.0  # position="alibi": multiplies BLOOM's slopes (Falcon: 1/sqrt(head_dim))
+    alibi_bf16: bool = False  # Falcon: slopes, key positions and biases rounded to bfloat16, as transformers computes them
 
     # norms
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only: learned shift
-    norm_placement: str = "pre"  # pre: x + f(norm(x)); post: norm(x + f(x))
+    # pre: x + f(norm(x)); post: norm(x + f(x)); sandwich: x + norm(f(norm(x))) (Gemma 2/3);
+    # output: x + norm(f(x)) (OLMo 2)
+    norm_placement: str = "pre"
     final_norm: bool = True  # a norm before lm_head (pre-norm models need it)
+    embed_norm: bool = False  # a norm right after the embeddings (BLOOM)
+
+    # sequential: attention, then FFN; parallel: x + attn(norm(x)) + ffn(norm(x)) (GPT-J, Falcon, Cohere);
+    # parallel_two_norms: x + attn(norm1(x)) + ffn(norm2(x)) (GPT-NeoX, Falcon-40B)
+    block: str = "sequential"
 
     # FFN: gated (SwiGLU / GeGLU / ReGLU) or plain two-layer MLP, with `activation`
     activation: str = "silu"
@@ -63,6 +93,15 @@ class ModelConfig:
     ffn_bias: bool = False
 
     tie_embeddings: bool = False  # lm_head shares the token embedding matrix
+    lm_head_bias: bool = False  # GPT-J
+
+    # constants (1.0 / None = absent): embeddings * embed_scale (Gemma sqrt(dim), Granite), each residual
+    # branch * residual_scale (Granite), logits * logit_scale (Cohere; Granite divides: 1/logits_scaling),
+    # then final_softcap * tanh(logits / final_softcap) (Gemma 2)
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    final_softcap: float | None = None
     dropout: float = 0.0  # residual/attention/embedding dropout; identity at inference
 
     bos_token_id: int | None = None
@@ -100,12 +139,29 @@ class ModelConfig:
             ("position", POSITIONS),
             ("norm", NORMS),
             ("norm_placement", NORM_PLACEMENTS),
+            ("block", BLOCKS),
             ("activation", ACTIVATIONS),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            problems.append(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            problems.append(f"qk_norm={self.qk_norm!r} is not one of {QK_NORMS} (or None)")
+        if self.block != "sequential" and self.norm_placement != "pre":
+            problems.append(f"block={self.block!r} normalizes before its sublayers; norm_placement must be 'pre', "
+                            f"got {self.norm_placement!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 2):
+            # A window of 1 sees only the token itself; its capped cache would be a one-position buffer.
+            problems.append(f"sliding_window must be an integer >= 2, got {self.sliding_window!r}")
+        for name in ("embed_scale", "residual_scale", "logit_scale", "alibi_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value == 0:
+                problems.append(f"{name} must be a finite non-zero number, got {value!r}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+                problems.append(f"{name} must be a positive number or None, got {value!r}")
+        if self.local_rope_theta is not None and (self.position != "rope" or self.sliding_window is None):
+            problems.append("local_rope_theta is the RoPE base of windowed layers: it needs position='rope' and a sliding_window")
         if self.sliding_window_layers is not None and any(
             not 0 <= i < self.n_layers for i in self.sliding_window_layers
         ):
@@ -120,10 +176,14 @@ class ModelConfig:
                 kind = self.rope_scaling.get("type")
                 if kind not in ROPE_SCALINGS:
                     problems.append(f"rope_scaling type {kind!r} is not one of {ROPE_SCALINGS}")
-                need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
-                missing = [k for k in need.get(kind, ()) if k not in self.rope_scaling]
+                missing = [k for k in _ROPE_SCALING_KEYS.get(kind, ()) if k not in self.rope_scaling]
                 if missing:
                     problems.append(f"rope_scaling {kind!r} lacks {missing}")
+                elif kind == "longrope" and not problems:
+                    for key in ("short_factor", "long_factor"):
+                        if len(self.rope_scaling[key]) != self.rotary_dim // 2:
+                            problems.append(f"rope_scaling longrope {key} has {len(self.rope_scaling[key])} factors; "
+                                            f"the rotary dimension {self.rotary_dim} needs {self.rotary_dim // 2}")
         if self.position == "sinusoidal" and self.dim % 2:
             problems.append(f"sinusoidal positions need an even dim, got {self.dim}")
         if not 0.0 <= self.dropout < 1.0:
@@ -242,5 +302,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=259, dim=48, n_layers=3, n_heads=3, ffn_dim=96, max_seq_len=256,
         position="none", norm="layernorm", norm_bias=False, activation="relu", gated_ffn=True,
         ffn_bias=True, tie_embeddings=True,
+    ),
+    # BLOOM-style: ALiBi with 6 heads (not a power of two), a LayerNorm on the embeddings, GELU-tanh MLP.
+    "alibi-micro": dict(
+        vocab_size=259, dim=48, n_layers=2, n_heads=6, ffn_dim=192, max_seq_len=256, position="alibi",
+        norm="layernorm", embed_norm=True, activation="gelu_tanh", gated_ffn=False, qkv_bias=True, out_bias=True,
+        ffn_bias=True, tie_embeddings=True, family="bloom",
+    ),
+    # GPT-NeoX-style parallel block off two LayerNorms, a quarter of each head rotated.
+    "neox-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=256, max_seq_len=256, block="parallel_two_norms",
+        rotary_fraction=0.25, norm="layernorm", activation="gelu", gated_ffn=False, qkv_bias=True, out_bias=True,
+        ffn_bias=True, family="gpt_neox",
+    ),
+    # GPT-J / Cohere-style parallel block off one bias-free LayerNorm, per-head q/k LayerNorm, a biased
+    # head and a logit multiplier.
+    "parallel-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256, block="parallel",
+        norm="layernorm", norm_bias=False, qk_norm="head", lm_head_bias=True, logit_scale=0.5, family="cohere",
+    ),
+    # OLMo 2-style: norms on the attention and FFN outputs only, q/k norms over whole projections.
+    "olmo-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
+        norm_placement="output", qk_norm="proj", rope_theta=500000.0, family="olmo2",
+    ),
+    # Granite-style constants: embeddings, residual branches, attention scores and logits scaled.
+    "granite-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
+        embed_scale=12.0, residual_scale=0.22, attn_scale=0.0625, logit_scale=0.125, tie_embeddings=True,
+        family="granite",
+    ),
+    # Gemma 2/3-style: sandwich norms, per-head q/k norms, attention and final soft-capping,
+    # query_pre_attn_scalar, embeddings * sqrt(dim), local (windowed, capped cache, own RoPE base) and
+    # global layers alternating.
+    "gemma-micro": dict(
+        vocab_size=259, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=256,
+        norm_placement="sandwich", qk_norm="head", attn_scale=20 ** -0.5, attn_softcap=5.0, final_softcap=3.0,
+        embed_scale=8.0, activation="gelu_tanh", sliding_window=8, sliding_window_layers=[0, 2],
+        local_rope_theta=10000.0, rope_theta=1000000.0, rope_scaling=dict(type="linear", factor=4.0),
+        tie_embeddings=True, family="gemma3_text",
     ),
 }

@@ -54,7 +54,8 @@ def greedy_continuation(model: Transformer, ids: Sequence[int], max_new_tokens: 
         out.append(token)
         if token in stop or len(ids) + len(out) >= model.config.max_seq_len:
             break
-        logits, past = model(torch.tensor([[token]]), past_key_values=past)
+        mask = torch.ones(1, len(ids) + len(out), dtype=torch.int64)  # tells the past length: capped caches do not
+        logits, past = model(torch.tensor([[token]]), attention_mask=mask, past_key_values=past)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Transformer components: norms, position schemes, attention, FFNs.
+"""Transformer components: norms, attention, FFNs (position schemes: positions.py).
 
 Each component is a small module with one job; `model.py` composes them.
 All maths is export-friendly: real cos/sin for RoPE (no complex tensors), the
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .positions import apply_rope
 
 # The most negative float32: masked scores get it instead of -inf, so that a
 # row with no visible key (a left-pad query) softmaxes to a finite uniform row
@@ -25,26 +26,37 @@ MASK_VALUE = torch.finfo(torch.float32).min
 
 # --- norms --------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 whatever the model dtype."""
+    """x / rms(x) * weight, computed in float32 whatever the model dtype.
 
-    def __init__(self, dim: int, eps: float):
+    groups > 1 normalizes each of `groups` equal slices of the features on its
+    own (a q/k norm over each head: Qwen 3, Gemma 3, Cohere); the weight still
+    covers all features, one row per head.
+    """
+
+    def __init__(self, dim: int, eps: float, groups: int = 1):
         super().__init__()
         self.eps = eps
+        self.groups = groups
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
+        if self.groups > 1:
+            x = x.unflatten(-1, (self.groups, -1))  # (..., heads, D)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.groups > 1:
+            x = x.flatten(-2)
         return self.weight * x.to(dtype)
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm whose statistics are computed in float32 whatever the model dtype."""
+    """LayerNorm whose statistics are computed in float32 whatever the model dtype (groups: as RMSNorm)."""
 
-    def __init__(self, dim: int, eps: float, bias: bool = True):
+    def __init__(self, dim: int, eps: float, bias: bool = True, groups: int = 1):
         super().__init__()
         self.eps = eps
+        self.groups = groups
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
@@ -52,94 +64,29 @@ class LayerNorm(nn.Module):
         dtype = x.dtype
         w = self.weight.float()
         b = self.bias.float() if self.bias is not None else None
-        return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(dtype)
+        if self.groups == 1:
+            return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(dtype)
+        x = x.float().unflatten(-1, (self.groups, -1))
+        x = F.layer_norm(x, (x.shape[-1],), None, None, self.eps).flatten(-2) * w
+        return (x if b is None else x + b).to(dtype)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+def build_norm(cfg: ModelConfig, dim: int | None = None, groups: int = 1) -> nn.Module:
+    """The config's norm over `dim` features (default: the model width)."""
+    dim = cfg.dim if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
-    return LayerNorm(cfg.dim, cfg.norm_eps, bias=cfg.norm_bias)
+        return RMSNorm(dim, cfg.norm_eps, groups)
+    return LayerNorm(dim, cfg.norm_eps, bias=cfg.norm_bias, groups=groups)
 
 
-# --- positions ----------------------------------------------------------------
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/rot) for i < rot/2, with the configured scaling."""
-    rot = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["type"] == "linear":  # position interpolation: positions / factor
-        return inv_freq / scaling["factor"]
-    # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`,
-    # and interpolate smoothly in between (wavelengths measured against the
-    # original training context).
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_ctx = scaling["original_max_seq_len"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE with real cos/sin computed from position ids (no table to outgrow)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.rotary_dim = cfg.rotary_dim
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: (B, T) -> cos, sin: (B, T, rotary_dim), float32
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim features of x: (B, heads, T, D) by cos/sin: (B, T, rot).
-
-    The half-split layout (rotate_half) is the one Hugging Face Llama-family
-    checkpoints are stored for, so their q/k weights need no permutation.
-    """
-    rot = cos.shape[-1]
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
-class LearnedPositions(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.dim))
-
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(position_ids, self.weight)  # (B, T, C)
-
-
-class SinusoidalPositions(nn.Module):
-    """sin/cos of position * 10000^(-2i/C), interleaved as in the original Transformer."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        inv = torch.exp(torch.arange(0, cfg.dim, 2, dtype=torch.float32) * (-math.log(10000.0) / cfg.dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        angles = position_ids[..., None].float() * self.inv_freq  # (B, T, C/2)
-        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, C)
+def build_qk_norms(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
+    """q and k norms: over each head ("head": Qwen 3, Gemma 3, Cohere) or the whole projection ("proj": OLMo 2)."""
+    if cfg.qk_norm is None:
+        return nn.Identity(), nn.Identity()
+    per_head = cfg.qk_norm == "head"
+    q = build_norm(cfg, cfg.n_heads * cfg.head_dim, groups=cfg.n_heads if per_head else 1)
+    k = build_norm(cfg, cfg.n_kv_heads * cfg.head_dim, groups=cfg.n_kv_heads if per_head else 1)
+    return q, k
 
 
 # --- attention ----------------------------------------------------------------
@@ -166,20 +113,34 @@ def attention_mask_bool(
 class Attention(nn.Module):
     """Causal self-attention for MHA, GQA and MQA: only n_kv_heads changes.
 
-    Scores are scaled by 1/sqrt(head_dim) and softmaxed in float32 (the kernel
-    subtracts the row max before exponentiating, so large scores cannot
-    overflow). K/V heads are shared by groups of query heads through a
-    broadcasting matmul, never repeated in memory.
+    Scores are q.k * scale (1/sqrt(head_dim) unless the config sets
+    `attn_scale`), optionally soft-capped (cap * tanh(s / cap), Gemma 2),
+    plus an optional position bias (ALiBi), then masked and softmaxed in
+    float32 (the kernel subtracts the row max before exponentiating, so large
+    scores cannot overflow). K/V heads are shared by groups of query heads
+    through a broadcasting matmul, never repeated in memory. q_norm / k_norm
+    (identity unless the config has q/k norms) act on the projections before
+    RoPE.
+
+    window: this layer's sliding window W, or None. A windowed layer keeps a
+    capped cache, a rolling buffer of its last W positions: `present` holds
+    min(W, past + T) positions, and its keys line up with the last columns of
+    the mask (which covers the whole context).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.softcap = cfg.attn_softcap
+        self.window = window
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
+        self.q_norm = q_norm if q_norm is not None else nn.Identity()
+        self.k_norm = k_norm if k_norm is not None else nn.Identity()
         self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -187,24 +148,37 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (B, T, C)
         mask: torch.Tensor,  # (B, 1, T, S) bool
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None,  # (B, KV, P, D) each
+        past: tuple[torch.Tensor, torch.Tensor] | None,  # (B, KV, P, D) each; P <= window when windowed
+        bias: torch.Tensor | None = None,  # (B, H, T or 1, S) float32 position bias (ALiBi)
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, KV, D).transpose(1, 2)  # (B, KV, T, D)
+        q = self.q_norm(self.q_proj(x)).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.k_proj(x)).view(B, T, KV, D).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, KV, D).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if past is not None:
-            k = torch.cat((past[0], k), dim=2)  # (B, KV, S, D)
+            k = torch.cat((past[0], k), dim=2)  # (B, KV, L, D), L = P + T
             v = torch.cat((past[1], v), dim=2)
-        present = (k, v)
+        if self.window is None:
+            present = (k, v)
+        else:
+            # The rolling buffer: a capped past holds only the newest positions, so the keys are the
+            # mask's last L columns; the next step needs at most the last W of them.
+            start = mask.shape[-1] - k.shape[2]  # S - L
+            mask = mask[..., start:]
+            bias = bias[..., start:] if bias is not None else None
+            present = (k[:, :, -self.window:], v[:, :, -self.window:])
 
         # Query heads grouped by the KV head they share; q is scaled before the
         # matmul so that FP16 scores stay in range.
         qg = (q * self.scale).reshape(B, KV, H // KV, T, D)
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float()  # (B, KV, G, T, S)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float()  # (B, KV, G, T, L)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if bias is not None:
+            scores = scores + bias.unflatten(1, (KV, H // KV))
         scores = scores.masked_fill(~mask.unsqueeze(1), MASK_VALUE)
         probs = self.attn_dropout(torch.softmax(scores, dim=-1)).to(v.dtype)
         out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, D)

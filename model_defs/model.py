@@ -7,9 +7,19 @@ with the tensors of DESIGN.md's KV-cache IO contract:
     input_ids        int64  (B, T)
     attention_mask   int64  (B, P + T)   1 = real token, 0 = padding (left)
     position_ids     int64  (B, T)       default: count of real tokens before each one
-    past_key_values  n_layers x (key, value), each (B, KV, P, D) in the model dtype
+    past_key_values  n_layers x (key, value), each (B, KV, P_i, D) in the model dtype
     logits           float32 (B, T, vocab)
-    present          n_layers x (key, value), each (B, KV, P + T, D)
+    present          n_layers x (key, value), each (B, KV, P_i + T, D)
+
+P_i is the past length P for full-attention layers; a layer with a sliding
+window W keeps a capped cache of the last min(P, W) positions, and its present
+holds min(P + T, W) (a rolling buffer: see layers.Attention).
+
+The blocks: `Block` (a residual branch for attention, then one for the FFN,
+each normalized before (pre-norm), before and after (sandwich: Gemma 2/3) or
+after (OLMo 2) the sublayer), `PostNormBlock` (the original Transformer:
+norm(x + f(x))) and `ParallelBlock` (attention and FFN read the same input and
+add to one residual: GPT-J, GPT-NeoX, Falcon, Cohere).
 """
 
 from __future__ import annotations
@@ -17,57 +27,103 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.errors import KvforgeError
+
 from .config import ModelConfig
-from .layers import (
-    Attention,
-    LearnedPositions,
-    RotaryEmbedding,
-    SinusoidalPositions,
-    attention_mask_bool,
-    build_ffn,
-    build_norm,
-)
+from .layers import Attention, attention_mask_bool, build_ffn, build_norm, build_qk_norms
+from .positions import LearnedPositions, SinusoidalPositions, build_alibi, build_rope
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
+def _norm_or_identity(cfg: ModelConfig, present: bool) -> nn.Module:
+    return build_norm(cfg) if present else nn.Identity()
+
+
 class Block(nn.Module):
-    """One decoder layer: attention and FFN, each with a residual and a norm."""
+    """x + s * out_norm(attn(in_norm(x))), then the same for the FFN; s = residual_scale (Granite).
+
+    pre-norm: in norms only; sandwich (Gemma 2/3): in and out norms; output
+    (OLMo 2): out norms only. An absent norm is the identity.
+    """
 
     def __init__(self, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module):
         super().__init__()
-        self.pre_norm = cfg.norm_placement == "pre"
+        norm_in = cfg.norm_placement in ("pre", "sandwich")
+        norm_out = cfg.norm_placement in ("sandwich", "output")
+        self.attn_norm = _norm_or_identity(cfg, norm_in)
+        self.attn = attn
+        self.attn_out_norm = _norm_or_identity(cfg, norm_out)
+        self.ffn_norm = _norm_or_identity(cfg, norm_in)
+        self.ffn = ffn
+        self.ffn_out_norm = _norm_or_identity(cfg, norm_out)
+        self.residual_scale = cfg.residual_scale
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def _residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = self.resid_dropout(h)
+        return x + (h * self.residual_scale if self.residual_scale != 1.0 else h)
+
+    def forward(self, x, mask, rope, past, bias=None):
+        h, present = self.attn(self.attn_norm(x), mask, rope, past, bias)
+        x = self._residual(x, self.attn_out_norm(h))
+        return self._residual(x, self.ffn_out_norm(self.ffn(self.ffn_norm(x)))), present
+
+
+class PostNormBlock(nn.Module):
+    """The original Transformer's layer: norm(x + attn(x)), then norm(x + ffn(x))."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module):
+        super().__init__()
         self.attn_norm = build_norm(cfg)
         self.attn = attn
         self.ffn_norm = build_norm(cfg)
         self.ffn = ffn
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, mask, rope, past):
-        if self.pre_norm:  # x + f(norm(x))
-            h, present = self.attn(self.attn_norm(x), mask, rope, past)
-            x = x + self.resid_dropout(h)
-            return x + self.resid_dropout(self.ffn(self.ffn_norm(x))), present
-        # post-norm: norm(x + f(x))
-        h, present = self.attn(x, mask, rope, past)
+    def forward(self, x, mask, rope, past, bias=None):
+        h, present = self.attn(x, mask, rope, past, bias)
         x = self.attn_norm(x + self.resid_dropout(h))
         return self.ffn_norm(x + self.resid_dropout(self.ffn(x))), present
 
 
+class ParallelBlock(nn.Module):
+    """x + attn(norm(x)) + ffn(norm'(x)): one shared norm (GPT-J, Falcon-7B, Cohere: norm' = norm) or
+    two (GPT-NeoX, Falcon-40B: `ffn_norm`)."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module):
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = attn
+        self.ffn_norm = build_norm(cfg) if cfg.block == "parallel_two_norms" else None
+        self.ffn = ffn
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, mask, rope, past, bias=None):
+        h = self.attn_norm(x)
+        a, present = self.attn(h, mask, rope, past, bias)
+        f = self.ffn(self.ffn_norm(x) if self.ffn_norm is not None else h)
+        return x + self.resid_dropout(a + f), present
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, blocks: list[Block], positions: nn.Module | None, rope: nn.Module | None):
+    def __init__(self, cfg: ModelConfig, blocks: list[nn.Module], positions: nn.Module | None,
+                 rope: nn.Module | None, local_rope: nn.Module | None, alibi: nn.Module | None):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.positions = positions  # added to the embeddings (learned, sinusoidal)
+        self.embed_norm = build_norm(cfg) if cfg.embed_norm else None  # BLOOM: a norm on the embeddings
         self.rope = rope  # rotates q and k inside attention
+        self.local_rope = local_rope  # the windowed layers' own RoPE (Gemma 3), else None
+        self.alibi = alibi  # biases the attention scores
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(blocks)
         self.norm = build_norm(cfg) if cfg.final_norm else None
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.lm_head_bias)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        # The distinct windows in use (None = full causal): one mask is built per window.
+        # Per layer: its sliding window (None = full causal); one mask is built per distinct window.
         self._windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
 
     @property
@@ -81,31 +137,66 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
+        cfg = self.config
         B, T = input_ids.shape
-        past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
         if attention_mask is None:
+            past = self.past_length(past_key_values, position_ids)
             attention_mask = torch.ones(B, past + T, dtype=torch.int64, device=input_ids.device)
+        else:
+            past = attention_mask.shape[-1] - T
         if position_ids is None:
             # Each real token's position is the number of real tokens before it,
             # so a left-padded row gets the positions it would have alone.
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -T:]
 
         x = self.embed(input_ids)  # (B, T, C)
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         if self.positions is not None:
             x = x + self.positions(position_ids).to(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         x = self.embed_dropout(x)
         rope = self.rope(position_ids) if self.rope is not None else None
+        local_rope = self.local_rope(position_ids) if self.local_rope is not None else rope
+        bias = self.alibi(attention_mask, T) if self.alibi is not None else None
         masks = {w: attention_mask_bool(attention_mask, past, T, w) for w in dict.fromkeys(self._windows)}
 
         presents = []
         for i, layer in enumerate(self.layers):
+            window = self._windows[i]
             layer_past = None if past_key_values is None else past_key_values[i]
-            x, present = layer(x, masks[self._windows[i]], rope, layer_past)
+            x, present = layer(x, masks[window], rope if window is None else local_rope, layer_past, bias)
             presents.append(present)
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x).float()  # (B, T, vocab)
+        if cfg.logit_scale != 1.0:
+            logits = logits * cfg.logit_scale
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits, tuple(presents)
+
+    def past_length(self, past_key_values: KVCache | None, position_ids: torch.Tensor | None = None) -> int:
+        """The past length a cache covers (no attention mask given, so no padding either).
+
+        A full-attention layer's cache holds the whole past. When every layer is
+        windowed and the caches are full, the length is no longer in the cache:
+        it is read from position_ids, or the caller passes attention_mask (the
+        runtime and the exported graph always do).
+        """
+        if past_key_values is None:
+            return 0
+        lengths = [kv[0].shape[2] for kv in past_key_values]
+        full = [n for n, w in zip(lengths, self._windows) if w is None]
+        if full:
+            return full[0]
+        if all(n < w for n, w in zip(lengths, self._windows)):  # no cache has reached its cap yet
+            return lengths[0]
+        if position_ids is not None:
+            return int(position_ids.max()) + 1 - position_ids.shape[1]
+        raise KvforgeError("every layer of this model keeps a capped (sliding-window) cache, which no longer tells "
+                           "how long the past is: pass attention_mask (batch, past + new tokens) or position_ids")
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
@@ -121,12 +212,24 @@ class Transformer(nn.Module):
         )
 
 
+def build_block(cfg: ModelConfig, layer: int) -> nn.Module:
+    """One decoder layer: attention (with this layer's window and q/k norms) and the FFN, in the config's block."""
+    attn = Attention(cfg, cfg.layer_window(layer), *build_qk_norms(cfg))
+    if cfg.block != "sequential":
+        return ParallelBlock(cfg, attn, build_ffn(cfg))
+    if cfg.norm_placement == "post":
+        return PostNormBlock(cfg, attn, build_ffn(cfg))
+    return Block(cfg, attn, build_ffn(cfg))
+
+
 def build_model(cfg: ModelConfig) -> Transformer:
     """Assemble a Transformer from its config; weights are left as constructed."""
-    blocks = [Block(cfg, Attention(cfg), build_ffn(cfg)) for _ in range(cfg.n_layers)]
+    blocks = [build_block(cfg, i) for i in range(cfg.n_layers)]
     positions = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(cfg.position)
-    rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
-    return Transformer(cfg, blocks, positions(cfg) if positions else None, rope)
+    rope = build_rope(cfg) if cfg.position == "rope" else None
+    local_rope = build_rope(cfg, local=True) if rope is not None and cfg.local_rope_theta is not None else None
+    alibi = build_alibi(cfg) if cfg.position == "alibi" else None
+    return Transformer(cfg, blocks, positions(cfg) if positions else None, rope, local_rope, alibi)
 
 
 @torch.no_grad()

@@ -71,8 +71,15 @@ class Backend:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
 
     def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
-        """The cache without its first n positions (columns that are padding for every row still generating)."""
-        return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, n), cache.owner)
+        """The cache without its first n positions (columns that are padding for every row still generating).
+
+        A capped (windowed) layer holds only the newest min(length, W) positions: it loses only as many
+        as fall out of that (often none).
+        """
+        held = self.io.cache_lengths(cache.length)
+        kept = self.io.cache_lengths(cache.length - n)
+        drops = [h - k for h, k in zip(held, kept) for _ in range(len(cache.values) // len(held))]
+        return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, drops), cache.owner)
 
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache as numpy arrays (for inspection and tests; copies)."""
@@ -91,7 +98,8 @@ class Backend:
     def empty_cache_impl(self, batch: int) -> list[Any]:
         raise NotImplementedError
 
-    def drop_oldest_impl(self, values: list[Any], n: int) -> list[Any]:
+    def drop_oldest_impl(self, values: list[Any], drops: list[int]) -> list[Any]:
+        """Each cache tensor without its first drops[j] positions."""
         raise NotImplementedError  # a backend without it ends a batch at the batch's width (generate.py)
 
     def to_numpy(self, value) -> np.ndarray:

@@ -172,9 +172,10 @@ class OnnxRuntimeBackend(Backend):
         present = [outputs[n] for n in self.present_names]
         return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
 
-    def drop_oldest_impl(self, values, n: int):
+    def drop_oldest_impl(self, values, drops):
         ort = _ort()
-        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, n:]), self.device_name, 0) for v in values]
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, n:]), self.device_name, 0) if n else v
+                for v, n in zip(values, drops)]
 
     def to_numpy(self, value) -> np.ndarray:
         return value.numpy()

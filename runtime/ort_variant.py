@@ -27,7 +27,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-VARIANT_VERSION = 4
+VARIANT_VERSION = 5
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -75,15 +75,22 @@ def fuse_sibling_matmuls(model) -> int:
     return len(replace)
 
 
+_PER_POSITION = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
+
+
 def add_logits_to_keep(model) -> None:
     """Slice the last `num_logits_to_keep` positions before the MatMul that produces `logits` (through any Cast)."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
     producer = {o: n for n in g.node for o in n.output}
+    constants = {i.name for i in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
     head = producer.get("logits")
-    while head is not None and head.op_type == "Cast":  # half-precision graphs cast the logits to float32
-        head = producer.get(head.input[0])
+    # Between the vocabulary projection and `logits` only per-position element-wise ops may sit: the Cast of
+    # half-precision graphs, a head bias, logit scaling and soft-capping (each reading one non-constant input).
+    while head is not None and head.op_type in _PER_POSITION:
+        live = [i for i in head.input if i and i not in constants]
+        head = producer.get(live[0]) if len(live) == 1 else None
     if head is None or head.op_type != "MatMul":
         raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
     g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))

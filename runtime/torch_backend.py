@@ -61,8 +61,8 @@ class TorchBackend(Backend):
             logits = logits[:, -1:]
         return logits.float().cpu().numpy(), KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], values)
 
-    def drop_oldest_impl(self, values, n: int):
-        return [v[:, :, n:].contiguous() for v in values]
+    def drop_oldest_impl(self, values, drops):
+        return [v[:, :, n:].contiguous() if n else v for v, n in zip(values, drops)]
 
     def to_numpy(self, value) -> np.ndarray:
         return value.float().cpu().numpy()

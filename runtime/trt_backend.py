@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvforge.bundle import Bundle
+from kvforge.bundle import BATCH, Bundle
 from kvforge.errors import KvforgeError, MissingDependencyError
 
 from .backend import Backend, KVCache
@@ -46,7 +46,6 @@ INSTALL = "Install it with `bash scripts/install.sh --gpu` (the `gpu` extra: ten
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 PREFILL, DECODE = "prefill", "decode"
 # The IO contract's symbolic dimensions (docs/bundle.md); export/onnx_export.py writes them.
-BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 _ALIGN = 256  # TensorRT wants 256-byte aligned tensor addresses; cudaMalloc gives that
 CACHE_GRANULE = 128  # cache buffers are sized in steps of this many tokens (then doubled as needed)
 
@@ -249,7 +248,7 @@ def concrete_shape(shape: list, values: dict[str, int], name: str = "?") -> tupl
 
 
 def step_shapes(io, batch: int, seq: int, past: int) -> dict[str, tuple[int, ...]]:
-    values = {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
+    values = io.dim_values(batch, seq, past)
     return {t.name: concrete_shape(t.shape, values, t.name) for t in io.inputs}
 
 
@@ -480,7 +479,7 @@ class TensorRTBackend(Backend):
 
     # steps
     def empty_cache_impl(self, batch: int):
-        values = {BATCH: batch, PAST: 0}
+        values = self.io.dim_values(batch, 0, 0)
         return [DeviceTensor(0, concrete_shape(self.io.input(n).shape, values, n), self.dtypes[n]) for n in self.past_names]
 
     def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
@@ -550,7 +549,7 @@ class TensorRTBackend(Backend):
     def _reserve(self, batch: int, seq: int, total: int) -> list[int]:
         """Bytes to hold each present tensor with room to grow: its size at `total` rounded up to CACHE_GRANULE tokens."""
         room = min(max(self.max_context, total), -(-total // CACHE_GRANULE) * CACHE_GRANULE)
-        values = {BATCH: batch, SEQ: seq, PAST: room - seq, TOTAL: room}
+        values = self.io.dim_values(batch, seq, room - seq)  # a capped cache needs no more than its window
         return [self._nbytes(t.name, concrete_shape(t.shape, values, t.name)) for t in self.present_specs]
 
     def _nbytes(self, name: str, shape) -> int:

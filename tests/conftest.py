@@ -12,9 +12,12 @@ def pytest_configure(config):
 
     os.environ.setdefault("KVFORGE_CACHE", tempfile.mkdtemp(prefix="kvforge-test-cache-"))
 
-# One small config per supported family; each exercises the family's quirks
-# (GPT-2 fused Conv1D qkv, Llama-3 rope scaling + GQA, Mistral sliding window,
-# Qwen2 q/k/v biases + per-layer window + MQA).
+# One small, off-default config per supported family; each exercises the family's quirks
+# (GPT-2 fused Conv1D qkv, Llama-3 rope scaling + GQA, Mistral sliding window, Qwen2 q/k/v biases +
+# per-layer window + MQA, and for the others what the comment beside each says). More variants per
+# family: HF_VARIANTS. Special token ids are set inside the 300-token vocabulary.
+_LLAMA_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=300,
+                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 HF_CONFIGS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=300, activation_function="gelu_new",
              bos_token_id=299, eos_token_id=299),
@@ -33,34 +36,97 @@ HF_CONFIGS = {
         vocab_size=300, max_position_embeddings=256, use_sliding_window=True, sliding_window=5, max_window_layers=1,
         tie_word_embeddings=True,
     ),
+    # per-head q/k RMSNorm, head_dim 24 != 64/4, windows from layer 1 up, q/k/v/o biases
+    "qwen3": dict(**_LLAMA_SHAPE, num_key_value_heads=2, head_dim=24, use_sliding_window=True, sliding_window=5,
+                  max_window_layers=1, attention_bias=True),
+    # norms after attention and MLP only, q/k norms over whole projections, biases
+    "olmo2": dict(**_LLAMA_SHAPE, num_key_value_heads=2, attention_bias=True, rope_theta=500000.0),
+    # embedding, residual, attention and logit multipliers; MLP biases; tied
+    "granite": dict(**_LLAMA_SHAPE, num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                    attention_multiplier=0.0625, logits_scaling=8.0, mlp_bias=True, attention_bias=True,
+                    tie_word_embeddings=True),
+    # parallel block, bias-free LayerNorm, per-head q/k LayerNorm, interleaved RoPE, logit scale, untied
+    "cohere": dict(**_LLAMA_SHAPE, num_key_value_heads=2, use_qk_norm=True, logit_scale=0.25, attention_bias=True,
+                   tie_word_embeddings=False),
+    # fused qkv and gate_up, partial rotary, a window on every layer
+    "phi3": dict(**_LLAMA_SHAPE, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=6),
+    # (1 + w) RMSNorm, embeddings * sqrt(hidden), tanh GELU, head_dim 24
+    "gemma": dict(**_LLAMA_SHAPE, num_key_value_heads=2, head_dim=24, hidden_act="gelu"),
+    # sandwich norms, attention and final soft-capping, query_pre_attn_scalar, alternating windows
+    "gemma2": dict(**_LLAMA_SHAPE, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=20,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    # + q/k norms, a RoPE base for windowed layers, linear scaling on global layers only
+    "gemma3_text": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                        sliding_window_pattern=2, query_pre_attn_scalar=12, rope_theta=50000.0,
+                        rope_local_base_freq=777.0, rope_scaling=dict(rope_type="linear", factor=4.0),
+                        final_logit_softcapping=7.0),
+    # parallel block with two LayerNorms, fused per-head qkv, half of each head rotated (rotary_pct)
+    "gpt_neox": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=300,
+                     max_position_embeddings=256, rotary_pct=0.5, rotary_emb_base=5000.0, hidden_act="gelu_new",
+                     bos_token_id=1, eos_token_id=2),
+    # parallel block off one LayerNorm, interleaved partial RoPE, lm_head bias
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=300, n_positions=256, n_inner=96,
+                 bos_token_id=1, eos_token_id=2),
+    # Falcon-40B layout: grouped qkv (2 KV heads), two LayerNorms in parallel, biases
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=300, new_decoder_architecture=True,
+                   num_kv_heads=2, bias=True, ffn_hidden_size=96, bos_token_id=1, eos_token_id=2),
+    # ALiBi with 6 heads (not a power of two), embedding LayerNorm
+    "bloom": dict(hidden_size=72, n_layer=2, n_head=6, vocab_size=300, bos_token_id=1, eos_token_id=2),
 }
 HF_FAMILIES = tuple(HF_CONFIGS)
+# Further valid configs per family (overrides of HF_CONFIGS), checked against transformers on the Torch reference.
+HF_VARIANTS = [
+    ("gpt_neox", dict(use_parallel_residual=False, tie_word_embeddings=True, attention_bias=False)),
+    ("falcon", dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False)),  # Falcon-7B
+    ("falcon", dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, num_kv_heads=4)),  # sequential, MHA
+    ("falcon", dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True, hidden_size=96,
+                    num_attention_heads=6, num_kv_heads=6, tie_word_embeddings=False)),  # ALiBi, bfloat16-rounded as transformers
+    ("falcon", dict(num_kv_heads=1, num_ln_in_parallel_attn=1)),  # new architecture, one LayerNorm
+    ("bloom", dict(hidden_size=64, n_head=4, tie_word_embeddings=False)),
+    ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16, partial_rotary_factor=1.0,
+                  sliding_window=None, rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                                         long_factor=[1.5 + 0.2 * i for i in range(8)]))),
+    ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None)),
+    ("qwen3", dict(num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
+                   rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+    ("cohere", dict(use_qk_norm=False, num_key_value_heads=4, rope_theta=10000.0, attention_bias=False)),
+]
+_HF_CLASSES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM"),
+    "falcon": ("FalconConfig", "FalconForCausalLM"),
+    "bloom": ("BloomConfig", "BloomForCausalLM"),
+}
+# transformers' eager Falcon adds ALiBi twice (an upstream bug); its default SDPA path is the model's function.
+_ATTENTION = {"falcon": "sdpa"}
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
     """A transformers model of `family` with seeded random weights, every one perturbed.
 
-    transformers initializes biases to 0 and norm weights to 1; perturbing all
+    transformers initializes biases to 0 and norm weights to 1 (Gemma's to 0); perturbing all
     of them makes a mapping mistake (a dropped bias, swapped norms) visible.
     """
     import torch
     import transformers
 
-    config_cls = {
-        "gpt2": transformers.GPT2Config,
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-    }[family]
-    model_cls = {
-        "gpt2": transformers.GPT2LMHeadModel,
-        "llama": transformers.LlamaForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-    }[family]
-    config = config_cls(**{**HF_CONFIGS[family], **overrides}, attn_implementation="eager")
+    config_name, model_name = _HF_CLASSES[family]
+    config = getattr(transformers, config_name)(**{**HF_CONFIGS[family], **overrides},
+                                                attn_implementation=_ATTENTION.get(family, "eager"))
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = getattr(transformers, model_name)(config)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -78,6 +144,36 @@ def hf_checkpoint(tmp_path_factory):
             directory = tmp_path_factory.mktemp(f"hf-{family}")
             make_hf_model(family).save_pretrained(directory, safe_serialization=True)
             cache[family] = directory
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def micro_bundle(tmp_path_factory):
+    """Factory: preset name -> its validated FP32 export (one export per preset per run; tests only read it)."""
+    from kvforge.export import export
+
+    cache = {}
+
+    def make(name: str):
+        if name not in cache:
+            cache[name] = export(name, tmp_path_factory.mktemp(f"micro-{name}") / name)
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_bundle(hf_checkpoint, tmp_path_factory):
+    """Factory: family -> the validated FP32 export of hf_checkpoint(family) (one export per family per run)."""
+    from kvforge.export import export
+
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family] = export(hf_checkpoint(family), tmp_path_factory.mktemp(f"hf-bundle-{family}") / family)
         return cache[family]
 
     return make

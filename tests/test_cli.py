@@ -31,7 +31,12 @@ def test_models_json(run):
     out = run("models", "--json")
     data = json.loads(out.output)
     assert {"tiny", "llama-125m", "mistral-micro"} <= {p["name"] for p in data["presets"]}
-    assert data["hf_families"] == ["gpt2", "llama", "mistral", "qwen2"]
+    assert set(data["hf_families"]) == {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "phi3",
+                                        "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "falcon", "bloom"}
+    design = {p["name"]: p["design"] for p in data["presets"]}
+    assert design["gemma-micro"] == ("rope rmsnorm-sandwich gated-gelu_tanh qk-norm=head window=8 on [0, 2] "
+                                     "softcap=5.0/3.0 scaled")
+    assert design["neox-micro"] == "rope x0.25 layernorm-pre gelu block=parallel_two_norms"
 
 
 def test_export_inspect_lint_and_refusals(run, tmp_path):

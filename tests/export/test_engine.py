@@ -37,7 +37,7 @@ from kvforge.model_defs import ModelConfig
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    return export("mistral-micro", tmp_path_factory.mktemp("eng") / "fp32")  # 2 layers, 2 KV heads, max context 256
+    return export("llama3-micro", tmp_path_factory.mktemp("eng") / "fp32", max_context=256)  # 2 layers, 2 KV heads
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def int8(fp32, tmp_path_factory):
 
 @pytest.fixture
 def io() -> IOSpec:
-    return io_spec(ModelConfig.from_name("mistral-micro"), torch.float32, 256)
+    return io_spec(ModelConfig.from_name("llama3-micro"), torch.float32, 256)
 
 
 @pytest.fixture
@@ -109,6 +109,26 @@ def test_prefill_and_decode_profiles_cover_every_input_with_consistent_corners(i
             total, seq, past = s["attention_mask"][point][1], s["input_ids"][point][1], s["past_key_values.0.key"][point][2]
             assert total == past + seq <= 200, (p["name"], point)
     check_profiles(io, profiles, 200)
+
+
+def test_capped_caches_get_window_sized_profiles(micro_bundle):
+    """qwen2-micro: layer 0 full, layer 1 windowed (6). A capped cache's past is min(past, 6) at every corner,
+    and ONNX shape inference brings every present out at min(total, 6)."""
+    bundle = micro_bundle("qwen2-micro")
+    io = bundle.io
+    assert io.windows == [None, 6]
+    profiles = synthesize_profiles(io, resolve_limits(io, max_batch=2, max_context=100, opt_context=40))
+    pre, dec = (p["shapes"] for p in profiles)
+    assert dec["past_key_values.0.key"] == {"min": [1, 1, 0, 16], "opt": [1, 1, 39, 16], "max": [2, 1, 99, 16]}
+    assert dec["past_key_values.1.key"] == {"min": [1, 1, 0, 16], "opt": [1, 1, 6, 16], "max": [2, 1, 6, 16]}
+    assert pre["past_key_values.1.value"]["max"] == [2, 1, 0, 16]
+    assert profiles[1]["dims"]["max"]["total_sequence_length_w6"] == 6
+    check_profiles(io, profiles, 100)
+    assert infer_profile_shapes(onnx.load(str(bundle.graph_file)), io, profiles) == 6
+    profiles[1]["shapes"]["past_key_values.1.key"]["max"][2] = 7
+    profiles[1]["shapes"]["past_key_values.1.value"]["max"][2] = 7
+    with pytest.raises(KvforgeError, match="past_sequence_length_w6 7 should be 6 \\(a cache capped at 6 positions over 100 tokens\\)"):
+        check_profiles(io, profiles, 100)
 
 
 @pytest.mark.parametrize("edit,message", [

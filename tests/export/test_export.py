@@ -17,7 +17,7 @@ from kvforge.export import api as export_api
 from kvforge.export.onnx_export import FlatKVModel, example_inputs, input_names
 from kvforge.model_defs import PRESETS, load
 
-from ..conftest import HF_FAMILIES
+from ..conftest import HF_FAMILIES, make_hf_model
 
 MICRO = sorted(n for n in PRESETS if n.endswith("-micro"))
 ATOL = 1e-4  # FP32 graph vs FP32 Torch, the issue's bound
@@ -50,31 +50,57 @@ def _assert_validated_fp32(bundle: Bundle):
     assert bundle.manifest["lint"]["passed"], bundle.manifest["lint"]["findings"]
 
 
-@pytest.fixture(scope="module")
-def micro_bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("micro")
-    return {name: export(name, root / name) for name in MICRO}
-
-
 @pytest.mark.parametrize("name", MICRO)
-def test_every_micro_preset_exports_and_matches(micro_bundles, name):
-    bundle = micro_bundles[name]
+def test_every_micro_preset_exports_and_matches(micro_bundle, name):
+    bundle = micro_bundle(name)
     _assert_validated_fp32(bundle)
     model, _ = load(name)
     _independent_check(bundle, model, [(1, 1, 0), (2, 5, 0), (3, 1, 40), (2, 3, 17)])
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
-def test_every_hf_family_exports_and_matches(tmp_path, hf_checkpoint, family):
-    bundle = export(hf_checkpoint(family), tmp_path / family)
+def test_every_hf_family_exports_and_matches(hf_bundle, hf_checkpoint, family):
+    bundle = hf_bundle(family)
     _assert_validated_fp32(bundle)
     model, _ = load(hf_checkpoint(family))
     _independent_check(bundle, model, [(1, 1, 0), (3, 4, 0), (2, 1, 21)])
     assert bundle.manifest["lineage"][0]["input"]["kind"] == "hf"
 
 
-def test_io_contract_names_and_dynamic_dims(micro_bundles):
-    bundle = micro_bundles["llama3-micro"]
+@pytest.mark.parametrize("family", HF_FAMILIES)
+@torch.no_grad()
+def test_the_graph_matches_transformers(hf_bundle, family):
+    """The exported graph against transformers itself (no kvforge Torch in between), 1e-4 on FP32 logits:
+    a prefill, cached decode steps fed the graph's own presents (capped where windowed), a left-padded batch."""
+    bundle = hf_bundle(family)
+    hf_model = make_hf_model(family)
+    sess = _session(bundle)
+    names = [i.name for i in sess.get_inputs()]
+    io = bundle.io
+    ids = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(7))
+
+    def run(step_ids, mask, past):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = sess.run(None, dict(zip(names, [step_ids.numpy(), mask.numpy(), pos.numpy(), *past])))
+        return out[0], out[1:]
+
+    empty = [np.zeros((2, bundle.model_config["n_kv_heads"], 0, bundle.model_config["head_dim"]), np.float32)] * len(names[3:])
+    logits, past = run(ids[:, :6], torch.ones(2, 6, dtype=torch.int64), empty)
+    np.testing.assert_allclose(logits, hf_model(ids[:, :6]).logits.numpy(), atol=ATOL, rtol=0)
+    for t in range(6, 14):  # past the windows of every windowed config
+        logits, past = run(ids[:, t:t + 1], torch.ones(2, t + 1, dtype=torch.int64), past)
+        np.testing.assert_allclose(logits[:, -1], hf_model(ids[:, :t + 1]).logits[:, -1].numpy(), atol=ATOL, rtol=0,
+                                   err_msg=f"decode at position {t}")
+    assert [p.shape[2] for p in past[::2]] == io.cache_lengths(14)  # windowed layers hold only their window
+    mask = torch.ones(2, 14, dtype=torch.int64)
+    mask[1, :5] = 0
+    logits, _ = run(ids, mask, empty)
+    np.testing.assert_allclose(logits[0], hf_model(ids[:1]).logits[0].numpy(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(logits[1, 5:], hf_model(ids[1:, 5:]).logits[0].numpy(), atol=ATOL, rtol=0)
+
+
+def test_io_contract_names_and_dynamic_dims(micro_bundle):
+    bundle = micro_bundle("llama3-micro")
     m = onnx.load(str(bundle.graph_file))
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in list(m.graph.input) + list(m.graph.output)}
     assert dims["input_ids"] == ["batch_size", "sequence_length"]
@@ -92,16 +118,16 @@ def test_io_contract_names_and_dynamic_dims(micro_bundles):
 
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 5), t=st.integers(1, 12), p=st.integers(0, 70))
-def test_shape_fuzzing_no_dimension_is_specialized(micro_bundles, b, t, p):
+def test_shape_fuzzing_no_dimension_is_specialized(micro_bundle, b, t, p):
     """Shapes far from the export example (2, 3, 5) run and match: no dimension was baked in."""
-    bundle = micro_bundles["qwen2-micro"]
+    bundle = micro_bundle("qwen2-micro")
     model, _ = load("qwen2-micro")
     _independent_check(bundle, model, [(b, t, p)], seed=b * 1000 + t * 100 + p)
 
 
 @torch.no_grad()
-def test_left_padded_batch_through_the_graph(micro_bundles):
-    bundle = micro_bundles["mistral-micro"]
+def test_left_padded_batch_through_the_graph(micro_bundle):
+    bundle = micro_bundle("mistral-micro")
     model, _ = load("mistral-micro")
     sess = _session(bundle)
     cfg = model.config
@@ -119,19 +145,21 @@ def test_left_padded_batch_through_the_graph(micro_bundles):
 
 
 @torch.no_grad()
-def test_sliding_window_is_in_the_graph(micro_bundles):
+def test_sliding_window_is_in_the_graph(micro_bundle):
     """With past > window, the graph agrees with the windowed model and not with full attention."""
-    bundle = micro_bundles["mistral-micro"]  # window 8
+    bundle = micro_bundle("mistral-micro")  # window 8
     model, _ = load("mistral-micro")
     full = type(model)  # same class; rebuild without the window
     from kvforge.model_defs import ModelConfig, build_model
 
     no_window = build_model(ModelConfig(**{**model.config.to_dict(), "sliding_window": None}))
     no_window.load_state_dict(model.state_dict())
-    args = example_inputs(model.config, torch.float32, 1, 3, 30, seed=3)
+    full_args = example_inputs(no_window.config, torch.float32, 1, 3, 30, seed=3)  # caches of all 30 positions
+    args = full_args[:3] + tuple(c[:, :, -8:] for c in full_args[3:])  # the windowed graph keeps the newest 8
     out = _session(bundle).run(None, {n: a.numpy() for n, a in zip(input_names(2), args)})
     np.testing.assert_allclose(out[0], FlatKVModel(model)(*args)[0].numpy(), atol=ATOL, rtol=0)
-    assert np.abs(out[0] - FlatKVModel(no_window.eval())(*args)[0].numpy()).max() > 1e-3
+    assert [o.shape[2] for o in out[1:]] == [8] * 4  # present: capped at the window too
+    assert np.abs(out[0] - FlatKVModel(no_window.eval())(*full_args)[0].numpy()).max() > 1e-3
     assert full is type(no_window)
 
 
@@ -223,10 +251,10 @@ def test_external_data(tmp_path):
     _assert_validated_fp32(bundle)
 
 
-def test_damaged_bundles_are_named(tmp_path, micro_bundles):
+def test_damaged_bundles_are_named(tmp_path, micro_bundle):
     import shutil
 
-    b = shutil.copytree(micro_bundles["gpt2-micro"].path, tmp_path / "b")
+    b = shutil.copytree(micro_bundle("gpt2-micro").path, tmp_path / "b")
     data = (b / "model.onnx").read_bytes()
     (b / "model.onnx").write_bytes(data[:-10])
     with pytest.raises(KvforgeError, match="model.onnx has .* bytes, the manifest says"):

@@ -169,12 +169,16 @@ def test_tokenizer_larger_than_vocabulary_is_refused(tmp_path, hf_checkpoint):
         load(d)
 
 
-def test_rope_types_we_do_not_implement_are_refused(tmp_path, hf_checkpoint):
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, "rope type 'dynamic' is not supported"),
+    ({"rope_type": "proportional", "rope_theta": 10000.0, "factor": 4.0}, "rope type 'proportional' is not supported"),
+])
+def test_rope_types_we_do_not_implement_are_refused(tmp_path, hf_checkpoint, rope, match):
     d = _copy(hf_checkpoint("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    cfg["rope_parameters"] = rope
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KvforgeError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(KvforgeError, match=match):
         load(d)
 
 

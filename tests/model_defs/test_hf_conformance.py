@@ -11,7 +11,7 @@ import torch
 
 from kvforge.model_defs import load
 
-from ..conftest import HF_FAMILIES, make_hf_model
+from ..conftest import HF_FAMILIES, HF_VARIANTS, make_hf_model
 
 ATOL = 1e-4
 VOCAB = 300
@@ -38,7 +38,9 @@ def test_prefill_logits_match(pair):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     cfg = ours.config
     assert len(present) == cfg.n_layers
-    assert present[0][0].shape == (2, cfg.n_kv_heads, 13, cfg.head_dim)
+    for i, (k, v) in enumerate(present):  # a windowed layer's cache is capped at its window
+        window = cfg.layer_window(i)
+        assert k.shape == v.shape == (2, cfg.n_kv_heads, 13 if window is None else min(13, window), cfg.head_dim)
 
 
 @torch.no_grad()
@@ -49,10 +51,11 @@ def test_cached_decode_matches_full_recompute(pair):
     logits, past = ours(ids[:, :6])
     torch.testing.assert_close(logits, hf_model(ids[:, :6]).logits, atol=ATOL, rtol=0)
     for t in range(6, 14):
-        logits, past = ours(ids[:, t : t + 1], past_key_values=past)
+        mask = torch.ones(1, t + 1, dtype=torch.int64)  # a capped cache does not tell the past length; the mask does
+        logits, past = ours(ids[:, t : t + 1], attention_mask=mask, past_key_values=past)
         expected = hf_model(ids[:, : t + 1]).logits[:, -1:]
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0, msg=f"decode step at position {t}")
-    assert past[0][0].shape[2] == 14
+    assert max(kv[0].shape[2] for kv in past) == 14 or all(ours.config.layer_window(i) for i in range(len(past)))
 
 
 @torch.no_grad()
@@ -81,6 +84,26 @@ def test_left_padded_batch_of_two(pair):
         logits, past = ours(nxt, attention_mask=mask, past_key_values=past)  # positions derived from the mask
         torch.testing.assert_close(logits[0, -1], hf_model(full[:1]).logits[0, -1], atol=ATOL, rtol=0)
         torch.testing.assert_close(logits[1, -1], hf_model(full[1:, 5:]).logits[0, -1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family, overrides", HF_VARIANTS, ids=[f"{f}-{'-'.join(o)}" for f, o in HF_VARIANTS])
+@torch.no_grad()
+def test_more_valid_configs_of_each_family(tmp_path, family, overrides):
+    """Other layouts and options of the families (Falcon's four, GPT-NeoX sequential, LongRoPE, YaRN, ...):
+    prefill, cached decode and a left-padded row against transformers."""
+    hf_model = make_hf_model(family, **overrides)
+    hf_model.save_pretrained(tmp_path)
+    ours, _ = load(tmp_path)
+    ids = _ids(2, 24, seed=4)  # 24 > the LongRoPE variant's original context (16): both factor sets are used
+    torch.testing.assert_close(ours(ids)[0], hf_model(ids).logits, atol=ATOL, rtol=0)
+    logits, past = ours(ids[:, :9])
+    for t in range(9, 12):
+        logits, past = ours(ids[:, t:t + 1], attention_mask=torch.ones(2, t + 1, dtype=torch.int64), past_key_values=past)
+        torch.testing.assert_close(logits[:, -1], hf_model(ids[:, :t + 1]).logits[:, -1], atol=ATOL, rtol=0)
+    mask = torch.ones(2, 24, dtype=torch.int64)
+    mask[1, :7] = 0
+    padded, _ = ours(ids, attention_mask=mask)
+    torch.testing.assert_close(padded[1, 7:], hf_model(ids[1:, 7:]).logits[0], atol=ATOL, rtol=0)
 
 
 def test_import_maps_config(hf_checkpoint):

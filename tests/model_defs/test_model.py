@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvforge.errors import KvforgeError
 from kvforge.model_defs import PRESETS, ModelConfig, build_model, init_random_weights, load
-from kvforge.model_defs.layers import RotaryEmbedding, SinusoidalPositions, apply_rope
+from kvforge.model_defs.positions import RotaryEmbedding, SinusoidalPositions, apply_rope
 
 MICRO = sorted(n for n in PRESETS if n.endswith("-micro"))
 ATOL = 1e-4  # same code path, different batching/caching: float32 rounding only (logits ~10)
@@ -49,8 +49,13 @@ def test_cached_decode_equals_full_forward(name):
     logits, past = model(ids[:, :4])
     steps = [logits]
     for t in range(4, 20):
-        logits, past = model(ids[:, t : t + 1], past_key_values=past)
+        # the mask tells the past length: a capped (windowed) cache no longer does
+        mask = torch.ones(2, t + 1, dtype=torch.int64)
+        logits, past = model(ids[:, t : t + 1], attention_mask=mask, past_key_values=past)
         steps.append(logits)
+        for i, (k, v) in enumerate(past):
+            window = model.config.layer_window(i)
+            assert k.shape[2] == v.shape[2] == (t + 1 if window is None else min(t + 1, window))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
 
 
@@ -245,11 +250,20 @@ def test_rmsnorm_and_layernorm_compute_in_float32_for_half_inputs():
     "change,match",
     [
         ({"n_kv_heads": 3}, "multiple of n_kv_heads"),
-        ({"position": "alibi"}, "position='alibi'"),
+        ({"position": "xpos"}, "position='xpos'"),
+        ({"block": "parallel", "norm_placement": "post"}, "norm_placement must be 'pre'"),
+        ({"qk_norm": "layer"}, "qk_norm='layer'"),
+        ({"sliding_window": 1}, "sliding_window must be an integer >= 2"),
+        ({"local_rope_theta": 10000.0}, "needs position='rope' and a sliding_window"),
+        ({"logit_scale": 0.0}, "logit_scale must be a finite non-zero number"),
+        ({"attn_softcap": -5.0}, "attn_softcap must be a positive number"),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8,
+                           "original_max_seq_len": 64, "attention_factor": 1.1}}, "short_factor has 3 factors"),
         ({"activation": "tanh"}, "activation='tanh'"),
         ({"dim": 65, "head_dim": None}, "not divisible"),
         ({"rotary_fraction": 0.1}, "rotary dimension"),
-        ({"rope_scaling": {"type": "yarn"}}, "rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "dynamic"}}, "rope_scaling type 'dynamic'"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"lacks \['original_max_seq_len'\]"),
         ({"sliding_window_layers": [5]}, "outside"),
         ({"eos_token_id": 9999}, "outside the vocabulary"),
     ],

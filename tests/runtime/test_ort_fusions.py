@@ -32,17 +32,21 @@ def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
     assert ops["RotaryEmbedding"] == 2 * layers  # q and k per block
     assert ops["Pow"] == ops["Neg"] == ops["Reciprocal"] == 0  # nothing of the chains is left over
 
-    # A left-padded batch: prefill, then decode steps, through the bundle's graph and the fused variant.
+    _assert_variant_equals_graph(bundle.path)
+
+
+def _assert_variant_equals_graph(path, steps: int = 3) -> None:
+    """A left-padded batch: prefill, then decode steps, through the bundle's graph and the fused variant."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 259, (2, 11), dtype=np.int64)
     mask = np.ones((2, 11), np.int64)
     mask[1, :4] = 0
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    with runtime.load(bundle.path, variant=False) as plain, runtime.load(bundle.path) as fast:
+    with runtime.load(path, variant=False) as plain, runtime.load(path) as fast:
         a, ca = plain.forward(ids, mask, pos)
         b, cb = fast.forward(ids, mask, pos)
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
-        for step in range(3):
+        for step in range(steps):
             token = rng.integers(0, 259, (2, 1), dtype=np.int64)
             mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
             pos = pos[:, -1:] + 1
@@ -51,6 +55,27 @@ def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
             np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
         for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
             np.testing.assert_allclose(y, x, atol=2e-5, rtol=0)
+
+
+# The decoder designs beyond Llama: where a fusion's pattern is broken (a q/k norm before RoPE, sandwich or
+# output norms, LayerNorms, ALiBi) it must be skipped, and the variant must still compute the bundle's graph.
+# Decode runs past gemma-micro's window of 8, so its capped caches roll.
+@pytest.mark.parametrize("preset, fused", [
+    ("alibi-micro", {"RotaryEmbedding": 0, "SimplifiedLayerNormalization": 0, "LayerNormalization": 6}),
+    ("neox-micro", {"RotaryEmbedding": 4, "SimplifiedLayerNormalization": 0}),  # partial rotary fuses
+    ("parallel-micro", {"RotaryEmbedding": 4, "LayerNormalization": 7}),  # per-head q/k LayerNorms are LayerNorms
+    # norms on outputs and whole-projection q/k norms are plain RMSNorms; only the final one reads a residual Add
+    ("olmo-micro", {"SimplifiedLayerNormalization": 8, "SkipSimplifiedLayerNormalization": 1, "RotaryEmbedding": 4}),
+    ("granite-micro", {"SkipSimplifiedLayerNormalization": 4, "SimplifiedLayerNormalization": 1, "RotaryEmbedding": 4}),
+    # per-head q/k RMSNorms (a reshape inside the chain) stay decomposed: one Pow each
+    ("gemma-micro", {"RotaryEmbedding": 8, "Pow": 8}),
+])
+def test_variant_of_every_decoder_design_computes_the_bundle_graph(micro_bundle, preset, fused):
+    bundle = micro_bundle(preset)
+    ops = _ops(variant_path(Bundle(bundle.path)))
+    for op, count in fused.items():
+        assert ops[op] == count, (op, ops[op])
+    _assert_variant_equals_graph(bundle.path, steps=6)
 
 
 def test_half_precision_and_rope_free_graphs_are_left_unfused(tmp_path):

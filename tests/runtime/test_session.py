@@ -28,8 +28,8 @@ def tiny_bundle(tiny_fp32):
 
 
 @pytest.fixture(scope="module")
-def micro_bundle(tmp_path_factory):
-    return export("mistral-micro", tmp_path_factory.mktemp("rt") / "mistral").path
+def mistral_bundle(micro_bundle):
+    return micro_bundle("mistral-micro").path
 
 
 # -- the contract, over every available backend ------------------------------------
@@ -74,8 +74,8 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
-def test_greedy_matches_torch_reference_and_transformers_generate(tmp_path, hf_checkpoint, family):
-    bundle = export(hf_checkpoint(family), tmp_path / family).path
+def test_greedy_matches_torch_reference_and_transformers_generate(hf_bundle, hf_checkpoint, family):
+    bundle = hf_bundle(family).path
     hf_model = make_hf_model(family)
     prompt = [5, 77, 123, 9, 250, 31]
     with runtime.load(bundle) as s:
@@ -108,9 +108,9 @@ def test_generation_config_eos_stops_generation_as_in_transformers(tmp_path):
 
 
 # -- generation ---------------------------------------------------------------------
-def test_batched_left_padded_generation_equals_each_prompt_alone(micro_bundle):
+def test_batched_left_padded_generation_equals_each_prompt_alone(mistral_bundle):
     prompts = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 6], [200, 100, 50, 25]]
-    with runtime.load(micro_bundle) as s:
+    with runtime.load(mistral_bundle) as s:
         batched = s.generate(prompts, max_new_tokens=12, ignore_eos=True)
         alone = [s.generate(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
@@ -149,13 +149,13 @@ def test_repetition_penalty_discourages_repeats(tiny_bundle):
     assert distinct(penalized.tokens) > distinct(plain.tokens)
 
 
-def test_stop_tokens_and_max_context(tiny_bundle, micro_bundle):
+def test_stop_tokens_and_max_context(tiny_bundle, mistral_bundle):
     with runtime.load(tiny_bundle) as s:
         free = s.generate(PROMPT, max_new_tokens=10)
         stop_at = free.tokens[3]
         stopped = s.generate(PROMPT, max_new_tokens=10, stop_token_ids=[stop_at])
         assert stopped.tokens == free.tokens[: free.tokens.index(stop_at) + 1] and stopped.finish_reason == "stop"
-    with runtime.load(micro_bundle) as s:  # max context 256
+    with runtime.load(mistral_bundle) as s:  # max context 256
         out = s.generate([1] * 250, max_new_tokens=20, ignore_eos=True)
         assert len(out.tokens) == 6 and out.finish_reason == "context"
 
@@ -184,8 +184,8 @@ def test_stream_never_splits_a_utf8_character():
 
 
 # -- validation -----------------------------------------------------------------
-def test_inputs_are_validated_against_the_io_spec(micro_bundle):
-    with runtime.load(micro_bundle) as s:
+def test_inputs_are_validated_against_the_io_spec(mistral_bundle):
+    with runtime.load(mistral_bundle) as s:
         with pytest.raises(KvforgeError, match="input_ids must be int64 .* got int32"):
             s.forward(np.zeros((1, 3), np.int32))
         with pytest.raises(KvforgeError, match=r"must have 2 dimensions \[batch, seq\], got shape \(3,\)"):
@@ -207,14 +207,14 @@ def test_inputs_are_validated_against_the_io_spec(micro_bundle):
             s.generate([1] * 300)
 
 
-def test_bad_bundles_and_backends(tmp_path, micro_bundle):
+def test_bad_bundles_and_backends(tmp_path, mistral_bundle):
     with pytest.raises(KvforgeError, match="unknown backend 'tensorflow'"):
-        runtime.load(micro_bundle, backend="tensorflow")
+        runtime.load(mistral_bundle, backend="tensorflow")
     with pytest.raises(KvforgeError, match="not a bundle; export it first"):
         runtime.load("tiny", backend="onnxruntime")
     import shutil
 
-    broken = shutil.copytree(micro_bundle, tmp_path / "broken")
+    broken = shutil.copytree(mistral_bundle, tmp_path / "broken")
     (broken / "model.onnx").write_bytes(b"garbage")
     with pytest.raises(KvforgeError, match="is damaged: model.onnx has 7 bytes, the manifest says"):
         runtime.load(broken).activate()
@@ -222,7 +222,7 @@ def test_bad_bundles_and_backends(tmp_path, micro_bundle):
         runtime.load(broken, variant=False).activate()
 
 
-def test_backend_options_are_checked_and_source_reaches_the_torch_backend(micro_bundle):
+def test_backend_options_are_checked_and_source_reaches_the_torch_backend(mistral_bundle):
     for options, message in [
         (dict(threeads=2), r"unknown onnxruntime backend option\(s\) \['threeads'\]; it takes: device, threads"),
         (dict(device="gpu"), "onnxruntime device 'gpu' is not one of"),
@@ -230,19 +230,19 @@ def test_backend_options_are_checked_and_source_reaches_the_torch_backend(micro_
         (dict(threads=0), "threads must be a positive int"),
     ]:
         with pytest.raises(KvforgeError, match=message):
-            runtime.load(micro_bundle, **options)
+            runtime.load(mistral_bundle, **options)
     with pytest.raises(KvforgeError, match="torch device 'tpu' is not"):
-        runtime.load(micro_bundle, backend="torch", device="tpu")
+        runtime.load(mistral_bundle, backend="torch", device="tpu")
     ids = np.array([[3, 1, 4, 1, 5]], np.int64)
-    with runtime.load(micro_bundle, backend="torch", source="mistral-micro") as ref, runtime.load(micro_bundle) as ort:
+    with runtime.load(mistral_bundle, backend="torch", source="mistral-micro") as ref, runtime.load(mistral_bundle) as ort:
         np.testing.assert_allclose(ort.forward(ids)[0], ref.forward(ids)[0], atol=1e-4, rtol=0)
 
 
-def test_a_cache_continues_only_the_model_that_made_it(tmp_path, micro_bundle):
+def test_a_cache_continues_only_the_model_that_made_it(tmp_path, mistral_bundle):
     """Same shapes, another model: refused, not silently wrong; another session of the same bundle: accepted."""
     other = export("llama3-micro", tmp_path / "llama").path  # the same cache shapes as mistral-micro
     ids = np.array([[3, 1, 4, 1, 5]], np.int64)
-    with runtime.load(micro_bundle) as a, runtime.load(micro_bundle) as b, runtime.load(other) as c:
+    with runtime.load(mistral_bundle) as a, runtime.load(mistral_bundle) as b, runtime.load(other) as c:
         _, cache = a.forward(ids)
         with pytest.raises(KvforgeError, match="made by a session of another model"):
             c.forward(np.array([[2]], np.int64), cache=cache)
@@ -251,8 +251,8 @@ def test_a_cache_continues_only_the_model_that_made_it(tmp_path, micro_bundle):
         np.testing.assert_array_equal(step_a, step_b)
 
 
-def test_generation_options_are_checked(micro_bundle):
-    with runtime.load(micro_bundle) as s:
+def test_generation_options_are_checked(mistral_bundle):
+    with runtime.load(mistral_bundle) as s:
         for options, message in [
             (dict(stop_token_ids=5), "stop_token_ids takes a list"),
             (dict(stop_token_ids=["a"]), "stop_token_ids must be token ids"),
@@ -270,18 +270,18 @@ def test_generation_options_are_checked(micro_bundle):
         assert s.generate("abc", max_new_tokens=6, temperature=1e-300, seed=1).tokens == greedy  # no overflow to NaN
 
 
-def test_seeded_sampling_in_a_batch_gives_each_row_what_it_samples_alone(micro_bundle):
+def test_seeded_sampling_in_a_batch_gives_each_row_what_it_samples_alone(mistral_bundle):
     prompts = ["abc", "hello there", "abc"]
     kw = dict(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True)
-    with runtime.load(micro_bundle) as s:
+    with runtime.load(mistral_bundle) as s:
         batched = [r.tokens for r in s.generate(prompts, **kw)]
         alone = [s.generate(p, **kw).tokens for p in prompts]
     assert batched == alone and batched[0] == batched[2]
 
 
-def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(micro_bundle):
+def test_a_session_shared_by_threads_gives_each_the_result_it_gets_alone(mistral_bundle):
     prompts = [[i + 1, 2 * i + 3, 7] for i in range(6)]
-    with runtime.load(micro_bundle) as s:
+    with runtime.load(mistral_bundle) as s:
         expected = [s.generate(p, max_new_tokens=8, ignore_eos=True).tokens for p in prompts]
         got = [None] * len(prompts)
 

@@ -345,8 +345,7 @@ def _fake_tensorrt(onnx_path, io, profiles, version="10.13.0.35"):
 
         def get_tensor_shape(self, name):
             B, T = self.shapes["input_ids"]
-            total = self.shapes["attention_mask"][1]
-            values = {"batch_size": B, "sequence_length": T, "total_sequence_length": total, "past_sequence_length": total - T}
+            values = io.dim_values(B, T, self.shapes["attention_mask"][1] - T)  # capped caches: min(total, W)
             return trt_backend.concrete_shape(next(t for t in io.outputs if t.name == name).shape, values)
 
         def set_tensor_address(self, name, ptr):

@@ -1,0 +1,770 @@
+"""The Hugging Face families kvforge imports: per `model_type`, two explicit tables.
+
+- a config mapper: config.json -> ModelConfig fields, with transformers' own
+  defaults for absent keys (they differ by family: Qwen3's head_dim is 128,
+  Cohere's RoPE base 500000, GPT-NeoX rotates a quarter of each head ...) and a
+  clear error for the options transformers itself cannot run or that kvforge
+  does not compute;
+- a weight table: kvforge parameter name -> (checkpoint tensor name, transform).
+
+Transforms take (tensor, config) and return the tensor kvforge's parameter
+holds: a slice of a fused projection (laid out as each family lays it out), a
+transpose (GPT-2's Conv1D), Gemma's norm weights w -> 1 + w (Gemma computes
+x * (1 + w)), a q/k norm weight shared by all heads repeated per head, or the
+RoPE permutation: GPT-J and Cohere rotate interleaved pairs (2i, 2i+1) where
+kvforge rotates halves (i, i + rot/2), so their q/k output features are
+reordered within each head (q.k is unchanged when q and k are permuted alike).
+Each transform is named after what it undoes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvforge.errors import KvforgeError
+
+Transform = Callable[[torch.Tensor, Any], torch.Tensor]
+Table = dict[str, tuple[str, Transform | None]]
+
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+# --- transforms -----------------------------------------------------------------
+def transpose(t, cfg):
+    return t.t()
+
+
+def gpt2_qkv(j: int) -> Transform:
+    """GPT-2's Conv1D c_attn stores (in, 3 * out): part j, transposed (a bias (3 * out,) is just split)."""
+
+    def f(t, cfg):
+        part = t.chunk(3, dim=-1)[j]
+        return part.t() if part.ndim == 2 else part
+    return f
+
+
+def rows(sizes: Callable[[Any], list[int]], j: int) -> Transform:
+    """Part j of a projection fused by concatenating outputs (Phi-3's qkv_proj [q | k | v], gate_up_proj [gate | up])."""
+
+    def f(t, cfg):
+        parts = sizes(cfg)
+        if t.shape[0] != sum(parts):
+            raise ValueError(f"{t.shape[0]} rows cannot be split into {parts}")
+        return t.split(parts, dim=0)[j]
+    return f
+
+
+def per_head(parts: int, j: int) -> Transform:
+    """Part j of a projection fused per head, [heads, parts, head_dim] (GPT-NeoX, BLOOM, Falcon without MQA)."""
+
+    def f(t, cfg):
+        x = t.reshape(cfg.n_heads, parts, cfg.head_dim, *t.shape[1:])
+        return x[:, j].reshape(cfg.n_heads * cfg.head_dim, *t.shape[1:])
+    return f
+
+
+def falcon_grouped(j: int) -> Transform:
+    """Falcon's new decoder architecture: [kv_heads, G + 2, head_dim], each group's G query heads, then k, then v."""
+
+    def f(t, cfg):
+        kv, d = cfg.n_kv_heads, cfg.head_dim
+        g = cfg.n_heads // kv
+        x = t.reshape(kv, g + 2, d, *t.shape[1:])
+        part = x[:, :g] if j == 0 else x[:, g + j - 1]
+        return part.reshape(-1, *t.shape[1:])
+    return f
+
+
+def half_split(heads: Callable[[Any], int]) -> Transform:
+    """Reorder each head's rotary features from interleaved pairs (GPT-J, Cohere) to kvforge's halves."""
+
+    def f(t, cfg):
+        h, d, rot = heads(cfg), cfg.head_dim, cfg.rotary_dim
+        perm = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
+        return t.reshape(h, d, *t.shape[1:])[:, perm].reshape(h * d, *t.shape[1:])
+    return f
+
+
+def plus_one(t, cfg):
+    """Gemma stores a norm's weight w and multiplies by (1 + w), in float32."""
+    return t.float() + 1.0
+
+
+def repeat_heads(heads: Callable[[Any], int]) -> Transform:
+    """One q/k norm weight (head_dim,) shared by every head -> kvforge's one row per head."""
+    return lambda t, cfg: t.reshape(-1).repeat(heads(cfg))
+
+
+def flatten(t, cfg):
+    return t.reshape(-1)
+
+
+def chain(*fs: Transform) -> Transform:
+    return lambda t, cfg: functools.reduce(lambda x, fn: fn(x, cfg), fs, t)
+
+
+def query_heads(cfg) -> int:
+    return cfg.n_heads
+
+
+def kv_heads(cfg) -> int:
+    return cfg.n_kv_heads
+
+
+# --- config helpers -------------------------------------------------------------
+def first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of `keys` present (and not null) in config.json: transformers' attribute aliases."""
+    for k in keys:
+        if hf.get(k) is not None:
+            return hf[k]
+    return default
+
+
+def require(hf: dict[str, Any], *keys: str) -> Any:
+    value = first(hf, *keys)
+    if value is None:
+        raise KeyError(keys[0])
+    return value
+
+
+def activation(hf: dict[str, Any], key: str, default: str) -> str:
+    name = hf.get(key) or default
+    if name not in _ACTIVATIONS:
+        raise KvforgeError(f"activation {name!r} ({key}) is not supported; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def special_ids(hf: dict[str, Any]) -> dict[str, Any]:
+    """bos/eos/pad ids; eos may be a list (Llama 3). Ids outside the vocabulary,
+    which transformers tolerates in configs, are dropped with a warning."""
+    import warnings
+
+    vocab = hf["vocab_size"]
+    out: dict[str, Any] = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = hf.get(key)
+        ids = value if isinstance(value, list) else [value]
+        kept = [i for i in ids if isinstance(i, int) and 0 <= i < vocab]
+        dropped = [i for i in ids if i is not None and i not in kept]
+        if dropped:
+            warnings.warn(f"config.json {key}={value} lies outside the vocabulary ({vocab}); ignoring {dropped}")
+        out[key] = (kept if len(kept) > 1 else kept[0]) if kept else None
+        if key != "eos_token_id" and isinstance(out[key], list):
+            out[key] = out[key][0]
+    return out
+
+
+def rope_parameters(hf: dict[str, Any], default_theta: float = 10000.0, theta_keys: tuple[str, ...] = ("rope_theta",),
+                    partial_keys: tuple[str, ...] = ("partial_rotary_factor",), default_partial: float = 1.0) -> dict:
+    """transformers' rope_parameters: a legacy `rope_scaling` replaces them, and the family's top-level keys fill in
+    the base and the rotary fraction they lack (which keys a family reads differs: GPT-NeoX ignores `rope_theta`)."""
+    legacy = hf.get("rope_scaling")
+    params = dict(legacy) if legacy else dict(hf.get("rope_parameters") or {})
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    params.setdefault("rope_theta", first(hf, *theta_keys, default=default_theta))
+    params.setdefault("partial_rotary_factor", first(hf, *partial_keys, default=default_partial))
+    return params
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_fields(params: dict[str, Any], hf: dict[str, Any], partial_rotary: bool) -> dict[str, Any]:
+    """ModelConfig's RoPE fields from rope_parameters.
+
+    partial_rotary: the family rotates only `partial_rotary_factor` of each head
+    (GPT-NeoX, Phi-3). Llama-style families rotate whole heads: their default
+    RoPE ignores the factor, and with a scaled RoPE transformers itself fails
+    (its tables come out shorter than the heads), so that is refused.
+    """
+    kind = params["rope_type"]
+    partial = float(params.get("partial_rotary_factor") or 1.0)
+    out: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
+    if partial_rotary:
+        out["rotary_fraction"] = partial
+    elif kind != "default" and partial != 1.0:
+        raise KvforgeError(f"partial_rotary_factor {partial} with rope type {kind!r} is not supported: transformers' "
+                           f"{hf.get('model_type')} rotates whole heads, so its tables would not match them")
+    mpe = hf.get("max_position_embeddings") or 2048
+    omax = int(params.get("original_max_position_embeddings") or mpe)
+    if kind == "default":
+        return out
+    if kind == "linear":
+        out["rope_scaling"] = {"type": "linear", "factor": float(params["factor"])}
+    elif kind == "llama3":
+        out["rope_scaling"] = {
+            "type": "llama3",
+            "factor": float(params["factor"]),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_seq_len": omax,
+        }
+    elif kind == "yarn":
+        factor = float(params.get("factor") or mpe / omax)
+        attention = params.get("attention_factor")
+        if attention is None:
+            ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = _mscale(factor, ms) / _mscale(factor, ms_all) if ms and ms_all else _mscale(factor)
+        out["rope_scaling"] = {
+            "type": "yarn", "factor": factor, "original_max_seq_len": omax,
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "attention_factor": float(attention), "truncate": bool(params.get("truncate", True)),
+        }
+    elif kind == "longrope":
+        factor = float(params.get("factor") or mpe / omax)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(omax))
+        out["rope_scaling"] = {
+            "type": "longrope", "short_factor": [float(x) for x in params["short_factor"]],
+            "long_factor": [float(x) for x in params["long_factor"]], "original_max_seq_len": omax,
+            "attention_factor": float(attention),
+        }
+    elif kind == "dynamic":
+        raise KvforgeError("rope type 'dynamic' is not supported: transformers' dynamic NTK RoPE changes its base with "
+                           "the longest sequence seen so far (it depends on the call history), which no fixed graph computes")
+    else:
+        raise KvforgeError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)")
+    return out
+
+
+def windowed_layers(hf: dict[str, Any], n_layers: int, window: int | None, layer_types: list[str] | None) -> dict[str, Any]:
+    """sliding_window / sliding_window_layers from transformers' layer_types ("sliding_attention" / "full_attention")."""
+    if layer_types is None:
+        return {}
+    if len(layer_types) != n_layers:
+        raise KvforgeError(f"config.json layer_types has {len(layer_types)} entries for {n_layers} layers")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise KvforgeError(f"layer types {unknown} are not supported (supported: sliding_attention, full_attention)")
+    windowed = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if not windowed:
+        return {}
+    if not window:
+        raise KvforgeError(f"{hf.get('model_type')} config.json has sliding_attention layers {windowed} but no sliding_window")
+    return {"sliding_window": int(window), "sliding_window_layers": windowed}
+
+
+def _refuse(hf: dict[str, Any], reason: str, *keys: str) -> None:
+    set_keys = [k for k in keys if hf.get(k)]
+    if set_keys:
+        raise KvforgeError(f"{hf.get('model_type')} option(s) {set_keys} not supported: {reason}")
+
+
+# --- Llama-style families -------------------------------------------------------
+def llama_like(hf: dict[str, Any], family: str, *, eps: float = 1e-6, head_dim: int | None = None,
+               kv_heads_default: int | None = None, theta: float = 10000.0, tie: bool = False,
+               act_key: str = "hidden_act", act_default: str = "silu", attention_bias: bool | None = None,
+               rope: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields every decoder with separate q/k/v/o projections and a gated MLP shares.
+
+    rope: the RoPE fields when the family reads them its own way (default: whole-head RoPE from rope_parameters).
+    """
+    heads = hf["num_attention_heads"]
+    bias = bool(hf.get("attention_bias", False)) if attention_bias is None else attention_bias
+    if rope is None:
+        rope = rope_fields(rope_parameters(hf, default_theta=theta), hf, partial_rotary=False)
+    return dict(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or kv_heads_default or heads,
+        head_dim=hf.get("head_dim") or head_dim or hf["hidden_size"] // heads,
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings") or 2048,
+        norm="rmsnorm",
+        norm_eps=first(hf, "rms_norm_eps", default=eps),
+        activation=activation(hf, act_key, act_default),
+        gated_ffn=True,
+        ffn_bias=bool(hf.get("mlp_bias", False)),
+        qkv_bias=bias,
+        out_bias=bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", tie)),
+        family=family,
+        **rope,
+        **special_ids(hf),
+    )
+
+
+def _llama(hf):
+    return llama_like(hf, "llama")
+
+
+def _mistral(hf):
+    cfg = llama_like(hf, "mistral", attention_bias=False)
+    cfg["ffn_bias"] = False  # transformers' Mistral has no biases, whatever the config says
+    cfg["sliding_window"] = hf.get("sliding_window")
+    return cfg
+
+
+def _qwen_windows(hf: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Qwen2/Qwen3: layer_types, or (older configs) the layers from max_window_layers on slide when use_sliding_window."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        if not hf.get("use_sliding_window"):
+            return {}
+        first_windowed = hf.get("max_window_layers", n_layers)
+        layer_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(n_layers)]
+    if not hf.get("sliding_window"):
+        return {}  # transformers drops the window when use_sliding_window is off
+    return windowed_layers(hf, n_layers, hf.get("sliding_window"), layer_types)
+
+
+def _qwen2(hf):
+    cfg = llama_like(hf, "qwen2", attention_bias=True)
+    cfg.update(out_bias=False, ffn_bias=False)
+    cfg.update(_qwen_windows(hf, cfg["n_layers"]))
+    return cfg
+
+
+def _qwen3(hf):
+    # Qwen3's config defaults: head_dim 128 (not hidden / heads) and 32 KV heads when the keys are absent.
+    cfg = llama_like(hf, "qwen3", head_dim=128, kv_heads_default=32)
+    cfg.update(ffn_bias=False, qk_norm="head")
+    cfg.update(_qwen_windows(hf, cfg["n_layers"]))
+    return cfg
+
+
+def _olmo2(hf):
+    cfg = llama_like(hf, "olmo2", eps=1e-5)
+    cfg.update(ffn_bias=False, norm_placement="output", qk_norm="proj")
+    return cfg
+
+
+def _granite(hf):
+    cfg = llama_like(hf, "granite")
+    cfg.update(
+        embed_scale=float(hf.get("embedding_multiplier", 1.0)),
+        residual_scale=float(hf.get("residual_multiplier", 1.0)),
+        attn_scale=float(hf.get("attention_multiplier", 1.0)),  # replaces 1/sqrt(head_dim); its default is 1.0
+        logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)),  # transformers divides the logits by logits_scaling
+    )
+    return cfg
+
+
+def _cohere(hf):
+    if hf.get("logit_scale", 0.0625) is None:
+        raise KvforgeError("cohere config.json has logit_scale null, which transformers' Cohere cannot run (it multiplies by it)")
+    cfg = llama_like(hf, "cohere", theta=500000.0, tie=True)
+    cfg.update(
+        norm="layernorm", norm_bias=False, norm_eps=hf.get("layer_norm_eps", 1e-5), block="parallel", ffn_bias=False,
+        qk_norm="head" if hf.get("use_qk_norm") else None, logit_scale=float(hf.get("logit_scale", 0.0625)),
+    )
+    return cfg
+
+
+def _phi3(hf):
+    # Phi-3 reads partial_rotary_factor, allows default and longrope (older configs say su or yarn for it), and
+    # takes original_max_position_embeddings from the top level whatever rope_scaling says.
+    params = rope_parameters(hf)
+    if params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    if params["rope_type"] not in ("default", "longrope"):
+        raise KvforgeError(f"phi3 rope type {params['rope_type']!r} is not one transformers' Phi-3 runs (default, longrope)")
+    params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings") or 4096
+    cfg = llama_like(hf, "phi3", eps=1e-5, attention_bias=False, rope=rope_fields(params, hf, partial_rotary=True))
+    cfg["ffn_bias"] = False
+    if hf.get("sliding_window"):
+        cfg["sliding_window"] = int(hf["sliding_window"])
+    return cfg
+
+
+def _gemma_common(hf, family: str, act_key: str, rope: dict[str, Any] | None = None) -> dict[str, Any]:
+    _refuse(hf, "transformers' Gemma runs bidirectional attention only on some of its paths; kvforge exports causal "
+                "decoders", "use_bidirectional_attention")
+    cfg = llama_like(hf, family, head_dim=256, tie=True, act_key=act_key, act_default="gelu_pytorch_tanh", rope=rope)
+    cfg.update(ffn_bias=False, embed_scale=float(torch.tensor(hf["hidden_size"] ** 0.5, dtype=torch.float32)))
+    return cfg
+
+
+def _gemma(hf):
+    cfg = _gemma_common(hf, "gemma", "hidden_act")
+    if hf.get("hidden_act") == "gelu":  # transformers' Gemma rewrites it: Gemma's GELU is the tanh one
+        cfg["activation"] = "gelu_tanh"
+    return cfg
+
+
+def _gemma2(hf):
+    cfg = _gemma_common(hf, "gemma2", "hidden_activation")
+    n = cfg["n_layers"]
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    cfg.update(
+        norm_placement="sandwich",
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_softcap=hf.get("attn_logit_softcapping", 50.0),
+        final_softcap=hf.get("final_logit_softcapping", 30.0),
+        **windowed_layers(hf, n, hf.get("sliding_window", 4096), layer_types),
+    )
+    return cfg
+
+
+def _gemma3_text(hf):
+    n = hf["num_hidden_layers"]
+    pattern = first(hf, "sliding_window_pattern", "_sliding_window_pattern", default=6)
+    layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    # RoPE per layer type: nested rope_parameters, or the older rope_theta (full layers, with rope_scaling) and
+    # rope_local_base_freq (sliding layers, plain RoPE).
+    nested = hf.get("rope_parameters") or {}
+    full = dict(nested.get("full_attention") or {})
+    if not full:
+        full = dict(hf.get("rope_scaling") or {})
+        full.setdefault("rope_theta", hf.get("rope_theta", 1000000.0))
+    full.setdefault("rope_type", full.get("type", "default"))
+    full.setdefault("rope_theta", 1000000.0)
+    local = dict(nested.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)})
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise KvforgeError(f"gemma3 sliding-attention RoPE of type {local.get('rope_type')!r} is not supported (only default)")
+    cfg = _gemma_common(hf, "gemma3_text", "hidden_activation", rope=rope_fields(full, hf, partial_rotary=False))
+    windows = windowed_layers(hf, n, hf.get("sliding_window", 4096), layer_types)
+    cfg.update(
+        norm_placement="sandwich", qk_norm="head",
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_softcap=None,  # transformers' Gemma 3 never applies attn_logit_softcapping
+        final_softcap=hf.get("final_logit_softcapping"),
+        local_rope_theta=float(local.get("rope_theta", 10000.0)) if windows else None,
+        **windows,
+    )
+    return cfg
+
+
+# --- GPT-2 and the parallel-block / ALiBi families ---------------------------------
+def _gpt2(hf):
+    unsupported = [k for k in ("scale_attn_by_inverse_layer_idx", "add_cross_attention") if hf.get(k)]
+    if hf.get("scale_attn_weights", True) is False:
+        unsupported.append("scale_attn_weights=false")
+    if unsupported:
+        raise KvforgeError(f"GPT-2 options not supported: {unsupported}")
+    dim = hf["n_embd"]
+    return dict(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["n_layer"], n_heads=hf["n_head"],
+        ffn_dim=hf.get("n_inner") or 4 * dim, max_seq_len=hf["n_positions"], position="learned",
+        norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=activation(hf, "activation_function", "gelu_new"),
+        gated_ffn=False, qkv_bias=True, out_bias=True, ffn_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), family="gpt2", **special_ids(hf),
+    )
+
+
+def _layernorm_mlp(hf, family: str, dim: int, heads: int, layers: int, ffn_dim: int, eps_key: str, act: str, **fields):
+    """The fields of the LayerNorm + plain-MLP families (GPT-NeoX, GPT-J, Falcon, BLOOM)."""
+    return dict(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=layers, n_heads=heads, ffn_dim=ffn_dim,
+        norm="layernorm", norm_eps=hf.get(eps_key, 1e-5), activation=act, gated_ffn=False, ffn_bias=True,
+        family=family, **special_ids(hf), **fields,
+    )
+
+
+def _gpt_neox(hf):
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    bias = bool(hf.get("attention_bias", True))
+    # GPT-NeoX reads its base and rotary fraction from rotary_emb_base / rotary_pct (a top-level rope_theta is ignored)
+    params = rope_parameters(hf, theta_keys=("rotary_emb_base",), partial_keys=("rotary_pct",), default_partial=0.25)
+    return _layernorm_mlp(
+        hf, "gpt_neox", dim, heads, hf["num_hidden_layers"], hf["intermediate_size"], "layer_norm_eps",
+        activation(hf, "hidden_act", "gelu"),
+        head_dim=hf.get("head_dim") or dim // heads, max_seq_len=hf.get("max_position_embeddings") or 2048,
+        qkv_bias=bias, out_bias=bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        block="parallel_two_norms" if hf.get("use_parallel_residual", True) else "sequential",
+        **rope_fields(params, hf, partial_rotary=True),
+    )
+
+
+def _gptj(hf):
+    dim, heads = require(hf, "n_embd", "hidden_size"), require(hf, "n_head", "num_attention_heads")
+    head_dim = dim // heads
+    rot = int(hf.get("rotary_dim") or 64)
+    if not 2 <= rot <= head_dim or rot % 2:
+        raise KvforgeError(f"gptj rotary_dim {rot} must be even and within the head dimension {head_dim}")
+    fraction = rot / head_dim
+    while int(head_dim * fraction) < rot:  # the float must give back exactly rot rotary features
+        fraction = math.nextafter(fraction, 1.0)
+    return _layernorm_mlp(
+        hf, "gptj", dim, heads, require(hf, "n_layer", "num_hidden_layers"), hf.get("n_inner") or 4 * dim,
+        "layer_norm_epsilon", activation(hf, "activation_function", "gelu_new"),
+        max_seq_len=require(hf, "n_positions", "max_position_embeddings"), qkv_bias=False, out_bias=False,
+        lm_head_bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), block="parallel",
+        rope_theta=10000.0, rotary_fraction=fraction,  # GPT-J's base is fixed and it has no RoPE scaling
+    )
+
+
+def _falcon_layout(hf: dict[str, Any]) -> str:
+    if hf.get("new_decoder_architecture"):
+        return "grouped"
+    return "multi_query" if hf.get("multi_query", True) else "per_head"
+
+
+def _falcon_norms(hf: dict[str, Any]) -> int:
+    return (hf.get("num_ln_in_parallel_attn") or 2) if hf.get("new_decoder_architecture") else 1
+
+
+def _falcon(hf):
+    dim, heads = require(hf, "hidden_size", "n_embed"), hf["num_attention_heads"]
+    layout, parallel = _falcon_layout(hf), hf.get("parallel_attn", True)
+    if layout == "grouped":
+        if not parallel:
+            raise KvforgeError("falcon new_decoder_architecture with parallel_attn=false is not supported: transformers' "
+                               "Falcon fails on it (the new architecture always runs attention and MLP in parallel)")
+        kv = hf.get("num_kv_heads") or heads
+        block = "parallel_two_norms" if _falcon_norms(hf) == 2 else "parallel"
+    else:
+        if parallel and hf.get("num_ln_in_parallel_attn") == 2:
+            raise KvforgeError("falcon num_ln_in_parallel_attn=2 needs new_decoder_architecture (transformers fails without it)")
+        if layout == "per_head" and (hf.get("num_kv_heads") or heads) != heads:
+            raise KvforgeError("falcon without multi_query or the new architecture has one KV head per query head; "
+                               f"num_kv_heads {hf.get('num_kv_heads')} != {heads}")
+        kv = 1 if layout == "multi_query" else heads
+        block = "parallel" if parallel else "sequential"
+    bias = bool(hf.get("bias", False))
+    fields = dict(
+        n_kv_heads=kv, max_seq_len=hf.get("max_position_embeddings") or 2048, qkv_bias=bias, out_bias=bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), block=block,
+    )
+    if hf.get("alibi"):
+        # Falcon adds ALiBi before scaling the scores by 1/sqrt(head_dim), and transformers rounds it to bfloat16
+        fields.update(position="alibi", alibi_scale=1.0 / math.sqrt(dim // heads), alibi_bf16=True)
+    else:
+        fields.update(rope_fields(rope_parameters(hf), hf, partial_rotary=False))
+    cfg = _layernorm_mlp(hf, "falcon", dim, heads, hf["num_hidden_layers"], hf.get("ffn_hidden_size") or 4 * dim,
+                         "layer_norm_epsilon", activation(hf, "activation", "gelu"), **fields)
+    cfg["ffn_bias"] = bias
+    return cfg
+
+
+def _bloom(hf):
+    if hf.get("apply_residual_connection_post_layernorm"):
+        raise KvforgeError("bloom apply_residual_connection_post_layernorm=true is not supported (the residual would be "
+                           "the normed input; no released BLOOM uses it)")
+    if (hf.get("pretraining_tp") or 1) > 1 and hf.get("slow_but_exact"):
+        raise KvforgeError("bloom slow_but_exact with pretraining_tp > 1 is not supported (transformers then drops the "
+                           "biases of two projections)")
+    dim = require(hf, "hidden_size", "n_embed")
+    return _layernorm_mlp(
+        hf, "bloom", dim, require(hf, "n_head", "num_attention_heads"), require(hf, "n_layer", "num_hidden_layers"),
+        4 * dim, "layer_norm_epsilon", "gelu_tanh",  # BLOOM's GELU is the tanh form (its constant 0.79788456)
+        max_seq_len=first(hf, "max_position_embeddings", "seq_length", default=2048), position="alibi",
+        embed_norm=True, qkv_bias=True, out_bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+# --- weight tables --------------------------------------------------------------
+def _linear(ours: str, theirs: str, transform: Transform | None = None) -> Table:
+    return {f"{ours}.weight": (f"{theirs}.weight", transform), f"{ours}.bias": (f"{theirs}.bias", transform)}
+
+
+def _norm(ours: str, theirs: str, transform: Transform | None = None) -> Table:
+    return _linear(ours, theirs, transform)
+
+
+def llama_weights(norms: dict[str, str] | None = None, norm_transform: Transform | None = None) -> Table:
+    """model.layers.{i}.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj; `norms` maps kvforge's block norms to
+    the family's names (default: Llama's input_layernorm / post_attention_layernorm)."""
+    norms = norms or {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    table: Table = {
+        "embed.weight": ("model.embed_tokens.weight", None),
+        "norm.weight": ("model.norm.weight", norm_transform),
+        "lm_head.weight": ("lm_head.weight", None),
+    }
+    for ours, theirs in norms.items():
+        table[f"layers.{{i}}.{ours}.weight"] = (f"model.layers.{{i}}.{theirs}.weight", norm_transform)
+    for p in ("q", "k", "v", "o"):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"model.layers.{{i}}.self_attn.{p}_proj"))
+    for p in ("gate", "up", "down"):
+        table.update(_linear(f"layers.{{i}}.ffn.{p}_proj", f"model.layers.{{i}}.mlp.{p}_proj"))
+    return table
+
+
+def _qk_norms(theirs: str, q: Transform | None, k: Transform | None) -> Table:
+    return {
+        "layers.{i}.attn.q_norm.weight": (f"model.layers.{{i}}.self_attn.q_norm.{theirs}", q),
+        "layers.{i}.attn.k_norm.weight": (f"model.layers.{{i}}.self_attn.k_norm.{theirs}", k),
+    }
+
+
+_SANDWICH = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}
+
+
+def _qwen3_weights(hf, cfg) -> Table:
+    return {**llama_weights(), **_qk_norms("weight", repeat_heads(query_heads), repeat_heads(kv_heads))}
+
+
+def _olmo2_weights(hf, cfg) -> Table:
+    return {**llama_weights({"attn_out_norm": "post_attention_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}),
+            **_qk_norms("weight", None, None)}
+
+
+def _gemma_weights(hf, cfg) -> Table:
+    return llama_weights(norm_transform=plus_one)
+
+
+def _gemma2_weights(hf, cfg) -> Table:
+    return llama_weights(_SANDWICH, norm_transform=plus_one)
+
+
+def _gemma3_weights(hf, cfg) -> Table:
+    return {**llama_weights(_SANDWICH, norm_transform=plus_one),
+            **_qk_norms("weight", chain(plus_one, repeat_heads(query_heads)), chain(plus_one, repeat_heads(kv_heads)))}
+
+
+def _cohere_weights(hf, cfg) -> Table:
+    table = llama_weights({"attn_norm": "input_layernorm"})
+    for p, heads in (("q", query_heads), ("k", kv_heads)):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"model.layers.{{i}}.self_attn.{p}_proj", half_split(heads)))
+    # per-head LayerNorm weights (heads, head_dim), permuted like the features they scale
+    table.update(_qk_norms("weight", chain(flatten, half_split(query_heads)), chain(flatten, half_split(kv_heads))))
+    return table
+
+
+def _phi3_weights(hf, cfg) -> Table:
+    table = llama_weights()
+    qkv = lambda c: [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]  # noqa: E731
+    for j, p in enumerate("qkv"):
+        table[f"layers.{{i}}.attn.{p}_proj.weight"] = ("model.layers.{i}.self_attn.qkv_proj.weight", rows(qkv, j))
+    gate_up = lambda c: [c.ffn_dim, c.ffn_dim]  # noqa: E731
+    for j, p in enumerate(("gate", "up")):
+        table[f"layers.{{i}}.ffn.{p}_proj.weight"] = ("model.layers.{i}.mlp.gate_up_proj.weight", rows(gate_up, j))
+    return table
+
+
+def _gpt2_weights(hf, cfg) -> Table:
+    layer = "transformer.h.{i}"
+    table: Table = {
+        "embed.weight": ("transformer.wte.weight", None),
+        "positions.weight": ("transformer.wpe.weight", None),
+        **_norm("norm", "transformer.ln_f"),
+        **_norm("layers.{i}.attn_norm", f"{layer}.ln_1"),
+        **_norm("layers.{i}.ffn_norm", f"{layer}.ln_2"),
+        "layers.{i}.attn.o_proj.weight": (f"{layer}.attn.c_proj.weight", transpose),
+        "layers.{i}.attn.o_proj.bias": (f"{layer}.attn.c_proj.bias", None),
+        "layers.{i}.ffn.up_proj.weight": (f"{layer}.mlp.c_fc.weight", transpose),
+        "layers.{i}.ffn.up_proj.bias": (f"{layer}.mlp.c_fc.bias", None),
+        "layers.{i}.ffn.down_proj.weight": (f"{layer}.mlp.c_proj.weight", transpose),
+        "layers.{i}.ffn.down_proj.bias": (f"{layer}.mlp.c_proj.bias", None),
+        "lm_head.weight": ("lm_head.weight", None),  # only when tie_word_embeddings is false
+    }
+    for j, p in enumerate("qkv"):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.attn.c_attn", gpt2_qkv(j)))
+    return table
+
+
+def _mlp(prefix: str, up: str, down: str) -> Table:
+    return {**_linear("layers.{i}.ffn.up_proj", f"{prefix}.{up}"), **_linear("layers.{i}.ffn.down_proj", f"{prefix}.{down}")}
+
+
+def _gpt_neox_weights(hf, cfg) -> Table:
+    layer = "gpt_neox.layers.{i}"
+    table: Table = {
+        "embed.weight": ("gpt_neox.embed_in.weight", None),
+        "lm_head.weight": ("lm_head.weight", None),
+        **_norm("norm", "gpt_neox.final_layer_norm"),
+        **_norm("layers.{i}.attn_norm", f"{layer}.input_layernorm"),
+        **_norm("layers.{i}.ffn_norm", f"{layer}.post_attention_layernorm"),
+        **_linear("layers.{i}.attn.o_proj", f"{layer}.attention.dense"),
+        **_mlp(f"{layer}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
+    }
+    for j, p in enumerate("qkv"):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.attention.query_key_value", per_head(3, j)))
+    return table
+
+
+def _gptj_weights(hf, cfg) -> Table:
+    layer = "transformer.h.{i}"
+    table: Table = {
+        "embed.weight": ("transformer.wte.weight", None),
+        **_linear("lm_head", "lm_head"),
+        **_norm("norm", "transformer.ln_f"),
+        **_norm("layers.{i}.attn_norm", f"{layer}.ln_1"),
+        "layers.{i}.attn.v_proj.weight": (f"{layer}.attn.v_proj.weight", None),
+        "layers.{i}.attn.o_proj.weight": (f"{layer}.attn.out_proj.weight", None),
+        "layers.{i}.attn.q_proj.weight": (f"{layer}.attn.q_proj.weight", half_split(query_heads)),
+        "layers.{i}.attn.k_proj.weight": (f"{layer}.attn.k_proj.weight", half_split(kv_heads)),
+        **_mlp(f"{layer}.mlp", "fc_in", "fc_out"),
+    }
+    return table
+
+
+def _falcon_weights(hf, cfg) -> Table:
+    layer = "transformer.h.{i}"
+    two = _falcon_norms(hf) == 2
+    table: Table = {
+        "embed.weight": ("transformer.word_embeddings.weight", None),
+        "lm_head.weight": ("lm_head.weight", None),
+        **_norm("norm", "transformer.ln_f"),
+        **_norm("layers.{i}.attn_norm", f"{layer}.{'ln_attn' if two else 'input_layernorm'}"),
+        **_norm("layers.{i}.ffn_norm", f"{layer}.{'ln_mlp' if two else 'post_attention_layernorm'}"),
+        **_linear("layers.{i}.attn.o_proj", f"{layer}.self_attention.dense"),
+        **_mlp(f"{layer}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
+    }
+    layout = _falcon_layout(hf)
+    mqa = lambda c: [c.n_heads * c.head_dim, c.head_dim, c.head_dim]  # noqa: E731
+    for j, p in enumerate("qkv"):
+        split = {"grouped": falcon_grouped(j), "multi_query": rows(mqa, j), "per_head": per_head(3, j)}[layout]
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.self_attention.query_key_value", split))
+    return table
+
+
+def _bloom_weights(hf, cfg) -> Table:
+    layer = "transformer.h.{i}"
+    table: Table = {
+        "embed.weight": ("transformer.word_embeddings.weight", None),
+        "lm_head.weight": ("lm_head.weight", None),
+        **_norm("embed_norm", "transformer.word_embeddings_layernorm"),
+        **_norm("norm", "transformer.ln_f"),
+        **_norm("layers.{i}.attn_norm", f"{layer}.input_layernorm"),
+        **_norm("layers.{i}.ffn_norm", f"{layer}.post_attention_layernorm"),
+        **_linear("layers.{i}.attn.o_proj", f"{layer}.self_attention.dense"),
+        **_mlp(f"{layer}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
+    }
+    for j, p in enumerate("qkv"):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.self_attention.query_key_value", per_head(3, j)))
+    return table
+
+
+# --- the families -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    config: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
+    weights: Callable[[dict[str, Any], Any], Table]  # (config.json, ModelConfig) -> weight table
+    # checkpoint names some files use instead of the table's: an optional prefix to add (files saved from the
+    # base model, without the causal-LM wrapper's), and whole-name aliases (older releases)
+    add_prefix: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def _static(table: Table) -> Callable[[dict[str, Any], Any], Table]:
+    return lambda hf, cfg: table
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(_llama, _static(llama_weights())),
+    "mistral": Family(_mistral, _static(llama_weights())),
+    "qwen2": Family(_qwen2, _static(llama_weights())),
+    "qwen3": Family(_qwen3, _qwen3_weights),
+    "olmo2": Family(_olmo2, _olmo2_weights),
+    "granite": Family(_granite, _static(llama_weights())),
+    "cohere": Family(_cohere, _cohere_weights),
+    "phi3": Family(_phi3, _phi3_weights),
+    "gemma": Family(_gemma, _gemma_weights),
+    "gemma2": Family(_gemma2, _gemma2_weights),
+    "gemma3_text": Family(_gemma3_text, _gemma3_weights),
+    "gpt2": Family(_gpt2, _gpt2_weights, add_prefix="transformer."),
+    "gpt_neox": Family(_gpt_neox, _gpt_neox_weights, aliases={"embed_out.weight": "lm_head.weight"}),
+    "gptj": Family(_gptj, _gptj_weights),
+    "falcon": Family(_falcon, _falcon_weights),
+    "bloom": Family(_bloom, _bloom_weights, add_prefix="transformer."),
+}

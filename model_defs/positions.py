@@ -1,0 +1,234 @@
+"""Position schemes: RoPE (with its frequency scalings), ALiBi, learned and sinusoidal embeddings.
+
+RoPE and ALiBi act inside attention (RoPE rotates q and k, ALiBi biases the
+scores); learned and sinusoidal positions are added to the embeddings. All of
+them are computed from position ids or the attention mask, so a left-padded
+row gets exactly the positions it would get alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+# --- RoPE ---------------------------------------------------------------------
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/rot) for i < rot/2, with the given scaling (not longrope: see LongRope)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["type"] == "linear":  # position interpolation: positions / factor
+        return inv_freq / scaling["factor"]
+    if scaling["type"] == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`,
+    # and interpolate smoothly in between (wavelengths measured against the
+    # original training context).
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_seq_len"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those that turn more than beta_fast times are kept, with a linear ramp in between."""
+    factor, original = s["factor"], s["original_max_seq_len"]
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast", 32.0)), correction_dim(s.get("beta_slow", 1.0))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + inv_freq * keep  # in transformers' order of operations
+
+
+def _yarn_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN scales cos and sin (so q.k by its square): attention_factor, or 0.1 ln(factor) + 1."""
+    if scaling is None or scaling["type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 1.0 if scaling["factor"] <= 1 else 0.1 * math.log(scaling["factor"]) + 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with real cos/sin computed from position ids (no table to outgrow).
+
+    theta and scaling default to the config's (`rope_theta`, `rope_scaling`);
+    Gemma 3's windowed layers pass their own base and no scaling.
+    """
+
+    def __init__(self, cfg: ModelConfig, theta: float | None = None, scaling: dict[str, Any] | None = None):
+        super().__init__()
+        self.rotary_dim = cfg.rotary_dim
+        theta = cfg.rope_theta if theta is None else theta
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, theta, scaling), persistent=False)
+        self.attention_factor = _yarn_attention_factor(scaling)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids: (B, T) -> cos, sin: (B, T, rotary_dim), float32
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return emb.cos(), emb.sin()
+
+
+class LongRope(nn.Module):
+    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` while the batch's positions stay within the
+    original context and `long_factor` beyond it, and cos/sin scaled by the attention factor.
+
+    As transformers: the choice is made per forward call from the largest position id in the batch.
+    """
+
+    def __init__(self, cfg: ModelConfig, theta: float | None = None):
+        super().__init__()
+        s = cfg.rope_scaling
+        self.rotary_dim = cfg.rotary_dim
+        self.original = int(s["original_max_seq_len"])
+        base = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta if theta is None else theta, None)
+        self.register_buffer("short_inv_freq", base / torch.tensor(s["short_factor"], dtype=torch.float32), persistent=False)
+        self.register_buffer("long_inv_freq", base / torch.tensor(s["long_factor"], dtype=torch.float32), persistent=False)
+        self.attention_factor = float(s["attention_factor"])
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        long = position_ids.max() + 1 > self.original  # 0-d bool: a Where in the graph, no branch
+        inv_freq = torch.where(long, self.long_inv_freq, self.short_inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+def build_rope(cfg: ModelConfig, local: bool = False) -> nn.Module:
+    """The RoPE of full-attention layers, or (local=True) of windowed layers when they have their own base."""
+    if local:
+        return RotaryEmbedding(cfg, theta=cfg.local_rope_theta, scaling=None)
+    if cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope":
+        return LongRope(cfg)
+    return RotaryEmbedding(cfg, scaling=cfg.rope_scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim features of x: (B, heads, T, D) by cos/sin: (B, T, rot).
+
+    The half-split layout (rotate_half) is the one Hugging Face Llama-family
+    checkpoints are stored for, so their q/k weights need no permutation;
+    checkpoints made for interleaved pairs (GPT-J, Cohere) get their q/k rows
+    permuted at import (hf.py), which computes the same scores.
+    """
+    rot = cos.shape[-1]
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# --- ALiBi --------------------------------------------------------------------
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """BLOOM's head slopes: a geometric sequence 2^(-8/n), 2^(-16/n), ... for the largest power of two
+    n <= n_heads, then every other slope of the sequence for 2n heads for the remaining heads."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** k for k in range(1, closest + 1)]
+    if closest != n_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        remaining = min(closest, n_heads - closest)
+        slopes += [extra_base ** k for k in range(1, 2 * remaining, 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class Alibi(nn.Module):
+    """Attention-score biases slope_h * (key position - query position), float32 (B, H, T, S).
+
+    Positions count real tokens (the attention mask's cumulative sum), as BLOOM
+    computes them, so left padding does not shift them. BLOOM adds
+    slope * key_position; subtracting the query's position changes each score
+    row by a constant, which softmax ignores, and keeps the biases small (exact
+    in FP16 graphs too). `alibi_scale` multiplies the slopes (Falcon adds the
+    bias before scaling the scores by 1/sqrt(head_dim)).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads) * cfg.alibi_scale, persistent=False)
+
+    def forward(self, attention_mask: torch.Tensor, seq: int) -> torch.Tensor:
+        # (B, S); summed in float32 (exact below 2^24): TensorRT's CumSum takes no integers
+        pos = (attention_mask.float().cumsum(-1) - 1).clamp(min=0)
+        rel = pos[:, None, :] - pos[:, -seq:, None]  # (B, T, S): key - query
+        return self.slopes[None, :, None, None] * rel[:, None]
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 (to nearest even), kept in float32."""
+    return x.to(torch.bfloat16).float()
+
+
+class FalconAlibi(nn.Module):
+    """Falcon's ALiBi as transformers computes it, whatever the model dtype: bf16(bf16(slope) * bf16(key position)),
+    times alibi_scale; (B, H, 1, S), the same for every query. The rounding makes the biases depend on absolute
+    positions, so they are not made relative as in `Alibi`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("slopes", _bf16(alibi_slopes(cfg.n_heads)), persistent=False)
+        self.scale = cfg.alibi_scale
+
+    def forward(self, attention_mask: torch.Tensor, seq: int) -> torch.Tensor:
+        mask = attention_mask.float()
+        pos = _bf16((mask.cumsum(-1) - 1) * mask)  # (B, S); padding keys at 0
+        return (_bf16(self.slopes[None, :, None] * pos[:, None, :]) * self.scale)[:, :, None, :]
+
+
+def build_alibi(cfg: ModelConfig) -> nn.Module:
+    return FalconAlibi(cfg) if cfg.alibi_bf16 else Alibi(cfg)
+
+
+# --- absolute positions added to the embeddings --------------------------------
+class LearnedPositions(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.dim))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)  # (B, T, C)
+
+
+class SinusoidalPositions(nn.Module):
+    """sin/cos of position * 10000^(-2i/C), interleaved as in the original Transformer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv = torch.exp(torch.arange(0, cfg.dim, 2, dtype=torch.float32) * (-math.log(10000.0) / cfg.dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        angles = position_ids[..., None].float() * self.inv_freq  # (B, T, C/2)
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, C)
