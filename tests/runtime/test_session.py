@@ -116,10 +116,25 @@ def test_batched_left_padded_generation_equals_each_prompt_alone(mistral_bundle)
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
 
 
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """Exports with a max context of 16, past the window (8) of every windowed layer."""
+    cache = {}
+
+    def make(preset):
+        if preset not in cache:
+            cache[preset] = export(preset, tmp_path_factory.mktemp("ctx") / preset, max_context=16).path
+        return cache[preset]
+    return make
+
+
+# mistral-micro: every layer windowed (8); gemma-micro: windowed (8) and full layers alternate, so dropping
+# padding columns shortens the full layers' caches and only those capped ones that hold more than remains
+@pytest.mark.parametrize("preset", ["mistral-micro", "gemma-micro"])
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
-def test_a_batch_at_the_context_limit_gives_each_row_its_own_length(tmp_path_factory, backend):
+def test_a_batch_at_the_context_limit_gives_each_row_its_own_length(short_context, backend, preset):
     """A short prompt batched with one near the max context is not cut short by the other's padding."""
-    bundle = export("mistral-micro", tmp_path_factory.mktemp("ctx") / "m", max_context=16).path  # window 8 < 16
+    bundle = short_context(preset)
     prompts = [list(range(20, 34)), [7, 8, 9]]  # 14 and 3 tokens
     with runtime.load(bundle, backend=backend) as s:
         batched = s.generate(prompts, max_new_tokens=10, ignore_eos=True)
@@ -128,6 +143,28 @@ def test_a_batch_at_the_context_limit_gives_each_row_its_own_length(tmp_path_fac
     assert [(r.tokens, r.finish_reason) for r in batched] == [(r.tokens, r.finish_reason) for r in alone]
     assert [len(r.tokens) for r in batched] == [2, 10] and [r.finish_reason for r in batched] == ["context", "length"]
     assert [e.token for e in streamed] == alone[0].tokens and streamed[-1].finish_reason == "context"
+
+
+def test_windowed_layers_keep_capped_caches_over_four_windows(micro_bundle):
+    """gemma-micro (window 8 on layers 0 and 2, full attention on 1 and 3) generates 4 x 8 tokens: at every
+    step a windowed layer's cache holds min(length, 8) positions and a full layer's all of them, and the
+    tokens are the Torch reference's."""
+    bundle = micro_bundle("gemma-micro")
+    window, prompt = 8, [5, 77, 123, 9, 250]
+    assert bundle.io.windows == [window, None, window, None]
+    with runtime.load(bundle.path) as s:
+        logits, cache = s.forward(np.array([prompt], np.int64), last_logits_only=True)
+        tokens = []
+        for _ in range(4 * window):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits, cache = s.forward(np.array([[tokens[-1]]], np.int64), cache=cache, last_logits_only=True)
+            held = [a.shape[2] for a in s.backend.cache_arrays(cache)]
+            n = cache.length
+            assert held == [min(n, window)] * 2 + [n] * 2 + [min(n, window)] * 2 + [n] * 2, (n, held)
+        assert cache.length == len(prompt) + 4 * window
+        generated = s.generate(prompt, max_new_tokens=4 * window, ignore_eos=True).tokens
+    model, _ = load_model("gemma-micro")
+    assert tokens == generated == greedy_continuation(model, prompt, 4 * window)
 
 
 def test_sampling_is_seeded_and_its_limits_hold(tiny_bundle):
