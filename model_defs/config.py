@@ -67,9 +67,11 @@ class ModelConfig:
     # ["beta_fast", "beta_slow", "attention_factor", "truncate"]} or {"type": "longrope", "short_factor": [...],
     # "long_factor": [...], "original_max_seq_len", "attention_factor"}; None = plain RoPE
     rope_scaling: dict[str, Any] | None = None
-    # Windowed layers' RoPE base (Gemma 3's rope_local_base_freq): they then rotate with plain RoPE of
-    # this base and rope_scaling applies to full-attention layers only. None: one RoPE for all layers.
+    # Windowed layers' RoPE base (Gemma 3's rope_local_base_freq): they then rotate with RoPE of this base
+    # and local_rope_scaling (linear / llama3 / yarn, or None), and rope_scaling applies to full-attention
+    # layers only. None: one RoPE for all layers.
     local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
     alibi_scale: float = 1.0  # position="alibi": multiplies BLOOM's slopes (Falcon: 1/sqrt(head_dim))
     alibi_bf16: bool = False  # Falcon: slopes, key positions and biases rounded to bfloat16, as transformers computes them
 
@@ -162,6 +164,10 @@ class ModelConfig:
                 problems.append(f"{name} must be a positive number or None, got {value!r}")
         if self.local_rope_theta is not None and (self.position != "rope" or self.sliding_window is None):
             problems.append("local_rope_theta is the RoPE base of windowed layers: it needs position='rope' and a sliding_window")
+        if self.local_rope_scaling is not None:
+            if self.local_rope_theta is None:
+                problems.append("local_rope_scaling scales the windowed layers' own RoPE: it needs local_rope_theta")
+            problems += self._scaling_problems("local_rope_scaling", self.local_rope_scaling, ("linear", "llama3", "yarn"))
         if self.sliding_window_layers is not None and any(
             not 0 <= i < self.n_layers for i in self.sliding_window_layers
         ):
@@ -173,13 +179,8 @@ class ModelConfig:
             elif not problems and (rot < 2 or rot % 2):
                 problems.append(f"rotary dimension {rot} (head_dim * rotary_fraction) must be even and >= 2")
             if self.rope_scaling is not None:
-                kind = self.rope_scaling.get("type")
-                if kind not in ROPE_SCALINGS:
-                    problems.append(f"rope_scaling type {kind!r} is not one of {ROPE_SCALINGS}")
-                missing = [k for k in _ROPE_SCALING_KEYS.get(kind, ()) if k not in self.rope_scaling]
-                if missing:
-                    problems.append(f"rope_scaling {kind!r} lacks {missing}")
-                elif kind == "longrope" and not problems:
+                problems += self._scaling_problems("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+                if self.rope_scaling.get("type") == "longrope" and not problems:
                     for key in ("short_factor", "long_factor"):
                         if len(self.rope_scaling[key]) != self.rotary_dim // 2:
                             problems.append(f"rope_scaling longrope {key} has {len(self.rope_scaling[key])} factors; "
@@ -195,6 +196,14 @@ class ModelConfig:
                     problems.append(f"{name}={value} is outside the vocabulary (size {self.vocab_size})")
         if problems:
             raise KvforgeError("invalid model config:\n  " + "\n  ".join(problems))
+
+    @staticmethod
+    def _scaling_problems(name: str, scaling: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
+        kind = scaling.get("type")
+        if kind not in allowed:
+            return [f"{name} type {kind!r} is not one of {allowed}"]
+        missing = [k for k in _ROPE_SCALING_KEYS[kind] if k not in scaling]
+        return [f"{name} {kind!r} lacks {missing}"] if missing else []
 
     # -- derived ---------------------------------------------------------------
     @property

@@ -177,6 +177,9 @@ def rope_parameters(hf: dict[str, Any], default_theta: float = 10000.0, theta_ke
         params["rope_type"] = params.get("type", "default")
     params.setdefault("rope_theta", first(hf, *theta_keys, default=default_theta))
     params.setdefault("partial_rotary_factor", first(hf, *partial_keys, default=default_partial))
+    if params["rope_type"] in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" in hf:
+        # a top-level value (Phi-3 style) wins over the one in rope_scaling, as transformers standardizes it
+        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
     return params
 
 
@@ -377,7 +380,7 @@ def _phi3(hf):
         params["rope_type"] = "longrope"
     if params["rope_type"] not in ("default", "longrope"):
         raise KvforgeError(f"phi3 rope type {params['rope_type']!r} is not one transformers' Phi-3 runs (default, longrope)")
-    params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings") or 4096
+    params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings") or 4096  # the class default
     cfg = llama_like(hf, "phi3", eps=1e-5, attention_bias=False, rope=rope_fields(params, hf, partial_rotary=True))
     cfg["ffn_bias"] = False
     if hf.get("sliding_window"):
@@ -386,8 +389,9 @@ def _phi3(hf):
 
 
 def _gemma_common(hf, family: str, act_key: str, rope: dict[str, Any] | None = None) -> dict[str, Any]:
-    _refuse(hf, "transformers' Gemma runs bidirectional attention only on some of its paths; kvforge exports causal "
-                "decoders", "use_bidirectional_attention")
+    _refuse(hf, "bidirectional attention makes an encoder (an embedding model), and kvforge exports causal decoders"
+                + ("" if family == "gemma3_text" else "; transformers' Gemma runs it only on some of its paths"),
+            "use_bidirectional_attention")
     cfg = llama_like(hf, family, head_dim=256, tie=True, act_key=act_key, act_default="gelu_pytorch_tanh", rope=rope)
     cfg.update(ffn_bias=False, embed_scale=float(torch.tensor(hf["hidden_size"] ** 0.5, dtype=torch.float32)))
     return cfg
@@ -414,30 +418,42 @@ def _gemma2(hf):
     return cfg
 
 
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(full-attention, sliding-attention) rope parameters, as Gemma3TextConfig builds them: nested
+    rope_parameters (or two default ones), a legacy rope_scaling merged into the full layers' only, and the
+    bases a nested dict lacks from rope_theta (full, 1e6) and rope_local_base_freq (sliding, 1e4)."""
+    nested = {k: dict(v) for k, v in (hf.get("rope_parameters") or {}).items() if isinstance(v, dict)}
+    full = nested.get("full_attention") or {"rope_type": "default"}
+    local = nested.get("sliding_attention") or {"rope_type": "default"}
+    if hf.get("rope_scaling"):
+        full.update(hf["rope_scaling"])
+    full.setdefault("rope_theta", hf.get("rope_theta", 1000000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    for params in (full, local):
+        params.setdefault("rope_type", params.get("type", "default"))
+        # transformers' YaRN reads `truncate` from the top of rope_parameters, which for Gemma 3 holds the two
+        # layer types' dicts: it always truncates
+        params["truncate"] = (hf.get("rope_parameters") or {}).get("truncate", True)
+    return full, local
+
+
 def _gemma3_text(hf):
     n = hf["num_hidden_layers"]
-    pattern = first(hf, "sliding_window_pattern", "_sliding_window_pattern", default=6)
+    pattern = hf.get("sliding_window_pattern", 6)  # transformers reads this key only (not _sliding_window_pattern)
     layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    # RoPE per layer type: nested rope_parameters, or the older rope_theta (full layers, with rope_scaling) and
-    # rope_local_base_freq (sliding layers, plain RoPE).
-    nested = hf.get("rope_parameters") or {}
-    full = dict(nested.get("full_attention") or {})
-    if not full:
-        full = dict(hf.get("rope_scaling") or {})
-        full.setdefault("rope_theta", hf.get("rope_theta", 1000000.0))
-    full.setdefault("rope_type", full.get("type", "default"))
-    full.setdefault("rope_theta", 1000000.0)
-    local = dict(nested.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)})
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise KvforgeError(f"gemma3 sliding-attention RoPE of type {local.get('rope_type')!r} is not supported (only default)")
+    full, local = _gemma3_rope(hf)
     cfg = _gemma_common(hf, "gemma3_text", "hidden_activation", rope=rope_fields(full, hf, partial_rotary=False))
     windows = windowed_layers(hf, n, hf.get("sliding_window", 4096), layer_types)
+    if windows:
+        local_rope = rope_fields(local, hf, partial_rotary=False)
+        if local_rope.get("rope_scaling", {}).get("type") == "longrope":
+            raise KvforgeError("gemma3 sliding-attention RoPE of type 'longrope' is not supported (linear, llama3, yarn are)")
+        cfg.update(local_rope_theta=local_rope["rope_theta"], local_rope_scaling=local_rope.get("rope_scaling"))
     cfg.update(
         norm_placement="sandwich", qk_norm="head",
         attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         attn_softcap=None,  # transformers' Gemma 3 never applies attn_logit_softcapping
         final_softcap=hf.get("final_logit_softcapping"),
-        local_rope_theta=float(local.get("rope_theta", 10000.0)) if windows else None,
         **windows,
     )
     return cfg
@@ -469,30 +485,39 @@ def _layernorm_mlp(hf, family: str, dim: int, heads: int, layers: int, ffn_dim: 
     )
 
 
+def rotary_fraction(family: str, rot: int, head_dim: int) -> float:
+    """The ModelConfig fraction that gives exactly `rot` rotary features of a head_dim head (int(head_dim * f))."""
+    if not 2 <= rot <= head_dim or rot % 2:
+        raise KvforgeError(f"{family}: {rot} rotary features must be even and within the head dimension {head_dim}")
+    fraction = rot / head_dim
+    while int(head_dim * fraction) < rot:  # the float must give back exactly rot features
+        fraction = math.nextafter(fraction, 1.0)
+    return fraction
+
+
 def _gpt_neox(hf):
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     bias = bool(hf.get("attention_bias", True))
     # GPT-NeoX reads its base and rotary fraction from rotary_emb_base / rotary_pct (a top-level rope_theta is ignored)
     params = rope_parameters(hf, theta_keys=("rotary_emb_base",), partial_keys=("rotary_pct",), default_partial=0.25)
+    rope = rope_fields(params, hf, partial_rotary=True)
+    # its heads are always hidden / heads wide; a config's head_dim only sizes the rotary part, int(head_dim * pct)
+    head_dim = dim // heads
+    rope["rotary_fraction"] = rotary_fraction("gpt_neox", int((hf.get("head_dim") or head_dim) * rope["rotary_fraction"]), head_dim)
     return _layernorm_mlp(
         hf, "gpt_neox", dim, heads, hf["num_hidden_layers"], hf["intermediate_size"], "layer_norm_eps",
         activation(hf, "hidden_act", "gelu"),
-        head_dim=hf.get("head_dim") or dim // heads, max_seq_len=hf.get("max_position_embeddings") or 2048,
+        head_dim=head_dim, max_seq_len=hf.get("max_position_embeddings") or 2048,
         qkv_bias=bias, out_bias=bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         block="parallel_two_norms" if hf.get("use_parallel_residual", True) else "sequential",
-        **rope_fields(params, hf, partial_rotary=True),
+        **rope,
     )
 
 
 def _gptj(hf):
     dim, heads = require(hf, "n_embd", "hidden_size"), require(hf, "n_head", "num_attention_heads")
     head_dim = dim // heads
-    rot = int(hf.get("rotary_dim") or 64)
-    if not 2 <= rot <= head_dim or rot % 2:
-        raise KvforgeError(f"gptj rotary_dim {rot} must be even and within the head dimension {head_dim}")
-    fraction = rot / head_dim
-    while int(head_dim * fraction) < rot:  # the float must give back exactly rot rotary features
-        fraction = math.nextafter(fraction, 1.0)
+    fraction = rotary_fraction("gptj", int(hf.get("rotary_dim") or 64), head_dim)
     return _layernorm_mlp(
         hf, "gptj", dim, heads, require(hf, "n_layer", "num_hidden_layers"), hf.get("n_inner") or 4 * dim,
         "layer_norm_epsilon", activation(hf, "activation_function", "gelu_new"),

@@ -106,9 +106,11 @@ class LongRope(nn.Module):
         s = cfg.rope_scaling
         self.rotary_dim = cfg.rotary_dim
         self.original = int(s["original_max_seq_len"])
-        base = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta if theta is None else theta, None)
-        self.register_buffer("short_inv_freq", base / torch.tensor(s["short_factor"], dtype=torch.float32), persistent=False)
-        self.register_buffer("long_inv_freq", base / torch.tensor(s["long_factor"], dtype=torch.float32), persistent=False)
+        theta = cfg.rope_theta if theta is None else theta
+        powers = theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64).float() / cfg.rotary_dim)
+        for name in ("short", "long"):  # 1 / (factor * theta^(2i/rot)), in transformers' order of operations
+            factors = torch.tensor(s[f"{name}_factor"], dtype=torch.float32)
+            self.register_buffer(f"{name}_inv_freq", 1.0 / (factors * powers), persistent=False)
         self.attention_factor = float(s["attention_factor"])
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +124,7 @@ class LongRope(nn.Module):
 def build_rope(cfg: ModelConfig, local: bool = False) -> nn.Module:
     """The RoPE of full-attention layers, or (local=True) of windowed layers when they have their own base."""
     if local:
-        return RotaryEmbedding(cfg, theta=cfg.local_rope_theta, scaling=None)
+        return RotaryEmbedding(cfg, theta=cfg.local_rope_theta, scaling=cfg.local_rope_scaling)
     if cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope":
         return LongRope(cfg)
     return RotaryEmbedding(cfg, scaling=cfg.rope_scaling)

@@ -90,6 +90,12 @@ HF_VARIANTS = [
     ("qwen3", dict(num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
                    rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
     ("cohere", dict(use_qk_norm=False, num_key_value_heads=4, rope_theta=10000.0, attention_bias=False)),
+    ("gpt_neox", dict(hidden_size=72, head_dim=8, rotary_pct=1.0)),  # head_dim sizes only the rotary part
+    ("gemma3_text", dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                           truncate=False))),  # transformers truncates whatever this says
+    ("gemma3_text", dict(rope_scaling=None, rope_parameters=dict(  # sliding layers with a scaled RoPE of their own
+        full_attention=dict(rope_type="default", rope_theta=500.0),
+        sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=50.0)))),
 ]
 _HF_CLASSES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),

@@ -106,6 +106,45 @@ def test_more_valid_configs_of_each_family(tmp_path, family, overrides):
     torch.testing.assert_close(padded[1, 7:], hf_model(ids[1:, 7:]).logits[0], atol=ATOL, rtol=0)
 
 
+# config.json as older or hand-written files hold it (save_pretrained normalizes these away): the keys
+# changed, and transformers reading the same file is the reference.
+RAW_CONFIGS = [
+    # a top-level original_max_position_embeddings wins over rope_scaling's (llama3, yarn, longrope)
+    ("llama", dict(original_max_position_embeddings=16, rope_parameters=None, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32))),
+    ("qwen2", dict(original_max_position_embeddings=8, rope_parameters=None, rope_scaling=dict(type="yarn", factor=4.0))),
+    # Gemma 3: nested rope_parameters lacking their bases take rope_theta and rope_local_base_freq ...
+    ("gemma3_text", dict(rope_theta=500.0, rope_local_base_freq=50.0, rope_parameters=dict(
+        full_attention=dict(rope_type="default"), sliding_attention=dict(rope_type="default")))),
+    # ... a legacy rope_scaling merges into the full-attention layers' ...
+    ("gemma3_text", dict(rope_scaling=dict(rope_type="linear", factor=4.0), rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=500.0), sliding_attention=dict(rope_type="default", rope_theta=50.0)))),
+    # ... and without layer_types, only `sliding_window_pattern` sets the pattern (not `_sliding_window_pattern`)
+    ("gemma3_text", dict(layer_types=None, _sliding_window_pattern=3)),
+]
+
+
+@pytest.mark.parametrize("family, edits", RAW_CONFIGS, ids=[f"{f}-{'-'.join(e)}" for f, e in RAW_CONFIGS])
+@torch.no_grad()
+def test_config_files_as_hubs_hold_them(tmp_path, family, edits):
+    import json
+
+    import transformers
+
+    make_hf_model(family).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key, value in edits.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours, _ = load(tmp_path)
+    ids = _ids(2, 24, seed=5)  # past every original context the edits set
+    torch.testing.assert_close(ours(ids)[0], hf_model(ids).logits, atol=ATOL, rtol=0)
+
+
 def test_import_maps_config(hf_checkpoint):
     """Spot-check the config tables: family quirks land in the right fields."""
     gpt2 = load(hf_checkpoint("gpt2")).model.config
