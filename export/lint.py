@@ -7,6 +7,15 @@ Rules (each finding names the offending node):
 - dtypes: each op's data input has a type the parser accepts for that op;
   float64 anywhere is flagged (TensorRT silently narrows it to float32);
 - control flow: no If / Loop / Scan on a path to a graph output;
+- inputs and attributes the parser needs in a given form (onnx-tensorrt's
+  operator table, the notes column): CumSum's axis, Slice's axes and TopK's K
+  are constants, TopK's K is below 3840 and `sorted` is 1, ScatterND has no
+  `reduction` (MoE routing: TopK, then gather and scatter of the chosen
+  experts' tokens; a capped cache's Slice of its newest positions);
+- data-dependent shapes: a tensor whose shape depends on tensor values
+  (NonZero's output, or a shape computed from such values) may flow inside the
+  graph, but no graph output's shape may depend on one: kvforge's TensorRT
+  backend sizes every output from the input shapes before a step;
 - Q/DQ (DESIGN.md's recipe): zero points are zero; scales are positive
   constants whose dtype equals the dequantized dtype; FP8 needs opset >= 19
   and block-wise INT4 needs opset >= 21 and whole blocks (TensorRT reads the
@@ -176,6 +185,79 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
     return findings
 
 
+# (op, input index, what) the parser reads as a constant (an initializer or a Constant node)
+_CONSTANT_INPUTS = [("CumSum", 1, "axis"), ("Slice", 3, "axes"), ("TopK", 1, "K")]
+TOPK_MAX_K = 3840  # the parser's bound on TopK's K (onnx-tensorrt operators.md)
+# Inputs read as a shape: a data-dependent value there makes the output's shape data-dependent.
+_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "ConstantOfShape": (0,), "Tile": (1,), "Range": (0, 1, 2),
+                 "Slice": (1, 2), "TopK": (1,), "Resize": (2, 3), "Pad": (1,), "OneHot": (1,), "Upsample": (1,)}
+# Ops whose output shape is their first input's, whatever their other inputs hold.
+_SHAPE_OF_FIRST = {"ScatterND", "ScatterElements", "Scatter"}
+_DATA_DEPENDENT = {"NonZero"}
+
+
+def _attribute_findings(graph) -> list[Finding]:
+    findings = []
+    for i, node in enumerate(graph.node):
+        name, op = node.name or (node.output[0] if node.output else f"#{i}"), node.op_type
+        for rule_op, index, what in _CONSTANT_INPUTS:
+            if op != rule_op or len(node.input) <= index or not node.input[index]:
+                continue
+            value = _constant(graph, node.input[index])
+            if value is None:
+                findings.append(Finding("error", "constant-input", f"{op}'s {what} ({node.input[index]!r}) must be a "
+                                        "constant (an initializer or a Constant node) for TensorRT's parser", name, op))
+            elif op == "TopK" and int(np.max(value)) >= TOPK_MAX_K:
+                findings.append(Finding("error", "attribute", f"TopK's K is {int(np.max(value))}; TensorRT takes K < {TOPK_MAX_K}", name, op))
+        attrs = {a.name: a for a in node.attribute}
+        if op == "TopK" and "sorted" in attrs and attrs["sorted"].i != 1:
+            findings.append(Finding("error", "attribute", "TopK with sorted=0: TensorRT's parser needs sorted=1", name, op))
+        if op == "ScatterND" and "reduction" in attrs and attrs["reduction"].s not in (b"", b"none"):
+            findings.append(Finding("error", "attribute", f"ScatterND reduction {attrs['reduction'].s.decode()!r} is not "
+                                    "supported by TensorRT (only reduction='none')", name, op))
+    return findings
+
+
+def _data_dependent_findings(graph) -> list[Finding]:
+    """Follow shapes that depend on tensor values (from NonZero) forward; flag graph outputs they reach."""
+    shaped: dict[str, str] = {}  # tensor -> the node whose values decide its shape
+    valued: dict[str, str] = {}  # tensor -> the node whose values decide its values' being a shape (Shape of the above)
+    findings = []
+    for i, node in enumerate(graph.node):
+        name, op = node.name or (node.output[0] if node.output else f"#{i}"), node.op_type
+        if op in _DATA_DEPENDENT:
+            findings.append(Finding("warning", "data-dependent-shape", f"{op} makes a shape that depends on tensor values; "
+                                    "it may not reach a graph output's shape", name, op))
+            for out in node.output:
+                shaped[out] = valued[out] = name
+            continue
+        ins = [x for x in node.input if x]
+        if op in ("Shape", "Size"):
+            origin = next((shaped[x] for x in ins if x in shaped), None)
+            if origin:
+                valued[node.output[0]] = origin
+            continue
+        origin = None
+        for idx in _SHAPE_INPUTS.get(op, ()):
+            if idx < len(node.input) and node.input[idx] in valued:
+                origin = valued[node.input[idx]]
+        if origin is None:
+            sources = ins[:1] if op in _SHAPE_OF_FIRST else ins
+            origin = next((shaped[x] for x in sources if x in shaped), None)
+        value_origin = next((valued[x] for x in ins if x in valued), None)
+        for out in node.output:
+            if origin:
+                shaped[out] = origin
+            if value_origin:
+                valued[out] = value_origin
+    for out in graph.output:
+        if out.name in shaped:
+            findings.append(Finding("error", "data-dependent-shape", f"graph output {out.name!r} has a shape that depends "
+                                    f"on tensor values (from {shaped[out.name]}); kvforge's TensorRT backend sizes every "
+                                    "output from the input shapes before a step"))
+    return findings
+
+
 def _structure_findings(graph) -> list[Finding]:
     """Every tensor a node reads is a graph input, an initializer or an earlier node's output; every output is produced."""
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
@@ -242,6 +324,8 @@ def lint(model_or_path) -> dict[str, Any]:
             findings.append(Finding("error", "dtype", f"{op} does not take {tname} in TensorRT (accepts {', '.join(allowed)})", name, op))
 
     findings += _structure_findings(graph)
+    findings += _attribute_findings(graph)
+    findings += _data_dependent_findings(graph)
     findings += _qdq_findings(graph, types, opset)
     return {
         "passed": not any(f.severity == "error" for f in findings),

@@ -17,7 +17,7 @@ def _model(nodes, inputs, outputs, inits=(), opset=21, extra_opsets=()):
 
 
 def _vi(name, t=TP.FLOAT, shape=(2, 4)):
-    return helper.make_tensor_value_info(name, t, list(shape))
+    return helper.make_tensor_value_info(name, t, None if shape is None else list(shape))
 
 
 def _errors(result, rule):
@@ -116,3 +116,62 @@ def test_lint_reads_files_and_names_bad_ones(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(KvforgeError, match="not a readable ONNX model"):
         lint(tmp_path / "junk.onnx")
+
+
+def _i64(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def test_parser_constant_inputs_and_attributes():
+    """onnx-tensorrt's notes: CumSum's axis, Slice's axes and TopK's K are constants; K < 3840, sorted=1;
+    ScatterND without reduction. The same ops written as TensorRT takes them pass."""
+    x, idx = _vi("x", shape=(4, 8)), _vi("i", TP.INT64, (2, 1))
+    bad = [
+        helper.make_node("CumSum", ["x", "axis_in"], ["c"], name="cumsum_dyn_axis"),
+        helper.make_node("Slice", ["x", "st", "en", "axes_in"], ["s"], name="slice_dyn_axes"),
+        helper.make_node("TopK", ["x", "k_in"], ["v", "vi"], name="topk_dyn_k"),
+        helper.make_node("TopK", ["x", "k_big"], ["v2", "vi2"], name="topk_big_k", sorted=1),
+        helper.make_node("TopK", ["x", "k2"], ["v3", "vi3"], name="topk_unsorted", sorted=0),
+        helper.make_node("ScatterND", ["x", "i", "u"], ["sc"], name="scatter_add", reduction="add"),
+    ]
+    ins = [x, idx, _vi("axis_in", TP.INT64, ()), _vi("axes_in", TP.INT64, (1,)), _vi("k_in", TP.INT64, (1,)), _vi("u", shape=(2, 8))]
+    outs = [_vi(n, shape=None) for n in ("c", "s", "v", "vi", "v2", "vi2", "v3", "vi3", "sc")]
+    r = lint(_model(bad, ins, outs, [_i64("st", [0]), _i64("en", [2]), _i64("k_big", [4000]), _i64("k2", [2])]))
+    flagged = {(f["node"], f["rule"]) for f in r["findings"] if f["severity"] == "error"}
+    assert flagged == {("cumsum_dyn_axis", "constant-input"), ("slice_dyn_axes", "constant-input"),
+                       ("topk_dyn_k", "constant-input"), ("topk_big_k", "attribute"), ("topk_unsorted", "attribute"),
+                       ("scatter_add", "attribute")}
+    good = [
+        helper.make_node("CumSum", ["x", "axis"], ["c"]),
+        helper.make_node("Slice", ["x", "st", "en", "axes"], ["s"]),
+        helper.make_node("TopK", ["x", "k2"], ["v", "vi"]),
+        helper.make_node("ScatterND", ["x", "i", "u"], ["sc"]),
+    ]
+    inits = [_i64("axis", 1), _i64("st", [0]), _i64("en", [2]), _i64("axes", [1]), _i64("k2", [2])]
+    r = lint(_model(good, [x, idx, _vi("u", shape=(2, 8))], [_vi(n, shape=None) for n in ("c", "s", "v", "vi", "sc")], inits))
+    assert r["passed"], r["findings"]
+
+
+def test_data_dependent_shapes_may_not_reach_a_graph_output():
+    """MoE-style routing: NonZero picks the tokens of an expert, they are gathered, transformed and scattered back
+    into a tensor of the input's shape: fine. Returning the gathered tokens themselves is not."""
+    mask = _vi("m", TP.FLOAT, (6,))  # TensorRT's NonZero takes FP32/FP16 only
+    x = _vi("x", shape=(6, 4))
+    nodes = [
+        helper.make_node("NonZero", ["m"], ["nz"], name="route"),
+        helper.make_node("Transpose", ["nz"], ["rows"], perm=[1, 0]),
+        helper.make_node("GatherND", ["x", "rows"], ["picked"], name="gather"),
+        helper.make_node("Relu", ["picked"], ["expert_out"]),
+        helper.make_node("ScatterND", ["x", "rows", "expert_out"], ["y"], name="scatter_back"),
+    ]
+    r = lint(_model(nodes, [mask, x], [_vi("y", shape=(6, 4))]))
+    assert r["passed"], r["findings"]
+    assert [f["rule"] for f in r["findings"]] == ["data-dependent-shape"] and r["warnings"] == 1  # NonZero noted
+    r = lint(_model(nodes, [mask, x], [_vi("y", shape=(6, 4)), _vi("expert_out", shape=None)]))
+    errors = _errors(r, "data-dependent-shape")
+    assert len(errors) == 1 and "graph output 'expert_out'" in errors[0]["message"] and "from route" in errors[0]["message"]
+    # a shape computed from such values: Reshape to the count of chosen tokens
+    count = [helper.make_node("Shape", ["picked"], ["n"]), helper.make_node("Reshape", ["x", "n2"], ["z"])]
+    m = _model(nodes + count, [mask, x], [_vi("y", shape=(6, 4)), _vi("z", shape=None)])
+    m.graph.node[-1].input[1] = "n"
+    assert len(_errors(lint(m), "data-dependent-shape")) == 1

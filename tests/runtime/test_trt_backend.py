@@ -7,14 +7,11 @@ fails loudly.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import gc
 import importlib.util
 import json
 import shutil
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -27,13 +24,15 @@ from kvforge.calibration import calibrate
 from kvforge.cli import main
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.export import export
-from kvforge.export.engine import build, engine_manifest, resolve_limits, synthesize_profiles
+from kvforge.export.engine import BuildOptions, build, engine_manifest, resolve_limits, synthesize_profiles
 from kvforge.export.onnx_export import io_spec
 from kvforge.model_defs import ModelConfig
 from kvforge.runtime import trt_backend
 from kvforge.runtime.trt_backend import BufferPool, check_compatibility, plan_step
 
 from ..conftest import requires_tensorrt_gpu
+from .trt_standin import RELEASES, HostCuda, describe, impl_of
+from .trt_standin import tensorrt as standin_tensorrt
 
 ENGINE = {"tensorrt_version": "10.13.0.35", "gpu": {"name": "NVIDIA H100", "compute_capability": "9.0"},
           "hardware_compatibility": "none", "version_compatible": False, "source": {"bundle": "runs/tiny-int8"}}
@@ -259,150 +258,139 @@ def test_cli_takes_tensorrt_and_engine_bundles(micro, tmp_path, no_tensorrt):
         assert "Traceback" not in result.output
 
 
-# -- the step logic, over a stand-in TensorRT that runs ONNX Runtime in host memory -------------------
-class _HostCuda:
-    """polygraphy.cuda's surface, over host memory: device pointers are numpy buffers' addresses."""
+# -- TensorRT itself, release by release, without a GPU ----------------------------------------------
+# The stand-in tensorrt module of each described release (tests/runtime/trt_standin.py): its surface is
+# the release's own, from TensorRT's binding sources, and its engines run the graph with ONNX Runtime on
+# the tensors at the addresses the backend binds. kvforge's build and backend run against every release.
+@pytest.fixture
+def standin(monkeypatch):
+    """Factory: release -> (stand-in tensorrt module, host CUDA), installed where kvforge finds TensorRT and a GPU."""
+    from kvforge.export import engine as engine_mod
 
-    class MemcpyKind:
-        HostToHost, HostToDevice, DeviceToHost, DeviceToDevice = 0, 1, 2, 3
-
-    def __init__(self):
-        self.live: dict[int, np.ndarray] = {}
-        self.allocations = 0
-        self.copies = collections.Counter()
-        cuda = self
-
-        class DeviceArray:
-            @staticmethod
-            def raw(shape):
-                arr = DeviceArray()
-                arr.buf = np.full(int(shape[0]), 0xAB, np.uint8)  # garbage, as cudaMalloc gives
-                arr.ptr = arr.buf.ctypes.data
-                cuda.live[arr.ptr] = arr.buf
-                cuda.allocations += 1
-                return arr
-
-            def free(self):
-                cuda.live.pop(self.ptr)
-
-        class Stream:
-            def __init__(self):
-                self.ptr = 0x5EED
-
-            def synchronize(self):
-                pass
-
-            def free(self):
-                self.ptr = 0
-
-        class Wrapper:
-            def memcpy(self, dst, src, nbytes, kind, stream_ptr=None):
-                cuda.copies[kind] += 1
-                ctypes.memmove(dst, src, nbytes)
-
-        self.DeviceArray, self.Stream, self._wrapper = DeviceArray, Stream, Wrapper()
-
-    def wrapper(self):
-        return self._wrapper
+    def install(release, compute_capability="9.0"):
+        trt, cuda = standin_tensorrt(release), HostCuda()
+        device = {"name": "Stand-in GPU", "compute_capability": compute_capability, "count": 1}
+        monkeypatch.setattr(trt_backend._Log, "instance", None)  # one logger per process: this module's
+        monkeypatch.setattr(trt_backend, "require_tensorrt_gpu", lambda: (trt, device))
+        monkeypatch.setattr(engine_mod, "require_tensorrt_gpu", lambda: (trt, device))
+        monkeypatch.setattr(trt_backend, "_polygraphy_cuda", lambda: cuda)
+        return trt, cuda
+    return install
 
 
-def _host_array(ptr: int, shape, dtype) -> np.ndarray:
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return np.frombuffer((ctypes.c_char * max(n, 1)).from_address(ptr), dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+def test_the_api_descriptions_say_where_they_come_from():
+    assert RELEASES == ["10.16", "11.1"]  # the newest 10.x and the newest release (scripts/trt_api.py)
+    for release in RELEASES:
+        d = describe(release)
+        assert d["tag"] == f"v{release}" and len(d["commit"]) == 40 and d["generated_by"] == "scripts/trt_api.py"
+        assert not d["unparsed"] and any(s.endswith("pyCore.cpp") for s in d["sources"])
+    old, new = describe("10.16"), describe("11.1")
+    # what weak typing's removal took away, and what kvforge relies on staying
+    assert "FP16" in old["enums"]["BuilderFlag"]["members"] and "FP16" not in new["enums"]["BuilderFlag"]["members"]
+    assert "EXPLICIT_BATCH" in old["enums"]["NetworkDefinitionCreationFlag"]["members"]
+    assert "EXPLICIT_BATCH" not in new["enums"]["NetworkDefinitionCreationFlag"]["members"]
+    for d in (old, new):
+        assert {"TF32", "VERSION_COMPATIBLE"} <= set(d["enums"]["BuilderFlag"]["members"])
+        assert [a["name"] for a in d["classes"]["IBuilderConfig"]["methods"]["set_timing_cache"][0]["args"]] == ["cache", "ignore_mismatch"]
 
 
-def _fake_tensorrt(onnx_path, io, profiles, version="10.13.0.35"):
-    """A `tensorrt` module whose engine runs the ONNX graph with ONNX Runtime on the tensors at the bound addresses."""
-    import onnxruntime as ort
-
-    class DT:
-        def __init__(self, name):
-            self.name = name
-
-    dtypes = {t.name: t.dtype for t in io.inputs + io.outputs}
-    trt = types.SimpleNamespace(__version__=version, TensorIOMode=types.SimpleNamespace(INPUT="in", OUTPUT="out"))
-
-    class ILogger:
-        class Severity:
-            INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
-
-        def __init__(self):
-            pass
-
-    class Context:
-        def __init__(self):
-            self.session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-            self.profile, self.switches, self.shapes, self.addresses = 0, 0, {}, {}
-
-        def set_optimization_profile_async(self, index, stream):
-            self.switches += index != self.profile
-            self.profile = index
-
-        def set_input_shape(self, name, shape):
-            box = profiles[self.profile]["shapes"][name]
-            self.shapes[name] = tuple(shape)
-            return all(lo <= v <= hi for v, lo, hi in zip(shape, box["min"], box["max"]))
-
-        def get_tensor_shape(self, name):
-            B, T = self.shapes["input_ids"]
-            values = io.dim_values(B, T, self.shapes["attention_mask"][1] - T)  # capped caches: min(total, W)
-            return trt_backend.concrete_shape(next(t for t in io.outputs if t.name == name).shape, values)
-
-        def set_tensor_address(self, name, ptr):
-            self.addresses[name] = ptr
-            return True
-
-        def execute_async_v3(self, stream):
-            feeds = {t.name: _host_array(self.addresses[t.name], self.shapes[t.name], t.dtype).copy() for t in io.inputs}
-            for t, value in zip(io.outputs, self.session.run([t.name for t in io.outputs], feeds)):
-                out = _host_array(self.addresses[t.name], value.shape, value.dtype)
-                out[...] = value
-            return True
-
-    class Engine:
-        names = [t.name for t in io.inputs] + [t.name for t in io.outputs]
-        num_io_tensors, num_optimization_profiles = len(names), len(profiles)
-
-        def get_tensor_name(self, i):
-            return self.names[i]
-
-        def get_tensor_mode(self, name):
-            return "in" if name in {t.name for t in io.inputs} else "out"
-
-        def get_tensor_dtype(self, name):
-            return DT({"float32": "FLOAT", "float16": "HALF", "int64": "INT64"}[dtypes[name]])
-
-        def create_execution_context(self):
-            self.context = Context()
-            return self.context
-
-    class Runtime:
-        def __init__(self, logger):
-            self.engine_host_code_allowed = False
-
-        def deserialize_cuda_engine(self, data):
-            return Engine()
-
-    trt.ILogger, trt.Runtime = ILogger, Runtime
-    return trt
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_stand_in_refuses_what_the_release_does_not_have(standin, release):
+    """Deliberate misuse raises as TensorRT would: so kvforge code that did it would fail this suite."""
+    trt, _ = standin(release)
+    log = trt_backend._Log.get(trt)
+    builder = trt.Builder(log)
+    config = builder.create_builder_config()
+    with pytest.raises(TypeError, match="set_timing_cache\\(\\): incompatible function arguments"):
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatches=False)  # a misspelt keyword
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        builder.create_optimization_profile(0)  # an argument the method does not take
+    with pytest.raises(AttributeError, match="'tensorrt.IBuilderConfig' object has no attribute 'max_workspace_size'"):
+        config.max_workspace_size = 1 << 30  # removed in TensorRT 10
+    with pytest.raises(AttributeError, match="property 'num_inputs' of 'tensorrt.INetworkDefinition' object has no setter"):
+        builder.create_network(0).num_inputs = 3  # read-only
+    with pytest.raises(AttributeError, match="has no attribute 'Builderr'"):
+        trt.Builderr
+    with pytest.raises(TypeError, match="No constructor defined"):
+        trt.ICudaEngine()
+    if release.startswith("11"):  # removed with weak typing
+        with pytest.raises(AttributeError):
+            trt.BuilderFlag.FP16
+        with pytest.raises(AttributeError):
+            trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH
+    else:
+        config.set_flag(trt.BuilderFlag.FP16)
 
 
-def test_backend_steps_over_a_stand_in_tensorrt_match_onnxruntime(micro, tmp_path, monkeypatch):
-    """Inputs, cache hand-over, profile choice, last-row logits, chunked steps and buffer reuse, against ORT.
+def _misuse(monkeypatch, old: str, new: str) -> None:
+    """Rewrite one call in kvforge's engine build, as a careless edit would."""
+    import inspect
+    import textwrap
 
-    The stand-in runs the bundle's graph with ONNX Runtime on the tensors at the
-    addresses the backend binds, so any mistake in shapes, addresses or copies shows.
-    """
-    engine = _engine_bundle(micro, tmp_path / "e")
-    cuda = _HostCuda()
-    trt = _fake_tensorrt(micro.graph_file, micro.io, engine.manifest["engine"]["profiles"])
-    monkeypatch.setattr(trt_backend._Log, "instance", None)
-    monkeypatch.setattr(trt_backend, "require_tensorrt_gpu", lambda: (trt, {"name": "Fake GPU", "compute_capability": "9.0", "count": 1}))
-    monkeypatch.setattr(trt_backend, "_polygraphy_cuda", lambda: cuda)
+    from kvforge.export import engine as engine_mod
+
+    source = textwrap.dedent(inspect.getsource(engine_mod._build_engine))
+    assert old in source
+    namespace = dict(engine_mod.__dict__)
+    exec(compile(source.replace(old, new), engine_mod.__file__, "exec"), namespace)
+    monkeypatch.setattr(engine_mod, "_build_engine", namespace["_build_engine"])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("old, new, fails_on", [
+    ("ignore_mismatch=False", "ignore_mismatches=False", {"10.16", "11.1"}),  # an argument name misspelt
+    ("trt.BuilderFlag.VERSION_COMPATIBLE", "trt.BuilderFlag.FP16", {"11.1"}),  # a flag TensorRT 11 removed
+    ("builder.create_builder_config()", "builder.create_builder_config(network)", {"10.16", "11.1"}),
+])
+def test_a_misuse_in_the_build_code_fails_the_build(micro, standin, monkeypatch, tmp_path, release, old, new, fails_on):
+    standin(release)
+    _misuse(monkeypatch, old, new)
+    options = BuildOptions(version_compatible=True)
+    if release in fails_on:
+        with pytest.raises((TypeError, AttributeError)):
+            build(micro.path, tmp_path / "e", max_batch=2, max_context=32, options=options)
+        assert not (tmp_path / "e").exists()
+    else:
+        assert Bundle.is_bundle(build(micro.path, tmp_path / "e", max_batch=2, max_context=32, options=options).path)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_build_settings_reach_tensorrt_as_each_release_takes_them(micro, standin, tmp_path, release):
+    trt, _ = standin(release)
+    cache = tmp_path / "timing.cache"
+    options = BuildOptions(builder_optimization_level=2, hardware_compatibility="ampere_plus", version_compatible=True,
+                           timing_cache=str(cache))
+    engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=64, options=options)
+    plan = trt._state.plans[-1]
+    assert plan["strongly_typed"]  # 10.x: the STRONGLY_TYPED flag was passed; 11: always
+    assert "TF32" not in plan["flags"] and "VERSION_COMPATIBLE" in plan["flags"]  # TF32 off unless --tf32
+    assert plan["builder_optimization_level"] == 2 and plan["hardware_compatibility_level"] == "AMPERE_PLUS"
+    assert len(plan["profiles"]) == 2 and all(set(p) == {t.name for t in micro.io.inputs} for p in plan["profiles"])
+    m = engine.manifest["engine"]
+    assert m["tensorrt_version"] == trt.__version__ and m["version_compatible"]
+    # the timing cache goes back to TensorRT on the next build; one from another release is refused
+    saved = m["timing_cache"]["saved_sha256"]
+    again = build(micro.path, tmp_path / "e2", max_batch=2, max_context=64, options=options)
+    assert again.manifest["engine"]["timing_cache"]["loaded_sha256"] == saved
+    other = standin_tensorrt(next(r for r in RELEASES if r != release))
+    foreign = other.Builder(trt_backend._Log.get(trt)).create_builder_config().create_timing_cache(b"")
+    cache.write_bytes(bytes(foreign.serialize()))
+    with pytest.raises(KvforgeError, match="was written by another TensorRT version or GPU"):
+        build(micro.path, tmp_path / "e3", max_batch=2, max_context=64, options=options)
+    with runtime.load(engine.path) as s:  # a version-compatible plan: the runtime lets it bring its host code
+        assert s.backend.runtime.engine_host_code_allowed
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_build_then_run_on_a_stand_in_tensorrt_matches_onnxruntime(micro, standin, tmp_path, release):
+    """Inputs, cache hand-over (capped caches: mistral-micro's window is 8), profile choice, last-row logits,
+    chunked steps and buffer reuse, against ORT, through an engine kvforge built with this release's API."""
+    trt, cuda = standin(release)
+    engine = build(micro.path, tmp_path / "e", max_batch=4, max_context=128, opt_context=64)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 259, (2, 9), dtype=np.int64)
     with runtime.load(engine.path) as s, runtime.load(micro.path, variant=False) as ref:
-        ctx = s.backend.context
+        ctx = impl_of(s.backend.context)
         logits, cache = s.forward(ids)
         want, ref_cache = ref.forward(ids)
         np.testing.assert_array_equal(logits, want)
@@ -413,6 +401,7 @@ def test_backend_steps_over_a_stand_in_tensorrt_match_onnxruntime(micro, tmp_pat
         want_step, _ = ref.forward(ids[:, :1], cache=ref_cache)
         np.testing.assert_array_equal(step, want_step)
         assert ctx.profile == 1 and cache2.length == 10
+        assert [a.shape[2] for a in s.backend.cache_arrays(cache2)] == [8] * 4  # capped at the window
         last, _ = s.forward(ids, last_logits_only=True)  # only each row's last position comes back
         np.testing.assert_array_equal(last, want[:, -1:])
         chunked, c = s.forward(ids[:, 4:], cache=s.forward(ids[:, :4])[1])  # a chunk over a past: token by token
@@ -430,6 +419,14 @@ def test_backend_steps_over_a_stand_in_tensorrt_match_onnxruntime(micro, tmp_pat
     with s:
         with pytest.raises(KvforgeError, match="made before the session was last deactivated"):
             s.forward(ids[:, :1], cache=cache)
+
+
+def test_an_engine_of_another_release_is_refused(micro, standin, tmp_path):
+    standin("10.16")
+    engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=32)
+    standin("11.1")
+    with pytest.raises(KvforgeError, match="built with TensorRT 10.16.0.72 and this machine has TensorRT 11.1.0.106"):
+        runtime.load(engine.path).activate()
 
 
 # =========================== GPU: real engines of tiny ===========================================
