@@ -215,6 +215,9 @@ def _attribute_findings(graph) -> list[Finding]:
         if op == "ScatterND" and "reduction" in attrs and attrs["reduction"].s not in (b"", b"none"):
             findings.append(Finding("error", "attribute", f"ScatterND reduction {attrs['reduction'].s.decode()!r} is not "
                                     "supported by TensorRT (only reduction='none')", name, op))
+        if op == "ScatterElements" and "reduction" in attrs and attrs["reduction"].s not in (b"", b"none"):
+            findings.append(Finding("warning", "attribute", f"ScatterElements reduction {attrs['reduction'].s.decode()!r}: "
+                                    "TensorRT's parser does not support every reduction (onnx-tensorrt #953)", name, op))
     return findings
 
 

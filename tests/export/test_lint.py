@@ -133,14 +133,18 @@ def test_parser_constant_inputs_and_attributes():
         helper.make_node("TopK", ["x", "k_big"], ["v2", "vi2"], name="topk_big_k", sorted=1),
         helper.make_node("TopK", ["x", "k2"], ["v3", "vi3"], name="topk_unsorted", sorted=0),
         helper.make_node("ScatterND", ["x", "i", "u"], ["sc"], name="scatter_add", reduction="add"),
+        helper.make_node("ScatterElements", ["x", "ie", "ue"], ["se"], name="scatter_elements_max", reduction="max"),
     ]
-    ins = [x, idx, _vi("axis_in", TP.INT64, ()), _vi("axes_in", TP.INT64, (1,)), _vi("k_in", TP.INT64, (1,)), _vi("u", shape=(2, 8))]
-    outs = [_vi(n, shape=None) for n in ("c", "s", "v", "vi", "v2", "vi2", "v3", "vi3", "sc")]
+    ins = [x, idx, _vi("axis_in", TP.INT64, ()), _vi("axes_in", TP.INT64, (1,)), _vi("k_in", TP.INT64, (1,)), _vi("u", shape=(2, 8)),
+           _vi("ie", TP.INT64, (4, 8)), _vi("ue", shape=(4, 8))]
+    outs = [_vi(n, shape=None) for n in ("c", "s", "v", "vi", "v2", "vi2", "v3", "vi3", "sc", "se")]
     r = lint(_model(bad, ins, outs, [_i64("st", [0]), _i64("en", [2]), _i64("k_big", [4000]), _i64("k2", [2])]))
     flagged = {(f["node"], f["rule"]) for f in r["findings"] if f["severity"] == "error"}
     assert flagged == {("cumsum_dyn_axis", "constant-input"), ("slice_dyn_axes", "constant-input"),
                        ("topk_dyn_k", "constant-input"), ("topk_big_k", "attribute"), ("topk_unsorted", "attribute"),
                        ("scatter_add", "attribute")}
+    assert [(f["node"], f["severity"]) for f in r["findings"] if f["node"] == "scatter_elements_max"] == [
+        ("scatter_elements_max", "warning")]
     good = [
         helper.make_node("CumSum", ["x", "axis"], ["c"]),
         helper.make_node("Slice", ["x", "st", "en", "axes"], ["s"]),
