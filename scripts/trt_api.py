@@ -1526,13 +1526,19 @@ def sig(ovs: list) -> list[str]:
     return out
 
 
+def _diff_names(lines: list[str], a, b, removed, added, changed=None) -> None:
+    """Append a line per name only in `a` (removed(name)), only in `b` (added(name)), and, with `changed`,
+    per name in both whose entries differ (changed(name) gives the line, or None when they are alike)."""
+    lines += [removed(n) for n in sorted(set(a) - set(b), key=str)]
+    lines += [added(n) for n in sorted(set(b) - set(a), key=str)]
+    if changed is not None:
+        lines += [x for x in (changed(n) for n in sorted(set(a) & set(b), key=str)) if x]
+
+
 def diff(old: dict, new: dict) -> list[str]:
-    lines = []
+    lines: list[str] = []
     a, b = old["classes"], new["classes"]
-    for n in sorted(set(a) - set(b)):
-        lines.append(f"- class {n}")
-    for n in sorted(set(b) - set(a)):
-        lines.append(f"+ class {n}")
+    _diff_names(lines, a, b, lambda n: f"- class {n}", lambda n: f"+ class {n}")
     for n in sorted(set(a) & set(b)):
         ca, cb = a[n], b[n]
         if ca.get("bases") != cb.get("bases"):
@@ -1541,45 +1547,22 @@ def diff(old: dict, new: dict) -> list[str]:
             lines.append(f"~ {n}.__init__ {sig(ca.get('init', []))} -> {sig(cb.get('init', []))}")
         for bucket in ("methods", "static_methods"):
             ma, mb = ca.get(bucket, {}), cb.get(bucket, {})
-            for m in sorted(set(ma) - set(mb)):
-                lines.append(f"- {n}.{m}{'' if bucket == 'methods' else ' (static)'}")
-            for m in sorted(set(mb) - set(ma)):
-                lines.append(f"+ {n}.{m}{'' if bucket == 'methods' else ' (static)'} {sig(mb[m])}")
-            for m in sorted(set(ma) & set(mb)):
-                if sig(ma[m]) != sig(mb[m]):
-                    lines.append(f"~ {n}.{m} {sig(ma[m])} -> {sig(mb[m])}")
+            static = "" if bucket == "methods" else " (static)"
+            _diff_names(lines, ma, mb, lambda m: f"- {n}.{m}{static}", lambda m: f"+ {n}.{m}{static} {sig(mb[m])}",
+                        lambda m: f"~ {n}.{m} {sig(ma[m])} -> {sig(mb[m])}" if sig(ma[m]) != sig(mb[m]) else None)
         for bucket in ("properties", "static_properties"):
             pa, pb = ca.get(bucket, {}), cb.get(bucket, {})
-            for p in sorted(set(pa) - set(pb)):
-                lines.append(f"- {n}.{p} (property {pa[p]})")
-            for p in sorted(set(pb) - set(pa)):
-                lines.append(f"+ {n}.{p} (property {pb[p]})")
-            for p in sorted(set(pa) & set(pb)):
-                if pa[p] != pb[p]:
-                    lines.append(f"~ {n}.{p} property {pa[p]} -> {pb[p]}")
+            _diff_names(lines, pa, pb, lambda p: f"- {n}.{p} (property {pa[p]})", lambda p: f"+ {n}.{p} (property {pb[p]})",
+                        lambda p: f"~ {n}.{p} property {pa[p]} -> {pb[p]}" if pa[p] != pb[p] else None)
     ea, eb = old["enums"], new["enums"]
-    for n in sorted(set(ea) - set(eb)):
-        lines.append(f"- enum {n}")
-    for n in sorted(set(eb) - set(ea)):
-        lines.append(f"+ enum {n} {eb[n]['members']}")
+    _diff_names(lines, ea, eb, lambda n: f"- enum {n}", lambda n: f"+ enum {n} {eb[n]['members']}")
     for n in sorted(set(ea) & set(eb)):
         ma, mb = ea[n]["members"], eb[n]["members"]
-        for m in [x for x in ma if x not in mb]:
-            lines.append(f"- {n}.{m}")
-        for m in [x for x in mb if x not in ma]:
-            lines.append(f"+ {n}.{m}")
+        lines += [f"- {n}.{m}" for m in ma if m not in mb] + [f"+ {n}.{m}" for m in mb if m not in ma]
     fa, fb = old["functions"], new["functions"]
-    for n in sorted(set(fa) - set(fb)):
-        lines.append(f"- function {n}")
-    for n in sorted(set(fb) - set(fa)):
-        lines.append(f"+ function {n} {sig(fb[n])}")
-    for n in sorted(set(fa) & set(fb)):
-        if sig(fa[n]) != sig(fb[n]):
-            lines.append(f"~ function {n} {sig(fa[n])} -> {sig(fb[n])}")
-    for n in sorted(set(old["constants"]) - set(new["constants"])):
-        lines.append(f"- constant {n}")
-    for n in sorted(set(new["constants"]) - set(old["constants"])):
-        lines.append(f"+ constant {n}")
+    _diff_names(lines, fa, fb, lambda n: f"- function {n}", lambda n: f"+ function {n} {sig(fb[n])}",
+                lambda n: f"~ function {n} {sig(fa[n])} -> {sig(fb[n])}" if sig(fa[n]) != sig(fb[n]) else None)
+    _diff_names(lines, old["constants"], new["constants"], lambda n: f"- constant {n}", lambda n: f"+ constant {n}")
     return lines
 
 
