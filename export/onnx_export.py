@@ -42,6 +42,8 @@ def _example_sizes(windows: list[int | None]) -> tuple[int, int, int]:
     batch = next(b for b in (_EX_BATCH, 3, 6) if b not in capped)
     seq = next(s for s in (_EX_SEQ, 2, 7) if s not in capped | {batch})
     return batch, seq, _EX_PAST
+
+
 DEFAULT_OPSET = 21
 # ONNX's protobuf limit; above it weights must go to an external data file.
 PROTOBUF_LIMIT = 2**31 - 1
