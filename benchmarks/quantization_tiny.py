@@ -5,7 +5,10 @@ mean KL divergence from FP32, and calibration time. The headline INT8 recipe
 is also calibrated in a fresh process on 128 x 256 tokens to measure time and
 peak memory. Writes JSON and prints a Markdown table (the README's).
 
-    python3 benchmarks/quantization_tiny.py [--out benchmarks/results/quantization_tiny.json]
+    python3 benchmarks/quantization_tiny.py [--out benchmarks/results/quantization_tiny.json] [--only TEXT]
+
+--only re-measures the recipes whose label contains TEXT and merges them into
+the existing results file (the other rows and the headline cost stay).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ RECIPES = [
     ("fp8", {"method": "max", "smoothquant": 0.5}),
     ("fp8", {"method": "mse", "smoothquant": 0.5}),
     ("int8", {"method": "mse", "smoothquant": 0.5, "quantize_lm_head": True}),
+    ("int4", {"block_size": 128, "quantize_lm_head": True}),
     ("fp8", {"method": "max", "exclude": [r"layers\.0\."]}),
     ("fp8", {"method": "max", "exclude": [r"layers\.0\.", r"layers\.3\."]}),
     ("fp8", {"method": "max", "accuracy_budget": {"top1_agreement": 0.985}}),
@@ -96,7 +100,9 @@ def label(precision, options):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantization_tiny.json")
+    ap.add_argument("--only", help="re-measure the recipes whose label contains this, merged into --out")
     args = ap.parse_args()
+    recipes = [r for r in RECIPES if not args.only or args.only in label(*r)]
     from kvforge import runtime
     from kvforge.calibration import calibrate
     from kvforge.export import export
@@ -113,7 +119,7 @@ def main() -> int:
             reference = [logits for logits, _ in window_logits(s, chunks)]
         ref_ppl, _, _ = evaluate(fp32.path, reference, chunks)
         rows = []
-        for precision, options in RECIPES:
+        for precision, options in recipes:
             t = time.perf_counter()
             q = calibrate(fp32.path, tmp / "q", precision=precision, force=True, **options)
             seconds = time.perf_counter() - t
@@ -125,9 +131,20 @@ def main() -> int:
                          "perplexity": ppl, "perplexity_delta_pct": 100 * (ppl / ref_ppl - 1),
                          "top1_agreement": top1, "kl_divergence_mean": kl, "calibration_s": seconds})
             print(f"{rows[-1]['recipe']:45s} ppl {ppl:.3f} ({rows[-1]['perplexity_delta_pct']:+.2f}%)  top-1 {top1:.4f}  KL {kl:.5f}", flush=True)
-        child = subprocess.run([sys.executable, "-c", CHILD, str(fp32.path), str(tmp / "headline")],
-                               capture_output=True, text=True, check=True)
-        headline_cost = json.loads(child.stdout.strip().splitlines()[-1])
+        if args.only:
+            previous = json.loads(args.out.read_text())
+            measured = {r["recipe"]: r for r in rows}
+            order = [label(*r) for r in RECIPES]
+            kept = {r["recipe"]: r for r in previous["recipes"] if r["recipe"] not in measured}
+            def position(row):  # a budget row's label ends with what it kept in float
+                name = row["recipe"].split(", (kept")[0]
+                return order.index(name) if name in order else len(order)
+            rows = sorted({**kept, **measured}.values(), key=position)
+            headline_cost = previous["headline"]["calibration_128x256"]
+        else:
+            child = subprocess.run([sys.executable, "-c", CHILD, str(fp32.path), str(tmp / "headline")],
+                                   capture_output=True, text=True, check=True)
+            headline_cost = json.loads(child.stdout.strip().splitlines()[-1])
     result = {
         "benchmark": "quantization_tiny", "corpus": "tiny held-out", "tokens": int(chunks.size - len(chunks)),
         "windows": int(len(chunks)), "fp32_perplexity": ref_ppl, "recipes": rows,

@@ -56,11 +56,15 @@ def layer_name(node) -> str:
     return node.name
 
 
+TIED_FROM = "kvforge: tied to "
+
+
 def untie_lm_head(model) -> bool:
     """Give a tied vocabulary projection (MatMul over Transpose(embedding)) its own [K, N] weight, in place.
 
-    The embedding stays as it is for the Gather; the projection gets the transposed copy, which
-    calibration can then quantize like any linear layer. Returns whether the graph changed.
+    The projection gets a transposed copy, which calibration then quantizes like any linear layer; once
+    quantized, share_tied_head makes the embedding read the same codes, so the bundle stores the tensor
+    once. Returns whether the graph changed.
     """
     from onnx import numpy_helper
 
@@ -80,7 +84,9 @@ def untie_lm_head(model) -> bool:
     if embedding.ndim != 2 or perm != [1, 0]:
         return False
     name = "lm_head.untied_weight"
-    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(embedding.T), name))
+    untied = numpy_helper.from_array(np.ascontiguousarray(embedding.T), name)
+    untied.doc_string = f"{TIED_FROM}{transpose.input[0]}"  # the rewrite stores the two as one again (share_tied_head)
+    g.initializer.append(untied)
     head.input[1] = name
     if not any(transpose.output[0] in n.input for n in g.node) and transpose.output[0] not in {o.name for o in g.output}:
         g.node.remove(transpose)
@@ -275,7 +281,76 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
         nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
+    tied = [(t, inits[t.weight].doc_string[len(TIED_FROM):]) for t in targets
+            if inits[t.weight].doc_string.startswith(TIED_FROM)]
+    for t, embedding in tied:
+        share_tied_head(model, t, embedding, fmt, block_size, smooth.get(t.activation) if smooth else None)
+        record["weights"][t.layer]["shared_with_embedding"] = embedding
     return record
+
+
+def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: int | None,
+                    smoothing: np.ndarray | None = None) -> None:
+    """Store a tied embedding and its quantized head once: the codes in the embedding's [N, K] layout.
+
+    The head reads Transpose(DequantizeLinear(codes)) and the embedding Gather reads the same
+    DequantizeLinear (without the zero rows INT4 pads K with), so the embedding takes the head's
+    quantization too. SmoothQuant folded diag(s) into the head's rows of K; the embedding's rows are
+    divided by s after the Gather. ONNX Runtime's variant gives each its fast form again at load
+    (runtime/ort_variant.py); the bundle holds one tensor.
+    """
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    base = f"{head.layer}.weight"
+    codes = numpy_helper.to_array(inits[f"{base}_quantized"])  # [K', N]
+    scale = numpy_helper.to_array(inits[f"{base}_scale"])  # [N], or [K'/B, N] for int4
+    emb = inits[embedding]
+    n_vocab, k = emb.dims
+    name = "model.embed_and_lm_head.weight"
+    for suffix in ("_quantized", "_scale", "_zero_point"):
+        if f"{base}{suffix}" in inits:
+            g.initializer.remove(inits[f"{base}{suffix}"])
+    g.initializer.remove(emb)
+    shared = [numpy_helper.from_array(np.ascontiguousarray(codes.T), f"{name}_quantized"),
+              numpy_helper.from_array(np.ascontiguousarray(scale.T) if scale.ndim == 2 else scale, f"{name}_scale")]
+    dq_inputs = [f"{name}_quantized", f"{name}_scale"]
+    if fmt != "int4":
+        zp = helper.make_tensor(f"{name}_zero_point", shared[0].data_type, [n_vocab], np.zeros(n_vocab).tolist()) \
+            if fmt == "fp8" else numpy_helper.from_array(np.zeros(n_vocab, np.int8), f"{name}_zero_point")
+        shared.append(zp)
+        dq_inputs.append(f"{name}_zero_point")
+    g.initializer.extend(shared)
+    attrs = {"axis": 1, "block_size": block_size} if fmt == "int4" else {"axis": 0}  # per vocab row, or blocks along K
+    old_dq = next(n for n in g.node if n.op_type == "DequantizeLinear" and n.output[0] == f"{base}_dequantized")
+    readers = [i for i, n in enumerate(g.node) if n is old_dq or (n.op_type == "Gather" and n.input[0] == embedding)]
+    index = min(readers)  # before the first reader: the embedding Gather comes first
+    g.node.remove(old_dq)
+    nodes = [
+        helper.make_node("DequantizeLinear", dq_inputs, [f"{name}_dequantized"], name=f"{name}_dq", **attrs),
+        helper.make_node("Transpose", [f"{name}_dequantized"], [f"{base}_dequantized"], name=f"{base}_transpose", perm=[1, 0]),
+    ]
+    table = f"{name}_dequantized"
+    if codes.shape[0] != k:  # INT4's zero rows that complete K's last block: not part of the embedding
+        g.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), f"{name}_start"),
+                              numpy_helper.from_array(np.array([k], np.int64), f"{name}_end"),
+                              numpy_helper.from_array(np.array([1], np.int64), f"{name}_axis")])
+        nodes.append(helper.make_node("Slice", [table, f"{name}_start", f"{name}_end", f"{name}_axis"], [f"{name}_rows"],
+                                      name=f"{name}_unpad"))
+        table = f"{name}_rows"
+    for offset, node in enumerate(nodes):
+        g.node.insert(index + offset, node)
+    gathers = [node for node in g.node if node.op_type == "Gather" and node.input[0] == embedding]
+    if smoothing is not None:
+        g.initializer.append(numpy_helper.from_array((1.0 / smoothing).astype(numpy_helper.to_array(inits[f"{base}_scale"]).dtype),
+                                                     f"{name}_unsmooth"))
+    for node in gathers:
+        node.input[0] = table
+        if smoothing is not None:  # the rows hold W^T diag(s): the embedding is each row / s
+            rows, node.output[0] = node.output[0], f"{node.output[0]}_smoothed"
+            g.node.insert(list(g.node).index(node) + 1, helper.make_node(
+                "Mul", [node.output[0], f"{name}_unsmooth"], [rows], name=f"{node.name}_unsmooth"))
 
 
 def add_kv_cache_qdq(model, present_amax: dict[str, float], float_dtype) -> dict:

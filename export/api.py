@@ -36,6 +36,11 @@ class ExportValidationError(KvforgeError):
         self.summary = summary
 
 
+def tokenizer_ids(tokenizer) -> dict[str, int | None]:
+    """The special ids a tokenizer names (what other runtimes' configs fall back on)."""
+    return {} if tokenizer is None else {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
+
+
 def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
     from kvforge.model_defs import ModelConfig, source_kind
@@ -108,13 +113,22 @@ def export(
         import onnx
         import onnxruntime
 
+        from kvforge.ecosystem import write_ecosystem_files
+        from kvforge.model_defs import source_kind
+
+        io = io_spec(cfg, model.dtype, max_context)
+        precision = {"dtype": dtype, "quantization": None}
+        ecosystem = write_ecosystem_files(
+            tmp, cfg.to_dict(), io, GRAPH_FILE, precision, tokenizer_ids(tokenizer),
+            hf_source=Path(source) if source_kind(source) == "hf" else None,
+        )
         manifest = {
             "stage": "export",
             "graph": GRAPH_FILE,
             "external_data": EXTERNAL_DATA if (tmp / EXTERNAL_DATA).exists() else None,
             "model": cfg.to_dict(),
-            "io": io_spec(cfg, model.dtype, max_context).to_dict(),
-            "precision": {"dtype": dtype, "quantization": None},
+            "io": io.to_dict(),
+            "precision": precision,
             "opset": opset,
             "lineage": [{
                 "stage": "export",
@@ -127,6 +141,7 @@ def export(
             }],
             "validation": summary,
             "lint": lint_result,
+            "ecosystem": ecosystem,
         }
         write_manifest(tmp, manifest)
         progress("write", 1, 1)

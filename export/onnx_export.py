@@ -174,6 +174,44 @@ def _rename_dims(graph, windows: list[int | None]) -> None:
 _DEBUG_METADATA = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node", "pkg.torch.onnx.class_hierarchy")
 
 
+def _module_of(node) -> str:
+    """The module a node came from ("model.layers.0.attn.q_proj"), from the exporter's name scopes."""
+    import ast
+
+    text = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    try:
+        scopes = ast.literal_eval(text) if text else []
+    except (ValueError, SyntaxError):
+        scopes = []
+    return scopes[-2] if len(scopes) >= 2 and scopes[-2] else "model"
+
+
+def _name_initializers(graph) -> None:
+    """Name the exporter's anonymous initializers (val_123) after the modules that read them: a linear layer's
+    weight (stored [in, out]) becomes `model.layers.0.attn.q_proj.weight`, any other constant
+    `<module>.const_<n>` under the modules its readers share. Tools that show or refit weights by name
+    (Netron, Polygraphy, TensorRT's refitter) then see the names users know."""
+    import os.path
+
+    counters: dict[str, int] = {}
+    for value in list(graph.initializers.values()):
+        if not value.name.startswith("val_"):
+            continue
+        uses = list(value.uses())
+        if not uses:
+            continue
+        modules = [_module_of(u.node) for u in uses]
+        if len(uses) == 1 and uses[0].node.op_type in ("MatMul", "Gemm") and uses[0].idx == 1 and len(value.shape or ()) == 2:
+            name = f"{modules[0]}.weight"
+        else:
+            common = os.path.commonprefix([m.split(".") for m in modules])
+            scope = ".".join(common) or "model"
+            counters[scope] = counters.get(scope, -1) + 1
+            name = f"{scope}.const_{counters[scope]}"
+        if name not in graph.initializers:
+            value.name = name
+
+
 def _strip_debug_metadata(graph) -> None:
     for node in graph:
         for key in _DEBUG_METADATA:
@@ -225,6 +263,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
             quiet.setLevel(level)
     graph = program.model.graph
     _rename_dims(graph, windows)
+    _name_initializers(graph)
     _strip_debug_metadata(graph)
     program.model.producer_name = "kvforge"
     weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)

@@ -61,6 +61,9 @@ def source_kind(source: str | os.PathLike) -> str:
     text = str(source)
     path = Path(text)
     if path.is_dir():
+        if (path / "kvforge.json").is_file():  # a bundle also holds config.json, for Optimum
+            raise KvforgeError(f"{path} is a kvforge bundle (an exported graph), not a model source; pass the "
+                               "checkpoint or preset it was exported from")
         if (path / CHECKPOINT_CONFIG).is_file():
             return "kvforge"
         if (path / "config.json").is_file():

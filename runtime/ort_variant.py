@@ -1,6 +1,9 @@
 """An ONNX Runtime-specific variant of a bundle's graph, faster on ORT; the bundle's graph is untouched.
 
 Rewrites that keep the arithmetic (fewer or narrower kernels):
+- a tied embedding and quantized head that the bundle stores once get their
+  fast forms back: the head's codes transposed for an integer kernel, the
+  embedding a float table (unshare_tied_head);
 - sibling MatMuls that read the same activation with constant weights (q/k/v,
   gate/up) become one wider MatMul and a Split: one pass over the activation,
   one GEMV per group instead of three or two;
@@ -27,7 +30,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-VARIANT_VERSION = 5
+VARIANT_VERSION = 6
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -127,6 +130,69 @@ def add_logits_to_keep(model) -> None:
             out.type.tensor_type.shape.dim[1].dim_param = "num_logits_to_keep"
 
 
+def unshare_tied_head(model) -> int:
+    """Give a tied embedding and quantized head, stored once (DequantizeLinear of [vocab, K] codes read by the
+    embedding Gather and by the head through a Transpose), each its fast form: the head a DequantizeLinear of
+    transposed codes feeding its MatMul directly (ONNX Runtime then fuses it into an integer kernel), the
+    embedding a float table (a Gather of dequantized rows, not a dequantization of the whole table every
+    step). Memory at run time is what an untied bundle's is; returns the tables rewritten."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consumers = collections.defaultdict(list)
+    for n in g.node:
+        for x in n.input:
+            consumers[x].append(n)
+    done = 0
+    for dq in [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.input[1] in inits]:
+        users = consumers[dq.output[0]]
+        transposes = [u for u in users if u.op_type == "Transpose" and [list(a.ints) for a in u.attribute] in ([], [[1, 0]])]
+        gathers = [u for u in users if u.op_type == "Gather" and u.input[0] == dq.output[0]]
+        slices = [u for u in users if u.op_type == "Slice" and all(c.op_type == "Gather" for c in consumers[u.output[0]])]
+        if not transposes or len(transposes) + len(gathers) + len(slices) != len(users):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        axis, block = attrs.get("axis", 1), attrs.get("block_size", 0)
+        codes = numpy_helper.to_array(inits[dq.input[0]])
+        scale = numpy_helper.to_array(inits[dq.input[1]])
+        base = dq.output[0]
+        # the head: transposed codes, the scale along the other axis
+        g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(codes.T), f"{base}.T.codes"),
+                              numpy_helper.from_array(np.ascontiguousarray(scale.T) if scale.ndim == 2 else scale, f"{base}.T.scale")])
+        inputs = [f"{base}.T.codes", f"{base}.T.scale"] + list(dq.input[2:])
+        if len(dq.input) > 2 and dq.input[2] and scale.ndim == 2:
+            zp = numpy_helper.to_array(inits[dq.input[2]])
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(zp.T), f"{base}.T.zero_point"))
+            inputs[2] = f"{base}.T.zero_point"
+        new_attrs = {"axis": 1 - axis, **({"block_size": block} if block else {})}
+        for t in transposes:
+            idx = list(g.node).index(t)
+            g.node.remove(t)
+            g.node.insert(idx, helper.make_node("DequantizeLinear", inputs, [t.output[0]], name=f"{t.name}_dq", **new_attrs))
+        # the embedding: float rows, dequantized once here
+        width = np.repeat(scale, block, axis=axis)[: codes.shape[0], : codes.shape[1]] if block else (
+            scale[:, None] if axis == 0 else scale[None, :])
+        table = (codes.astype(np.float32) * width.astype(np.float32)).astype(scale.dtype)
+        g.initializer.append(numpy_helper.from_array(table, f"{base}.table"))
+        for gather in gathers:
+            gather.input[0] = f"{base}.table"
+        for s in slices:  # INT4's padding columns: cut here, once
+            start, end = (int(numpy_helper.to_array(inits[s.input[i]])[0]) for i in (1, 2))
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table[:, start:end]), f"{s.output[0]}.table"))
+            for gather in consumers[s.output[0]]:
+                gather.input[0] = f"{s.output[0]}.table"
+            g.node.remove(s)
+        g.node.remove(dq)
+        done += 1
+    if done:
+        used = {x for n in g.node for x in n.input}
+        kept = [i for i in g.initializer if i.name in used]
+        del g.initializer[:]
+        g.initializer.extend(kept)
+    return done
+
+
 def variant_path(bundle) -> Path:
     """Build (once) and return the cached ORT variant of `bundle`'s graph."""
     files = bundle.manifest.get("files", {})
@@ -151,6 +217,7 @@ def variant_path(bundle) -> Path:
         model = onnx.load(str(bundle.graph_file))
     except Exception as e:  # protobuf DecodeError, missing external data, ...
         raise KvforgeError(f"ONNX Runtime cannot load {bundle.graph_file}: it is not a readable ONNX model ({e})") from e
+    unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     add_logits_to_keep(model)
     if bundle.manifest["precision"]["dtype"] == "float32":
