@@ -193,3 +193,11 @@ def test_legacy_v4_config_keys(tmp_path, hf_checkpoint):
     model, _ = load(d)
     new, _ = load(hf_checkpoint("qwen2"))
     assert model.config == new.config
+
+
+def test_a_bundle_is_not_a_model_source(tmp_path, micro_bundle):
+    """A bundle holds config.json (for Optimum) beside kvforge.json; it is still no checkpoint to export from."""
+    bundle = micro_bundle("llama3-micro")
+    assert (bundle.path / "config.json").is_file()
+    with pytest.raises(KvforgeError, match="is a kvforge bundle \\(an exported graph\\), not a model source"):
+        load(bundle.path)
