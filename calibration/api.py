@@ -165,10 +165,7 @@ def calibrate(
 
         held_out = budget_ids(bundle, budget_data, budget_tokens)
 
-    try:
-        model = onnx.load(str(bundle.graph_file))
-    except Exception as e:  # protobuf's DecodeError and friends: the manifest did not catch the damage
-        raise KvforgeError(f"{bundle.graph_file} is not a readable ONNX model: {e}") from e
+    model = bundle.load_graph()  # a damage the manifest did not catch is named, not raised by protobuf
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
     _check_weights_finite(model, targets)
     activations = list(dict.fromkeys(t.activation for t in targets))

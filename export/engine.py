@@ -327,12 +327,7 @@ def _source_bundle(bundle) -> Bundle:
 
 
 def _load_graph(bundle: Bundle):
-    import onnx
-
-    try:
-        return onnx.load(str(bundle.graph_file), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError, missing file, ...
-        raise KvforgeError(f"{bundle.graph_file} is not a readable ONNX model: {e}") from e
+    return bundle.load_graph(external_data=False)
 
 
 def build_plan(bundle, max_batch: int | None = None, max_context: int | None = None, opt_batch: int | None = None,

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import glob
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,8 +212,41 @@ class Bundle:
 
     @property
     def tokenizer_file(self) -> Path | None:
+        """tokenizer.json, or None for a bundle made without one; one the manifest lists but the disk lacks is damage."""
         p = self.path / "tokenizer.json"
-        return p if p.is_file() else None
+        if p.is_file():
+            return p
+        if "tokenizer.json" in self.manifest.get("files", {}):
+            raise KvforgeError(f"bundle {self.path} is damaged: tokenizer.json is missing")
+        return None
+
+    def load_graph(self, external_data: bool = True):
+        """The graph (an onnx ModelProto), after checking that its external weights lie inside this bundle:
+        a location that is absolute or climbs out with '..' is refused before any loader follows it."""
+        import onnx
+        from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+        try:
+            model = onnx.load(str(self.graph_file), load_external_data=False)
+        except Exception as e:  # protobuf DecodeError, a missing file, ...
+            raise KvforgeError(f"{self.graph_file} is not a readable ONNX model: {e}") from e
+        root = self.path.resolve()
+        for tensor in _get_all_tensors(model):
+            if not uses_external_data(tensor):
+                continue
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            target = (root / location).resolve()
+            if os.path.isabs(location) or root not in target.parents:
+                raise KvforgeError(f"{self.graph_file} keeps the weights of {tensor.name!r} as external data at "
+                                   f"{location!r}, outside the bundle; refusing to read them")
+            if not target.is_file():
+                raise KvforgeError(f"bundle {self.path} is damaged: the external data file {location} that "
+                                   f"{self.manifest['graph']} names is missing")
+        if external_data:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(model, str(root))
+        return model
 
     def verify_files(self) -> None:
         """Check every file the manifest lists against its recorded size and hash."""
@@ -271,15 +306,29 @@ def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | P
     """Yield a temporary directory; on success it becomes `out`, on any error it vanishes.
 
     The caller writes the files and finally `write_manifest`; an existing
-    `out` (with force) is replaced only after the block completes.
+    `out` (with force) is replaced only after the block completes, in one step
+    where the OS can swap two directories (Linux), so a process killed at any
+    point leaves either the previous bundle or the new one at `out`. A bundle
+    that another process wrote at `out` meanwhile is not replaced without
+    force. What a killed process left beside `out` is cleared by the next
+    write there.
     """
     out = check_output_path(out, force, inputs)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
+    parent = out.resolve().parent
+    _clear_leftovers(out)
+    existed = out.exists()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
     try:
         yield tmp
         if not (tmp / MANIFEST).is_file():
             raise KvforgeError("internal error: a bundle was staged without a manifest")
+        if out.exists() and not (existed and force):
+            raise KvforgeError(f"{out} was written by another process while this one ran; it is left as that process "
+                               "wrote it (pass --force to replace it)")
         if out.exists():
+            if _exchange(tmp, out):
+                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous bundle
+                return
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             moved = False
             try:
@@ -292,10 +341,57 @@ def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | P
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except OSError as e:  # another process made `out` between the check above and now
+                raise KvforgeError(f"{out} was written by another process while this one ran ({e.strerror}); it is "
+                                   "left as that process wrote it") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the OS cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import errno
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # an older kernel, or a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _clear_leftovers(out: Path) -> None:
+    """Remove what a killed writer of `out` left beside it: its staging directory, and a previous bundle it had
+    moved aside (put back when `out` itself is missing)."""
+    for leftover in out.resolve().parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind, _, rest = leftover.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == "old" and not out.exists() and (leftover / MANIFEST).is_file():
+            os.replace(leftover, out)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:

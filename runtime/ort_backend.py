@@ -136,6 +136,8 @@ class OnnxRuntimeBackend(Backend):
             from .ort_variant import variant_path
 
             self.graph_path = variant_path(self.bundle)
+        else:
+            self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
         self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads)
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]

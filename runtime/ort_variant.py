@@ -213,10 +213,7 @@ def variant_path(bundle) -> Path:
         return target
     import onnx
 
-    try:
-        model = onnx.load(str(bundle.graph_file))
-    except Exception as e:  # protobuf DecodeError, missing external data, ...
-        raise KvforgeError(f"ONNX Runtime cannot load {bundle.graph_file}: it is not a readable ONNX model ({e})") from e
+    model = bundle.load_graph()
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     add_logits_to_keep(model)

@@ -81,10 +81,8 @@ def onnx_block_outputs(bundle: Bundle, batch: np.ndarray, inject: list[np.ndarra
     inject: the inputs of blocks 1..n-1 (the reference's outputs of blocks 0..n-2) to feed instead of
     the graph's own, so that each block's output error is its own.
     """
-    import onnx
-
     quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
-    return graph_block_outputs(onnx.load(str(bundle.graph_file)), bundle.model_config, bundle.io,
+    return graph_block_outputs(bundle.load_graph(), bundle.model_config, bundle.io,
                                bundle.manifest["precision"]["dtype"], quant, batch, inject)
 
 
