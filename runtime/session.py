@@ -6,7 +6,8 @@ release on exit) and also activates itself on first use.
 
 Threads: a Session may be shared between threads; its calls are serialized
 by a lock (each generation owns its own cache, so concurrent callers get the
-same results they would get alone, one after another).
+same results they would get alone, one after another). A stream takes the
+lock for each token's step only, never between tokens.
 """
 
 from __future__ import annotations
@@ -287,8 +288,10 @@ class Session:
         rows, single = self._prompts(prompt)
         if not single:
             raise KvforgeError("stream() takes one prompt; use generate() for a batch")
-        with self._lock:
-            yield from _stream_text(self, rows[0], config)
+        # No lock between tokens: each step takes it for its forward pass (the stream owns its cache), so the
+        # thread that holds an open stream, or any other, may use the session meanwhile, and a stream left
+        # unfinished holds nothing.
+        yield from _stream_text(self, rows[0], config)
 
 
 class TextStream:
