@@ -17,8 +17,16 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except KvforgeError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(e)}", err=True)
             sys.exit(1)
+
+
+def one_line(error: Exception) -> str:
+    """An error's message on one line: a multi-line one (a heading, then a list of problems) joined with '; '."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0] + "".join((" " if prev.endswith(":") else "; ") + line for prev, line in zip(lines, lines[1:]))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

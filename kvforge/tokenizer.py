@@ -28,6 +28,16 @@ def _import_tokenizers():
     return tokenizers
 
 
+def _check_utf8(text: str) -> None:
+    """Text with lone surrogates (bytes that were not UTF-8, as Python decodes command lines and file names
+    with surrogateescape) has no UTF-8 form to tokenize."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KvforgeError(f"the prompt is not valid UTF-8 text: {text[max(0, e.start - 10):e.end + 10]!r} holds "
+                           f"{text[e.start:e.end]!r}, not a character") from e
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -130,9 +140,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise KvforgeError(f"encode takes a str, got {type(text).__name__}")
+        _check_utf8(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        for text in texts:
+            _check_utf8(text)
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -106,6 +106,11 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         dup = sorted(set(part) & set(tensors))
         if dup:
             raise KvforgeError(f"tensors {dup[:5]} appear in more than one shard ({f.name})")
+        bad = {name: int((~torch.isfinite(t)).sum()) for name, t in part.items() if t.is_floating_point()}
+        bad = {name: n for name, n in bad.items() if n}
+        if bad:
+            names = ", ".join(f"{name} holds {n} NaN or infinite values" for name, n in sorted(bad.items())[:5])
+            raise KvforgeError(f"{f} is damaged: {names}" + (f" (and {len(bad) - 5} more tensors)" if len(bad) > 5 else ""))
         tensors.update(part)
     return tensors
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import re
 import shutil
 import sys
 
@@ -427,6 +428,28 @@ def test_an_engine_of_another_release_is_refused(micro, standin, tmp_path):
     standin("11.1")
     with pytest.raises(KvforgeError, match="built with TensorRT 10.16.0.72 and this machine has TensorRT 11.1.0.106"):
         runtime.load(engine.path).activate()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("random-bytes", r"TensorRT 10\.16\.0\.72 cannot deserialize .*model\.engine: .*Serialization assertion magicTagRead"),
+    ("other-gpu", r"cannot run here: .*built for compute capability 8\.0 \(Stand-in GPU\) and Stand-in GPU has compute capability 9\.0"),
+])
+def test_engines_tensorrt_cannot_run_are_refused_in_one_line_from_the_cli(micro, standin, tmp_path, damage, message):
+    """The bad-input matrix's engine cases where TensorRT is present: bytes that are no plan (their hash
+    recorded, so only TensorRT can tell) and an engine built on another GPU; one line, nothing changed."""
+    standin("10.16", compute_capability="8.0" if damage == "other-gpu" else "9.0")
+    engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=32)
+    if damage == "random-bytes":
+        (engine.path / "model.engine").write_bytes(np.random.default_rng(0).bytes(4096))
+        write_manifest(engine.path, {k: v for k, v in engine.manifest.items() if k not in ("format", "format_version", "files")})
+    else:
+        standin("10.16", compute_capability="9.0")
+    before = {p.name: p.read_bytes() for p in engine.path.iterdir()}
+    result = CliRunner().invoke(main, ["generate", str(engine.path), "--prompt", "x", "--max-new-tokens", "2"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(errors) == 1 and re.search(message, errors[0]), result.output
+    assert {p.name: p.read_bytes() for p in engine.path.iterdir()} == before
 
 
 # =========================== GPU: real engines of tiny ===========================================
