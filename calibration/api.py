@@ -13,7 +13,6 @@ import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
-from kvforge.export.api import tokenizer_ids
 from kvforge.tokenizer import Tokenizer
 from kvforge.runtime.ort_backend import make_session, prefill_feeds
 from kvforge.runtime.sampling import is_number
@@ -258,7 +257,7 @@ def calibrate(
         precision_record = {"dtype": dtype, "quantization": quantization}
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
         ecosystem = write_ecosystem_files(tmp, bundle.model_config, bundle.io, "model.onnx", precision_record,
-                                          tokenizer_ids(tokenizer), from_bundle=bundle.path)
+                                          tokenizer, from_bundle=bundle.path)
         lint_result = lint(tmp / "model.onnx")
         manifest: dict[str, Any] = {
             k: v for k, v in bundle.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")

@@ -343,8 +343,7 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
         g.node.insert(index + offset, node)
     gathers = [node for node in g.node if node.op_type == "Gather" and node.input[0] == embedding]
     if smoothing is not None:
-        g.initializer.append(numpy_helper.from_array((1.0 / smoothing).astype(numpy_helper.to_array(inits[f"{base}_scale"]).dtype),
-                                                     f"{name}_unsmooth"))
+        g.initializer.append(numpy_helper.from_array((1.0 / smoothing).astype(scale.dtype), f"{name}_unsmooth"))
     for node in gathers:
         node.input[0] = table
         if smoothing is not None:  # the rows hold W^T diag(s): the embedding is each row / s

@@ -36,11 +36,6 @@ class ExportValidationError(KvforgeError):
         self.summary = summary
 
 
-def tokenizer_ids(tokenizer) -> dict[str, int | None]:
-    """The special ids a tokenizer names (what other runtimes' configs fall back on)."""
-    return {} if tokenizer is None else {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
-
-
 def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
     from kvforge.model_defs import ModelConfig, source_kind
@@ -119,7 +114,7 @@ def export(
         io = io_spec(cfg, model.dtype, max_context)
         precision = {"dtype": dtype, "quantization": None}
         ecosystem = write_ecosystem_files(
-            tmp, cfg.to_dict(), io, GRAPH_FILE, precision, tokenizer_ids(tokenizer),
+            tmp, cfg.to_dict(), io, GRAPH_FILE, precision, tokenizer,
             hf_source=Path(source) if source_kind(source) == "hf" else None,
         )
         manifest = {

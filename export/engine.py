@@ -191,13 +191,12 @@ def check_profiles(io: IOSpec, profiles: list[dict[str, Any]], max_context: int)
             for k, lo in ((BATCH, 1), (SEQ, 1), (PAST, 0)):
                 if k in v and v[k] < lo:
                     raise KvforgeError(f"{where} {point}: {k} {v[k]} is below {lo}")
-            for w in {w for w in io.windows if w is not None}:  # a capped cache holds the newest min(., W) positions
-                past_w, total_w = window_dims(w)
-                want = {past_w: min(total - v.get(SEQ, 0), w), total_w: min(total, w)}
-                for k, x in want.items():
-                    if k in v and v[k] != x:
-                        raise KvforgeError(f"{where} {point}: {k} {v[k]} should be {x} (a cache capped at {w} positions "
-                                           f"over {total} tokens)")
+            expected = io.dim_values(v.get(BATCH, 1), v.get(SEQ, 0), total - v.get(SEQ, 0))  # capped: min(., W)
+            for w in {w for w in io.windows if w is not None}:
+                for k in window_dims(w):
+                    if k in v and v[k] != expected[k]:
+                        raise KvforgeError(f"{where} {point}: {k} {v[k]} should be {expected[k]} (a cache capped at {w} "
+                                           f"positions over {total} tokens)")
         for name, box in prof["shapes"].items():
             if not all(a <= b <= c for a, b, c in zip(box["min"], box["opt"], box["max"])):
                 raise KvforgeError(f"{where}: {name} needs min <= opt <= max, got {box['min']} / {box['opt']} / {box['max']}")

@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.bundle import IOSpec
+
+if TYPE_CHECKING:
+    from kvforge.tokenizer import Tokenizer
 
 GENAI_CONFIG = "genai_config.json"
 HF_CONFIG = "config.json"
@@ -41,8 +44,9 @@ def _first(value):
 
 
 def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[str, Any],
-                 tokenizer_ids: dict[str, int | None]) -> tuple[dict[str, Any] | None, str | None]:
-    """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle)."""
+                 tokenizer: Tokenizer | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle). Special ids the
+    model config does not name come from the tokenizer."""
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
                       "layers keep capped caches of min(past + new, W) positions")
@@ -50,11 +54,11 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
     if None in patterns or [t.name for t in io.inputs[:3]] != ["input_ids", "attention_mask", "position_ids"]:
         return None, "the graph's cache tensors do not follow one naming pattern per layer, which GenAI's config needs"
     eos = model.get("eos_token_id")
-    eos = eos if eos is not None else tokenizer_ids.get("eos")
+    eos = eos if eos is not None or tokenizer is None else tokenizer.eos_token_id
     if eos is None:
         return None, "the model names no end-of-sequence token (GenAI needs one); set eos_token_id"
     bos = model.get("bos_token_id")
-    bos = bos if bos is not None else tokenizer_ids.get("bos")
+    bos = bos if bos is not None or tokenizer is None else tokenizer.bos_token_id
     pad = model.get("pad_token_id")
     pad = pad if pad is not None else _first(eos)
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
@@ -130,7 +134,7 @@ def llama_config(model: dict[str, Any]) -> tuple[dict[str, Any] | None, str | No
 
 
 def write_ecosystem_files(directory: Path, model: dict[str, Any], io: IOSpec, graph: str, precision: dict[str, Any],
-                          tokenizer_ids: dict[str, int | None], hf_source: Path | None = None,
+                          tokenizer: Tokenizer | None, hf_source: Path | None = None,
                           from_bundle: Path | None = None) -> dict[str, Any]:
     """Write what GenAI and Optimum need into `directory` (a staged bundle); returns the manifest's `ecosystem` entry.
 
@@ -138,7 +142,7 @@ def write_ecosystem_files(directory: Path, model: dict[str, Any], io: IOSpec, gr
     from_bundle: a bundle whose Optimum files carry over (calibrate: the float bundle it quantizes).
     """
     record: dict[str, Any] = {}
-    config, reason = genai_config(model, io, graph, precision, tokenizer_ids)
+    config, reason = genai_config(model, io, graph, precision, tokenizer)
     if config is not None:
         (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     record["onnxruntime_genai"] = {"config": GENAI_CONFIG if config else None, "reason": reason}

@@ -691,6 +691,14 @@ def _mlp(prefix: str, up: str, down: str) -> Table:
     return {**_linear("layers.{i}.ffn.up_proj", f"{prefix}.{up}"), **_linear("layers.{i}.ffn.down_proj", f"{prefix}.{down}")}
 
 
+def _fused_qkv(fused: str, split_of: Callable[[int], Any]) -> Table:
+    """q/k/v projections cut from one fused linear; ``split_of(j)`` cuts out the j-th of q, k, v."""
+    table: Table = {}
+    for j, p in enumerate("qkv"):
+        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", fused, split_of(j)))
+    return table
+
+
 def _gpt_neox_weights(hf, cfg) -> Table:
     layer = "gpt_neox.layers.{i}"
     table: Table = {
@@ -701,9 +709,8 @@ def _gpt_neox_weights(hf, cfg) -> Table:
         **_norm("layers.{i}.ffn_norm", f"{layer}.post_attention_layernorm"),
         **_linear("layers.{i}.attn.o_proj", f"{layer}.attention.dense"),
         **_mlp(f"{layer}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
+        **_fused_qkv(f"{layer}.attention.query_key_value", lambda j: per_head(3, j)),
     }
-    for j, p in enumerate("qkv"):
-        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.attention.query_key_value", per_head(3, j)))
     return table
 
 
@@ -737,9 +744,8 @@ def _falcon_weights(hf, cfg) -> Table:
     }
     layout = _falcon_layout(hf)
     mqa = lambda c: [c.n_heads * c.head_dim, c.head_dim, c.head_dim]  # noqa: E731
-    for j, p in enumerate("qkv"):
-        split = {"grouped": falcon_grouped(j), "multi_query": rows(mqa, j), "per_head": per_head(3, j)}[layout]
-        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.self_attention.query_key_value", split))
+    split_of = {"grouped": falcon_grouped, "multi_query": lambda j: rows(mqa, j), "per_head": lambda j: per_head(3, j)}
+    table.update(_fused_qkv(f"{layer}.self_attention.query_key_value", split_of[layout]))
     return table
 
 
@@ -754,9 +760,8 @@ def _bloom_weights(hf, cfg) -> Table:
         **_norm("layers.{i}.ffn_norm", f"{layer}.post_attention_layernorm"),
         **_linear("layers.{i}.attn.o_proj", f"{layer}.self_attention.dense"),
         **_mlp(f"{layer}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
+        **_fused_qkv(f"{layer}.self_attention.query_key_value", lambda j: per_head(3, j)),
     }
-    for j, p in enumerate("qkv"):
-        table.update(_linear(f"layers.{{i}}.attn.{p}_proj", f"{layer}.self_attention.query_key_value", per_head(3, j)))
     return table
 
 

@@ -19,15 +19,22 @@ from .config import ModelConfig
 
 
 # --- RoPE ---------------------------------------------------------------------
+def _rope_powers(rotary_dim: int, theta: float) -> torch.Tensor:
+    """theta^(2i/rot) for i < rot/2: the inverse of RoPE's unscaled frequencies."""
+    return theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+
+
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/rot) for i < rot/2, with the given scaling (not longrope: see LongRope)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = 1.0 / _rope_powers(rotary_dim, theta)
     if scaling is None:
         return inv_freq
     if scaling["type"] == "linear":  # position interpolation: positions / factor
         return inv_freq / scaling["factor"]
     if scaling["type"] == "yarn":
         return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    if scaling["type"] != "llama3":  # longrope switches between two sets of frequencies: LongRope
+        raise ValueError(f"rope_inv_freq computes no {scaling['type']!r} scaling")
     # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`,
     # and interpolate smoothly in between (wavelengths measured against the
     # original training context).
@@ -58,8 +65,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, theta: float, s: dic
         high += 0.001  # no singular ramp
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
-    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + inv_freq * keep  # in transformers' order of operations
+    return (1.0 / (factor * _rope_powers(rotary_dim, theta))) * (1 - keep) + inv_freq * keep  # in transformers' order of operations
 
 
 def _yarn_attention_factor(scaling: dict[str, Any] | None) -> float:
@@ -74,14 +80,15 @@ def _yarn_attention_factor(scaling: dict[str, Any] | None) -> float:
 class RotaryEmbedding(nn.Module):
     """RoPE with real cos/sin computed from position ids (no table to outgrow).
 
-    theta and scaling default to the config's (`rope_theta`, `rope_scaling`);
-    Gemma 3's windowed layers pass their own base and no scaling.
+    Its base and scaling are the config's `rope_theta` and `rope_scaling`, or
+    with local=True the windowed layers' own (Gemma 3: `local_rope_theta`,
+    `local_rope_scaling`).
     """
 
-    def __init__(self, cfg: ModelConfig, theta: float | None = None, scaling: dict[str, Any] | None = None):
+    def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
         self.rotary_dim = cfg.rotary_dim
-        theta = cfg.rope_theta if theta is None else theta
+        theta, scaling = (cfg.local_rope_theta, cfg.local_rope_scaling) if local else (cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, theta, scaling), persistent=False)
         self.attention_factor = _yarn_attention_factor(scaling)
 
@@ -101,13 +108,12 @@ class LongRope(nn.Module):
     As transformers: the choice is made per forward call from the largest position id in the batch.
     """
 
-    def __init__(self, cfg: ModelConfig, theta: float | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         s = cfg.rope_scaling
         self.rotary_dim = cfg.rotary_dim
         self.original = int(s["original_max_seq_len"])
-        theta = cfg.rope_theta if theta is None else theta
-        powers = theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64).float() / cfg.rotary_dim)
+        powers = _rope_powers(cfg.rotary_dim, cfg.rope_theta)
         for name in ("short", "long"):  # 1 / (factor * theta^(2i/rot)), in transformers' order of operations
             factors = torch.tensor(s[f"{name}_factor"], dtype=torch.float32)
             self.register_buffer(f"{name}_inv_freq", 1.0 / (factors * powers), persistent=False)
@@ -123,11 +129,9 @@ class LongRope(nn.Module):
 
 def build_rope(cfg: ModelConfig, local: bool = False) -> nn.Module:
     """The RoPE of full-attention layers, or (local=True) of windowed layers when they have their own base."""
-    if local:
-        return RotaryEmbedding(cfg, theta=cfg.local_rope_theta, scaling=cfg.local_rope_scaling)
-    if cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope":
+    if not local and cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope":
         return LongRope(cfg)
-    return RotaryEmbedding(cfg, scaling=cfg.rope_scaling)
+    return RotaryEmbedding(cfg, local)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

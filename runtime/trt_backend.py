@@ -45,7 +45,6 @@ ENGINE_FILE = "model.engine"
 INSTALL = "Install it with `bash scripts/install.sh --gpu` (the `gpu` extra: tensorrt, onnxruntime-gpu) on a machine with an NVIDIA GPU."
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 PREFILL, DECODE = "prefill", "decode"
-# The IO contract's symbolic dimensions (docs/bundle.md); export/onnx_export.py writes them.
 _ALIGN = 256  # TensorRT wants 256-byte aligned tensor addresses; cudaMalloc gives that
 CACHE_GRANULE = 128  # cache buffers are sized in steps of this many tokens (then doubled as needed)
 
