@@ -8,6 +8,7 @@ Importing this package imports no Torch; the torch backend loads it on activatio
 """
 
 from .backend import Backend, KVCache
+from .batcher import Batcher, Request
 from .generate import GenerationConfig, GenerationResult, TokenEvent
 from .sampling import SamplingConfig
 from .session import BACKENDS, Session, available_backends, load
@@ -15,9 +16,11 @@ from .session import BACKENDS, Session, available_backends, load
 __all__ = [
     "BACKENDS",
     "Backend",
+    "Batcher",
     "GenerationConfig",
     "GenerationResult",
     "KVCache",
+    "Request",
     "SamplingConfig",
     "Session",
     "TokenEvent",

@@ -81,6 +81,32 @@ class Backend:
         drops = [h - k for h, k in zip(held, kept) for _ in range(len(cache.values) // len(held))]
         return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, drops), cache.owner)
 
+    def regroup(self, parts: list[tuple[KVCache, list[int]]], length: int) -> KVCache:
+        """One cache from rows of several: each part's listed rows, every one aligned right at `length` positions.
+
+        A part shorter than `length` is padded on the left with zeros (positions its rows' attention masks hide);
+        one longer loses its oldest positions, which must be padding for every row kept. A capped (windowed)
+        layer holds min(length, W) positions, as a cache of that length would. What continuous batching uses to
+        join newly prefilled requests to the running batch and to let finished ones go.
+        """
+        held = self.io.cache_lengths(length)
+        per_layer = len(parts[0][0].values) // len(held)
+        merged = []
+        for j in range(len(parts[0][0].values)):
+            target = held[j // per_layer]
+            rows = []
+            for cache, keep in parts:
+                a = self.to_numpy(cache.values[j])[keep]
+                have = a.shape[2]
+                if have >= target:
+                    a = a[:, :, have - target:]
+                else:
+                    a = np.concatenate([np.zeros((*a.shape[:2], target - have, *a.shape[3:]), a.dtype), a], axis=2)
+                rows.append(a)
+            merged.append(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+        batch = sum(len(keep) for _, keep in parts)
+        return KVCache(self.name, batch, length, self.from_numpy_impl(merged), parts[0][0].owner)
+
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache as numpy arrays (for inspection and tests; copies)."""
         return [self.to_numpy(v) for v in cache.values]
@@ -103,4 +129,8 @@ class Backend:
         raise NotImplementedError  # a backend without it ends a batch at the batch's width (generate.py)
 
     def to_numpy(self, value) -> np.ndarray:
+        raise NotImplementedError
+
+    def from_numpy_impl(self, arrays: list[np.ndarray]) -> list[Any]:
+        """Cache tensors (this backend's own) holding these arrays."""
         raise NotImplementedError

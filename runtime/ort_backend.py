@@ -179,5 +179,9 @@ class OnnxRuntimeBackend(Backend):
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, n:]), self.device_name, 0) if n else v
                 for v, n in zip(values, drops)]
 
+    def from_numpy_impl(self, arrays):
+        ort = _ort()
+        return [ort.OrtValue.ortvalue_from_numpy(a, self.device_name, 0) for a in arrays]
+
     def to_numpy(self, value) -> np.ndarray:
         return value.numpy()

@@ -223,6 +223,17 @@ class Session:
             present.owner = self.model_id
             return logits, present
 
+    def regroup_cache(self, parts: list[tuple[KVCache, list[int]]], length: int) -> KVCache:
+        """Rows of several caches as one, aligned right at `length` positions (see Backend.regroup)."""
+        if not parts or any(c.owner not in (None, self.model_id) for c, _ in parts):
+            raise KvforgeError("regroup_cache takes one or more caches made by this session")
+        if not 0 <= length <= self.max_context:
+            raise KvforgeError(f"a cache of {length} positions exceeds the bundle's maximum of {self.max_context}")
+        with self._lock:
+            cache = self.backend.regroup(parts, length)
+            cache.owner = self.model_id
+            return cache
+
     @staticmethod
     def _check_int64(name: str, value, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         if not isinstance(value, np.ndarray):

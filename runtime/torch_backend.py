@@ -66,3 +66,7 @@ class TorchBackend(Backend):
 
     def to_numpy(self, value) -> np.ndarray:
         return value.float().cpu().numpy()
+
+    def from_numpy_impl(self, arrays):  # to_numpy gave float32; the cast back is exact
+        dtype = getattr(self._torch, self.dtype)
+        return [self._torch.from_numpy(a).to(self.device, dtype) for a in arrays]

@@ -560,6 +560,14 @@ class TensorRTBackend(Backend):
             raise KvforgeError(f"TensorRT refuses shape {tuple(shape)} for {name} in the {profile['name']!r} profile "
                                f"({profile['shapes'].get(name)}): {self._log.take()}")
 
+    def from_numpy_impl(self, arrays):
+        buffers, lease = self.pool.acquire([a.nbytes for a in arrays])
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind
+        for a, buf in zip(arrays, buffers):
+            if a.nbytes:
+                copy(buf.ptr, a.ctypes.data, a.nbytes, kind.HostToDevice)
+        return [DeviceTensor(buf.ptr if a.nbytes else 0, a.shape, a.dtype, lease) for a, buf in zip(arrays, buffers)]
+
     def to_numpy(self, value: DeviceTensor) -> np.ndarray:
         out = np.zeros(value.shape, value.dtype)
         if value.ptr and out.nbytes:

@@ -155,34 +155,30 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def micro_bundle(tmp_path_factory):
-    """Factory: preset name -> its validated FP32 export (one export per preset per run; tests only read it)."""
+def _exports(tmp_path_factory, prefix: str, source_of):
+    """Factory: key -> the validated FP32 export of source_of(key), made once per key per run (tests only read it)."""
     from kvforge.export import export
 
     cache = {}
 
-    def make(name: str):
-        if name not in cache:
-            cache[name] = export(name, tmp_path_factory.mktemp(f"micro-{name}") / name)
-        return cache[name]
+    def make(key: str):
+        if key not in cache:
+            cache[key] = export(source_of(key), tmp_path_factory.mktemp(f"{prefix}-{key}") / key)
+        return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def micro_bundle(tmp_path_factory):
+    """Factory: preset name -> its export."""
+    return _exports(tmp_path_factory, "micro", lambda name: name)
 
 
 @pytest.fixture(scope="session")
 def hf_bundle(hf_checkpoint, tmp_path_factory):
-    """Factory: family -> the validated FP32 export of hf_checkpoint(family) (one export per family per run)."""
-    from kvforge.export import export
-
-    cache = {}
-
-    def make(family: str):
-        if family not in cache:
-            cache[family] = export(hf_checkpoint(family), tmp_path_factory.mktemp(f"hf-bundle-{family}") / family)
-        return cache[family]
-
-    return make
+    """Factory: family -> the export of hf_checkpoint(family)."""
+    return _exports(tmp_path_factory, "hf-bundle", hf_checkpoint)
 
 
 # -- GPU tier: TensorRT and an NVIDIA GPU ------------------------------------------------------

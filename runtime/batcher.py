@@ -1,0 +1,330 @@
+"""Continuous batching over a Session: requests join and leave the running batch between decode steps.
+
+    from kvforge import runtime
+    with runtime.load("runs/tiny/fp32") as session, runtime.Batcher(session, max_batch=8) as batcher:
+        request = batcher.submit("def add(a, b):", max_new_tokens=16, temperature=0.7, seed=0)
+        for event in request:                 # tokens as they are generated
+            print(event.text, end="")
+        print(request.result().finish_reason)
+
+One scheduler thread owns the batch. Between two decode steps it
+- lets go of rows that finished (a stop token, their max_new_tokens, the
+  context) or were cancelled, at once: their slots and cache tokens are free
+  for the next step;
+- admits waiting requests in arrival order while the batch has a free row and
+  the cache-token budget holds their reservation (prompt + max_new_tokens,
+  capped at the context), prefills them together, and joins them to the
+  running batch. Caches of different lengths are aligned right, each row
+  left-padded (the attention mask hides the padding; position ids count each
+  row's own tokens), so every row computes what it would alone.
+
+A request that does not fit yet waits (back-pressure); one that can never fit
+(a prompt beyond the context, a reservation beyond the budget) is refused at
+submit() with an error that says why. submit() and cancel() may be called from
+any thread; each request has its own sampling parameters, seed and stop ids.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+from .generate import GenerationConfig, GenerationResult, TokenEvent
+from .sampling import is_int, select
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .backend import KVCache
+    from .session import Session, TextStream
+
+_END = object()  # the last item of a request's event queue
+
+
+class Request:
+    """A submitted generation: iterate it for TokenEvents, result() for the whole; cancel() from any thread."""
+
+    def __init__(self, rid: int, prompt: list[int], config: GenerationConfig, stop: set[int], reserve: int,
+                 text: TextStream):
+        self.id = rid
+        self.prompt = prompt
+        self.config = config
+        self.stop = stop
+        self.reserve = reserve  # cache tokens it may come to hold
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._text = text
+        self._events: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating: the request ends (finish_reason "cancelled") before the batch's next step."""
+        self._cancelled.set()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self.events()
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """The generated tokens as they come; raises the error that ended the request, if one did."""
+        while True:
+            try:
+                item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise KvforgeError(f"request {self.id}: no token within {timeout} s") from None
+            if item is _END:
+                self._events.put(_END)  # a second iteration ends at once too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise KvforgeError(f"request {self.id} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        text = self._text.tokenizer.decode(self.tokens) if self._text.tokenizer is not None else ""
+        return GenerationResult(list(self.tokens), self.finish_reason or "length", len(self.prompt), text)
+
+    # -- the scheduler's side ---------------------------------------------------------
+    def _emit(self, token: int, finish: str | None) -> None:
+        self.tokens.append(token)
+        event = TokenEvent(token, len(self.tokens) - 1, finish is not None, finish)
+        event.text = self._text.push(token, finish is not None)
+        self._events.put(event)
+        if finish is not None:
+            self._end(finish)
+
+    def _end(self, finish: str | None, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self.finish_reason, self._error = finish, error
+        self._events.put(_END)
+        self._done.set()
+
+
+@dataclass
+class _Row:
+    request: Request
+    seen: np.ndarray  # prompt + generated ids (repetition penalty)
+    rng: np.random.Generator
+    logits: np.ndarray | None = None  # the next token's logits, (V,)
+
+
+@dataclass
+class _Batch:
+    rows: list[_Row] = field(default_factory=list)
+    cache: KVCache | None = None
+    mask: np.ndarray | None = None  # (rows, cache length + 1 for the pending token), right-aligned
+
+
+class Batcher:
+    """A scheduler thread that runs many requests through one Session as one batch (see the module's doc)."""
+
+    def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None):
+        if not is_int(max_batch) or max_batch < 1:
+            raise KvforgeError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if max_cache_tokens is None:
+            max_cache_tokens = max_batch * session.max_context
+        if not is_int(max_cache_tokens) or max_cache_tokens < 1:
+            raise KvforgeError(f"max_cache_tokens must be an int >= 1, got {max_cache_tokens!r}")
+        self.session = session
+        self.max_batch = int(max_batch)
+        self.max_cache_tokens = int(max_cache_tokens)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._ids = itertools.count()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._batch = _Batch()
+        self.steps = 0  # decode steps run (a test and a benchmark read these)
+        self.peak_batch = 0
+
+    # -- the client's side --------------------------------------------------------------
+    def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
+        """Queue one prompt (text or token ids); returns at once. Refuses what could never run."""
+        from .session import TextStream
+
+        config = config or GenerationConfig.from_kwargs(**kwargs)
+        rows, single = self.session._prompts(prompt)
+        if not single:
+            raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
+        ids = rows[0]
+        if not ids:
+            raise KvforgeError("the prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.session.vocab_size]
+        if bad:
+            raise KvforgeError(f"prompt token ids {bad[:8]} are outside the vocabulary (0..{self.session.vocab_size - 1})")
+        context = self.session.max_context
+        if len(ids) > context:
+            raise KvforgeError(f"a prompt of {len(ids)} tokens exceeds the bundle's maximum context of {context}")
+        reserve = min(len(ids) + config.max_new_tokens, context)
+        if reserve > self.max_cache_tokens:
+            raise KvforgeError(f"this request may hold {reserve} cache tokens (prompt {len(ids)} + max_new_tokens "
+                               f"{config.max_new_tokens}) but the batcher's budget is {self.max_cache_tokens}; it can never run")
+        request = Request(next(self._ids), ids, config, self.session._stop_ids(config), reserve, TextStream(self.session.tokenizer))
+        if config.max_new_tokens == 0:
+            request._end("length")
+            return request
+        with self._wake:
+            if self._closing:
+                raise KvforgeError("this batcher is closed")
+            self._waiting.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvforge-batcher", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return request
+
+    def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
+        """submit() and wait for the result."""
+        return self.submit(prompt, config, **kwargs).result()
+
+    @property
+    def running(self) -> int:
+        return len(self._batch.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """Cancel what is waiting and running, and stop the scheduler thread."""
+        with self._wake:
+            self._closing = True
+            for r in self._waiting:
+                r._end("cancelled")
+            self._waiting.clear()
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> Batcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the scheduler thread -----------------------------------------------------------
+    def _run(self) -> None:
+        batch = self._batch
+        while True:
+            with self._wake:
+                while not self._waiting and not batch.rows and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    for row in batch.rows:
+                        row.request._end("cancelled")
+                    batch.rows = []
+                    return
+                admitted = self._admit(batch)
+            try:
+                if admitted:
+                    self._join(batch, self._prefill(admitted))
+                if batch.rows:
+                    self._step(batch)
+            except BaseException as e:  # a failed step fails the requests in it, not the batcher
+                error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
+                for r in [row.request for row in batch.rows] + admitted:
+                    r._end("error", error)
+                self._batch = batch = _Batch()
+
+    def _admit(self, batch: _Batch) -> list[Request]:
+        """Waiting requests that fit now, in arrival order (the first that does not fit waits, and so do those after it)."""
+        held = sum(r.request.reserve for r in batch.rows)
+        admitted: list[Request] = []
+        while self._waiting and len(batch.rows) + len(admitted) < self.max_batch:
+            nxt = self._waiting[0]
+            if nxt.cancelled:
+                self._waiting.popleft()._end("cancelled")
+                continue
+            if held + nxt.reserve > self.max_cache_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            held += nxt.reserve
+        return admitted
+
+    def _prefill(self, requests: list[Request]) -> _Batch:
+        """Run the new prompts as one left-padded batch; their first tokens are chosen by the next _step."""
+        longest = max(len(r.prompt) for r in requests)
+        pad = self.session.config.get("pad_token_id") or 0
+        ids = np.full((len(requests), longest), pad, np.int64)
+        mask = np.zeros((len(requests), longest + 1), np.int64)  # the last column: the token chosen next
+        for i, r in enumerate(requests):
+            ids[i, longest - len(r.prompt):] = r.prompt
+            mask[i, longest - len(r.prompt):] = 1
+        logits, cache = self.session.forward(ids, mask[:, :-1], cache=None, last_logits_only=True)
+        rows = [_Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[i, -1])
+                for i, r in enumerate(requests)]
+        return _Batch(rows, cache, mask)
+
+    def _join(self, batch: _Batch, new: _Batch) -> None:
+        if not batch.rows:
+            batch.rows, batch.cache, batch.mask = new.rows, new.cache, new.mask
+            return
+        length = max(batch.cache.length, new.cache.length)
+        batch.cache = self.session.regroup_cache(
+            [(batch.cache, list(range(len(batch.rows)))), (new.cache, list(range(len(new.rows))))], length)
+        batch.mask = np.concatenate([_left_pad(batch.mask, length + 1), _left_pad(new.mask, length + 1)])
+        batch.rows = batch.rows + new.rows
+
+    def _step(self, batch: _Batch) -> None:
+        """Choose every row's next token, let finished rows go, and run one decode step for the rest."""
+        context = self.session.max_context
+        keep = []
+        for i, row in enumerate(batch.rows):
+            r = row.request
+            if r.cancelled:
+                r._end("cancelled")
+                continue
+            token = int(select(row.logits[None], [row.seen], r.config.sampling, [row.rng])[0])
+            row.seen = np.append(row.seen, token)
+            n = len(r.tokens) + 1
+            finish = ("stop" if token in r.stop else "length" if n >= r.config.max_new_tokens
+                      else "context" if len(r.prompt) + n >= context else None)
+            r._emit(token, finish)
+            if finish is None:
+                keep.append(i)
+        self.peak_batch = max(self.peak_batch, len(batch.rows))
+        if len(keep) < len(batch.rows):
+            self._retire(batch, keep)
+        if not batch.rows:
+            return
+        nxt = np.array([[row.request.tokens[-1]] for row in batch.rows], np.int64)
+        logits, batch.cache = self.session.forward(nxt, batch.mask, None, batch.cache, last_logits_only=True)
+        for row, lg in zip(batch.rows, logits[:, -1]):
+            row.logits = lg
+        batch.mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), np.int64)], axis=1)
+        self.steps += 1
+
+    def _retire(self, batch: _Batch, keep: list[int]) -> None:
+        """Keep only these rows; drop the leading positions that are now padding for all of them."""
+        batch.rows = [batch.rows[i] for i in keep]
+        if not keep:
+            batch.cache = batch.mask = None
+            return
+        mask = batch.mask[keep]
+        first = int(mask.argmax(axis=1).min())  # the earliest real position of any row kept
+        length = batch.cache.length - first
+        batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
+        batch.mask = mask[:, first:]
+
+
+def _left_pad(mask: np.ndarray, width: int) -> np.ndarray:
+    return np.concatenate([np.zeros((mask.shape[0], width - mask.shape[1]), mask.dtype), mask], axis=1)
