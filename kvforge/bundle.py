@@ -271,9 +271,12 @@ def file_records(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = ()) -> Path:
+def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = (), marker: str = MANIFEST) -> Path:
     """Refuse, before any work is done: an output that is or holds one of the inputs, an existing output
-    (unless force), a non-empty directory that is not a bundle (force replaces bundles only), an unwritable parent."""
+    (unless force), a non-empty directory that is not a bundle (force replaces bundles only), an unwritable parent.
+
+    marker: the file that says a directory is kvforge's to replace (a bundle's manifest; a Triton repository's record).
+    """
     out = Path(out)
     target = out.resolve()
     for source in inputs:
@@ -288,9 +291,10 @@ def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path 
         raise KvforgeError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise KvforgeError(f"{out} exists and is not a directory")
-    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise KvforgeError(f"{out} is a directory but not a kvforge bundle (no {MANIFEST}); --force replaces only bundles, "
-                           "so remove it yourself or choose another output")
+    if out.is_dir() and not (out / marker).is_file() and any(out.iterdir()):
+        what = "bundle" if marker == MANIFEST else "output"
+        raise KvforgeError(f"{out} is a directory but not a kvforge {what} (no {marker}); --force replaces only {what}s "
+                           "kvforge wrote, so remove it yourself or choose another output")
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +306,8 @@ def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path 
 
 
 @contextlib.contextmanager
-def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | Path | None] = ()) -> Iterator[Path]:
+def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | Path | None] = (),
+                  marker: str = MANIFEST) -> Iterator[Path]:
     """Yield a temporary directory; on success it becomes `out`, on any error it vanishes.
 
     The caller writes the files and finally `write_manifest`; an existing
@@ -313,15 +318,15 @@ def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | P
     force. What a killed process left beside `out` is cleared by the next
     write there.
     """
-    out = check_output_path(out, force, inputs)
+    out = check_output_path(out, force, inputs, marker)
     parent = out.resolve().parent
-    _clear_leftovers(out)
+    _clear_leftovers(out, marker)
     existed = out.exists()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
     try:
         yield tmp
-        if not (tmp / MANIFEST).is_file():
-            raise KvforgeError("internal error: a bundle was staged without a manifest")
+        if not (tmp / marker).is_file():
+            raise KvforgeError(f"internal error: an output was staged without its {marker}")
         if out.exists() and not (existed and force):
             raise KvforgeError(f"{out} was written by another process while this one ran; it is left as that process "
                                "wrote it (pass --force to replace it)")
@@ -380,7 +385,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _clear_leftovers(out: Path) -> None:
+def _clear_leftovers(out: Path, marker: str = MANIFEST) -> None:
     """Remove what a killed writer of `out` left beside it: its staging directory, and a previous bundle it had
     moved aside (put back when `out` itself is missing)."""
     for leftover in out.resolve().parent.glob(f".{glob.escape(out.name)}.*-*"):
@@ -388,7 +393,7 @@ def _clear_leftovers(out: Path) -> None:
         pid = rest.split("-")[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
             continue
-        if kind == "old" and not out.exists() and (leftover / MANIFEST).is_file():
+        if kind == "old" and not out.exists() and (leftover / marker).is_file():
             os.replace(leftover, out)
         else:
             shutil.rmtree(leftover, ignore_errors=True)

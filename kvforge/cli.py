@@ -392,6 +392,54 @@ def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p,
         click.echo(json.dumps({"tokens": tokens, "text": "".join(text), "backend": session.backend_name}))
 
 
+_SERVE_OPTIONS = [
+    click.option("--model-name", help="Triton's name for the model (default: the bundle directory's name)."),
+    click.option("--instances", default=1, show_default=True, type=click.IntRange(1),
+                 help="Model instances (processes), each with its own session and batcher."),
+    click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
+                 help="Rows in each instance's continuous batch."),
+    click.option("--max-cache-tokens", type=click.IntRange(1),
+                 help="Cache tokens one instance's batch may hold (default: max-batch x the context)."),
+]
+
+
+def _serve_options(f):
+    for option in reversed(_SERVE_OPTIONS):
+        f = option(f)
+    return _backend_option(f)
+
+
+@main.command()
+@click.argument("bundle")
+@click.option("-o", "--out", required=True, help="The model repository directory to write.")
+@_serve_options
+@click.option("--force", is_flag=True, help="Replace a repository kvforge wrote there before.")
+def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force):
+    """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
+    from kvforge.serving import write_repository
+
+    repo = write_repository(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force)
+    name = next(p.name for p in repo.iterdir() if p.is_dir())
+    click.echo(f"wrote {repo}: model {name!r} ({instances} instance(s), batch {max_batch}); "
+               f"run it with `tritonserver --model-repository {repo}` where kvforge is installed")
+
+
+@main.command()
+@click.argument("source")
+@_serve_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: a free port.")
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(0, 65535))
+def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port):
+    """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM."""
+    from kvforge import serving
+
+    code = serving.serve(source, model_name, host, http_port, grpc_port, metrics_port, instances, max_batch,
+                         max_cache_tokens, backend, echo=lambda m: click.echo(m, err=False))
+    sys.exit(code)
+
+
 @main.command()
 @click.argument("bundle")
 @_backend_option

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kvforge into the current Python environment: `bash scripts/install.sh [--test] [--gpu]`.
+# Install kvforge into the current Python environment: `bash scripts/install.sh [--test] [--serve] [--gpu]`.
+# --test also installs the serve extra (the serving tests start a real Triton server).
 #
 # Torch goes first, on purpose: a bare `torch` requirement on a machine without
 # it pulls several GB of CUDA packages. Without an NVIDIA GPU we install the CPU
@@ -10,9 +11,10 @@ PY="${PYTHON:-python3}"
 extras=()
 for arg in "$@"; do
   case "$arg" in
-    --test) extras+=(test) ;;
+    --test) extras+=(test serve) ;;
+    --serve) extras+=(serve) ;;
     --gpu) extras+=(gpu) ;;
-    *) echo "usage: $0 [--test] [--gpu]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--test] [--serve] [--gpu]" >&2; exit 2 ;;
   esac
 done
 

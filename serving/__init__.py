@@ -1,0 +1,62 @@
+"""kvforge.serving: a bundle behind NVIDIA Triton Inference Server, with continuous batching.
+
+    kvforge triton runs/tiny/fp32 -o repo        # a model repository Triton runs unchanged
+    kvforge serve runs/tiny/fp32                 # the server from the nvidia-pytriton wheel, here
+
+The model (triton_model.py) runs kvforge's runtime with its continuous batcher
+(kvforge.runtime.Batcher) and speaks Triton's generate extension
+(requests.py); server.py starts and stops the server.
+"""
+
+from .repository import write_repository
+from .server import TritonServer, triton_distribution
+
+__all__ = ["TritonServer", "serve", "triton_distribution", "write_repository"]
+
+
+def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+          metrics_port: int = 8002, instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
+          backend: str = "auto", echo=print) -> int:
+    """Serve a bundle (or a model source, exported to FP32 first) until SIGTERM or Ctrl-C; returns the exit code."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from kvforge.bundle import Bundle
+
+    triton_distribution()  # a missing server is reported before any export
+    with tempfile.TemporaryDirectory(prefix="kvforge-serve-") as work:
+        bundle = Path(source)
+        if not Bundle.is_bundle(source):
+            from kvforge.export import export
+
+            echo(f"{source} is not a bundle: exporting it (FP32) first")
+            bundle = export(source, Path(work) / "bundle").path
+        repo = write_repository(bundle, Path(work) / "repository", model_name, instances, max_batch, max_cache_tokens, backend)
+        name = next(p.name for p in repo.iterdir() if p.is_dir())
+        server = TritonServer(repo, host, http_port, grpc_port, metrics_port)
+        stopping = []
+
+        def on_signal(signum, frame):
+            stopping.append(signum)
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_signal)
+        try:
+            server.start()
+            echo(f"serving {bundle} as model {name!r} on Triton Inference Server")
+            echo(f"  HTTP    {server.url()}  (POST /v2/models/{name}/generate, /generate_stream; GET /v2/health/ready)")
+            echo(f"  gRPC    {server.url().split('//')[1].rsplit(':', 1)[0]}:{server.grpc_port}")
+            echo(f"  metrics http://{server.url().split('//')[1].rsplit(':', 1)[0]}:{server.metrics_port}/metrics")
+            echo("Ctrl-C or SIGTERM stops it.")
+            code = server.wait()
+            echo(f"tritonserver exited on its own ({code}):\n{server.log_tail()}")
+            return code or 1
+        except KeyboardInterrupt:
+            echo("stopping tritonserver ...")
+            code = server.stop()
+            echo(f"stopped ({code})")
+            return 0 if code in (0, None) else code
+        finally:
+            server.stop()
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,111 @@
+"""`kvforge triton BUNDLE -o REPO`: a Triton Inference Server model repository that serves a bundle.
+
+    REPO/
+      kvforge-triton.json          what wrote it (and what `--force` may replace)
+      NAME/config.pbtxt            Python backend, decoupled, the generate extension's inputs/outputs
+      NAME/1/model.py              imports kvforge.serving.triton_model (kvforge installed where Triton runs)
+      NAME/1/bundle/               the bundle, verified, unchanged (hard links where the filesystem allows)
+
+Triton runs it unchanged: `tritonserver --model-repository REPO`, in NVIDIA's
+container (with kvforge pip-installed into it) or from the nvidia-pytriton
+wheel (`kvforge serve`). The batcher's size and cache-token budget and the
+runtime backend are the model's parameters in config.pbtxt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from kvforge.bundle import Bundle, now_utc, staged_bundle
+from kvforge.errors import KvforgeError
+
+from .requests import INPUTS, OUTPUTS
+
+RECORD = "kvforge-triton.json"
+MODEL_PY = '''"""Triton Python-backend entry point written by `kvforge triton`; the model is kvforge's."""
+
+from kvforge.serving.triton_model import TritonPythonModel  # noqa: F401
+'''
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def default_model_name(bundle: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(bundle).resolve().name).strip("-.") or "model"
+    return name[:128]
+
+
+def config_pbtxt(name: str, instances: int, max_batch: int, max_cache_tokens: int | None, backend: str) -> str:
+    def tensors(specs: dict, optional: bool) -> str:
+        rows = [f'  {{ name: "{n}" data_type: {t} dims: [ {", ".join(map(str, d))} ]'
+                f'{" optional: true" if optional and n != "text_input" else ""} }}' for n, (t, d) in specs.items()]
+        return ",\n".join(rows)
+
+    params = {"max_batch": str(max_batch), "backend": backend}
+    if max_cache_tokens is not None:
+        params["max_cache_tokens"] = str(max_cache_tokens)
+    parameters = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    # max_batch_size 0: Triton does not batch requests itself; kvforge's continuous batcher does, inside one instance
+    return f'''name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+{tensors(INPUTS, True)}
+]
+output [
+{tensors(OUTPUTS, False)}
+]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+{parameters}
+'''
+
+
+def _check_count(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise KvforgeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_name: str | None = None,
+                     instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
+                     backend: str = "auto", force: bool = False) -> Path:
+    """Write the repository (all or nothing: a failure leaves `out` as it was); returns its path."""
+    if not Bundle.is_bundle(bundle):
+        raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
+    source = Bundle(bundle)
+    source.verify_files()  # a damaged bundle is refused here, not when the server loads it
+    name = model_name or default_model_name(source.path)
+    if not _NAME.match(name):
+        raise KvforgeError(f"model name {name!r}: use letters, digits, '_', '.' or '-' (Triton's model directory name)")
+    _check_count("instances", instances)
+    _check_count("max_batch", max_batch)
+    if max_cache_tokens is not None:
+        _check_count("max_cache_tokens", max_cache_tokens)
+    if backend not in ("auto", "onnxruntime", "tensorrt", "torch"):
+        raise KvforgeError(f"backend {backend!r} is not one of auto, onnxruntime, tensorrt, torch")
+    with staged_bundle(out, force, inputs=[bundle], marker=RECORD) as tmp:
+        model = tmp / name
+        (model / "1").mkdir(parents=True)
+        _link_tree(source.path, model / "1" / "bundle")
+        (model / "1" / "model.py").write_text(MODEL_PY)
+        (model / "config.pbtxt").write_text(config_pbtxt(name, instances, max_batch, max_cache_tokens, backend))
+        (tmp / RECORD).write_text(json.dumps({
+            "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.manifest.get("files", {})
+            .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances, "max_batch": max_batch,
+            "max_cache_tokens": max_cache_tokens, "backend": backend, "written": now_utc()}, indent=2) + "\n")
+    return Path(out)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Copy a directory, hard-linking files where the filesystem allows (a bundle's files are never modified in place)."""
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link_or_copy)

@@ -1,0 +1,169 @@
+"""The Triton Python-backend model that serves a kvforge bundle (the repository's model.py imports it).
+
+Decoupled: execute() hands each request to a continuous batcher (kvforge.runtime.Batcher)
+and returns at once; a thread per request sends its responses. With `stream` true a
+response goes out per token (text_output: the new text, token_ids: the new token);
+otherwise one response holds the whole completion (what Triton's non-streaming
+generate endpoint requires). A request the model refuses gets an INVALID_ARG error
+(HTTP 400) that names the field. A client that goes away (a closed stream, a
+cancelled gRPC call) is noticed within POLL_S and its row leaves the batch.
+
+Custom metrics on the server's metrics endpoint: kvforge_batch_rows (rows in the
+running batch), kvforge_waiting_requests, kvforge_generated_tokens_total and
+kvforge_requests_total{finish_reason}.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .requests import INPUTS, BadRequest, StopText, parse
+
+POLL_S = 0.1  # how often cancellations and the metrics are looked at
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils
+
+        from kvforge import runtime
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
+        options = json.loads(params.get("backend_options", "{}"))
+        self.session = runtime.load(bundle, backend=params.get("backend", "auto"), **options).activate()
+        max_cache_tokens = int(params["max_cache_tokens"]) if params.get("max_cache_tokens") else None
+        self.batcher = runtime.Batcher(self.session, int(params.get("max_batch", 8)), max_cache_tokens)
+        self.live: dict[int, tuple] = {}  # batcher request id -> (request, response sender)
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self._metrics()
+        self.watcher = threading.Thread(target=self._watch, name="kvforge-watch", daemon=True)
+        self.watcher.start()
+
+    def _metrics(self):
+        family = self.pb.MetricFamily
+        # the families must outlive their metrics (Triton refuses a metric whose family is gone)
+        self.families = {
+            "rows": family(name="kvforge_batch_rows", description="Rows in the running continuous batch", kind=family.GAUGE),
+            "waiting": family(name="kvforge_waiting_requests", description="Requests waiting for a row or cache tokens",
+                              kind=family.GAUGE),
+            "tokens": family(name="kvforge_generated_tokens_total", description="Tokens generated", kind=family.COUNTER),
+            "finish": family(name="kvforge_requests_total", description="Finished requests by finish reason",
+                             kind=family.COUNTER),
+        }
+        self.rows_metric = self.families["rows"].Metric(labels={})
+        self.waiting_metric = self.families["waiting"].Metric(labels={})
+        self.tokens_metric = self.families["tokens"].Metric(labels={})
+        self.finish_metrics: dict[str, object] = {}
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = parse({name: self._input(request, name) for name in INPUTS}, self.session)
+                handle = self.batcher.submit(job.prompt, job.config)
+            except BadRequest as e:
+                self._fail(sender, str(e), self.pb.TritonError.INVALID_ARG)
+                continue
+            except Exception as e:  # noqa: BLE001 - any other refusal still answers the client
+                self._fail(sender, f"{type(e).__name__}: {e}", self.pb.TritonError.INVALID_ARG)
+                continue
+            with self.lock:
+                self.live[handle.id] = (handle, sender)
+            threading.Thread(target=self._respond, args=(handle, sender, job), daemon=True).start()
+        return None
+
+    def _input(self, request, name):
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _fail(self, sender, message: str, code) -> None:
+        sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message, code)),
+                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _response(self, text: str, tokens: list[int], finish: str | None):
+        pb = self.pb
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb.Tensor("token_ids", np.array(tokens, dtype=np.int64)),
+            pb.Tensor("finish_reason", np.array([(finish or "").encode()], dtype=np.object_)),
+        ])
+
+    def _send(self, handle, sender, response, final: bool) -> None:
+        """Send unless the client has gone; the final flag is sent whatever happens, and takes the request off the
+        watch list first (Triton frees a sender once its final flag is out: asking it anything after that crashes
+        the server)."""
+        flag = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with self.lock:
+            if final:
+                self.live.pop(handle.id, None)
+            if not sender.is_cancelled():
+                sender.send(response, flags=flag if final else 0)
+            elif final:  # nobody to answer, but Triton holds the request (and the model) until it is closed
+                sender.send(flags=flag)
+
+    def _respond(self, handle, sender, job) -> None:
+        stops = StopText(job.stop)
+        tokens: list[int] = []
+        finish = None
+        try:
+            for event in handle:
+                tokens.append(event.token)
+                text, stopped = stops.push(event.text, event.last)
+                end = stopped or event.last
+                finish = "stop" if stopped else event.finish_reason
+                if stopped:
+                    handle.cancel()
+                if job.stream:
+                    self._send(handle, sender, self._response(text, [event.token], finish if end else None), end)
+                if end:
+                    break
+            else:  # ended without a last token: cancelled (the client went away) or nothing asked for
+                finish = handle.result().finish_reason
+                if job.stream:
+                    self._send(handle, sender, self._response("", [], finish), True)
+            if not job.stream:
+                self._send(handle, sender, self._response(stops.text[:stops.released], tokens, finish), True)
+            self.tokens_metric.increment(len(tokens))
+            self._count(finish or "length")
+        except Exception as e:  # noqa: BLE001 - the error goes to this client; the model goes on
+            error = self.pb.InferenceResponse(error=self.pb.TritonError(f"generation failed: {e}", self.pb.TritonError.INTERNAL))
+            if handle.id in self.live:
+                self._send(handle, sender, error, True)
+            self._count("error")
+
+    def _count(self, reason: str) -> None:
+        with self.lock:
+            if reason not in self.finish_metrics:
+                self.finish_metrics[reason] = self.families["finish"].Metric(labels={"finish_reason": reason})
+            self.finish_metrics[reason].increment(1)
+
+    def _watch(self) -> None:
+        while not self.closing.wait(POLL_S):
+            with self.lock:  # a sender in `live` has not sent its final response yet
+                for handle, sender in self.live.values():
+                    if sender.is_cancelled():
+                        handle.cancel()
+            self.rows_metric.set(self.batcher.running)
+            self.waiting_metric.set(self.batcher.waiting)
+
+    def finalize(self):
+        self.closing.set()
+        self.batcher.close()
+        self.watcher.join(5)
+        deadline = time.monotonic() + 5
+        while self.live and time.monotonic() < deadline:  # let the response threads send their last words
+            time.sleep(POLL_S)
+        self.session.deactivate()
+        self.rows_metric = self.waiting_metric = self.tokens_metric = None  # metrics go before their families
+        self.finish_metrics.clear()
+        self.families.clear()
+

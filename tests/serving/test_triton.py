@@ -1,0 +1,247 @@
+"""A real Triton Inference Server (from the nvidia-pytriton wheel) on 127.0.0.1 serving the tiny bundle.
+
+Every server here listens on free ports of 127.0.0.1 and is stopped by its fixture or test; requests
+have timeouts, so nothing waits for ever.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvforge import runtime
+from kvforge.errors import MissingDependencyError
+
+try:
+    from kvforge.serving import TritonServer, triton_distribution, write_repository
+
+    triton_distribution()
+    _ABSENT = None
+except MissingDependencyError as e:  # the serve extra is not installed (it is, with `install.sh --test`)
+    _ABSENT = str(e)
+pytestmark = pytest.mark.skipif(_ABSENT is not None, reason=f"needs the serve extra: {_ABSENT}")
+
+MODEL = "tiny"
+PROMPTS = ["def add(a, b):", "class Stack", "import os\nimport", "x = 1", "for i in range(10):", "# a comment",
+           "while True:", "return self.", "def fibonacci(n):", "if __name__", "print(", "try:", "with open(",
+           "lambda x:", "from typing import", "async def"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_fp32, tmp_path_factory):
+    repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", MODEL, max_batch=8)
+    srv = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0)
+    srv.start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_fp32):
+    with runtime.load(tiny_fp32.path) as session:
+        yield session
+
+
+def _post(server, endpoint: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url(f"/v2/models/{MODEL}/{endpoint}"), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _sse(server, body: dict, keep: int | None = None):
+    """(events, arrival times) of a generate_stream call; with keep, the connection is closed after that many."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events, times, start = [], [], time.monotonic()
+    while keep is None or len(events) < keep:
+        line = resp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+            times.append(time.monotonic() - start)
+    conn.close()
+    return events, times
+
+
+def _metric(server, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    found = re.search(rf"^{name}{re.escape(labels)}\s+(\S+)$", text, flags=re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_ready_and_greedy_generate_equals_kvforge_generate(server, tiny_fp32):
+    assert urllib.request.urlopen(server.url("/v2/health/ready"), timeout=10).status == 200
+    cli = subprocess.run([sys.executable, "-m", "kvforge", "generate", str(tiny_fp32.path), "--prompt", PROMPTS[8],
+                          "--max-new-tokens", "24", "--json"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout.strip().splitlines()[-1])
+    status, body = _post(server, "generate", {"text_input": PROMPTS[8], "max_tokens": 24})
+    assert status == 200, body
+    assert body["token_ids"] == expected["tokens"] and body["text_output"] == expected["text"]
+    assert body["finish_reason"] in ("length", "stop")
+
+
+def test_sixteen_concurrent_requests_equal_their_single_results(server, tiny):
+    bodies = [dict(text_input=p, max_tokens=12 + i, ignore_eos=True, **(dict(temperature=0.8, top_p=0.9, seed=i) if i % 3 == 0 else {}))
+              for i, p in enumerate(PROMPTS)]
+    expected = [tiny.generate(b["text_input"], max_new_tokens=b["max_tokens"], ignore_eos=True, temperature=b.get("temperature", 0.0),
+                              top_p=b.get("top_p", 1.0), seed=b.get("seed")) for b in bodies]
+    before = _metric(server, "kvforge_generated_tokens_total")
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _post(server, "generate", bodies[i])))
+               for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == list(range(16))
+    for i, (status, body) in results.items():
+        assert status == 200, body
+        assert body["token_ids"] == expected[i].tokens and body["text_output"] == expected[i].text
+    assert _metric(server, "kvforge_generated_tokens_total") - before == sum(len(e.tokens) for e in expected)
+
+
+def test_the_stream_streams_token_by_token(server):
+    body = {"text_input": PROMPTS[0], "max_tokens": 150, "ignore_eos": True}
+    status, whole = _post(server, "generate", body)
+    assert status == 200
+    events, times = _sse(server, {**body, "stream": True})
+    assert len(events) == 150 and [e["token_ids"] for e in events] == whole["token_ids"]
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    assert [e["finish_reason"] for e in events] == [""] * 149 + ["length"]
+    assert times[0] < 0.5 * times[-1]  # the first token arrived long before the last was made
+
+
+def test_grpc_streaming_through_tritonclient(server):
+    import tritonclient.grpc as grpcclient
+
+    _, whole = _post(server, "generate", {"text_input": PROMPTS[2], "max_tokens": 20, "ignore_eos": True})
+    received, done = [], threading.Event()
+
+    def callback(result, error):
+        if error is not None:
+            received.append(error)
+            done.set()
+            return
+        received.append(result)
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    inputs = []
+    for name, value, dtype in [("text_input", np.array([PROMPTS[2].encode()], dtype=np.object_), "BYTES"),
+                               ("max_tokens", np.array([20], np.int32), "INT32"),
+                               ("ignore_eos", np.array([True]), "BOOL"), ("stream", np.array([True]), "BOOL")]:
+        tensor = grpcclient.InferInput(name, [1], dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer(MODEL, inputs, request_id="g1", enable_empty_final_response=True)
+        assert done.wait(120)
+    finally:
+        client.stop_stream()
+        client.close()
+    tokens = [int(t) for r in received if r.as_numpy("token_ids") is not None for t in r.as_numpy("token_ids")]
+    assert tokens == whole["token_ids"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"max_tokens": 4}, "text_input is required"),
+    ({"text_input": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"text_input": "x", "max_tokens": 4096}, "max_tokens 4096 goes beyond the context"),
+    ({"text_input": "x", "temperature": -1.0}, "temperature must be >= 0"),
+    ({"text_input": "x " * 1500}, "the model's context is 1024"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, field):
+    for endpoint in ("generate", "generate_stream"):
+        status, answer = _post(server, endpoint, body) if endpoint == "generate" else _stream_error(server, body)
+        assert status == 400 and re.search(field, answer["error"]), (endpoint, answer)
+    assert _post(server, "generate", {"text_input": "x", "max_tokens": 2})[0] == 200  # still serving
+
+
+def _stream_error(server, body):
+    req = urllib.request.Request(server.url(f"/v2/models/{MODEL}/generate_stream"), data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+            return r.status, json.loads(text.split("data: ", 1)[1])
+    except urllib.error.HTTPError as e:  # the error comes as an event too
+        return e.code, json.loads(e.read().decode().removeprefix("data: "))
+
+
+def test_stop_strings_end_the_text_before_them(server, tiny):
+    full = tiny.generate(PROMPTS[8], max_new_tokens=40, ignore_eos=True).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip()
+    status, body = _post(server, "generate", {"text_input": PROMPTS[8], "max_tokens": 40, "ignore_eos": True, "stop": [stop]})
+    assert status == 200 and body["finish_reason"] == "stop"
+    assert body["text_output"] == full[:full.index(stop)]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    cancelled = _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}')
+    tokens = _metric(server, "kvforge_generated_tokens_total")
+    events, _ = _sse(server, {"text_input": PROMPTS[4], "max_tokens": 1000, "ignore_eos": True, "stream": True}, keep=3)
+    assert len(events) == 3
+    deadline = time.monotonic() + 30
+    while _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}') == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}') == cancelled + 1
+    while _metric(server, "kvforge_batch_rows") != 0 and time.monotonic() < deadline:  # the gauge follows within POLL_S
+        time.sleep(0.1)
+    assert _metric(server, "kvforge_batch_rows") == 0
+    assert _metric(server, "kvforge_generated_tokens_total") - tokens < 1000  # it stopped early
+    assert _post(server, "generate", {"text_input": "x", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
+    from kvforge.serving.server import free_port
+
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvforge", "serve", str(tiny_fp32.path), "--model-name", MODEL,
+                             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        printed = []
+        while not printed or "Ctrl-C or SIGTERM stops it." not in printed[-1]:  # ends: the server is up, or the CLI exits
+            line = proc.stdout.readline()
+            assert line, "".join(printed)
+            printed.append(line)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10).status == 200
+        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/{MODEL}/generate",
+                                     data=json.dumps({"text_input": "x", "max_tokens": 3}).encode())
+        assert len(json.loads(urllib.request.urlopen(req, timeout=60).read())["token_ids"]) == 3
+        started = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        out = "".join(printed) + out
+        assert proc.returncode == 0, out
+        assert time.monotonic() - started < 30 and "stopped (0)" in out and f"model '{MODEL}'" in out
+        with pytest.raises((urllib.error.URLError, OSError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
