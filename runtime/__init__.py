@@ -3,6 +3,8 @@
     from kvforge import runtime
     with runtime.load("runs/tiny-fp32") as session:          # backend="auto": ONNX Runtime
         print(session.generate("def add(a, b):", max_new_tokens=16).text)
+        with runtime.Batcher(session, max_batch=8) as batcher:   # many requests, one continuous batch
+            print(batcher.submit("class Stack", max_new_tokens=16).result().text)
 
 Importing this package imports no Torch; the torch backend loads it on activation.
 """

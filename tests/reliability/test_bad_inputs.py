@@ -193,6 +193,16 @@ CASES = [
     Case("bench-zero-runs", lambda c: ["bench", str(c.micro), "--runs", "0"], r"runs", 2),
     Case("eval-missing-data", lambda c: ["eval", "gpt2-micro", "--data", str(c.work / "nope.txt")], r"no such file: .*nope.txt"),
     Case("unknown-option", lambda c: ["export", "gpt2-micro", "--frobnicate"], r"No such option", 2),
+    # serving
+    Case("triton-not-a-bundle", lambda c: ["triton", str(c.work), "-o", str(c.work / "repo")], r"is not a kvforge bundle"),
+    Case("triton-damaged-bundle", lambda c: ["triton", str(_truncate(_bundle(c, "tr") / "model.onnx")), "-o", str(c.work / "repo")],
+         r"is damaged: model.onnx has \d+ bytes"),
+    Case("triton-bad-model-name", lambda c: ["triton", str(c.micro), "-o", str(c.work / "repo"), "--model-name", "a/b"], r"model name 'a/b'"),
+    Case("triton-output-not-a-repository", lambda c: ["triton", str(c.micro), "-o", str(c.not_bundle), "--force"],
+         r"is a directory but not a kvforge output"),
+    Case("triton-zero-instances", lambda c: ["triton", str(c.micro), "-o", str(c.work / "repo"), "--instances", "0"], r"instances", 2),
+    Case("api-batcher-never-fits", _api(lambda c: runtime.Batcher(_session(c), max_cache_tokens=10).submit([5] * 8, max_new_tokens=8)),
+         r"may hold 16 cache tokens .* budget is 10; it can never run"),
 ]
 
 

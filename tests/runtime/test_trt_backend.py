@@ -422,6 +422,20 @@ def test_build_then_run_on_a_stand_in_tensorrt_matches_onnxruntime(micro, standi
             s.forward(ids[:, :1], cache=cache)
 
 
+def test_continuous_batching_on_a_stand_in_engine_matches_onnxruntime(micro, standin, tmp_path):
+    """Rows joining and leaving a batch on TensorRT: caches regrouped through host copies into pool buffers."""
+    standin(RELEASES[-1])
+    engine = build(micro.path, tmp_path / "e", max_batch=4, max_context=128, opt_context=64)
+    prompts = [[5, 77, 123, 9], [250, 31], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
+    options = [dict(max_new_tokens=10 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    with runtime.load(engine.path) as s, runtime.load(micro.path, variant=False) as ref:
+        with runtime.Batcher(s, max_batch=3) as batcher:
+            requests = [batcher.submit(p, **o) for p, o in zip(prompts, options)]
+            got = [r.result(timeout=300).tokens for r in requests]
+            assert batcher.peak_batch == 3
+        assert got == [ref.generate(p, **o).tokens for p, o in zip(prompts, options)]
+
+
 def test_an_engine_of_another_release_is_refused(micro, standin, tmp_path):
     standin("10.16")
     engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=32)
