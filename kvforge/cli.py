@@ -416,11 +416,10 @@ def _serve_options(f):
 @click.option("--force", is_flag=True, help="Replace a repository kvforge wrote there before.")
 def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
-    from kvforge.serving import write_repository
+    from kvforge.serving import repository_model, write_repository
 
     repo = write_repository(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force)
-    name = next(p.name for p in repo.iterdir() if p.is_dir())
-    click.echo(f"wrote {repo}: model {name!r} ({instances} instance(s), batch {max_batch}); "
+    click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
                f"run it with `tritonserver --model-repository {repo}` where kvforge is installed")
 
 
@@ -436,7 +435,7 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, h
     from kvforge import serving
 
     code = serving.serve(source, model_name, host, http_port, grpc_port, metrics_port, instances, max_batch,
-                         max_cache_tokens, backend, echo=lambda m: click.echo(m, err=False))
+                         max_cache_tokens, backend, echo=click.echo)
     sys.exit(code)
 
 

@@ -8,10 +8,10 @@ The model (triton_model.py) runs kvforge's runtime with its continuous batcher
 (requests.py); server.py starts and stops the server.
 """
 
-from .repository import write_repository
+from .repository import repository_model, write_repository
 from .server import TritonServer, triton_distribution
 
-__all__ = ["TritonServer", "serve", "triton_distribution", "write_repository"]
+__all__ = ["TritonServer", "repository_model", "serve", "triton_distribution", "write_repository"]
 
 
 def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
@@ -33,12 +33,10 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
             echo(f"{source} is not a bundle: exporting it (FP32) first")
             bundle = export(source, Path(work) / "bundle").path
         repo = write_repository(bundle, Path(work) / "repository", model_name, instances, max_batch, max_cache_tokens, backend)
-        name = next(p.name for p in repo.iterdir() if p.is_dir())
+        name = repository_model(repo)
         server = TritonServer(repo, host, http_port, grpc_port, metrics_port)
-        stopping = []
 
-        def on_signal(signum, frame):
-            stopping.append(signum)
+        def on_signal(signum, frame):  # SIGTERM stops the server as Ctrl-C does
             raise KeyboardInterrupt
 
         previous = signal.signal(signal.SIGTERM, on_signal)
@@ -46,8 +44,8 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
             server.start()
             echo(f"serving {bundle} as model {name!r} on Triton Inference Server")
             echo(f"  HTTP    {server.url()}  (POST /v2/models/{name}/generate, /generate_stream; GET /v2/health/ready)")
-            echo(f"  gRPC    {server.url().split('//')[1].rsplit(':', 1)[0]}:{server.grpc_port}")
-            echo(f"  metrics http://{server.url().split('//')[1].rsplit(':', 1)[0]}:{server.metrics_port}/metrics")
+            echo(f"  gRPC    {server.client_host}:{server.grpc_port}")
+            echo(f"  metrics http://{server.client_host}:{server.metrics_port}/metrics")
             echo("Ctrl-C or SIGTERM stops it.")
             code = server.wait()
             echo(f"tritonserver exited on its own ({code}):\n{server.log_tail()}")

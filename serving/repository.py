@@ -100,6 +100,14 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
     return Path(out)
 
 
+def repository_model(repo: str | os.PathLike) -> str:
+    """The name of the model in a repository kvforge wrote."""
+    try:
+        return json.loads((Path(repo) / RECORD).read_text())["model_name"]
+    except (OSError, ValueError, KeyError) as e:
+        raise KvforgeError(f"{repo} is not a model repository written by `kvforge triton` ({RECORD}: {e})") from e
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     """Copy a directory, hard-linking files where the filesystem allows (a bundle's files are never modified in place)."""
     def link_or_copy(a, b):

@@ -131,9 +131,13 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    @property
+    def client_host(self) -> str:
+        """Where a client on this machine reaches the server (listening on every interface: the loopback)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
     def url(self, path: str = "") -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.http_port}{path}"
+        return f"http://{self.client_host}:{self.http_port}{path}"
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .requests import INPUTS, BadRequest, StopText, parse
+from kvforge.errors import KvforgeError
+
+from .requests import INPUTS, StopText, parse
 
 POLL_S = 0.1  # how often cancellations and the metrics are looked at
 # The batcher's thread must get the interpreter back as soon as a step's kernels return, not after Python's
@@ -42,8 +44,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
-        options = json.loads(params.get("backend_options", "{}"))
-        self.session = runtime.load(bundle, backend=params.get("backend", "auto"), **options).activate()
+        self.session = runtime.load(bundle, backend=params.get("backend", "auto")).activate()
         max_cache_tokens = int(params["max_cache_tokens"]) if params.get("max_cache_tokens") else None
         self.batcher = runtime.Batcher(self.session, int(params.get("max_batch", 8)), max_cache_tokens)
         self.live: dict[int, tuple] = {}  # batcher request id -> (request, response sender)
@@ -75,11 +76,11 @@ class TritonPythonModel:
             try:
                 job = parse({name: self._input(request, name) for name in INPUTS}, self.session)
                 handle = self.batcher.submit(job.prompt, job.config)
-            except BadRequest as e:
+            except KvforgeError as e:  # a bad request, or one that can never fit the batcher's budget
                 self._fail(sender, str(e), self.pb.TritonError.INVALID_ARG)
                 continue
-            except Exception as e:  # noqa: BLE001 - any other refusal still answers the client
-                self._fail(sender, f"{type(e).__name__}: {e}", self.pb.TritonError.INVALID_ARG)
+            except Exception as e:  # noqa: BLE001 - anything else still answers the client
+                self._fail(sender, f"{type(e).__name__}: {e}", self.pb.TritonError.INTERNAL)
                 continue
             with self.lock:
                 self.live[handle.id] = (handle, sender)

@@ -9,7 +9,7 @@ import pytest
 
 from kvforge import runtime
 from kvforge.errors import KvforgeError
-from kvforge.serving.repository import RECORD, write_repository
+from kvforge.serving.repository import RECORD, repository_model, write_repository
 from kvforge.serving.requests import BadRequest, StopText, parse
 
 
@@ -85,6 +85,7 @@ def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
     inside = repo / "tiny-llm" / "1" / "bundle"
     for f in tiny_fp32.path.iterdir():
         assert (inside / f.name).read_bytes() == f.read_bytes()
+    assert repository_model(repo) == "tiny-llm"
     record = json.loads((repo / RECORD).read_text())
     assert record["model_name"] == "tiny-llm" and record["max_batch"] == 4
     # an existing repository is kept unless --force; --force replaces it; a foreign directory is never replaced

@@ -34,7 +34,8 @@ def _corrupt_scale(bundle_dir, tensor: str, factor: float) -> None:
     path = bundle_dir / "model.onnx"
     model = onnx.load(str(path))
     init = next(i for i in model.graph.initializer if i.name == tensor)
-    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * factor, tensor))
+    scale = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((scale * factor).astype(scale.dtype), tensor))  # numpy 1 would widen a 0-d one
     onnx.save(model, str(path))
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     write_manifest(bundle_dir, {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")})
