@@ -37,7 +37,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent
+from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, finish_reason, left_padded
 from .sampling import is_int, select
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -166,15 +166,8 @@ class Batcher:
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
         ids = rows[0]
-        if not ids:
-            raise KvforgeError("the prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.session.vocab_size]
-        if bad:
-            raise KvforgeError(f"prompt token ids {bad[:8]} are outside the vocabulary (0..{self.session.vocab_size - 1})")
-        context = self.session.max_context
-        if len(ids) > context:
-            raise KvforgeError(f"a prompt of {len(ids)} tokens exceeds the bundle's maximum context of {context}")
-        reserve = min(len(ids) + config.max_new_tokens, context)
+        check_prompts(self.session, [ids])
+        reserve = min(len(ids) + config.max_new_tokens, self.session.max_context)
         if reserve > self.max_cache_tokens:
             raise KvforgeError(f"this request may hold {reserve} cache tokens (prompt {len(ids)} + max_new_tokens "
                                f"{config.max_new_tokens}) but the batcher's budget is {self.max_cache_tokens}; it can never run")
@@ -262,17 +255,11 @@ class Batcher:
 
     def _prefill(self, requests: list[Request]) -> _Batch:
         """Run the new prompts as one left-padded batch; their first tokens are chosen by the next _step."""
-        longest = max(len(r.prompt) for r in requests)
-        pad = self.session.config.get("pad_token_id") or 0
-        ids = np.full((len(requests), longest), pad, np.int64)
-        mask = np.zeros((len(requests), longest + 1), np.int64)  # the last column: the token chosen next
-        for i, r in enumerate(requests):
-            ids[i, longest - len(r.prompt):] = r.prompt
-            mask[i, longest - len(r.prompt):] = 1
-        logits, cache = self.session.forward(ids, mask[:, :-1], cache=None, last_logits_only=True)
+        ids, mask = left_padded(self.session, [r.prompt for r in requests])
+        logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
         rows = [_Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
-        return _Batch(rows, cache, mask)
+        return _Batch(rows, cache, _pending(mask))
 
     def _join(self, batch: _Batch, new: _Batch) -> None:
         if not batch.rows:
@@ -295,9 +282,7 @@ class Batcher:
                 continue
             token = int(select(row.logits[None], [row.seen], r.config.sampling, [row.rng])[0])
             row.seen = np.append(row.seen, token)
-            n = len(r.tokens) + 1
-            finish = ("stop" if token in r.stop else "length" if n >= r.config.max_new_tokens
-                      else "context" if len(r.prompt) + n >= context else None)
+            finish = finish_reason(token, len(r.tokens) + 1, len(r.prompt), r.config, r.stop, context)
             r._emit(token, finish)
             if finish is None:
                 keep.append(i)
@@ -310,7 +295,7 @@ class Batcher:
         logits, batch.cache = self.session.forward(nxt, batch.mask, None, batch.cache, last_logits_only=True)
         for row, lg in zip(batch.rows, logits[:, -1]):
             row.logits = lg
-        batch.mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), np.int64)], axis=1)
+        batch.mask = _pending(batch.mask)
         self.steps += 1
 
     def _retire(self, batch: _Batch, keep: list[int]) -> None:
@@ -324,6 +309,11 @@ class Batcher:
         length = batch.cache.length - first
         batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
         batch.mask = mask[:, first:]
+
+
+def _pending(mask: np.ndarray) -> np.ndarray:
+    """The mask with a column for the token each row feeds next."""
+    return np.concatenate([mask, np.ones((mask.shape[0], 1), mask.dtype)], axis=1)
 
 
 def _left_pad(mask: np.ndarray, width: int) -> np.ndarray:

@@ -106,8 +106,8 @@ def _events(it) -> Iterator[TokenEvent]:
         yield pending
 
 
-def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int]):
-    """Yield the rows after every step (the last yield is final)."""
+def check_prompts(session: Session, prompts: list[list[int]]) -> None:
+    """Each prompt has a token, only ids inside the vocabulary, and fits the context."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise KvforgeError("every prompt needs at least one token")
     vocab = session.vocab_size
@@ -118,20 +118,40 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     longest = max(len(p) for p in prompts)
     if longest > session.max_context:
         raise KvforgeError(f"a prompt of {longest} tokens exceeds the bundle's maximum context of {session.max_context}")
+
+
+def left_padded(session: Session, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """A prefill batch: ids left-padded to the longest prompt, and the mask of real tokens (positions count those)."""
+    longest = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), longest), session.config.get("pad_token_id") or 0, np.int64)
+    mask = np.zeros((len(prompts), longest), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = p
+        mask[i, longest - len(p):] = 1
+    return ids, mask
+
+
+def finish_reason(token: int, generated: int, prompt: int, config: GenerationConfig, stop: set[int], context: int) -> str | None:
+    """Why a row ends with `token`, its `generated`-th new token after a `prompt`-token prompt (None: it goes on)."""
+    if token in stop:
+        return "stop"
+    if generated >= config.max_new_tokens:
+        return "length"
+    if prompt + generated >= context:  # this row's own sequence fills the context
+        return "context"
+    return None
+
+
+def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int]):
+    """Yield the rows after every step (the last yield is final)."""
+    check_prompts(session, prompts)
     rows = [_Row(list(p)) for p in prompts]
     if config.max_new_tokens == 0:
         yield rows
         return
     B = len(rows)
     rngs = [np.random.default_rng(config.seed) for _ in rows]  # one per row: a row samples what it would alone
-    pad = session.config.get("pad_token_id") or 0
-
-    # Prefill: left-pad to the longest prompt; position ids count real tokens only.
-    ids = np.full((B, longest), pad, np.int64)
-    mask = np.zeros((B, longest), np.int64)
-    for i, r in enumerate(rows):
-        ids[i, longest - len(r.prompt):] = r.prompt
-        mask[i, longest - len(r.prompt):] = 1
+    ids, mask = left_padded(session, prompts)
     logits, cache = session.forward(ids, mask, last_logits_only=True)
     seen = [np.asarray(r.prompt, np.int64) for r in rows]
     last = logits[:, -1]
@@ -144,12 +164,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
             token = int(chosen[i])
             r.tokens.append(token)
             seen[i] = np.append(seen[i], token)
-            if token in stop:
-                r.finish = "stop"
-            elif len(r.tokens) >= config.max_new_tokens:
-                r.finish = "length"
-            elif len(r.prompt) + len(r.tokens) >= session.max_context:  # this row's own sequence fills the context
-                r.finish = "context"
+            r.finish = finish_reason(token, len(r.tokens), len(r.prompt), config, stop, session.max_context)
         yield rows
         if all(r.finish for r in rows):
             return

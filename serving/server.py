@@ -164,6 +164,8 @@ class TritonServer:
         return code
 
     def _cleanup(self) -> None:
+        if not self.work.exists():  # done already (stop() after a failed start, or a second stop())
+            return
         if self.proc is not None:
             time.sleep(0.3)
             try:
@@ -174,9 +176,8 @@ class TritonServer:
         if shm.is_dir():
             for leftover in shm.glob(f"{self.shm_prefix}*"):
                 leftover.unlink(missing_ok=True)
-        if self.work.exists():
-            self._saved_log = self.log_tail(200)  # the log goes with the work directory (unless log_file named one)
-            shutil.rmtree(self.work, ignore_errors=True)
+        self._saved_log = self.log_tail(200)  # the log goes with the work directory (unless log_file named one)
+        shutil.rmtree(self.work, ignore_errors=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
