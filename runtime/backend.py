@@ -28,6 +28,7 @@ class KVCache:
     length: int
     values: list[Any]
     owner: str | None = None  # the model (its graph's hash) whose session made it
+    layout: Any = None  # backend-private state of a cache not laid out as the mask (ONNX Runtime's packed rows)
 
 
 class Backend:

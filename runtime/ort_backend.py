@@ -11,7 +11,9 @@ import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 
+from . import ort_packed_cache as packed
 from .backend import Backend, KVCache
+from .ort_attention import LOGITS_ROWS, SEQLENS, TOTAL
 from .ort_variant import KEEP_INPUT
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
@@ -88,20 +90,26 @@ _OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    option_names = ("device", "threads", "optimization", "variant")
+    option_names = ("device", "threads", "optimization", "variant", "attention")
 
     def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
-                 variant: bool = True, **options):
+                 variant: bool = True, attention: str = "auto", **options):
         super().__init__(config, io, **options)
         if device not in ("auto", "cpu", "cuda"):
             raise KvforgeError(f"onnxruntime device {device!r} is not one of 'auto', 'cpu', 'cuda'")
         if optimization not in _OPTIMIZATION_LEVELS:
             raise KvforgeError(f"optimization {optimization!r} is not one of {_OPTIMIZATION_LEVELS}")
+        if attention not in ("auto", "graph"):
+            raise KvforgeError(f"attention {attention!r} is not one of 'auto' (GroupQueryAttention over a packed cache "
+                               "where the graph allows, on the CPU) or 'graph' (the bundle's attention)")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise KvforgeError(f"threads must be a positive int (or None for ONNX Runtime's default), got {threads!r}")
         self.bundle = bundle
         self.graph_path = bundle.graph_file
         self.variant = variant  # run the ORT-specific variant of the graph (see ort_variant.py)
+        self.attention = attention
+        self.packed = False  # the variant runs GroupQueryAttention over packed caches (ort_packed_cache.py)
+        self.max_context = io.max_context or config["max_seq_len"]
         self.device = device
         self.threads = threads
         self.optimization = optimization
@@ -135,27 +143,40 @@ class OnnxRuntimeBackend(Backend):
         if self.variant:
             from .ort_variant import variant_path
 
-            self.graph_path = variant_path(self.bundle)
+            self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"])
         else:
             self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
         self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads)
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
-        expected = [t.name for t in self.io.inputs] + ([KEEP_INPUT] if self.variant else [])
+        self.packed = SEQLENS in names
+        if self.packed:  # the mask is followed by the cache's row lengths, not read by the graph
+            expected = [t.name for t in self.io.inputs if t.name != "attention_mask"] + [SEQLENS, TOTAL, LOGITS_ROWS]
+        else:
+            expected = [t.name for t in self.io.inputs] + ([KEEP_INPUT] if self.variant else [])
         if names != expected:
             raise KvforgeError(f"{self.graph_path} inputs {names} differ from the manifest's IO spec {expected}")
 
     def deactivate_impl(self) -> None:
         self.session = None
 
+    def empty_cache(self, batch: int) -> KVCache:
+        if not self.packed:
+            return super().empty_cache(batch)
+        store = packed.Store(self._zeros(batch))
+        return KVCache(self.name, batch, 0, store.arrays, layout=packed.Packed(np.zeros(batch, np.int64), store))
+
+    def _zeros(self, batch: int) -> list[np.ndarray]:
+        shape = [batch, self.config["n_kv_heads"], 0, self.config["head_dim"]]
+        return [np.zeros(shape, np.float16 if self.kv_dtype == "float16" else np.float32) for _ in self.past_names]
+
     def empty_cache_impl(self, batch: int):
         ort = _ort()
-        cfg = self.config
-        shape = [batch, cfg["n_kv_heads"], 0, cfg["head_dim"]]
-        np_dtype = np.float16 if self.kv_dtype == "float16" else np.float32
-        return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np_dtype), self.device_name, 0) for _ in self.past_names]
+        return [ort.OrtValue.ortvalue_from_numpy(z, self.device_name, 0) for z in self._zeros(batch)]
 
     def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+        if self.packed:
+            return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only)
         binding = self.session.io_binding()
         if self.variant:
             binding.bind_cpu_input(KEEP_INPUT, np.array([1 if last_only else input_ids.shape[1]], np.int64))
@@ -173,6 +194,61 @@ class OnnxRuntimeBackend(Backend):
             logits = logits[:, -1:]
         present = [outputs[n] for n in self.present_names]
         return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
+
+    def _forward_packed(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+        ort = _ort()
+        layout = cache.layout
+        steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
+        store, arrays = layout.store, cache.values
+        if layout.version != store.version:  # another step already continued this cache: continue a copy
+            store = packed.Store([a.copy() for a in arrays])
+        arrays = packed.grown(arrays if store is layout.store else store.arrays, max(s.capacity for s in steps),
+                              self.max_context)
+        store.arrays = arrays
+        B, T = input_ids.shape
+        logits = None
+        for step in steps:
+            binding = self.session.io_binding()
+            for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
+                                (TOTAL, step.total), (LOGITS_ROWS, step.logits_rows)):
+                binding.bind_cpu_input(name, value)
+            binding.bind_output("logits")
+            for past, present, array in zip(self.past_names, self.present_names, arrays):
+                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the array's own memory: written in place
+                binding.bind_ortvalue_input(past, buffer)
+                binding.bind_ortvalue_output(present, buffer)
+            self.session.run_with_iobinding(binding)
+            out = binding.get_outputs()[0].numpy()
+            if len(steps) == 1:
+                logits = out
+            elif step.logits_at:
+                if logits is None:
+                    logits = np.empty((B, 1 if last_only else T, out.shape[-1]), out.dtype)
+                logits[:, 0 if last_only else step.logits_at[0]] = out[:, 0]
+        store.version += 1
+        layout = packed.Packed(steps[-1].lengths, store, store.version)
+        return logits, KVCache(self.name, B, cache.length + T, arrays, layout=layout)
+
+    def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
+        if cache.layout is None:
+            return super().drop_oldest(cache, n)
+        # Packed rows hold no padding columns: only a row (finished) whose real positions reach that far back
+        # loses any, and which of them it loses does not matter.
+        lengths = np.minimum(cache.layout.lengths, cache.length - n)
+        return KVCache(self.name, cache.batch, cache.length - n, cache.values, cache.owner,
+                       packed.Packed(lengths, cache.layout.store, cache.layout.version))
+
+    def regroup(self, parts, length: int) -> KVCache:
+        if parts[0][0].layout is None:
+            return super().regroup(parts, length)
+        arrays, lengths = packed.regroup(parts, length)
+        store = packed.Store(arrays)
+        return KVCache(self.name, len(lengths), length, arrays, parts[0][0].owner, packed.Packed(lengths, store))
+
+    def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
+        if cache.layout is None:
+            return super().cache_arrays(cache)
+        return [packed.unpack(a, cache.layout.lengths, cache.length) for a in cache.values]
 
     def drop_oldest_impl(self, values, drops):
         ort = _ort()

@@ -30,7 +30,9 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-VARIANT_VERSION = 6
+from .ort_attention import LOGITS_ROWS
+
+VARIANT_VERSION = 7
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -81,10 +83,9 @@ def fuse_sibling_matmuls(model) -> int:
 _PER_POSITION = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
 
 
-def add_logits_to_keep(model) -> None:
-    """Slice the last `num_logits_to_keep` positions before the MatMul that produces `logits` (through any Cast)."""
-    from onnx import TensorProto, helper, numpy_helper
-
+def _head_entry(model):
+    """The node whose first input is the hidden state the vocabulary projection reads: the MatMul producing
+    `logits` (through any per-position element-wise ops), or the QuantizeLinear of its own Q -> DQ pair."""
     g = model.graph
     producer = {o: n for n in g.node for o in n.output}
     constants = {i.name for i in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
@@ -96,38 +97,68 @@ def add_logits_to_keep(model) -> None:
         head = producer.get(live[0]) if len(live) == 1 else None
     if head is None or head.op_type != "MatMul":
         raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
-    g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))
-    g.initializer.extend([
-        numpy_helper.from_array(np.array([0], np.int64), "kvforge_zero"),
-        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "kvforge_end"),
-        numpy_helper.from_array(np.array([1], np.int64), "kvforge_axis_seq"),
-    ])
-    # A quantized lm_head reads its input through its own Q -> DQ pair: slice before the pair, so that the
+    # A quantized lm_head reads its input through its own Q -> DQ pair: cut before the pair, so that the
     # pair still feeds the MatMul alone (ORT fuses that; a Slice between DQ and MatMul makes ORT propagate the
     # pair across the Slice with a mistyped zero point, and the session fails to load).
     consumers: dict[str, int] = {}
     for n in g.node:
         for i in n.input:
             consumers[i] = consumers.get(i, 0) + 1
-    sliced = head
     dq = producer.get(head.input[0])
     if dq is not None and dq.op_type == "DequantizeLinear" and consumers[dq.output[0]] == 1:
         q = producer.get(dq.input[0])
         if q is not None and q.op_type == "QuantizeLinear" and consumers[q.output[0]] == 1:
-            sliced = q
-    hidden = sliced.input[0]
-    nodes = [
-        helper.make_node("Sub", ["kvforge_zero", KEEP_INPUT], ["kvforge_keep_start"], name="kvforge_keep_start"),
-        helper.make_node("Slice", [hidden, "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"], ["kvforge_kept_hidden"],
-                         name="kvforge_keep_slice"),
-    ]
-    sliced.input[0] = "kvforge_kept_hidden"
-    index = list(g.node).index(sliced)
+            return q
+    return head
+
+
+def _insert_before_head(model, entry, nodes, result: str, dim: str) -> None:
+    g = model.graph
+    entry.input[0] = result
+    index = list(g.node).index(entry)
     for offset, n in enumerate(nodes):
         g.node.insert(index + offset, n)
     for out in g.output:
         if out.name == "logits":
-            out.type.tensor_type.shape.dim[1].dim_param = "num_logits_to_keep"
+            out.type.tensor_type.shape.dim[1].dim_param = dim
+
+
+def add_logits_to_keep(model) -> None:
+    """Slice the last `num_logits_to_keep` positions before the vocabulary projection."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    entry = _head_entry(model)
+    g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))
+    g.initializer.extend([
+        numpy_helper.from_array(np.array([0], np.int64), "kvforge_zero"),
+        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "kvforge_end"),
+        numpy_helper.from_array(np.array([1], np.int64), "kvforge_axis_seq"),
+    ])
+    nodes = [
+        helper.make_node("Sub", ["kvforge_zero", KEEP_INPUT], ["kvforge_keep_start"], name="kvforge_keep_start"),
+        helper.make_node("Slice", [entry.input[0], "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"],
+                         ["kvforge_kept_hidden"], name="kvforge_keep_slice"),
+    ]
+    _insert_before_head(model, entry, nodes, "kvforge_kept_hidden", "num_logits_to_keep")
+
+
+def add_logits_rows(model) -> None:
+    """Project only the hidden states at the given flat (batch * T + position) rows: an int64 (B, K) input.
+
+    What a packed cache needs: a right-aligned prefill's last real token sits at a different position in
+    each row.
+    """
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    entry = _head_entry(model)
+    g.input.append(helper.make_tensor_value_info(LOGITS_ROWS, TensorProto.INT64, ["batch", "logits_kept"]))
+    nodes = [
+        helper.make_node("Flatten", [entry.input[0]], ["kvforge_flat_hidden"], name="kvforge_flat_hidden", axis=2),
+        helper.make_node("Gather", ["kvforge_flat_hidden", LOGITS_ROWS], ["kvforge_kept_hidden"], name="kvforge_keep_rows", axis=0),
+    ]
+    _insert_before_head(model, entry, nodes, "kvforge_kept_hidden", "logits_kept")
 
 
 def unshare_tied_head(model) -> int:
@@ -193,8 +224,22 @@ def unshare_tied_head(model) -> int:
     return done
 
 
-def variant_path(bundle) -> Path:
-    """Build (once) and return the cached ORT variant of `bundle`'s graph."""
+def rewrite_attention(model, bundle) -> int:
+    """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match)."""
+    from .ort_attention import use_group_query_attention
+
+    io, cfg = bundle.io, bundle.model_config
+    if any(w is not None for w in io.windows):  # capped caches roll: not the packed layout
+        return 0
+    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"])
+
+
+def variant_path(bundle, attention: bool = False) -> Path:
+    """Build (once) and return the cached ORT variant of `bundle`'s graph.
+
+    attention: also rewrite the attention as GroupQueryAttention over a packed shared-buffer cache
+    (ort_attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
+    then LOGITS_ROWS, else KEEP_INPUT."""
     files = bundle.manifest.get("files", {})
     graph = bundle.manifest["graph"]
     # The cache is keyed by the manifest's hashes; a file that no longer matches
@@ -206,7 +251,7 @@ def variant_path(bundle) -> Path:
     key_parts = [files.get(graph, {}).get("sha256", "")]
     if bundle.manifest.get("external_data"):
         key_parts.append(files.get(bundle.manifest["external_data"], {}).get("sha256", ""))
-    key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}"
+    key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}" + ("-gqa" if attention else "")
     directory = cache_root() / "ort-variants" / key
     target = directory / "model.onnx"
     if target.is_file():
@@ -216,7 +261,10 @@ def variant_path(bundle) -> Path:
     model = bundle.load_graph()
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
-    add_logits_to_keep(model)
+    if attention and rewrite_attention(model, bundle):
+        add_logits_rows(model)
+    else:
+        add_logits_to_keep(model)
     if bundle.manifest["precision"]["dtype"] == "float32":
         from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 

@@ -21,9 +21,9 @@ def _ops(path) -> collections.Counter:
 
 
 # llama3-micro: Llama-3 RoPE scaling; geglu-micro: partial rotary (12 of head_dim 24), linear scaling;
-# qwen2-micro: MQA, qkv biases, a sliding window on one layer.
-@pytest.mark.parametrize("preset", ["llama3-micro", "geglu-micro", "qwen2-micro"])
-def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
+# qwen2-micro: MQA, qkv biases, a sliding window on one layer (a capped cache: no packed attention).
+@pytest.mark.parametrize("preset, packed", [("llama3-micro", True), ("geglu-micro", True), ("qwen2-micro", False)])
+def test_fused_variant_computes_the_bundle_graph(preset, packed, tmp_path):
     bundle = export(preset, tmp_path / preset)
     layers = bundle.model_config["n_layers"]
     ops = _ops(variant_path(Bundle(bundle.path)))
@@ -31,30 +31,47 @@ def test_fused_variant_computes_the_bundle_graph(preset, tmp_path):
     assert ops["SkipSimplifiedLayerNormalization"] == 2 * layers and ops["SimplifiedLayerNormalization"] == 1
     assert ops["RotaryEmbedding"] == 2 * layers  # q and k per block
     assert ops["Pow"] == ops["Neg"] == ops["Reciprocal"] == 0  # nothing of the chains is left over
+    ops = _ops(variant_path(Bundle(bundle.path), attention=True))
+    assert ops["GroupQueryAttention"] == (layers if packed else 0)
+    assert ops["Softmax"] == (0 if packed else layers)  # all attention or none of it
 
-    _assert_variant_equals_graph(bundle.path)
+    _assert_variant_equals_graph(bundle.path, packed=packed)
 
 
-def _assert_variant_equals_graph(path, steps: int = 3) -> None:
-    """A left-padded batch: prefill, then decode steps, through the bundle's graph and the fused variant."""
+def _assert_variant_equals_graph(path, steps: int = 3, packed: bool | None = None) -> None:
+    """A left-padded batch: prefill, then decode steps, through the bundle's graph and the fused variant (with
+    its attention as exported, and as the CPU backend runs it: GroupQueryAttention over a packed cache where the
+    graph allows, which `packed` states when given). Logits and cache columns at padding positions are outside
+    the contract (the mask hides them), so only real positions are compared."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 259, (2, 11), dtype=np.int64)
     mask = np.ones((2, 11), np.int64)
     mask[1, :4] = 0
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    with runtime.load(path, variant=False) as plain, runtime.load(path) as fast:
+    with runtime.load(path, variant=False) as plain, runtime.load(path, attention="graph") as fused, \
+            runtime.load(path) as fast:
+        assert not fused.backend.packed
+        if packed is not None:
+            assert fast.backend.packed == packed
         a, ca = plain.forward(ids, mask, pos)
-        b, cb = fast.forward(ids, mask, pos)
-        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+        caches = []
+        for s in (fused, fast):
+            b, cb = s.forward(ids, mask, pos)
+            np.testing.assert_allclose(b[mask == 1], a[mask == 1], atol=2e-5, rtol=0)
+            caches.append(cb)
         for step in range(steps):
             token = rng.integers(0, 259, (2, 1), dtype=np.int64)
             mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
             pos = pos[:, -1:] + 1
             a, ca = plain.forward(token, mask, pos, ca)
-            b, cb = fast.forward(token, mask, pos, cb)
-            np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
-        for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
-            np.testing.assert_allclose(y, x, atol=2e-5, rtol=0)
+            for i, s in enumerate((fused, fast)):
+                b, caches[i] = s.forward(token, mask, pos, caches[i])
+                np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+        real = mask[:, None, :, None] == 1
+        for s, cb in zip((fused, fast), caches):
+            for x, y in zip(plain.backend.cache_arrays(ca), s.backend.cache_arrays(cb)):
+                held = real[:, :, -x.shape[2]:]  # a capped (windowed) layer holds the last W columns
+                np.testing.assert_allclose(np.where(held, y, 0), np.where(held, x, 0), atol=2e-5, rtol=0)
 
 
 # The decoder designs beyond Llama: where a fusion's pattern is broken (a q/k norm before RoPE, sandwich or

@@ -1,0 +1,174 @@
+"""The ONNX Runtime variant's attention: each layer's exported attention as one com.microsoft GroupQueryAttention.
+
+The exported graph (standard ONNX, what TensorRT reads) concatenates each
+layer's whole cache with the new keys and values every step and masks the
+scores with the attention mask. On ONNX Runtime's CPU provider that Concat,
+and the dozen small ops around the two attention MatMuls, cost more than the
+attention itself at batch 1. GroupQueryAttention computes the same function
+over a cache buffer that past and present share: a step writes its new
+positions into the buffer in place and reads each row's valid prefix.
+
+The cache it reads is laid out differently from the graph's: each row's
+positions are packed from index 0 (no padding columns) and each row has its
+own length (`seqlens_k`, the row's length after the step minus one). The
+ONNX Runtime backend keeps caches in that layout and turns the session's
+left-padded inputs into it (ort_packed_cache.py).
+
+Per layer, the rewrite matches, from the cache's Concats:
+
+    present.k = Concat(past.k, k, axis=2)  present.v = Concat(past.v, v, axis=2)
+    scores = MatMul(Reshape(Mul(q, scale)), Transpose(Unsqueeze(present.k)))
+    [Cast] [Div cap -> Tanh -> Mul cap] Where(mask, MIN, .) Softmax [Cast]
+    out = Reshape(Transpose(Reshape(MatMul(probs, Unsqueeze(present.v)))))
+
+with q (B, H, T, D) and k, v (B, KV, T, D) after RoPE and q/k norms, and
+puts GroupQueryAttention(q, k, v as (B, T, heads * D), the buffers) in
+place of `out` and both Concats. Anything else between the scores and the
+Softmax (an ALiBi bias, a sliding window's capped cache, a quantized cache)
+is not matched, and a graph in which any layer does not match keeps its
+attention as exported: the backend's cache layout is all or nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ort_fusions import MS_DOMAIN, _attr, _Graph, _replace, _scalar, _use_ms_domain, drop_dead_nodes
+
+SEQLENS = "kvforge_seqlens_k"  # int32 (B,): each row's valid cache length after this step, minus one
+TOTAL = "kvforge_total_length"  # int32 [1]: the longest row's length after this step
+LOGITS_ROWS = "kvforge_logits_rows"  # int64 (B, K): flat (batch * T + position) rows whose logits are computed
+
+
+def _single(g: _Graph, name: str, op_type: str):
+    return g.only_consumer(name, op_type)
+
+
+def _perm(node) -> list[int]:
+    return list(_attr(node, "perm", []))
+
+
+def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v: str):
+    """The nodes and tensors of one layer's attention, or None where it is not the plain pattern."""
+    cat_k, cat_v = g.producer.get(present_k), g.producer.get(present_v)
+    for cat, past in ((cat_k, past_k), (cat_v, past_v)):
+        if cat is None or cat.op_type != "Concat" or _attr(cat, "axis") not in (2, -2) or len(cat.input) != 2 or cat.input[0] != past:
+            return None
+    users_k = [u for u in g.consumers[present_k]]
+    users_v = [u for u in g.consumers[present_v]]
+    if len(users_k) != 1 or len(users_v) != 1 or users_k[0].op_type != "Unsqueeze" or users_v[0].op_type != "Unsqueeze":
+        return None
+    if any(g.axes(u) is None or g.axes(u).tolist() != [2] for u in (users_k[0], users_v[0])):
+        return None
+    tk = _single(g, users_k[0].output[0], "Transpose")
+    if tk is None or _perm(tk) != [0, 1, 2, 4, 3]:
+        return None
+    scores_mm = _single(g, tk.output[0], "MatMul")
+    if scores_mm is None or scores_mm.input[1] != tk.output[0]:
+        return None
+    grouped = g.producer.get(scores_mm.input[0])
+    scaled = g.producer.get(grouped.input[0]) if grouped is not None and grouped.op_type == "Reshape" else None
+    if scaled is None or scaled.op_type != "Mul" or g.only_consumer(scaled.output[0], "Reshape") is not grouped:
+        return None
+    scale = next((_scalar(g.const(x)) for x in scaled.input if g.const(x) is not None), None)
+    q = next((x for x in scaled.input if g.const(x) is None), None)
+    if scale is None or q is None or scale <= 0:
+        return None
+    # scores -> [Cast] -> [soft-cap] -> Where -> Softmax -> [Cast]
+    x, softcap = scores_mm.output[0], None
+    nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    if nxt is not None and nxt.op_type == "Cast":
+        x = nxt.output[0]
+        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    if nxt is not None and nxt.op_type == "Div":
+        cap = _scalar(g.const(nxt.input[1]))
+        tanh = _single(g, nxt.output[0], "Tanh")
+        mul = _single(g, tanh.output[0], "Mul") if tanh is not None else None
+        if cap is None or mul is None or _scalar(g.const(g.other_input(mul, tanh.output[0]) or "")) != cap or nxt.input[0] != x:
+            return None
+        softcap, x = cap, mul.output[0]
+        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    if nxt is None or nxt.op_type != "Where" or nxt.input[2] != x:
+        return None
+    where = nxt
+    softmax = _single(g, nxt.output[0], "Softmax")
+    if softmax is None or _attr(softmax, "axis", -1) not in (-1, 4):
+        return None
+    x = softmax.output[0]
+    nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    if nxt is not None and nxt.op_type == "Cast":
+        x = nxt.output[0]
+        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    if nxt is None or nxt.op_type != "MatMul" or nxt.input != [x, users_v[0].output[0]]:
+        return None
+    r1 = _single(g, nxt.output[0], "Reshape")
+    tr = _single(g, r1.output[0], "Transpose") if r1 is not None else None
+    r2 = _single(g, tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+    if r2 is None:
+        return None
+    return {"q": q, "k": cat_k.input[1], "v": cat_v.input[1], "scale": scale, "softcap": softcap,
+            "out": r2.output[0], "replace": r2, "concats": (cat_k, cat_v), "where": where}
+
+
+def _mask_only_masks(g: _Graph, wheres: set[int]) -> bool:
+    """Whether `attention_mask` reaches no graph output except through the matched Wheres (then the packed
+    layout, which drops the mask, loses nothing the graph computes from it)."""
+    seen, todo = set(), ["attention_mask"]
+    while todo:
+        name = todo.pop()
+        if name in g.outputs:
+            return False
+        for node in g.consumers.get(name, []):
+            if id(node) not in wheres and id(node) not in seen:
+                seen.add(id(node))
+                todo.extend(node.output)
+    return True
+
+
+def use_group_query_attention(model, past: list[list[str]], present: list[list[str]], n_heads: int, n_kv_heads: int,
+                              head_dim: int) -> int:
+    """Rewrite every layer's attention as GroupQueryAttention over shared past/present buffers; returns the layers
+    rewritten (0, graph untouched, unless every layer matches and the shape suits the kernel)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if head_dim % 8 or n_heads % n_kv_heads or any(len(p) != 2 for p in past):
+        return 0
+    g = _Graph(model.graph)
+    layers = [_match_layer(g, pk, pv, ck, cv) for (pk, pv), (ck, cv) in zip(past, present)]
+    if not layers or any(m is None for m in layers) or not _mask_only_masks(g, {id(m["where"]) for m in layers}):
+        return 0
+    graph = model.graph
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([0, 0, -1], np.int64), "kvforge_gqa_bsd"),
+    ])
+    removed, added = set(), {}
+    for i, m in enumerate(layers):
+        nodes, inputs = [], []
+        for role in ("q", "k", "v"):  # (B, heads, T, D) -> (B, T, heads * D)
+            t, r = f"kvforge_gqa{i}_{role}_bthd", f"kvforge_gqa{i}_{role}"
+            nodes += [helper.make_node("Transpose", [m[role]], [t], perm=[0, 2, 1, 3]),
+                      helper.make_node("Reshape", [t, "kvforge_gqa_bsd"], [r])]
+            inputs.append(r)
+        cat_k, cat_v = m["concats"]
+        attrs = {"num_heads": n_heads, "kv_num_heads": n_kv_heads, "scale": float(m["scale"])}
+        if m["softcap"] is not None:
+            attrs["softcap"] = float(m["softcap"])
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", inputs + [cat_k.input[0], cat_v.input[0], SEQLENS, TOTAL],
+            [m["out"], cat_k.output[0], cat_v.output[0]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
+        removed |= {id(m["replace"]), id(cat_k), id(cat_v)}
+        added[id(m["replace"])] = nodes
+    _replace(graph, removed, added)
+    graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
+                        helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [1])])
+    _use_ms_domain(model)
+    drop_dead_nodes(model)
+    # The cache buffers are longer than the graph's past/total dims say: let their length be any.
+    for v in [*graph.input, *graph.output]:
+        if v.name in {n for pair in past + present for n in pair}:
+            v.type.tensor_type.shape.dim[2].dim_param = "cache_capacity"
+    used = {x for n in graph.node for x in n.input}
+    kept = [i for i in graph.input if i.name in used]
+    del graph.input[:]
+    graph.input.extend(kept)
+    return len(layers)

@@ -1,0 +1,152 @@
+"""The ONNX Runtime backend's GroupQueryAttention over a packed, shared-buffer cache (issue 18).
+
+The packed variant must compute what the bundle's graph computes, at every position a mask leaves real, for any
+left-padded step the session's contract allows: prefill, decode, several tokens over a past (batch 1 and more),
+caches continued twice, regrouped and cut; and must refuse what it cannot follow with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+
+from kvforge import runtime
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+from kvforge.export import export
+from kvforge.runtime.ort_variant import variant_path
+
+ATOL = 2e-5  # float32 rounding of another summation order (tests/runtime/test_ort_fusions.py's tolerance)
+
+
+def _left_padded(rng, lengths, vocab):
+    T = max(lengths)
+    ids = rng.integers(0, vocab, (len(lengths), T), dtype=np.int64)
+    mask = (np.arange(T)[None, :] >= T - np.array(lengths)[:, None]).astype(np.int64)
+    return ids, mask, np.clip(np.cumsum(mask, 1) - 1, 0, None)
+
+
+@pytest.fixture(scope="module")
+def sessions(micro_bundle):
+    path = micro_bundle("llama3-micro").path
+    with runtime.load(path, variant=False) as plain, runtime.load(path) as fast:
+        assert fast.backend.packed and not plain.backend.packed
+        yield plain, fast
+
+
+def _step(sessions, caches, ids, mask, pos, last_only=False):
+    (plain, fast), (ca, cb) = sessions, caches
+    a, ca = plain.forward(ids, mask, pos, ca, last_logits_only=last_only)
+    b, cb = fast.forward(ids, mask, pos, cb, last_logits_only=last_only)
+    new_real = mask[:, -ids.shape[1]:] == 1
+    if last_only:
+        np.testing.assert_allclose(b, a, atol=ATOL, rtol=0)
+    else:
+        np.testing.assert_allclose(b[new_real], a[new_real], atol=ATOL, rtol=0)
+    return ca, cb
+
+
+def _assert_caches_agree(sessions, caches, mask):
+    (plain, fast), (ca, cb) = sessions, caches
+    real = mask[:, None, :, None] == 1
+    for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(np.where(real, y, 0), np.where(real, x, 0), atol=ATOL, rtol=0)
+
+
+def test_packed_cache_follows_every_left_padded_step(sessions):
+    rng = np.random.default_rng(3)
+    ids, mask, pos = _left_padded(rng, [5, 9, 1], 259)
+    caches = _step(sessions, (None, None), ids, mask, pos, last_only=True)  # each row's last token sits elsewhere
+    caches = _step(sessions, (None, None), ids, mask, pos)
+    for _ in range(70):  # past the buffers' first capacity (64): they grow, keeping what they hold
+        mask = np.concatenate([mask, np.ones((3, 1), np.int64)], 1)
+        pos = pos[:, -1:] + 1
+        caches = _step(sessions, caches, rng.integers(0, 259, (3, 1)), mask, pos)
+    # several tokens over a past: batch 3 runs token by token; batch 1 in one call
+    mask3 = np.concatenate([mask, np.ones((3, 4), np.int64)], 1)
+    pos3 = pos[:, -1:] + 1 + np.arange(4)
+    more = rng.integers(0, 259, (3, 4))
+    _step(sessions, caches, more, mask3, pos3)
+    _step(sessions, caches, more, mask3, pos3, last_only=True)
+    plain, fast = sessions
+    one = (plain.regroup_cache([(caches[0], [1])], caches[0].length), fast.regroup_cache([(caches[1], [1])], caches[1].length))
+    _step(sessions, one, more[1:2], mask3[1:2], pos3[1:2])
+    _assert_caches_agree(sessions, caches, mask)
+
+
+def test_packed_caches_are_values(sessions):
+    """Continuing a cache twice (a branch) gives the same as continuing a fresh copy: the first continuation's
+    writes do not show in the second."""
+    rng = np.random.default_rng(4)
+    ids, mask, pos = _left_padded(rng, [6, 3], 259)
+    root = _step(sessions, (None, None), ids, mask, pos)
+    mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+    pos = pos[:, -1:] + 1
+    first = _step(sessions, root, rng.integers(0, 259, (2, 1)), mask, pos)
+    second = _step(sessions, root, rng.integers(0, 259, (2, 1)), mask, pos)
+    _step(sessions, first, rng.integers(0, 259, (2, 1)), np.concatenate([mask, np.ones((2, 1), np.int64)], 1), pos + 1)
+    _assert_caches_agree(sessions, second, mask)
+
+
+def test_regroup_and_drop_oldest_keep_each_rows_positions(sessions):
+    """What continuous batching does: join rows of caches of other widths, cut padding columns."""
+    plain, fast = sessions
+    rng = np.random.default_rng(5)
+    ids_a, mask_a, pos_a = _left_padded(rng, [7, 2], 259)
+    ids_b, mask_b, pos_b = _left_padded(rng, [4], 259)
+    a = _step(sessions, (None, None), ids_a, mask_a, pos_a)
+    b = _step(sessions, (None, None), ids_b, mask_b, pos_b)
+    joined = tuple(s.regroup_cache([(x[0], [1, 0]), (y[0], [0])], 9) for s, x, y in
+                   zip(sessions, [(a[0],), (a[1],)], [(b[0],), (b[1],)]))
+    mask = np.zeros((3, 10), np.int64)
+    for row, n in enumerate([2, 7, 4]):
+        mask[row, 9 - n:] = 1
+    pos = mask[:, :9].sum(1, keepdims=True)
+    joined = _step(sessions, joined, rng.integers(0, 259, (3, 1)), mask, pos)
+    _assert_caches_agree(sessions, joined, mask)
+    cut = tuple(s.backend.drop_oldest(c, 2) for s, c in zip(sessions, joined))  # columns 0-1: padding in every row
+    mask = np.concatenate([mask[:, 2:], np.ones((3, 1), np.int64)], 1)
+    cut = _step(sessions, cut, rng.integers(0, 259, (3, 1)), mask, pos + 1)
+    _assert_caches_agree(sessions, cut, mask)
+
+
+def test_masks_the_packed_cache_cannot_follow_are_refused(sessions):
+    _, fast = sessions
+    ids = np.arange(6, dtype=np.int64).reshape(1, 6)
+    holed = np.array([[1, 1, 0, 1, 1, 1]], np.int64)
+    with pytest.raises(KvforgeError, match="not left-padded.*attention='graph'"):
+        fast.forward(ids, holed)
+    _, cache = fast.forward(ids)
+    with pytest.raises(KvforgeError, match="marks 4 of its past 6 columns real, but the cache holds 6"):
+        fast.forward(ids[:, :1], np.array([[0, 0, 1, 1, 1, 1, 1]], np.int64), cache=cache)
+    # the bundle's attention takes any mask
+    with runtime.load(fast.source, attention="graph") as graph:
+        logits, _ = graph.forward(ids, holed)
+        assert np.isfinite(logits).all()
+    with pytest.raises(KvforgeError, match="attention 'flash' is not one of"):
+        runtime.load(fast.source, attention="flash")
+
+
+def test_soft_capped_attention_is_packed(tmp_path):
+    """Gemma 2's score soft-capping becomes the kernel's softcap (the micro Gemma preset also has windows, which
+    keep their exported attention)."""
+    from kvforge.model_defs import ModelConfig, PRESETS, build_model, init_random_weights, save_checkpoint
+
+    cfg = ModelConfig(**{**PRESETS["llama3-micro"], "attn_softcap": 2.0})
+    save_checkpoint(init_random_weights(build_model(cfg), seed=1), tmp_path / "ckpt")
+    bundle = export(tmp_path / "ckpt", tmp_path / "softcap")
+    graph = onnx.load(str(variant_path(Bundle(bundle.path), attention=True))).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == cfg.n_layers
+    assert all(onnx.helper.get_attribute_value(a) == 2.0 for n in gqa for a in n.attribute if a.name == "softcap")
+    assert collections.Counter(n.op_type for n in graph.node)["Tanh"] == 0
+    rng = np.random.default_rng(6)
+    with runtime.load(bundle.path, variant=False) as plain, runtime.load(bundle.path) as fast:
+        ids, mask, pos = _left_padded(rng, [8, 5], 259)
+        caches = _step((plain, fast), (None, None), ids, mask, pos)
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        _step((plain, fast), caches, rng.integers(0, 259, (2, 1)), mask, pos[:, -1:] + 1)
