@@ -38,7 +38,7 @@ import numpy as np
 
 CONFIG = dict(
     hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-    intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    intermediate_size=2048, vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-5,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
 )
 PROMPT_LEN, NEW_TOKENS = 64, 128
@@ -62,7 +62,7 @@ def make_checkpoint(directory: Path) -> dict:
     tk.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": 2048,
+        "model_max_length": CONFIG["max_position_embeddings"],
     }))
     params = sum(p.numel() for p in model.parameters())
     embedding = CONFIG["vocab_size"] * CONFIG["hidden_size"]

@@ -125,6 +125,39 @@ def _mask_only_masks(g: _Graph, wheres: set[int]) -> bool:
     return True
 
 
+def _split_heads_source(g: _Graph, x: str, heads: int, head_dim: int) -> str | None:
+    """s for x = Transpose(Reshape(s -> (B, T, heads, head_dim)), perm 0 2 1 3) with s (B, T, heads * head_dim)."""
+    t = g.producer.get(x)
+    r = g.producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" and _perm(t) == [0, 2, 1, 3] else None
+    if r is None or r.op_type != "Reshape":
+        return None
+    split, source = g.dims(r.output[0]), g.dims(r.input[0])
+    if split is None or source is None or len(split) != 4 or split[2:] != [heads, head_dim] or len(source) != 3 \
+            or source[2] != heads * head_dim:
+        return None
+    return r.input[0]
+
+
+def _as_bsd(g: _Graph, x: str, heads: int, head_dim: int, name: str) -> tuple[list, str]:
+    """Nodes giving x (B, heads, T, D) as (B, T, heads * D), and that tensor. Where x is the exporter's split into
+    heads (through a fused RotaryEmbedding, which also takes the (B, T, hidden) layout), the split is skipped."""
+    from onnx import helper
+
+    node = g.producer.get(x)
+    if node is not None and node.op_type == "RotaryEmbedding" and node.domain == MS_DOMAIN:
+        source = _split_heads_source(g, node.input[0], heads, head_dim)
+        if source is not None:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            attrs["num_heads"] = heads
+            return [helper.make_node("RotaryEmbedding", [source, *node.input[1:]], [name], domain=MS_DOMAIN,
+                                     name=f"{name}_rope", **attrs)], name
+    source = _split_heads_source(g, x, heads, head_dim)
+    if source is not None:
+        return [], source
+    return [helper.make_node("Transpose", [x], [f"{name}_bthd"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{name}_bthd", "kvforge_gqa_bsd"], [name])], name
+
+
 def use_group_query_attention(model, past: list[list[str]], present: list[list[str]], n_heads: int, n_kv_heads: int,
                               head_dim: int) -> int:
     """Rewrite every layer's attention as GroupQueryAttention over shared past/present buffers; returns the layers
@@ -144,11 +177,10 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     removed, added = set(), {}
     for i, m in enumerate(layers):
         nodes, inputs = [], []
-        for role in ("q", "k", "v"):  # (B, heads, T, D) -> (B, T, heads * D)
-            t, r = f"kvforge_gqa{i}_{role}_bthd", f"kvforge_gqa{i}_{role}"
-            nodes += [helper.make_node("Transpose", [m[role]], [t], perm=[0, 2, 1, 3]),
-                      helper.make_node("Reshape", [t, "kvforge_gqa_bsd"], [r])]
-            inputs.append(r)
+        for role, heads in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):  # (B, heads, T, D) -> (B, T, heads * D)
+            made, x = _as_bsd(g, m[role], heads, head_dim, f"kvforge_gqa{i}_{role}")
+            nodes += made
+            inputs.append(x)
         cat_k, cat_v = m["concats"]
         attrs = {"num_heads": n_heads, "kv_num_heads": n_kv_heads, "scale": float(m["scale"])}
         if m["softcap"] is not None:

@@ -32,7 +32,7 @@ from kvforge.errors import KvforgeError
 
 from .ort_attention import LOGITS_ROWS
 
-VARIANT_VERSION = 7
+VARIANT_VERSION = 9
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -75,6 +75,76 @@ def fuse_sibling_matmuls(model) -> int:
     del g.node[:]
     g.node.extend(nodes)
     kept = [i for i in g.initializer if i.name not in dropped_weights]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return len(replace)
+
+
+def fuse_sibling_quantized_matmuls(model) -> int:
+    """The quantized form of fuse_sibling_matmuls: MatMuls reading one activation (directly, or through
+    Q -> DQ pairs with the same scale and zero point: W8A8) whose weights are DequantizeLinears of constant codes
+    with the same format and axis become one DequantizeLinear of the codes side by side, one MatMul (ORT then runs
+    one integer or MatMulNBits kernel, and quantizes the activation once) and a Split. Each output channel keeps
+    its codes, scale and zero point: the function is the same. Returns groups merged."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    consumers = collections.Counter(x for n in g.node for x in n.input)
+    outputs = {o.name for o in g.output}
+
+    def single(name):
+        return consumers[name] == 1 and name not in outputs
+
+    groups = collections.defaultdict(list)
+    for n in g.node:
+        if n.op_type != "MatMul":
+            continue
+        w = producer.get(n.input[1])
+        if w is None or w.op_type != "DequantizeLinear" or not single(w.output[0]) or \
+                any(x and (x not in inits or consumers[x] != 1) for x in w.input):
+            continue
+        attrs = tuple(sorted((a.name, helper.get_attribute_value(a)) for a in w.attribute))
+        codes = inits[w.input[0]]
+        if len(codes.dims) != 2:
+            continue
+        key = (n.input[0], None, attrs, codes.data_type, codes.dims[0], len(w.input))
+        dq = producer.get(n.input[0])
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if q is not None and q.op_type == "QuantizeLinear" and single(dq.output[0]) and single(q.output[0]) \
+                and list(q.input[1:]) == list(dq.input[1:]):
+            key = (q.input[0], tuple(q.input[1:]), *key[2:])
+        groups[key].append((n, w, dq if key[1] else None, q if key[1] else None))
+    replace, drop = {}, set()
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        first, w0 = members[0][0], members[0][1]
+        base = f"{first.name or first.output[0]}_siblings"
+        arrays = [[numpy_helper.to_array(inits[x]) for x in w.input] for _, w, _, _ in members]
+        widths = [a[0].shape[1] for a in arrays]
+        fused = []
+        for j, suffix in enumerate(("codes", "scale", "zero_point")[:len(w0.input)]):
+            fused.append(numpy_helper.from_array(np.concatenate([a[j] for a in arrays], axis=-1), f"{base}.{suffix}"))
+        g.initializer.extend(fused)
+        g.initializer.append(numpy_helper.from_array(np.array(widths, np.int64), f"{base}.split"))
+        replace[id(first)] = [
+            helper.make_node("DequantizeLinear", [t.name for t in fused], [f"{base}.weight"], name=f"{base}.dq",
+                             **dict(key[2])),
+            helper.make_node("MatMul", [first.input[0], f"{base}.weight"], [f"{base}.out"], name=base),
+            helper.make_node("Split", [f"{base}.out", f"{base}.split"], [n.output[0] for n, *_ in members],
+                             name=f"{base}.split", axis=-1),
+        ]
+        for i, (n, w, dq, q) in enumerate(members):
+            drop |= {id(n), id(w)} | ({id(dq), id(q)} if i and dq is not None else set())
+    nodes = []
+    for n in g.node:
+        nodes += replace.get(id(n), [] if id(n) in drop else [n])
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {x for n in g.node for x in n.input}
+    kept = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend(kept)
     return len(replace)
@@ -261,10 +331,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
     model = bundle.load_graph()
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
-    if attention and rewrite_attention(model, bundle):
-        add_logits_rows(model)
-    else:
-        add_logits_to_keep(model)
+    fuse_sibling_quantized_matmuls(model)
     if bundle.manifest["precision"]["dtype"] == "float32":
         from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 
@@ -272,6 +339,11 @@ def variant_path(bundle, attention: bool = False) -> Path:
         fuse_skip_rms_norms(model)
         fuse_rotary(model)
         drop_dead_nodes(model)
+    # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
+    if attention and rewrite_attention(model, bundle):
+        add_logits_rows(model)
+    else:
+        add_logits_to_keep(model)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:
