@@ -206,17 +206,20 @@ class OnnxRuntimeBackend(Backend):
                               self.max_context)
         store.arrays = arrays
         B, T = input_ids.shape
+        if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
+            store.binding = self.session.io_binding()
+            store.binding.bind_output("logits")
+            for past, present, array in zip(self.past_names, self.present_names, arrays):
+                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the array's own memory: written in place
+                store.binding.bind_ortvalue_input(past, buffer)
+                store.binding.bind_ortvalue_output(present, buffer)
+            store.bound = arrays
+        binding = store.binding
         logits = None
         for step in steps:
-            binding = self.session.io_binding()
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
                                 (TOTAL, step.total), (LOGITS_ROWS, step.logits_rows)):
                 binding.bind_cpu_input(name, value)
-            binding.bind_output("logits")
-            for past, present, array in zip(self.past_names, self.present_names, arrays):
-                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the array's own memory: written in place
-                binding.bind_ortvalue_input(past, buffer)
-                binding.bind_ortvalue_output(present, buffer)
             self.session.run_with_iobinding(binding)
             out = binding.get_outputs()[0].numpy()
             if len(steps) == 1:

@@ -45,6 +45,8 @@ class Store:
 
     arrays: list[np.ndarray]
     version: int = 0
+    binding: object = None  # the backend's IO binding of these arrays as past and present (made once per arrays)
+    bound: list | None = None  # the arrays `binding` binds
 
 
 @dataclass

@@ -212,7 +212,7 @@ class Session:
             if attention_mask is None:
                 attention_mask = np.ones((B, total), np.int64)
             mask = self._check_int64("attention_mask", attention_mask, shape=(B, total))
-            if not np.isin(mask, (0, 1)).all():
+            if not ((mask == 0) | (mask == 1)).all():
                 raise KvforgeError("attention_mask may only hold 0 and 1")
             if position_ids is None:
                 position_ids = np.maximum(mask.cumsum(-1) - 1, 0)[:, -T:]
