@@ -220,6 +220,7 @@ class OnnxRuntimeBackend(Backend):
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
                                 (TOTAL, step.total), (LOGITS_ROWS, step.logits_rows)):
                 binding.bind_cpu_input(name, value)
+            binding.bind_output("logits")  # unallocated: its shape changes from step to step
             self.session.run_with_iobinding(binding)
             out = binding.get_outputs()[0].numpy()
             if len(steps) == 1:
