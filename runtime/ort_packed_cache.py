@@ -146,12 +146,13 @@ def unpack(array: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
-def grown(arrays: list[np.ndarray], capacity: int, limit: int) -> list[np.ndarray]:
-    """The buffers with room for `capacity` positions: doubled (up to `limit`), the old contents kept."""
+def grown(arrays: list[np.ndarray], capacity: int, limit: int, step: int = 256) -> list[np.ndarray]:
+    """The buffers with room for `capacity` positions, the old contents kept: rounded up to `step` positions (a
+    prefill leaves room for the tokens it is followed by) and at least doubled, but never past `limit`."""
     have = arrays[0].shape[2]
     if capacity <= have:
         return arrays
-    size = max(capacity, min(max(2 * have, 64), limit))
+    size = max(capacity, min(max(-(-capacity // step) * step, 2 * have), limit))
     out = []
     for a in arrays:
         b = np.zeros((*a.shape[:2], size, *a.shape[3:]), a.dtype)
