@@ -175,6 +175,10 @@ class OnnxRuntimeBackend(Backend):
         return [ort.OrtValue.ortvalue_from_numpy(z, self.device_name, 0) for z in self._zeros(batch)]
 
     def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+        if (cache.layout is not None) != self.packed:
+            made, runs = ("a packed", "the bundle's attention") if cache.layout is not None else ("an unpacked", "a packed cache")
+            raise KvforgeError(f"this is {made} cache, and this session runs {runs} (attention={self.attention!r}, "
+                               f"variant={self.variant}): continue a cache on a session loaded with the same options")
         if self.packed:
             return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only)
         binding = self.session.io_binding()
@@ -243,6 +247,9 @@ class OnnxRuntimeBackend(Backend):
                        packed.Packed(lengths, cache.layout.store, cache.layout.version))
 
     def regroup(self, parts, length: int) -> KVCache:
+        if any((c.layout is not None) != self.packed for c, _ in parts):
+            raise KvforgeError("regroup_cache takes caches this session made: packed and unpacked caches do not mix "
+                               f"(this session's attention={self.attention!r})")
         if parts[0][0].layout is None:
             return super().regroup(parts, length)
         arrays, lengths = packed.regroup(parts, length)

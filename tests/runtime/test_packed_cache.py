@@ -125,10 +125,14 @@ def test_masks_the_packed_cache_cannot_follow_are_refused(sessions):
     _, cache = fast.forward(ids)
     with pytest.raises(KvforgeError, match="marks 4 of its past 6 columns real, but the cache holds 6"):
         fast.forward(ids[:, :1], np.array([[0, 0, 1, 1, 1, 1, 1]], np.int64), cache=cache)
-    # the bundle's attention takes any mask
+    # the bundle's attention takes any mask; it does not continue a packed cache, nor the other way round
     with runtime.load(fast.source, attention="graph") as graph:
-        logits, _ = graph.forward(ids, holed)
+        logits, unpacked = graph.forward(ids, holed)
         assert np.isfinite(logits).all()
+        with pytest.raises(KvforgeError, match="this is a packed cache, and this session runs the bundle's attention"):
+            graph.forward(ids[:, :1], cache=cache)
+    with pytest.raises(KvforgeError, match="this is an unpacked cache, and this session runs a packed cache"):
+        fast.forward(ids[:, :1], cache=unpacked)
     with pytest.raises(KvforgeError, match="attention 'flash' is not one of"):
         runtime.load(fast.source, attention="flash")
 
