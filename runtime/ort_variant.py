@@ -32,7 +32,7 @@ from kvforge.errors import KvforgeError
 
 from .ort_attention import LOGITS_ROWS
 
-VARIANT_VERSION = 9
+VARIANT_VERSION = 10
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -148,6 +148,59 @@ def fuse_sibling_quantized_matmuls(model) -> int:
     del g.initializer[:]
     g.initializer.extend(kept)
     return len(replace)
+
+
+_NORM_WEIGHTS = {"SimplifiedLayerNormalization": (1, None), "SkipSimplifiedLayerNormalization": (2, 3),
+                 "LayerNormalization": (1, 2)}  # op -> (scale input, bias input)
+
+
+def fold_scales_into_norms(model) -> int:
+    """A constant per-channel Mul right after a norm (SmoothQuant's 1/s before a quantized MatMul) folded into the
+    norm's scale (and bias): norm(x) * w * c = norm(x) * (w * c). One kernel less per folded Mul, the same function
+    up to float rounding. Only where the norm's output feeds that Mul alone; returns how many were folded."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    consumers = collections.Counter(x for n in g.node for x in n.input)
+    outputs = {o.name for o in g.output}
+    drop = set()
+    for mul in g.node:
+        if mul.op_type != "Mul" or len(mul.input) != 2:
+            continue
+        const = [x for x in mul.input if x in inits]
+        live = [x for x in mul.input if x not in inits]
+        norm = producer.get(live[0]) if len(const) == 1 and len(live) == 1 else None
+        if norm is None or norm.op_type not in _NORM_WEIGHTS or norm.domain not in ("", "com.microsoft") \
+                or norm.output[0] != live[0] or consumers[live[0]] != 1 or live[0] in outputs:
+            continue
+        c = numpy_helper.to_array(inits[const[0]])
+        w_at, b_at = _NORM_WEIGHTS[norm.op_type]
+        w_name = norm.input[w_at] if len(norm.input) > w_at else ""
+        if w_name not in inits or c.ndim != 1:
+            continue
+        w = numpy_helper.to_array(inits[w_name])
+        if w.shape != c.shape or w.dtype != c.dtype:
+            continue
+        base = mul.name or mul.output[0]
+        g.initializer.append(numpy_helper.from_array(w * c, f"{base}.folded_scale"))
+        norm.input[w_at] = f"{base}.folded_scale"
+        if b_at is not None and len(norm.input) > b_at and norm.input[b_at] in inits:
+            b = numpy_helper.to_array(inits[norm.input[b_at]])
+            g.initializer.append(numpy_helper.from_array(b * c, f"{base}.folded_bias"))
+            norm.input[b_at] = f"{base}.folded_bias"
+        norm.output[0] = mul.output[0]
+        drop.add(id(mul))
+    if drop:
+        kept = [n for n in g.node if id(n) not in drop]
+        del g.node[:]
+        g.node.extend(kept)
+        used = {x for n in g.node for x in n.input}
+        kept_inits = [i for i in g.initializer if i.name in used]
+        del g.initializer[:]
+        g.initializer.extend(kept_inits)
+    return len(drop)
 
 
 _PER_POSITION = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
@@ -339,6 +392,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
         fuse_skip_rms_norms(model)
         fuse_rotary(model)
         drop_dead_nodes(model)
+        fold_scales_into_norms(model)
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
     if attention and rewrite_attention(model, bundle):
         add_logits_rows(model)

@@ -111,6 +111,10 @@ def test_quantized_sibling_matmuls_fuse(micro_bundle, tmp_path, precision, optio
     assert before["MatMul"] - after["MatMul"] >= 3 * layers  # q/k/v: 3 -> 1, gate/up: 2 -> 1 per layer
     assert after["DequantizeLinear"] == before["DequantizeLinear"] - 3 * layers * (2 if precision != "int4" else 1)
     assert after["GroupQueryAttention"] == layers
+    if options.get("smoothquant"):  # the 1/s before q/k/v and gate/up fold into the norms; o and down keep theirs
+        smooth = sorted(n.name.split(".")[-2] for n in onnx.load(str(variant_path(Bundle(q.path), attention=True))).graph.node
+                        if n.op_type == "Mul" and n.name.endswith("input_smooth"))
+        assert smooth == ["down_proj"] * layers + ["o_proj"] * layers
     _assert_variant_equals_graph(q.path, packed=True, atol=1e-4)
 
 
@@ -154,6 +158,36 @@ def _run(model, x):
 
     s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return s.run(None, {"x": x})
+
+
+def test_per_channel_scales_after_a_norm_fold_into_it():
+    """SmoothQuant's 1/s Mul after a norm becomes part of the norm's scale (and bias); a Mul whose input another
+    node also reads, or whose constant is not per channel, stays."""
+    from kvforge.runtime.ort_variant import fold_scales_into_norms
+
+    f = TensorProto.FLOAT
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, 8).astype(np.float32), n) for n in ("w", "b", "c", "c2")]
+    inits.append(numpy_helper.from_array(np.array(2.0, np.float32), "two"))
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "w", "b"], ["n1"], axis=-1, epsilon=1e-5),
+        helper.make_node("Mul", ["n1", "c"], ["y1"]),  # folds
+        helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["n2"], axis=-1, epsilon=1e-5),
+        helper.make_node("Mul", ["c2", "n2"], ["y2"]),  # folds (the constant may come first)
+        helper.make_node("LayerNormalization", ["x", "w", "b"], ["n3"], axis=-1, epsilon=1e-5),
+        helper.make_node("Mul", ["n3", "two"], ["y3"]),  # a scalar: stays
+        helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["n4"], axis=-1, epsilon=1e-5),
+        helper.make_node("Mul", ["n4", "c"], ["y4"]),  # n4 is also a graph output: stays
+    ]
+    outputs = [helper.make_tensor_value_info(n, f, [2, 3, 8]) for n in ("y1", "y2", "y3", "y4", "n4")]
+    graph = helper.make_graph(nodes, "fold", [helper.make_tensor_value_info("x", f, [2, 3, 8])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    expected = _run(model, x)
+    assert fold_scales_into_norms(model) == 2
+    assert [n.op_type for n in model.graph.node].count("Mul") == 2
+    for got, want in zip(_run(model, x), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_rms_norm_fusion_matches_and_refuses_near_misses():
