@@ -212,7 +212,6 @@ class OnnxRuntimeBackend(Backend):
         B, T = input_ids.shape
         if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
             store.binding = self.session.io_binding()
-            store.binding.bind_output("logits")
             for past, present, array in zip(self.past_names, self.present_names, arrays):
                 buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the array's own memory: written in place
                 store.binding.bind_ortvalue_input(past, buffer)
@@ -224,9 +223,10 @@ class OnnxRuntimeBackend(Backend):
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
                                 (TOTAL, step.total), (LOGITS_ROWS, step.logits_rows)):
                 binding.bind_cpu_input(name, value)
-            binding.bind_output("logits")  # unallocated: its shape changes from step to step
+            # the logits into a fresh array of this step's shape: read without wrapping every bound output
+            out = np.empty((B, step.logits_rows.shape[1], self.config["vocab_size"]), np.float32)
+            binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
             self.session.run_with_iobinding(binding)
-            out = binding.get_outputs()[0].numpy()
             if len(steps) == 1:
                 logits = out
             elif step.logits_at:

@@ -113,6 +113,10 @@ def plan(ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, lengths: np.n
 
 def _one_call(ids, positions, lengths, new, T, last_only, first: bool) -> Step:
     B = ids.shape[0]
+    if T == 1 and not first:  # a decode step: nothing to move
+        written = lengths + 1
+        return Step(ids, positions, lengths.astype(np.int32), np.array([written.max()], np.int32),
+                    np.arange(B, dtype=np.int64)[:, None], lengths + new, int(written.max()), [0])
     # each row's real new tokens first (right padding): the kernel masks what lies past a row's length
     shift = T - new
     cols = (np.arange(T)[None, :] + shift[:, None]) % T
