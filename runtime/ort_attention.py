@@ -40,8 +40,10 @@ TOTAL = "kvforge_total_length"  # int32 [1]: the longest row's length after this
 LOGITS_ROWS = "kvforge_logits_rows"  # int64 (B, K): flat (batch * T + position) rows whose logits are computed
 
 
-def _single(g: _Graph, name: str, op_type: str):
-    return g.only_consumer(name, op_type)
+def _next(g: _Graph, name: str):
+    """The one node reading `name`, whatever its op (None where several or none do)."""
+    users = g.consumers.get(name, [])
+    return users[0] if len(users) == 1 else None
 
 
 def _perm(node) -> list[int]:
@@ -54,16 +56,15 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
     for cat, past in ((cat_k, past_k), (cat_v, past_v)):
         if cat is None or cat.op_type != "Concat" or _attr(cat, "axis") not in (2, -2) or len(cat.input) != 2 or cat.input[0] != past:
             return None
-    users_k = [u for u in g.consumers[present_k]]
-    users_v = [u for u in g.consumers[present_v]]
+    users_k, users_v = g.consumers[present_k], g.consumers[present_v]
     if len(users_k) != 1 or len(users_v) != 1 or users_k[0].op_type != "Unsqueeze" or users_v[0].op_type != "Unsqueeze":
         return None
     if any(g.axes(u) is None or g.axes(u).tolist() != [2] for u in (users_k[0], users_v[0])):
         return None
-    tk = _single(g, users_k[0].output[0], "Transpose")
+    tk = g.only_consumer(users_k[0].output[0], "Transpose")
     if tk is None or _perm(tk) != [0, 1, 2, 4, 3]:
         return None
-    scores_mm = _single(g, tk.output[0], "MatMul")
+    scores_mm = g.only_consumer(tk.output[0], "MatMul")
     if scores_mm is None or scores_mm.input[1] != tk.output[0]:
         return None
     grouped = g.producer.get(scores_mm.input[0])
@@ -76,34 +77,34 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
         return None
     # scores -> [Cast] -> [soft-cap] -> Where -> Softmax -> [Cast]
     x, softcap = scores_mm.output[0], None
-    nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    nxt = _next(g, x)
     if nxt is not None and nxt.op_type == "Cast":
         x = nxt.output[0]
-        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+        nxt = _next(g, x)
     if nxt is not None and nxt.op_type == "Div":
         cap = _scalar(g.const(nxt.input[1]))
-        tanh = _single(g, nxt.output[0], "Tanh")
-        mul = _single(g, tanh.output[0], "Mul") if tanh is not None else None
+        tanh = g.only_consumer(nxt.output[0], "Tanh")
+        mul = g.only_consumer(tanh.output[0], "Mul") if tanh is not None else None
         if cap is None or mul is None or _scalar(g.const(g.other_input(mul, tanh.output[0]) or "")) != cap or nxt.input[0] != x:
             return None
         softcap, x = cap, mul.output[0]
-        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+        nxt = _next(g, x)
     if nxt is None or nxt.op_type != "Where" or nxt.input[2] != x:
         return None
     where = nxt
-    softmax = _single(g, nxt.output[0], "Softmax")
+    softmax = g.only_consumer(nxt.output[0], "Softmax")
     if softmax is None or _attr(softmax, "axis", -1) not in (-1, 4):
         return None
     x = softmax.output[0]
-    nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+    nxt = _next(g, x)
     if nxt is not None and nxt.op_type == "Cast":
         x = nxt.output[0]
-        nxt = g.consumers[x][0] if len(g.consumers[x]) == 1 else None
+        nxt = _next(g, x)
     if nxt is None or nxt.op_type != "MatMul" or nxt.input != [x, users_v[0].output[0]]:
         return None
-    r1 = _single(g, nxt.output[0], "Reshape")
-    tr = _single(g, r1.output[0], "Transpose") if r1 is not None else None
-    r2 = _single(g, tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+    r1 = g.only_consumer(nxt.output[0], "Reshape")
+    tr = g.only_consumer(r1.output[0], "Transpose") if r1 is not None else None
+    r2 = g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
     if r2 is None:
         return None
     return {"q": q, "k": cat_k.input[1], "v": cat_v.input[1], "scale": scale, "softcap": softcap,

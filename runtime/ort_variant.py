@@ -41,6 +41,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVFORGE_CACHE", Path.home() / ".cache" / "kvforge"))
 
 
+def _rewrite_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
+    """Drop the nodes whose id is in `removed`, put added[id] where that node stood (ort_fusions._replace), then
+    the initializers no node reads any more."""
+    from .ort_fusions import _replace
+
+    _replace(graph, removed, added)
+    used = {x for n in graph.node for x in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
 def fuse_sibling_matmuls(model) -> int:
     """Merge MatMuls that share their activation and have 2-D constant weights; returns groups merged."""
     from onnx import helper, numpy_helper
@@ -53,7 +65,7 @@ def fuse_sibling_matmuls(model) -> int:
         w = inits.get(n.input[1]) if n.op_type == "MatMul" else None
         if w is not None and len(w.dims) == 2 and consumers[n.input[1]] == 1:
             groups[n.input[0]].append(n)
-    replace, drop, dropped_weights = {}, set(), set()
+    replace, drop = {}, set()
     for x, nodes in groups.items():
         if len(nodes) < 2:
             continue
@@ -68,15 +80,7 @@ def fuse_sibling_matmuls(model) -> int:
             helper.make_node("Split", [f"{base}.out", f"{base}.split"], [n.output[0] for n in nodes], name=f"{base}.split", axis=-1),
         ]
         drop |= {id(n) for n in nodes}
-        dropped_weights |= {n.input[1] for n in nodes}
-    nodes = []
-    for n in g.node:
-        nodes += replace.get(id(n), [] if id(n) in drop else [n])
-    del g.node[:]
-    g.node.extend(nodes)
-    kept = [i for i in g.initializer if i.name not in dropped_weights]
-    del g.initializer[:]
-    g.initializer.extend(kept)
+    _rewrite_nodes(g, drop, replace)
     return len(replace)
 
 
@@ -138,15 +142,7 @@ def fuse_sibling_quantized_matmuls(model) -> int:
         ]
         for i, (n, w, dq, q) in enumerate(members):
             drop |= {id(n), id(w)} | ({id(dq), id(q)} if i and dq is not None else set())
-    nodes = []
-    for n in g.node:
-        nodes += replace.get(id(n), [] if id(n) in drop else [n])
-    del g.node[:]
-    g.node.extend(nodes)
-    used = {x for n in g.node for x in n.input}
-    kept = [i for i in g.initializer if i.name in used]
-    del g.initializer[:]
-    g.initializer.extend(kept)
+    _rewrite_nodes(g, drop, replace)
     return len(replace)
 
 
@@ -193,13 +189,7 @@ def fold_scales_into_norms(model) -> int:
         norm.output[0] = mul.output[0]
         drop.add(id(mul))
     if drop:
-        kept = [n for n in g.node if id(n) not in drop]
-        del g.node[:]
-        g.node.extend(kept)
-        used = {x for n in g.node for x in n.input}
-        kept_inits = [i for i in g.initializer if i.name in used]
-        del g.initializer[:]
-        g.initializer.extend(kept_inits)
+        _rewrite_nodes(g, drop, {})
     return len(drop)
 
 
@@ -340,10 +330,7 @@ def unshare_tied_head(model) -> int:
         g.node.remove(dq)
         done += 1
     if done:
-        used = {x for n in g.node for x in n.input}
-        kept = [i for i in g.initializer if i.name in used]
-        del g.initializer[:]
-        g.initializer.extend(kept)
+        _rewrite_nodes(g, set(), {})
     return done
 
 
