@@ -203,12 +203,10 @@ class OnnxRuntimeBackend(Backend):
         ort = _ort()
         layout = cache.layout
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
-        store, arrays = layout.store, cache.values
+        store = layout.store  # its arrays are cache.values while no other step has continued this cache
         if layout.version != store.version:  # another step already continued this cache: continue a copy
-            store = packed.Store([a.copy() for a in arrays])
-        arrays = packed.grown(arrays if store is layout.store else store.arrays, max(s.capacity for s in steps),
-                              self.max_context)
-        store.arrays = arrays
+            store = packed.Store([a.copy() for a in cache.values])
+        arrays = store.arrays = packed.grown(store.arrays, max(int(s.total[0]) for s in steps), self.max_context)
         B, T = input_ids.shape
         if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
             store.binding = self.session.io_binding()

@@ -65,10 +65,9 @@ class Step:
     ids: np.ndarray
     positions: np.ndarray
     seqlens_k: np.ndarray  # int32 (B,): length after the step - 1
-    total: np.ndarray  # int32 [1]
+    total: np.ndarray  # int32 [1]: also the positions the buffers must hold (the kernel writes up to it)
     logits_rows: np.ndarray  # int64 (B, K) flat rows of (B * T)
     lengths: np.ndarray  # int64 (B,) real positions held after the step
-    capacity: int  # positions the buffers must hold
     logits_at: list[int] = field(default_factory=list)  # output positions (of the caller's T) these logits fill
 
 
@@ -116,7 +115,7 @@ def _one_call(ids, positions, lengths, new, T, last_only, first: bool) -> Step:
     if T == 1 and not first:  # a decode step: nothing to move
         written = lengths + 1
         return Step(ids, positions, lengths.astype(np.int32), np.array([written.max()], np.int32),
-                    np.arange(B, dtype=np.int64)[:, None], lengths + new, int(written.max()), [0])
+                    np.arange(B, dtype=np.int64)[:, None], lengths + new, [0])
     # each row's real new tokens first (right padding): the kernel masks what lies past a row's length
     shift = T - new
     cols = (np.arange(T)[None, :] + shift[:, None]) % T
@@ -136,7 +135,7 @@ def _one_call(ids, positions, lengths, new, T, last_only, first: bool) -> Step:
         rows = base + (np.arange(T)[None, :] - shift[:, None]) % T  # output position i of a row reads right-aligned i - shift
         at = list(range(T))
     return Step(ids_r, pos_r, seqlens.astype(np.int32), np.array([total], np.int32), rows.astype(np.int64),
-                after.astype(np.int64), int(written.max()) if not first else T, at)
+                after.astype(np.int64), at)
 
 
 def unpack(array: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:
