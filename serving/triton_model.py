@@ -129,25 +129,26 @@ class TritonPythonModel:
         tokens: list[int] = []
         finish = None
         try:
+            last_text, last_tokens = "", []  # what the final streamed event carries
             for event in handle:
                 tokens.append(event.token)
                 text, stopped = stops.push(event.text, event.last)
-                end = stopped or event.last
                 finish = "stop" if stopped else event.finish_reason
                 if stopped:
                     handle.cancel()
-                if job.stream:
-                    self._send(handle, sender, self._response(text, [event.token], finish if end else None), end)
-                if end:
+                if stopped or event.last:
+                    last_text, last_tokens = text, [event.token]
                     break
+                if job.stream:
+                    self._send(handle, sender, self._response(text, [event.token], None), False)
             else:  # ended without a last token: cancelled (the client went away) or nothing asked for
                 finish = handle.result().finish_reason
-                if job.stream:
-                    self._send(handle, sender, self._response("", [], finish), True)
-            if not job.stream:
-                self._send(handle, sender, self._response(stops.text[:stops.released], tokens, finish), True)
+            # counted before the final response goes out: a client that has its answer sees it in the metrics
             self.tokens_metric.increment(len(tokens))
             self._count(finish or "length")
+            final = (self._response(last_text, last_tokens, finish) if job.stream
+                     else self._response(stops.text[:stops.released], tokens, finish))
+            self._send(handle, sender, final, True)
         except Exception as e:  # noqa: BLE001 - the error goes to this client; the model goes on
             error = self.pb.InferenceResponse(error=self.pb.TritonError(f"generation failed: {e}", self.pb.TritonError.INTERNAL))
             if handle.id in self.live:
