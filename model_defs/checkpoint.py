@@ -21,8 +21,8 @@ from kvforge.errors import KvforgeError
 from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
 
 from . import hf
-from .config import PRESETS, ModelConfig
-from .model import Transformer, build_model, init_random_weights
+from .architectures import all_presets, build, config_from_dict, preset_config, tied_parameters
+from .model import Transformer, init_random_weights
 
 CHECKPOINT_CONFIG = "kvforge_config.json"
 CHECKPOINT_FORMAT = "kvforge-checkpoint"
@@ -71,11 +71,11 @@ def source_kind(source: str | os.PathLike) -> str:
         raise KvforgeError(
             f"{path} is neither a kvforge checkpoint ({CHECKPOINT_CONFIG}) nor a Hugging Face checkpoint (config.json)"
         )
-    if text in PRESETS:
+    if text in all_presets():
         return "preset"
     if path.exists():
         raise KvforgeError(f"{path} is a file; a model source is a preset name or a checkpoint directory")
-    raise KvforgeError(f"unknown model source {text!r}: not a directory, and not a preset ({', '.join(sorted(PRESETS))})")
+    raise KvforgeError(f"unknown model source {text!r}: not a directory, and not a preset ({', '.join(sorted(all_presets()))})")
 
 
 def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
@@ -91,8 +91,8 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
     if kind == "preset" and str(source) == "tiny":
         source, kind = TINY_DIR, "kvforge"
     if kind == "preset":
-        cfg = ModelConfig.from_name(str(source))
-        model = init_random_weights(build_model(cfg), seed)
+        cfg = preset_config(str(source))
+        model = init_random_weights(build(cfg), seed)
         # Random-weight presets come with the built-in byte-level tokenizer
         # whenever their vocabulary can hold it.
         byte = Tokenizer.byte_level()
@@ -118,8 +118,8 @@ def _read_tokenizer(directory: Path) -> Tokenizer | None:
 
 def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: Path) -> None:
     expected = model.state_dict()
-    if model.config.tie_embeddings:
-        expected.pop("lm_head.weight")
+    for name in tied_parameters(model):
+        expected.pop(name)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     shapes = [
@@ -140,8 +140,8 @@ def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
         raise KvforgeError(f"{directory / CHECKPOINT_CONFIG}: format is {meta.get('format')!r}, not {CHECKPOINT_FORMAT!r}")
     if meta.get("version", 0) > CHECKPOINT_VERSION:
         raise KvforgeError(f"{directory}: checkpoint version {meta['version']} is newer than this kvforge reads ({CHECKPOINT_VERSION})")
-    cfg = ModelConfig.from_dict(meta["model"])
-    model = build_model(cfg)
+    cfg = config_from_dict(meta["model"])
+    model = build(cfg)
     state = hf.read_safetensors([directory / WEIGHTS_FILE])
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
     return model, _read_tokenizer(directory)
@@ -151,7 +151,7 @@ def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None]:
     hf_config = hf.read_hf_config(directory)
     cfg = hf.config_from_hf(hf_config)
     files = hf.safetensors_files(directory)
-    model = build_model(cfg)
+    model = build(cfg)
     state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files), hf_config)
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
     return model, _read_tokenizer(directory)
@@ -170,8 +170,8 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         state = {k: v.detach().to(resolve_dtype(weight_dtype)).contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_embeddings:
-            state.pop("lm_head.weight")
+        for name in tied_parameters(model):
+            state.pop(name)
         save_file(state, str(tmp / WEIGHTS_FILE))
         meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model": model.config.to_dict()}
         (tmp / CHECKPOINT_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

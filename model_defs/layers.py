@@ -171,19 +171,66 @@ class Attention(nn.Module):
             bias = bias[..., start:] if bias is not None else None
             present = (k[:, :, -self.window:], v[:, :, -self.window:])
 
-        # Query heads grouped by the KV head they share; q is scaled before the
-        # matmul so that FP16 scores stay in range.
-        qg = (q * self.scale).reshape(B, KV, H // KV, T, D)
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float()  # (B, KV, G, T, L)
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        if bias is not None:
-            scores = scores + bias.unflatten(1, (KV, H // KV))
-        scores = scores.masked_fill(~mask.unsqueeze(1), MASK_VALUE)
-        probs = self.attn_dropout(torch.softmax(scores, dim=-1)).to(v.dtype)
-        out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, D)
-        out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        out = attend(q, k, v, mask, self.scale, self.softcap, bias, self.attn_dropout)
         return self.o_proj(out), present
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None = None, bias: torch.Tensor | None = None, dropout: nn.Module | None = None) -> torch.Tensor:
+    """softmax(q.k * scale [soft-capped] + bias, masked) . v for q (B, H, T, D), k and v (B, KV, L, D),
+    mask (B, 1, T, L) bool; returns (B, T, H * Dv).
+
+    Query heads are grouped by the KV head they share (a broadcasting matmul, K/V
+    never repeated in memory); q is scaled before the matmul so that FP16 scores
+    stay in range; scores are masked and softmaxed in float32.
+    """
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    qg = (q * scale).reshape(B, KV, H // KV, T, D) if scale != 1.0 else q.reshape(B, KV, H // KV, T, D)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float()  # (B, KV, G, T, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.unflatten(1, (KV, H // KV))
+    scores = scores.masked_fill(~mask.unsqueeze(1), MASK_VALUE)
+    probs = torch.softmax(scores, dim=-1)
+    probs = (dropout(probs) if dropout is not None else probs).to(v.dtype)
+    out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, Dv)
+    return out.reshape(B, H, T, v.shape[-1]).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+
+
+class CrossAttention(nn.Module):
+    """Queries from one sequence (B, T, C), keys and values from another, the memory (B, L, C_mem): a
+    decoder reading its encoder's output (T5, BART), or learned latents reading a long input (the
+    Perceiver's latent block). No positions inside; `mask` (B, 1, T, L) hides padded memory entries.
+
+    `kv(memory)` projects the memory once; `forward` takes those K/V, so a decoder computes them once
+    per source and feeds them to every step.
+    """
+
+    def __init__(self, cfg, memory_dim: int | None = None):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        memory_dim = cfg.dim if memory_dim is None else memory_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(memory_dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(memory_dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+
+    def kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The memory's keys and values, (B, H, L, D) each."""
+        B, L, _ = memory.shape
+        k = self.k_proj(memory).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(memory).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        return self.o_proj(attend(q, kv[0], kv[1], mask, self.scale, None, bias, self.attn_dropout))
 
 
 # --- FFN ----------------------------------------------------------------------

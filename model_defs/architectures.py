@@ -1,0 +1,87 @@
+"""The model shapes kvforge builds, one entry each: its config class, its builder and its presets.
+
+    decoder     ModelConfig     model.Transformer       causal LM with a KV cache (config.PRESETS)
+    encoder     EncoderConfig   encoder.Encoder         bidirectional, padding mask only (BERT, RoBERTa)
+    perceiver   PerceiverConfig perceiver.Perceiver     learned latents cross-attending to the input
+
+A config's `architecture` field names its entry (absent in decoder configs, which predate it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from kvforge.errors import KvforgeError
+
+from .config import PRESETS, ModelConfig
+from .encoder import EncoderConfig, build_encoder
+from .model import build_model
+from .perceiver import PerceiverConfig, build_perceiver
+
+
+class Architecture(NamedTuple):
+    config: type
+    build: Callable[[Any], Any]
+    presets: dict[str, dict[str, Any]]
+
+
+# Random-weight presets of the other shapes (byte-level vocabulary, micro sizes for tests and examples).
+ENCODER_PRESETS: dict[str, dict[str, Any]] = {
+    # BERT: post-norm, learned absolute positions, two segment types, a masked-LM head tied to the embeddings.
+    "bert-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=256, head="mlm",
+                       family="bert", pad_token_id=0),
+    # RoBERTa-shaped classifier: positions counted after the pad token, one segment type, a tanh-pooled classifier.
+    "roberta-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=258,
+                          position="padded", type_vocab_size=1, norm_eps=1e-5, head="classification", num_labels=3,
+                          family="roberta", pad_token_id=1, bos_token_id=0, eos_token_id=2),
+}
+PERCEIVER_PRESETS: dict[str, dict[str, Any]] = {
+    # 16 latents over inputs of up to 1024 tokens, two latent blocks, a 4-class head on the mean latent.
+    "perceiver-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=1024,
+                            n_latents=16, head="classification", num_labels=4, activation="gelu", pad_token_id=0),
+}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "decoder": Architecture(ModelConfig, build_model, PRESETS),
+    "encoder": Architecture(EncoderConfig, build_encoder, ENCODER_PRESETS),
+    "perceiver": Architecture(PerceiverConfig, build_perceiver, PERCEIVER_PRESETS),
+}
+
+
+def architecture_of(config: Any) -> str:
+    """The architecture of a config object or dict ("decoder" when it does not say)."""
+    value = config.get("architecture", "decoder") if isinstance(config, dict) else getattr(config, "architecture", "decoder")
+    if value not in ARCHITECTURES:
+        raise KvforgeError(f"unknown model architecture {value!r}; kvforge builds {list(ARCHITECTURES)}")
+    return value
+
+
+def config_from_dict(data: dict[str, Any]):
+    return ARCHITECTURES[architecture_of(data)].config.from_dict(data)
+
+
+def build(cfg):
+    """The Torch model of any config, weights as constructed."""
+    return ARCHITECTURES[architecture_of(cfg)].build(cfg)
+
+
+def all_presets() -> dict[str, str]:
+    """Every preset name -> its architecture."""
+    return {name: arch for arch, a in ARCHITECTURES.items() for name in a.presets}
+
+
+def preset_config(name: str):
+    arch = all_presets().get(name)
+    if arch is None:
+        raise KvforgeError(f"unknown preset {name!r}; presets: {sorted(all_presets())}")
+    return ARCHITECTURES[arch].config(**ARCHITECTURES[arch].presets[name])
+
+
+def tied_parameters(model) -> list[str]:
+    """Parameters that share another's tensor: absent from checkpoints (the head tied to the embeddings)."""
+    cfg = model.config
+    if not getattr(cfg, "tie_embeddings", False):
+        return []
+    if architecture_of(cfg) == "decoder":
+        return ["lm_head.weight"]
+    return ["head.decoder.weight"] if getattr(cfg, "head", None) == "mlm" else []
