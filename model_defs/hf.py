@@ -18,7 +18,7 @@ import torch
 
 from kvforge.errors import KvforgeError
 
-from .config import ModelConfig
+from .architectures import ARCHITECTURES, tied_parameters
 from .hf_families import FAMILIES
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)
@@ -31,7 +31,7 @@ _IGNORED = (
 )
 
 
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+def config_from_hf(hf: dict[str, Any]):
     family = hf.get("model_type")
     if family not in FAMILIES:
         archs = hf.get("architectures")
@@ -40,7 +40,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             f"supported model types: {list(SUPPORTED_FAMILIES)}"
         )
     try:
-        return ModelConfig(**FAMILIES[family].config(hf))
+        spec = FAMILIES[family]
+        return ARCHITECTURES[spec.architecture].config(**spec.config(hf))
     except KeyError as e:
         raise KvforgeError(f"{family} config.json lacks the key {e.args[0]!r}") from e
 
@@ -57,13 +58,13 @@ def _source_name(table, family: str, ours: str) -> tuple[str, Any]:
 
 
 def _normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names as the weight table writes them: the causal-LM prefix added to files saved from the
-    base model, and older releases' names replaced by their aliases."""
+    """Checkpoint names as the weight table writes them: the wrapper's prefix added to files saved from the
+    base model (not to the heads' names), and older releases' names replaced by their aliases."""
     spec = FAMILIES[family]
     out = {}
     for name, t in tensors.items():
         name = spec.aliases.get(name, name)
-        if spec.add_prefix and not name.startswith(spec.add_prefix) and not name.startswith("lm_head."):
+        if spec.add_prefix and not name.startswith((spec.add_prefix, *spec.head_prefixes)):
             name = spec.add_prefix + name
         if name in out:
             raise KvforgeError(f"{family} checkpoint holds {name!r} twice (with and without its prefix or alias)")
@@ -123,14 +124,18 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     and every shape mismatch.
     """
     tensors = _normalize_names(family, tensors)
-    table = FAMILIES[family].weights(hf_config or {}, model.config)
-    tied = model.config.tie_embeddings
-    wanted = [n for n in model.state_dict() if not (tied and n == "lm_head.weight")]
+    spec = FAMILIES[family]
+    table = spec.weights(hf_config or {}, model.config)
+    tied = tied_parameters(model)
+    partner = {a: b for pair in spec.duplicates for a, b in (pair, pair[::-1])}
+    wanted = [n for n in model.state_dict() if n not in tied]
 
     out, used, missing, shapes = {}, set(), [], []
     expected = model.state_dict()
     for ours in wanted:
         name, transform = _source_name(table, family, ours)
+        if name not in tensors and partner.get(name) in tensors:
+            name = partner[name]  # the same tied tensor, saved under its other name
         if name not in tensors:
             missing.append(name)
             continue
@@ -144,18 +149,28 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
             shapes.append(f"{name}: checkpoint {tuple(value.shape)} vs config {tuple(expected[ours].shape)} ({ours})")
             continue
         out[ours] = value
-    extra = sorted(k for k in tensors if k not in used and not any(p.search(k) for p in _IGNORED))
-    if tied and "lm_head.weight" in extra:
-        # Some exports write the tied head anyway: accept it only if it really is the embedding.
-        emb_name, _ = _source_name(table, family, "embed.weight")
-        if emb_name in tensors and torch.equal(tensors["lm_head.weight"], tensors[emb_name]):
-            extra.remove("lm_head.weight")
-    if missing or extra or shapes:
+    leftovers = spec.leftovers(model.config)
+    extra = sorted(k for k in tensors
+                   if k not in used and not any(p.search(k) for p in _IGNORED) and not k.startswith(leftovers))
+    # Copies of a used tensor: some exports write the tied head anyway (a copy of the embedding), and some
+    # families save one tied tensor under two names. Accept a copy only if it really is equal.
+    copies = [(_source_name(table, family, ours)[0], _source_name(table, family, spec.embedding)[0]) for ours in tied]
+    copies += [(a, b) for a, b in partner.items()]
+    differ = []
+    for copy, name in copies:
+        if copy in extra and name in used:
+            extra.remove(copy)
+            a, b = tensors[copy], tensors[name]
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                differ.append(f"{copy} (tied to {name})")
+    if missing or extra or shapes or differ:
         lines = []
         if missing:
             lines.append(f"missing tensors ({len(missing)}): {missing}")
         if extra:
             lines.append(f"unexpected tensors ({len(extra)}): {extra}")
+        if differ:
+            lines.append(f"tied tensors that differ from the tensor they share ({len(differ)}): {differ}")
         if shapes:
             lines.append("shape mismatches:\n    " + "\n    ".join(shapes))
         raise KvforgeError(f"{family} checkpoint does not match its config:\n  " + "\n  ".join(lines))

@@ -66,9 +66,9 @@ def test_half_precision_load(hf_checkpoint):
 def test_unsupported_architecture(tmp_path, hf_checkpoint):
     d = _copy(hf_checkpoint("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="bert", architectures=["BertModel"])
+    cfg.update(model_type="mamba", architectures=["MambaForCausalLM"])
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KvforgeError, match=r"unsupported architecture: model_type='bert'.*BertModel.*gpt2"):
+    with pytest.raises(KvforgeError, match=r"unsupported architecture: model_type='mamba'.*MambaForCausalLM.*gpt2"):
         load(d)
 
 
