@@ -139,6 +139,12 @@ def calibrate(
         raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 (got {smoothquant} for {precision})")
     if kv_cache not in (None, "fp8"):
         raise KvforgeError(f"--kv-cache {kv_cache!r} is not supported; the choice is fp8")
+    decoder = bundle.model_config.get("architecture", "decoder") == "decoder"
+    if kv_cache and not decoder:
+        raise KvforgeError(f"--kv-cache: {bundle.path} is an {bundle.model_config['architecture']}, which has no KV cache")
+    if accuracy_budget and not decoder:
+        raise KvforgeError("--accuracy-budget measures a decoder's perplexity; for an encoder, calibrate and then "
+                           "measure with `kvforge compare` (embedding cosine, top-1 agreement)")
     if kv_cache and precision == "int4":
         raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with int8 or fp8, not weight-only int4")
     if kv_cache and bundle.manifest.get("opset", 0) < 19:

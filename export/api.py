@@ -15,6 +15,8 @@ import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, sha256_tree, staged_bundle, write_manifest
 from kvforge.errors import KvforgeError
 
+from .encoder_export import export_encoder_onnx, validate_encoder
+from .encoder_export import io_spec as encoder_io_spec
 from .lint import lint
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA, export_onnx, io_spec
 from .validate import validate
@@ -38,14 +40,15 @@ class ExportValidationError(KvforgeError):
 
 def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
-    from kvforge.model_defs import ModelConfig, source_kind
+    from kvforge.model_defs import source_kind
+    from kvforge.model_defs.architectures import preset_config
     from kvforge.model_defs.checkpoint import TINY_DIR
 
     kind = source_kind(source)
     if kind == "preset" and str(source) == "tiny":
         kind, path, name = "kvforge", TINY_DIR, "tiny"
     elif kind == "preset":
-        blob = json.dumps({"preset": str(source), "config": ModelConfig.from_name(str(source)).to_dict(), "seed": 0}, sort_keys=True)
+        blob = json.dumps({"preset": str(source), "config": preset_config(str(source)).to_dict(), "seed": 0}, sort_keys=True)
         return {"source": str(source), "kind": "preset", "sha256": hashlib.sha256(blob.encode()).hexdigest()}
     else:
         path = Path(source)
@@ -70,6 +73,7 @@ def export(
     misses tolerance, ExportValidationError is raised and nothing is written.
     """
     from kvforge.model_defs import DEFAULT_MODEL, load
+    from kvforge.model_defs.architectures import architecture_of
 
     if dtype not in DTYPES:
         raise KvforgeError(f"dtype {dtype!r} is not one of {DTYPES}")
@@ -83,23 +87,26 @@ def export(
     progress("load", 0, 1)
     reference, tokenizer = load(source)  # FP32: the reference every dtype is measured against
     cfg = reference.config
-    max_context = cfg.max_seq_len if max_context is None else max_context
+    decoder = architecture_of(cfg) == "decoder"
+    longest = cfg.max_seq_len if decoder else cfg.max_input_len
+    max_context = longest if max_context is None else max_context
     if max_context < 2:
         raise KvforgeError(f"max context {max_context} is too small (at least 2)")
-    if cfg.position == "learned" and max_context > cfg.max_seq_len:
-        raise KvforgeError(f"max context {max_context} exceeds the {cfg.max_seq_len} learned positions of this model")
+    if (not decoder or cfg.position == "learned") and max_context > longest:
+        raise KvforgeError(f"max context {max_context} exceeds the {longest} learned positions of this model")
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
-        graph = export_onnx(model, tmp / GRAPH_FILE, opset, external_data)
+        graph = (export_onnx if decoder else export_encoder_onnx)(model, tmp / GRAPH_FILE, opset, external_data)
         export_seconds = time.time() - started
         progress("export", 1, 1)
         progress("lint", 0, 1)
         lint_result = lint(graph)
         progress("lint", 1, 1)
-        summary = validate(graph, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
+        summary = (validate if decoder else validate_encoder)(
+            graph, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
         if not summary["passed"]:
             raise ExportValidationError(summary)
         progress("write", 0, 1)
@@ -111,7 +118,7 @@ def export(
         from kvforge.ecosystem import write_ecosystem_files
         from kvforge.model_defs import source_kind
 
-        io = io_spec(cfg, model.dtype, max_context)
+        io = io_spec(cfg, model.dtype, max_context) if decoder else encoder_io_spec(cfg, max_context)
         precision = {"dtype": dtype, "quantization": None}
         ecosystem = write_ecosystem_files(
             tmp, cfg.to_dict(), io, GRAPH_FILE, precision, tokenizer,

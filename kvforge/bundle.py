@@ -185,8 +185,10 @@ class Bundle:
         if not isinstance(m["precision"].get("dtype"), str):
             raise KvforgeError(f"{manifest} is damaged: precision.dtype is missing")
         # the model entries every backend reads (kvforge.model_defs would import torch, which the ORT path avoids)
-        missing = [k for k in ("family", "vocab_size", "n_layers", "n_kv_heads", "head_dim", "max_seq_len")
-                   if k not in m["model"] or (k != "family" and not isinstance(m["model"][k], int))]
+        needed = ("family", "vocab_size", "n_layers", "n_kv_heads", "head_dim", "max_seq_len")
+        if m["model"].get("architecture", "decoder") != "decoder":
+            needed = ("family", "vocab_size", "n_layers", "dim", "max_seq_len")
+        missing = [k for k in needed if k not in m["model"] or (k != "family" and not isinstance(m["model"][k], int))]
         if missing:
             raise KvforgeError(f"{manifest} is damaged: its model entry lacks {missing}")
         try:

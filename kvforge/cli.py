@@ -44,18 +44,20 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def models(as_json):
     """List the model presets and the Hugging Face families kvforge imports."""
-    from kvforge.model_defs import PRESETS, SUPPORTED_FAMILIES, ModelConfig
+    from kvforge.model_defs import SUPPORTED_FAMILIES
+    from kvforge.model_defs.architectures import all_presets, preset_config
 
     rows = []
-    for name in sorted(PRESETS):
-        cfg = ModelConfig.from_name(name)
+    for name, arch in sorted(all_presets().items(), key=lambda item: (item[1] != "decoder", item[0])):
+        cfg = preset_config(name)
         rows.append({
             "name": name,
+            "architecture": arch,
             "weights": "trained" if name == "tiny" else "random",
             "layers x dim": f"{cfg.n_layers} x {cfg.dim}",
             "heads q/kv": f"{cfg.n_heads}/{cfg.n_kv_heads}",
             "vocab": cfg.vocab_size,
-            "design": _design(cfg),
+            "design": _design(cfg) if arch == "decoder" else _encoder_design(cfg),
         })
     if as_json:
         click.echo(json.dumps({"presets": rows, "hf_families": list(SUPPORTED_FAMILIES)}))
@@ -88,6 +90,13 @@ def _design(cfg) -> str:
         parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
     if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:
         parts.append("scaled")
+    return " ".join(parts)
+
+
+def _encoder_design(cfg) -> str:
+    parts = [f"{cfg.position} positions", f"{cfg.norm}-{cfg.norm_placement}", cfg.activation, f"head={cfg.head}"]
+    if getattr(cfg, "n_latents", None):
+        parts.insert(0, f"{cfg.n_latents} latents")
     return " ".join(parts)
 
 
@@ -392,6 +401,40 @@ def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p,
         click.echo(json.dumps({"tokens": tokens, "text": "".join(text), "backend": session.backend_name}))
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("--text", "texts", multiple=True, required=True, help="A text to embed; repeatable.")
+@click.option("--pooling", default="mean", show_default=True, type=click.Choice(["mean", "cls"]),
+              help="mean: the average of the tokens' (a Perceiver: the latents') last hidden states; cls: the first token's.")
+@click.option("--normalize", is_flag=True, help="L2-normalize each vector.")
+@click.option("--classify", "with_classes", is_flag=True, help="Also print each text's class (a model with a classification head).")
+@click.option("--truncate", is_flag=True, help="Cut texts longer than the bundle's maximum input instead of failing.")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
+              help="auto: ONNX Runtime; torch: the reference model the bundle was exported from.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the vectors (and classes).")
+def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as_json):
+    """Print one embedding vector per --text from an encoder BUNDLE (BERT, RoBERTa, Perceiver)."""
+    from kvforge import runtime
+
+    session = runtime.load(bundle, backend=backend)
+    if not isinstance(session, runtime.EncoderSession):
+        raise KvforgeError(f"{bundle} is a decoder; `kvforge embed` runs encoder bundles (use `kvforge generate`)")
+    with session:
+        vectors = session.embed(list(texts), pooling=pooling, normalize=normalize, truncate=truncate)
+        classes = session.classify(list(texts), truncate=truncate) if with_classes else None
+    if as_json:
+        record = {"pooling": pooling, "normalized": normalize, "dim": int(vectors.shape[1]),
+                  "vectors": [[round(float(x), 7) for x in v] for v in vectors], "backend": session.backend_name}
+        if classes is not None:
+            record["classes"] = classes
+        click.echo(json.dumps(record))
+        return
+    for i, (text, v) in enumerate(zip(texts, vectors)):
+        head = ", ".join(f"{x:.4f}" for x in v[:8])
+        label = f"  class {classes[i]['label']} ({classes[i]['score']:.3f})" if classes else ""
+        click.echo(f"{text[:40]!r}: dim {v.shape[0]}, norm {float((v * v).sum()) ** 0.5:.4f}, [{head}{', ...' if v.shape[0] > 8 else ''}]{label}")
+
+
 _SERVE_OPTIONS = [
     click.option("--model-name", help="Triton's name for the model (default: the bundle directory's name)."),
     click.option("--instances", default=1, show_default=True, type=click.IntRange(1),
@@ -512,18 +555,21 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
     table = Table(title=f"{r['candidate']} ({r['precision']}, {r['candidate_backend']}) vs {r['reference']} ({r['reference_backend']})")
     for col in ("metric", "value", "bound"):
         table.add_column(col)
-    for key in REPORT_METRICS:
+    for key in r.get("metric_keys", REPORT_METRICS):
         bound = r["tolerances"].get(key)
         table.add_row(key, _fmt(r[key]), "" if bound is None else (">= " if key in HIGHER_IS_BETTER else "<= ") + _fmt(bound))
     console.print(table)
-    if r["per_layer"]:
+    if r.get("per_layer"):
         layers = Table(title="per-layer error, ranked by contribution (a block's own rel L2, fed the reference's input)")
         for col in ("rank", "layer", "accumulated rel L2", "contribution", "cosine", "max abs"):
             layers.add_column(col)
         for row in sorted(r["per_layer"], key=lambda x: x["rank"]):
             layers.add_row(str(row["rank"]), row["layer"], _fmt(row["rel_l2"]), _fmt(row["contribution"]), _fmt(row["cosine"]), _fmt(row["max_abs"]))
         console.print(layers)
-    console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
+    if r.get("kind") == "encoder":
+        console.print(f"data: {r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens")
+    else:
+        console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
     if json_file:
         for path in write_report(report, json_file):
             console.print(f"wrote {path}")

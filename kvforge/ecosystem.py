@@ -47,6 +47,8 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
                  tokenizer: Tokenizer | None) -> tuple[dict[str, Any] | None, str | None]:
     """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle). Special ids the
     model config does not name come from the tokenizer."""
+    if model.get("architecture", "decoder") != "decoder":
+        return None, f"ONNX Runtime GenAI's config describes decoder LMs; this bundle is an {model['architecture']}"
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
                       "layers keep capped caches of min(past + new, W) positions")
@@ -99,6 +101,9 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
 
 def llama_config(model: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """A transformers LlamaConfig for a kvforge config a Llama expresses exactly, or (None, why not)."""
+    if model.get("architecture", "decoder") != "decoder":
+        return None, (f"an {model['architecture']} made from a kvforge preset or checkpoint has no Hugging Face config "
+                      "to give Optimum (bundles of Hugging Face checkpoints carry theirs)")
     differs = []
     expect = {"position": "rope", "norm": "rmsnorm", "norm_placement": "pre", "block": "sequential", "activation": "silu",
               "gated_ffn": True, "final_norm": True, "embed_norm": False, "qk_norm": None, "rotary_fraction": 1.0,

@@ -11,6 +11,7 @@ Importing this package imports no Torch; the torch backend loads it on activatio
 
 from .backend import Backend, KVCache
 from .batcher import Batcher, Request
+from .encoder_session import EncoderSession
 from .generate import GenerationConfig, GenerationResult, TokenEvent
 from .sampling import SamplingConfig
 from .session import BACKENDS, Session, available_backends, load
@@ -19,6 +20,7 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Batcher",
+    "EncoderSession",
     "GenerationConfig",
     "GenerationResult",
     "KVCache",

@@ -74,8 +74,14 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
 
 
 def prefill_feeds(batch: np.ndarray, config: dict, past_names: list[str], dtype: str) -> dict[str, np.ndarray]:
-    """Feeds for a prefill of `batch` (B, T) from an empty cache: what calibration and attribution runs use."""
+    """Feeds for a prefill of `batch` (B, T) from an empty cache: what calibration and attribution runs use.
+    An encoder's are its whole input: every token real, one segment."""
     b, t = batch.shape
+    if config.get("architecture", "decoder") != "decoder":
+        feeds = {"input_ids": batch, "attention_mask": np.ones((b, t), np.int64)}
+        if config.get("type_vocab_size", 0) > 1:
+            feeds["token_type_ids"] = np.zeros((b, t), np.int64)
+        return feeds
     np_dtype = np.float16 if dtype == "float16" else np.float32
     return {
         "input_ids": batch,

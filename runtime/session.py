@@ -23,6 +23,7 @@ from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache
+from .encoder_session import EncoderSession
 from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
@@ -44,7 +45,7 @@ def available_backends() -> list[str]:
     return found
 
 
-def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Session:
+def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Session | EncoderSession:
     """Open a bundle (or, with the torch backend, any model source) as a Session.
 
     backend: "auto" (tensorrt for engine bundles, onnxruntime for ONNX bundles;
@@ -56,7 +57,8 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     build`), and an ONNX bundle through an engine built once with the default
     limits and cached (runtime/trt_backend.py); torch takes device and source
     (the model to rebuild the reference from; default: the one recorded in the
-    bundle's lineage).
+    bundle's lineage). An encoder bundle (BERT, RoBERTa, Perceiver) opens as an
+    EncoderSession (embed, classify) on onnxruntime or torch.
     """
     if backend not in ("auto", *BACKENDS):
         raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
@@ -64,6 +66,8 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
         from .trt_backend import is_engine_bundle
 
         bundle = Bundle(source)
+        if bundle.model_config.get("architecture", "decoder") != "decoder":
+            return EncoderSession(bundle, backend, **options)
         io, config = bundle.io, bundle.model_config
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
         dtype = bundle.manifest["precision"]["dtype"]

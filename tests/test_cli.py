@@ -30,13 +30,17 @@ def test_help_lists_the_commands(run):
 def test_models_json(run):
     out = run("models", "--json")
     data = json.loads(out.output)
-    assert {"tiny", "llama-125m", "mistral-micro"} <= {p["name"] for p in data["presets"]}
+    arch = {p["name"]: p["architecture"] for p in data["presets"]}
+    assert {"tiny", "llama-125m", "mistral-micro"} <= {n for n, a in arch.items() if a == "decoder"}
+    assert arch["bert-micro"] == "encoder" and arch["perceiver-micro"] == "perceiver"
     assert set(data["hf_families"]) == {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "phi3",
-                                        "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "falcon", "bloom"}
+                                        "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "falcon", "bloom",
+                                        "bert", "roberta"}
     design = {p["name"]: p["design"] for p in data["presets"]}
     assert design["gemma-micro"] == ("rope rmsnorm-sandwich gated-gelu_tanh qk-norm=head window=8 on [0, 2] "
                                      "softcap=5.0/3.0 scaled")
     assert design["neox-micro"] == "rope x0.25 layernorm-pre gelu block=parallel_two_norms"
+    assert design["perceiver-micro"] == "16 latents absolute positions layernorm-pre gelu head=classification"
 
 
 def test_export_inspect_lint_and_refusals(run, tmp_path):

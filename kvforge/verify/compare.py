@@ -31,7 +31,8 @@ from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
 # Metrics where larger is better: a tolerance is a floor. Every other bounded metric has a ceiling.
-HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine"})
+HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine",
+                              "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "pooler_cosine_min"})
 
 # Default bounds per precision (measured on tiny, with margin; see docs/verification.md).
 # Quantized logits move by whole units, so there the bounds are on what users feel:
@@ -80,7 +81,9 @@ def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, floa
         return {}
     pairs = items.items() if isinstance(items, dict) else [_split(s) for s in items]
     out = {}
-    known = set(REPORT_METRICS)
+    from .compare_encoder import ENCODER_METRICS
+
+    known = set(REPORT_METRICS) | set(ENCODER_METRICS)
     for key, value in pairs:
         if key not in known:
             raise KvforgeError(f"unknown tolerance {key!r}; choose from {sorted(known)}")
@@ -271,6 +274,12 @@ def compare(
     if not Bundle.is_bundle(candidate):
         raise KvforgeError(f"{candidate} is not a bundle (no kvforge.json); compare runs a bundle against the reference")
     cand_bundle = Bundle(candidate)
+    if cand_bundle.model_config.get("architecture", "decoder") != "decoder":
+        from .compare_encoder import compare_encoder
+
+        return compare_encoder(candidate, reference, data, backend, max_tokens=max_tokens, seq_len=seq_len,
+                               batch_size=batch_size, tolerances=tolerances, random_data=random_data, seed=seed,
+                               progress=progress, **backend_options)
     precision = precision_of(cand_bundle.manifest)
     bounds = {**DEFAULT_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
@@ -359,7 +368,9 @@ def write_report(report: Report, json_path: str | Path) -> list[Path]:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report.result, indent=2) + "\n")
     label = f"{report['precision']} on {report['candidate_backend']}"
-    written = [json_path, drift_png({label: report["drift"]}, json_path.with_name(f"{json_path.stem}-drift.png"))]
-    if report["per_layer"]:
+    written = [json_path]
+    if report.result.get("drift"):  # decoders: the lockstep drift curve
+        written.append(drift_png({label: report["drift"]}, json_path.with_name(f"{json_path.stem}-drift.png")))
+    if report.result.get("per_layer"):
         written.append(layers_png(report["per_layer"], json_path.with_name(f"{json_path.stem}-layers.png"), label))
     return written

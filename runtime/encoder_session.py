@@ -1,0 +1,262 @@
+"""Sessions over encoder bundles (BERT, RoBERTa, the Perceiver): embed and classify, no generation.
+
+    from kvforge import runtime
+    with runtime.load("runs/bert") as session:                     # an EncoderSession
+        vectors = session.embed(["a query", "a passage"], pooling="mean")
+        labels = session.classify(["great film"])                 # a model with a classification head
+
+`run(feeds)` is the graph's own contract (input_ids, attention_mask [,
+token_type_ids] -> last_hidden_state [, logits | pooler_output]); `encode`
+tokenizes and right-pads texts the way Hugging Face pipelines do and runs
+them in batches. Backends: onnxruntime (the bundle's graph) and torch (the
+reference rebuilt from the bundle's source). Like `Session`, an
+EncoderSession is a context manager, activates on first use, and serializes
+calls from several threads with a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvforge.bundle import Bundle, IOSpec
+from kvforge.errors import KvforgeError
+from kvforge.tokenizer import Tokenizer
+
+POOLINGS = ("mean", "cls")
+
+
+def _ort_runner(bundle: Bundle, device: str = "cpu", threads: int | None = None, optimization: str = "all",
+                **unknown) -> tuple[Callable[[dict[str, np.ndarray]], list[np.ndarray]], str]:
+    if unknown:
+        raise KvforgeError(f"unknown onnxruntime options for an encoder: {sorted(unknown)}")
+    from .ort_backend import make_session
+
+    if device not in ("cpu", "auto"):
+        raise KvforgeError(f"encoder sessions run on device 'cpu' here, not {device!r}")
+    bundle.load_graph(external_data=False)  # refuses external data outside the bundle
+    quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+    session = make_session(bundle.graph_file, quant, optimization=optimization, threads=threads)
+    return (lambda feeds: session.run(None, feeds)), "onnxruntime"
+
+
+def torch_runner(source, config: dict[str, Any], io: IOSpec, dtype: str = "float32", device: str = "cpu"):
+    """run(feeds) -> outputs in IO order, on the Torch reference built from `source` (a preset, checkpoint or
+    Hugging Face directory), which must build the model `config` describes."""
+    import torch
+
+    from kvforge.model_defs import load
+
+    model, _ = load(source, dtype=dtype)
+    if model.config.to_dict() != config:
+        raise KvforgeError(f"the source {source!r} builds a model whose config differs from the bundle's")
+    model = model.to(device)
+    names = [t.name for t in io.outputs]
+
+    @torch.no_grad()
+    def run(feeds):
+        out = model(*(torch.from_numpy(feeds[t.name]).to(device) for t in io.inputs))
+        return [out[n].float().cpu().numpy() for n in names]
+    return run
+
+
+def recorded_source(bundle: Bundle) -> str | None:
+    return bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
+
+
+def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu", **unknown):
+    if unknown:
+        raise KvforgeError(f"unknown torch options for an encoder: {sorted(unknown)}")
+    quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+    if quant:
+        raise KvforgeError(f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was "
+                           "made from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
+    source = source or recorded_source(bundle)
+    if source is None:
+        raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
+    return torch_runner(source, bundle.model_config, bundle.io, bundle.manifest["precision"]["dtype"], device), "torch"
+
+
+class EncoderSession:
+    def __init__(self, bundle: Bundle, backend: str = "auto", runner: Callable | None = None, **options):
+        """backend: onnxruntime (the bundle's graph) or torch (its source model); `runner` (run(feeds) ->
+        outputs in IO order) replaces both, for callers that hold the model already (compare's reference)."""
+        if backend not in ("auto", "onnxruntime", "torch"):
+            raise KvforgeError(f"encoder bundles run on the onnxruntime or torch backend, not {backend!r}")
+        self.bundle = bundle
+        self.source = str(bundle.path)
+        self.config: dict[str, Any] = bundle.model_config
+        self.io: IOSpec = bundle.io
+        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+        self.max_length = self.io.max_context or self.config["max_seq_len"]
+        self.backend_name = "onnxruntime" if backend == "auto" else backend
+        self._options = options
+        self._given = runner
+        self._run: Callable | None = None
+        self._lock = threading.Lock()
+        self.input_names = [t.name for t in self.io.inputs]
+        self.output_names = [t.name for t in self.io.outputs]
+
+    # -- lifecycle -----------------------------------------------------------------
+    def activate(self) -> EncoderSession:
+        with self._lock:
+            if self._run is None and self._given is not None:
+                self._run = self._given
+            elif self._run is None:
+                make = _ort_runner if self.backend_name == "onnxruntime" else _torch_runner
+                self._run, _ = make(self.bundle, **self._options)
+        return self
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self._run = None
+
+    def __enter__(self) -> EncoderSession:
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    def __repr__(self) -> str:
+        return f"EncoderSession({self.source!r}, backend={self.backend_name!r}, outputs={self.output_names})"
+
+    @property
+    def architecture(self) -> str:
+        return self.config.get("architecture", "encoder")
+
+    # -- the graph's contract --------------------------------------------------------
+    def check_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The feeds as the graph takes them, or a KvforgeError that names what is wrong."""
+        if not isinstance(feeds, dict):
+            raise KvforgeError(f"feeds must be a dict of numpy arrays named {self.input_names}")
+        missing = [n for n in self.input_names if n not in feeds]
+        extra = sorted(set(feeds) - set(self.input_names))
+        if missing or extra:
+            raise KvforgeError(f"this encoder takes {self.input_names}; missing {missing}, unexpected {extra}")
+        out, shape = {}, None
+        for name in self.input_names:
+            value = feeds[name]
+            if not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.ndim != 2:
+                what = f"{value.dtype} {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+                raise KvforgeError(f"{name} must be an int64 array [batch, sequence], got {what}")
+            if shape is not None and value.shape != shape:
+                raise KvforgeError(f"{name} has shape {value.shape}, input_ids {shape}: they must match")
+            shape = value.shape
+            out[name] = np.ascontiguousarray(value)
+        batch, length = shape
+        if batch < 1 or length < 1:
+            raise KvforgeError(f"empty input: shape {shape}")
+        if length > self.max_length:
+            raise KvforgeError(f"inputs of {length} tokens exceed this bundle's {self.max_length}; pass truncate=True "
+                               "or shorter texts")
+        ids = out["input_ids"]
+        vocab = self.config["vocab_size"]
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise KvforgeError(f"token id {bad} is out of range for a vocabulary of {vocab}")
+        mask = out["attention_mask"]
+        if not np.isin(mask, (0, 1)).all():
+            raise KvforgeError("attention_mask must hold only 0 and 1")
+        if not mask.any(axis=1).all():
+            raise KvforgeError(f"rows {np.flatnonzero(~mask.any(axis=1)).tolist()} of attention_mask have no real token")
+        if "token_type_ids" in out:
+            types = out["token_type_ids"]
+            if types.min() < 0 or types.max() >= self.config["type_vocab_size"]:
+                raise KvforgeError(f"token_type_ids must lie in 0..{self.config['type_vocab_size'] - 1}")
+        return out
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One call of the graph: its outputs by name."""
+        feeds = self.check_feeds(feeds)
+        self.activate()
+        with self._lock:
+            if self._run is None:
+                raise KvforgeError("the session was closed")
+            outputs = self._run(feeds)
+        return dict(zip(self.output_names, (np.asarray(o, np.float32) for o in outputs)))
+
+    # -- text --------------------------------------------------------------------------
+    def tokenize(self, texts: str | Sequence[str], truncate: bool = False) -> list[list[int]]:
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise KvforgeError("texts must be a string or a non-empty list of strings")
+        if self.tokenizer is None:
+            raise KvforgeError(f"{self.source} has no tokenizer; call run() with token ids")
+        rows = self.tokenizer.encode_batch(list(texts))
+        for i, row in enumerate(rows):
+            if not row:
+                raise KvforgeError(f"text {i} encodes to no tokens")
+            if len(row) > self.max_length:
+                if not truncate:
+                    raise KvforgeError(f"text {i} is {len(row)} tokens, more than this bundle's {self.max_length}; "
+                                       "pass truncate=True to cut it")
+                rows[i] = row[:self.max_length]
+        return rows
+
+    def feeds(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
+        """Right-padded input_ids and attention_mask (and zero token_type_ids) for token id rows."""
+        pad = self.config.get("pad_token_id")
+        pad = 0 if pad is None else pad
+        length = max(len(r) for r in rows)
+        ids = np.full((len(rows), length), pad, np.int64)
+        mask = np.zeros((len(rows), length), np.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+            mask[i, :len(r)] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self.input_names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        return feeds
+
+    def encode(self, texts: str | Sequence[str], batch_size: int = 32, truncate: bool = False
+               ) -> list[dict[str, np.ndarray]]:
+        """Every output for each text, its padding removed from per-token outputs."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise KvforgeError(f"batch_size must be a positive integer, got {batch_size!r}")
+        rows = self.tokenize(texts, truncate)
+        per_token = set(self.io.extra.get("per_token_outputs", []))
+        results = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            out = self.run(self.feeds(chunk))
+            for i, r in enumerate(chunk):
+                results.append({n: (v[i, :len(r)] if n in per_token else v[i]) for n, v in out.items()})
+        return results
+
+    def embed(self, texts: str | Sequence[str], pooling: str = "mean", normalize: bool = False,
+              batch_size: int = 32, truncate: bool = False) -> np.ndarray:
+        """One vector per text, (n, dim): the mean of its tokens' last hidden states (a Perceiver: of its
+        latents), or the first token's ("cls"); L2-normalized when asked."""
+        if pooling not in POOLINGS:
+            raise KvforgeError(f"pooling {pooling!r} is not one of {POOLINGS}")
+        if pooling == "cls" and self.architecture != "encoder":
+            raise KvforgeError(f"a {self.architecture}'s outputs are latents, not tokens: there is no CLS token; "
+                               "use pooling='mean'")
+        hidden = [r["last_hidden_state"] for r in self.encode(texts, batch_size, truncate)]
+        vectors = np.stack([h.mean(axis=0) if pooling == "mean" else h[0] for h in hidden]).astype(np.float32)
+        if normalize:
+            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return vectors
+
+    def classify(self, texts: str | Sequence[str], batch_size: int = 32, truncate: bool = False) -> list[dict[str, Any]]:
+        """Per text: the top class (`label`, `index`, `score`) and every class's probability (`scores`)."""
+        if self.config.get("head") != "classification":
+            raise KvforgeError(f"{self.source} has no classification head (head={self.config.get('head')!r})")
+        labels = self.config.get("labels") or [f"LABEL_{i}" for i in range(self.config["num_labels"])]
+        out = []
+        for r in self.encode(texts, batch_size, truncate):
+            logits = r["logits"].astype(np.float64)
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            i = int(p.argmax())
+            out.append({"label": labels[i], "index": i, "score": float(p[i]), "scores": p.astype(np.float32).tolist()})
+        return out
+
+    def generate(self, *args, **kwargs):
+        raise KvforgeError(f"{self.source} is an {self.architecture}: it does not generate text; use embed() or classify() "
+                           "(`kvforge embed` on the command line)")
+
+    stream = generate
