@@ -17,7 +17,9 @@ from kvforge.errors import KvforgeError
 
 from .encoder_export import export_encoder_onnx, validate_encoder
 from .encoder_export import io_spec as encoder_io_spec
-from .lint import lint
+from .lint import lint, merge_lint
+from .seq2seq_export import DECODER_GRAPH, ENCODER_GRAPH, export_seq2seq_onnx, validate_seq2seq
+from .seq2seq_export import io_spec as seq2seq_io_spec
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA, export_onnx, io_spec
 from .validate import validate
 
@@ -97,16 +99,24 @@ def export(
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
+    arch = architecture_of(cfg)
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
-        graph = (export_onnx if decoder else export_encoder_onnx)(model, tmp / GRAPH_FILE, opset, external_data)
+        if arch == "encoder-decoder":
+            sharing = export_seq2seq_onnx(model, tmp, opset)
+            graphs = {"encoder": ENCODER_GRAPH, "decoder": DECODER_GRAPH}
+        else:
+            (export_onnx if decoder else export_encoder_onnx)(model, tmp / GRAPH_FILE, opset, external_data)
+            graphs, sharing = {"model": GRAPH_FILE}, None
+        main_graph = graphs.get("decoder", GRAPH_FILE)
         export_seconds = time.time() - started
         progress("export", 1, 1)
         progress("lint", 0, 1)
-        lint_result = lint(graph)
+        lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.items()})
         progress("lint", 1, 1)
-        summary = (validate if decoder else validate_encoder)(
-            graph, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
+        validator = {"decoder": validate, "encoder-decoder": validate_seq2seq}.get(arch, validate_encoder)
+        summary = validator(tmp if arch == "encoder-decoder" else tmp / GRAPH_FILE, reference, dtype, max_context,
+                            progress=lambda d, t: progress("validate", d, t))
         if not summary["passed"]:
             raise ExportValidationError(summary)
         progress("write", 0, 1)
@@ -118,15 +128,19 @@ def export(
         from kvforge.ecosystem import write_ecosystem_files
         from kvforge.model_defs import source_kind
 
-        io = io_spec(cfg, model.dtype, max_context) if decoder else encoder_io_spec(cfg, max_context)
+        if arch == "encoder-decoder":
+            io = seq2seq_io_spec(cfg, model.dtype, max_context)
+        else:
+            io = io_spec(cfg, model.dtype, max_context) if decoder else encoder_io_spec(cfg, max_context)
         precision = {"dtype": dtype, "quantization": None}
         ecosystem = write_ecosystem_files(
-            tmp, cfg.to_dict(), io, GRAPH_FILE, precision, tokenizer,
+            tmp, cfg.to_dict(), io, main_graph, precision, tokenizer,
             hf_source=Path(source) if source_kind(source) == "hf" else None,
         )
         manifest = {
             "stage": "export",
-            "graph": GRAPH_FILE,
+            "graph": main_graph,
+            **({"graphs": graphs, "weight_sharing": sharing} if sharing is not None else {}),
             "external_data": EXTERNAL_DATA if (tmp / EXTERNAL_DATA).exists() else None,
             "model": cfg.to_dict(),
             "io": io.to_dict(),

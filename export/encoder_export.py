@@ -101,7 +101,7 @@ def example_inputs(cfg, batch: int, seq: int, lengths: list[int] | None = None, 
         if pad is not None:
             ids[row, n:] = pad
     args = [ids, mask]
-    if cfg.type_vocab_size > 1:
+    if getattr(cfg, "type_vocab_size", 0) > 1:
         types = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=gen)
         args.append(types * mask)
     return tuple(args)

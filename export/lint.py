@@ -338,3 +338,19 @@ def lint(model_or_path) -> dict[str, Any]:
         "warnings": sum(f.severity == "warning" for f in findings),
         "findings": [asdict(f) for f in findings],
     }
+
+
+def merge_lint(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One record for the graphs of a bundle (an encoder-decoder has two): each finding names its graph."""
+    if len(results) == 1:
+        return next(iter(results.values()))
+    first = next(iter(results.values()))
+    return {
+        "passed": all(r["passed"] for r in results.values()),
+        "opset": first["opset"],
+        "targets": {t: all(r["targets"][t] for r in results.values()) for t in first["targets"]},
+        "errors": sum(r["errors"] for r in results.values()),
+        "warnings": sum(r["warnings"] for r in results.values()),
+        "findings": [{**f, "graph": role} for role, r in results.items() for f in r["findings"]],
+        "graphs": {role: {"passed": r["passed"], "errors": r["errors"], "warnings": r["warnings"]} for role, r in results.items()},
+    }

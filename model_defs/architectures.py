@@ -3,6 +3,7 @@
     decoder     ModelConfig     model.Transformer       causal LM with a KV cache (config.PRESETS)
     encoder     EncoderConfig   encoder.Encoder         bidirectional, padding mask only (BERT, RoBERTa)
     perceiver   PerceiverConfig perceiver.Perceiver     learned latents cross-attending to the input
+    encoder-decoder Seq2SeqConfig seq2seq.Seq2SeqLM     an encoder and a decoder reading it (T5, BART)
 
 A config's `architecture` field names its entry (absent in decoder configs, which predate it).
 """
@@ -17,6 +18,7 @@ from .config import PRESETS, ModelConfig
 from .encoder import EncoderConfig, build_encoder
 from .model import build_model
 from .perceiver import PerceiverConfig, build_perceiver
+from .seq2seq import Seq2SeqConfig, build_seq2seq
 
 
 class Architecture(NamedTuple):
@@ -25,26 +27,43 @@ class Architecture(NamedTuple):
     presets: dict[str, dict[str, Any]]
 
 
-# Random-weight presets of the other shapes (byte-level vocabulary, micro sizes for tests and examples).
+# Random-weight presets of the other shapes (micro sizes for tests and examples), with the built-in byte-level
+# tokenizer's special ids: <s> 256, </s> 257, <pad> 258.
 ENCODER_PRESETS: dict[str, dict[str, Any]] = {
     # BERT: post-norm, learned absolute positions, two segment types, a masked-LM head tied to the embeddings.
     "bert-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=256, head="mlm",
-                       family="bert", pad_token_id=0),
+                       family="bert", pad_token_id=258),
     # RoBERTa-shaped classifier: positions counted after the pad token, one segment type, a tanh-pooled classifier.
-    "roberta-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=258,
+    "roberta-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=515,
                           position="padded", type_vocab_size=1, norm_eps=1e-5, head="classification", num_labels=3,
-                          family="roberta", pad_token_id=1, bos_token_id=0, eos_token_id=2),
+                          family="roberta", pad_token_id=258, bos_token_id=256, eos_token_id=257),
 }
 PERCEIVER_PRESETS: dict[str, dict[str, Any]] = {
     # 16 latents over inputs of up to 1024 tokens, two latent blocks, a 4-class head on the mean latent.
     "perceiver-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=1024,
-                            n_latents=16, head="classification", num_labels=4, activation="gelu", pad_token_id=0),
+                            n_latents=16, head="classification", num_labels=4, activation="gelu", pad_token_id=258),
+}
+
+SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
+    # T5 v1.1-shaped: relative position buckets, gated-GELU FFNs, RMSNorm pre-norm, an untied head.
+    "t5-micro": dict(vocab_size=259, dim=64, n_layers=2, n_decoder_layers=3, n_heads=4, head_dim=24, ffn_dim=128,
+                     max_seq_len=1024, relative_buckets=16, relative_max_distance=64, activation="gelu_tanh",
+                     gated_ffn=True, tie_embeddings=False, family="t5", pad_token_id=258, eos_token_id=257,
+                     decoder_start_token_id=258),
+    # BART-shaped: learned positions offset by 2, post-norm LayerNorm with biases, scaled and normed embeddings.
+    "bart-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, decoder_ffn_dim=96, max_seq_len=1024,
+                       position="learned", position_offset=2, norm="layernorm", norm_eps=1e-5, norm_placement="post",
+                       final_norm=False, embed_norm=True, embed_scale=8.0, attn_scale=None, qkv_bias=True,
+                       out_bias=True, ffn_bias=True, activation="gelu", lm_head_bias=True, family="bart",
+                       pad_token_id=258, bos_token_id=256, eos_token_id=257, decoder_start_token_id=257,
+                       forced_eos_token_id=257),
 }
 
 ARCHITECTURES: dict[str, Architecture] = {
     "decoder": Architecture(ModelConfig, build_model, PRESETS),
     "encoder": Architecture(EncoderConfig, build_encoder, ENCODER_PRESETS),
     "perceiver": Architecture(PerceiverConfig, build_perceiver, PERCEIVER_PRESETS),
+    "encoder-decoder": Architecture(Seq2SeqConfig, build_seq2seq, SEQ2SEQ_PRESETS),
 }
 
 
@@ -82,6 +101,6 @@ def tied_parameters(model) -> list[str]:
     cfg = model.config
     if not getattr(cfg, "tie_embeddings", False):
         return []
-    if architecture_of(cfg) == "decoder":
+    if architecture_of(cfg) in ("decoder", "encoder-decoder"):
         return ["lm_head.weight"]
     return ["head.decoder.weight"] if getattr(cfg, "head", None) == "mlm" else []

@@ -238,3 +238,44 @@ class SinusoidalPositions(nn.Module):
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         angles = position_ids[..., None].float() * self.inv_freq  # (B, T, C/2)
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, C)
+
+
+# --- T5's relative position buckets ------------------------------------------------
+def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bucket of each key - query distance: exact buckets for the nearest distances, logarithmic ones up to
+    max_distance, one bucket beyond. Bidirectional (the encoder) splits the buckets between keys before and
+    after the query; causal (the decoder) has only keys before it.
+
+    Computed on float32 (integers below 2**24 are exact), the type TensorRT's Clip, Abs and Where take."""
+    rel = relative.float()
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).float() * num_buckets
+        distance = rel.abs()
+    else:
+        distance = (-rel).clamp(min=0)
+    max_exact = num_buckets // 2
+    # the log runs on distances >= max_exact only (the others take the exact branch), so it never sees log(0)
+    far = distance.clamp(min=max_exact)
+    large = max_exact + torch.floor(torch.log(far / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    large = large.clamp(max=num_buckets - 1)
+    return (buckets + torch.where(distance < max_exact, distance, large)).to(torch.int64)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned bias per head and distance bucket, added to the attention scores: (1, H, T, S) float32 for T
+    queries at positions past..past+T-1 over S keys at 0..S-1. One table serves every layer of a stack (T5
+    computes it in the first layer and passes it on)."""
+
+    def __init__(self, n_heads: int, num_buckets: int, max_distance: int, bidirectional: bool):
+        super().__init__()
+        self.bias = nn.Embedding(num_buckets, n_heads)
+        self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
+
+    def forward(self, queries: int, keys: int, past: int | torch.Tensor = 0) -> torch.Tensor:
+        device = self.bias.weight.device
+        q = torch.arange(queries, device=device)[:, None] + past
+        k = torch.arange(keys, device=device)[None, :]
+        buckets = relative_position_bucket(k - q, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0).float()

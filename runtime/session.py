@@ -58,7 +58,8 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     limits and cached (runtime/trt_backend.py); torch takes device and source
     (the model to rebuild the reference from; default: the one recorded in the
     bundle's lineage). An encoder bundle (BERT, RoBERTa, Perceiver) opens as an
-    EncoderSession (embed, classify) on onnxruntime or torch.
+    EncoderSession (embed, classify), an encoder-decoder bundle (T5, BART) as a
+    Seq2SeqSession (generate, stream), on onnxruntime or torch.
     """
     if backend not in ("auto", *BACKENDS):
         raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
@@ -66,7 +67,12 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
         from .trt_backend import is_engine_bundle
 
         bundle = Bundle(source)
-        if bundle.model_config.get("architecture", "decoder") != "decoder":
+        architecture = bundle.model_config.get("architecture", "decoder")
+        if architecture == "encoder-decoder":
+            from .seq2seq_session import Seq2SeqSession
+
+            return Seq2SeqSession(bundle, backend, **options)
+        if architecture != "decoder":
             return EncoderSession(bundle, backend, **options)
         io, config = bundle.io, bundle.model_config
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None

@@ -1,0 +1,154 @@
+"""Encoder-decoders (t5-micro, bart-micro presets): the Torch reference's cache, the two-graph export contract,
+the runtime's generate/stream and `kvforge generate`. Hugging Face conformance: tests/model_defs/test_hf_seq2seq.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvforge import runtime
+from kvforge.cli import main
+from kvforge.errors import KvforgeError
+from kvforge.export.seq2seq_export import source_inputs
+from kvforge.model_defs import load
+
+SEQ2SEQ = ("t5-micro", "bart-micro")
+SOURCES = ["translate this, please", "x", "a third and somewhat longer source text"]
+
+
+@pytest.mark.parametrize("preset", SEQ2SEQ)
+def test_cached_decode_equals_teacher_forcing_and_padding_is_hidden(preset):
+    model, _ = load(preset)
+    ids, mask = source_inputs(model.config, 3, 10, [10, 6, 2], seed=4)
+    target = torch.randint(0, 259, (3, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids, mask, target)
+        _, cross = model.encode(ids, mask)
+        past, steps = None, []
+        for t in range(6):
+            logits, past = model.decode(target[:, t:t + 1], mask, past, cross)
+            steps.append(logits)
+        assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
+        assert past[0][0].shape == (3, model.config.decoder_heads, 6, model.config.head_dim)
+        for row, n in enumerate([10, 6, 2]):  # a padded source row decodes as it would alone
+            alone = model(ids[row:row + 1, :n], mask[row:row + 1, :n], target[row:row + 1])
+            assert (alone[0] - full[row]).abs().max() < 1e-4
+        other = ids.clone()
+        other[1, 0] = (other[1, 0] + 1) % 259  # a real source token does matter
+        assert (model(other, mask, target)[1] - full[1]).abs().max() > 1e-4
+
+
+def _greedy(model, ids, mask, steps):
+    """The reference's greedy loop, with BART's forced end token at the last step."""
+    cfg = model.config
+    _, cross = model.encode(ids, mask)
+    nxt = torch.full((ids.shape[0], 1), cfg.decoder_start_token_id)
+    past, out = None, []
+    for step in range(steps):
+        logits, past = model.decode(nxt, mask, past, cross)
+        nxt = logits[:, -1:].argmax(-1)
+        if step == steps - 1 and cfg.forced_eos_token_id is not None:
+            nxt[:] = cfg.forced_eos_token_id
+        out.append(nxt[:, 0].tolist())
+    return [list(r) for r in zip(*out)]
+
+
+@pytest.mark.parametrize("preset", SEQ2SEQ)
+def test_two_graphs_share_weights_and_generate_as_the_reference(preset, micro_bundle):
+    bundle = micro_bundle(preset)
+    m = bundle.manifest
+    cfg = m["model"]
+    assert m["validation"]["passed"] and m["lint"]["passed"] and m["validation"]["lockstep"]["greedy_matching_steps"] == 16
+    assert m["graphs"] == {"encoder": "encoder_model.onnx", "decoder": "decoder_model.onnx"}
+    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["head_dim"]
+    enc = onnx.load(str(bundle.path / "encoder_model.onnx"), load_external_data=False)
+    dec = onnx.load(str(bundle.path / "decoder_model.onnx"), load_external_data=False)
+    assert [i.name for i in enc.graph.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in enc.graph.output] == ["last_hidden_state"] + [
+        f"present.{i}.encoder.{kv}" for i in range(n) for kv in ("key", "value")]
+    assert [i.name for i in dec.graph.input] == ["input_ids", "encoder_attention_mask"] + [
+        f"past_key_values.{i}.{part}.{kv}" for i in range(n) for part in ("decoder", "encoder") for kv in ("key", "value")]
+    assert [o.name for o in dec.graph.output] == ["logits"] + [f"present.{i}.decoder.{kv}" for i in range(n) for kv in ("key", "value")]
+    io = {t["name"]: t["shape"] for t in m["io"]["inputs"] + m["io"]["outputs"]}
+    assert io["past_key_values.0.decoder.key"] == ["batch_size", H, "past_decoder_sequence_length", D]
+    assert io["past_key_values.0.encoder.key"] == ["batch_size", H, "encoder_sequence_length", D]
+    assert io["present.0.decoder.key"] == ["batch_size", H, "total_decoder_sequence_length", D]
+    assert not {node.op_type for g in (enc, dec) for node in g.graph.node} & {"If", "Loop", "Scan"}
+    # the shared embedding matrix is one range of the one weight file both graphs read
+    emb_bytes = cfg["vocab_size"] * cfg["dim"] * 4
+    assert m["weight_sharing"]["shared_bytes"] >= emb_bytes
+    model, _ = load(preset)
+    distinct = sum(p.numel() * 4 for p in model.parameters())
+    assert (bundle.path / "model.onnx.data").stat().st_size <= distinct + 64 * 200  # (alignment padding)
+    # ONNX Runtime generation equals the reference's greedy decode, batched and padded
+    with runtime.load(bundle.path) as session:
+        results = session.generate(SOURCES, max_new_tokens=12, ignore_eos=True)
+        ids, mask = _batch(session, SOURCES)
+        with torch.no_grad():
+            expected = _greedy(model, torch.from_numpy(ids), torch.from_numpy(mask), 12)
+        assert [r.tokens for r in results] == expected
+        alone = session.generate(SOURCES[1], max_new_tokens=12, ignore_eos=True)
+        assert alone.tokens == results[1].tokens
+
+
+def _batch(session, texts):
+    rows = [session.tokenizer.encode(t) for t in texts]
+    L = max(len(r) for r in rows)
+    ids = np.full((len(rows), L), session.config["pad_token_id"], np.int64)
+    mask = np.zeros((len(rows), L), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    return ids, mask
+
+
+def test_stream_stop_sampling_and_bad_input(micro_bundle):
+    session = runtime.load(micro_bundle("t5-micro").path)
+    torch_session = runtime.load(micro_bundle("t5-micro").path, backend="torch")
+    whole = session.generate(SOURCES[0], max_new_tokens=10, ignore_eos=True)
+    events = list(session.stream(SOURCES[0], max_new_tokens=10, ignore_eos=True))
+    assert [e.token for e in events] == whole.tokens and events[-1].last and events[-1].finish_reason == "length"
+    assert [e.last for e in events[:-1]] == [False] * 9
+    assert torch_session.generate(SOURCES[0], max_new_tokens=10, ignore_eos=True).tokens == whole.tokens
+    stop = whole.tokens[3]
+    stopped = session.generate(SOURCES[0], max_new_tokens=10, stop_token_ids=[stop], ignore_eos=True)
+    assert stopped.tokens == whole.tokens[:whole.tokens.index(stop) + 1] and stopped.finish_reason == "stop"
+    a = session.generate(SOURCES[2], max_new_tokens=8, temperature=0.9, top_k=20, seed=7)
+    b = session.generate(SOURCES[2], max_new_tokens=8, temperature=0.9, top_k=20, seed=7)
+    assert a.tokens == b.tokens
+    assert session.generate(SOURCES[0], max_new_tokens=0).tokens == []
+    with pytest.raises(KvforgeError, match="outside the vocabulary"):
+        session.generate([5, 300])
+    with pytest.raises(KvforgeError, match="no tokens"):
+        session.generate([[1, 2], []])
+    with pytest.raises(KvforgeError, match="exceeds this bundle's maximum"):
+        session.generate([7] * 2000)
+    with pytest.raises(KvforgeError, match="stream\\(\\) takes one source"):
+        list(session.stream(SOURCES))
+
+
+def test_bart_forces_its_end_token_and_cli_generate(micro_bundle):
+    path = micro_bundle("bart-micro").path
+    session = runtime.load(path)
+    r = session.generate(SOURCES[2], max_new_tokens=6)
+    assert r.tokens[-1] == 257 and r.finish_reason == "stop" and len(r.tokens) <= 6
+    result = CliRunner().invoke(main, ["generate", str(path), "--prompt", SOURCES[2], "--max-new-tokens", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.strip().splitlines()[-1])
+    assert record["tokens"] == r.tokens and record["backend"] == "onnxruntime"
+
+
+def test_float16_seq2seq_export(tmp_path):
+    from kvforge.export import export
+
+    half = export("bart-micro", tmp_path / "bart-fp16", dtype="float16", max_context=64)
+    v = half.manifest["validation"]
+    assert v["passed"] and v["decoder"]["logits"]["rel_l2"] < 1e-2 and v["encoder"]["cross_kv"]["rel_l2"] < 1e-2
+    enc = onnx.load(str(half.path / "encoder_model.onnx"), load_external_data=False)
+    assert {o.name: o.type.tensor_type.elem_type for o in enc.graph.output}["present.0.encoder.key"] == onnx.TensorProto.FLOAT16
+    session = runtime.load(half.path)
+    assert len(session.generate("hello", max_new_tokens=5, ignore_eos=True).tokens) == 5
