@@ -28,35 +28,32 @@ DEFAULT_BLOCK_SIZE = 128
 Progress = Callable[[str, int, int], None]
 
 
-def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: int, smooth_needed: bool,
-             float_dtype, progress: Progress, hessians=None):
+def _observe(model, activations: list[str], items: Callable[[], Any], n_batches: int, feeds: Callable[[Any], dict],
+             smooth_needed: bool, float_dtype, progress: Progress, hessians=None):
     """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
 
-    Returns the observers (amax recorded), per-channel amax (for SmoothQuant),
-    the batch runner (for pass 2's histograms) and the batch count; fills
-    `hessians` (GPTQ's X^T X) when given.
+    items() iterates the calibration batches, feeds(item) makes a batch's graph inputs. Returns the
+    observers (amax recorded), per-channel amax (for SmoothQuant) and the batch runner (item ->
+    activations, for pass 2's histograms); fills `hessians` (GPTQ's X^T X) when given.
     """
     from onnx import TensorProto, helper
 
     probe = type(model)()
     probe.CopyFrom(model)
-    del probe.graph.output[1:]  # keep logits; drop presents
+    del probe.graph.output[1:]  # keep the first output (logits, a hidden state); drop presents
     elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
     for name in activations:  # activations carry the model dtype
         probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
     sess = make_session(probe.SerializeToString())
     names = [o.name for o in sess.get_outputs()][1:]
-    past = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values")]
-    dtype = "float16" if float_dtype == np.float16 else "float32"
 
-    def run(batch):
-        return dict(zip(names, sess.run(names, prefill_feeds(batch, bundle.model_config, past, dtype))))
+    def run(item):
+        return dict(zip(names, sess.run(names, feeds(item))))
 
     observers = {n: TensorObserver(n) for n in activations}
     channel_amax: dict[str, np.ndarray] = {}
-    n_batches = -(-len(cset.samples) // batch_size)
-    for i, batch in enumerate(cset.batches(batch_size)):
-        for name, x in run(batch).items():
+    for i, item in enumerate(items()):
+        for name, x in run(item).items():
             x = x.astype(np.float32)
             observers[name].observe_range(x)
             if hessians is not None:
@@ -65,7 +62,33 @@ def _observe(bundle: Bundle, model, activations: list[str], cset, batch_size: in
                 m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)
                 channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)
         progress("observe", i + 1, n_batches)
-    return observers, channel_amax, run, n_batches
+    return observers, channel_amax, run
+
+
+def activation_scales(model, targets, observers, channel_amax, run, items, n_batches: int, precision: str, method: str,
+                      percentile: float, smoothquant: float | None, progress: Progress):
+    """Each activation's amax (after SmoothQuant's per-channel division, when asked) by `method`, and the
+    SmoothQuant factors (or None). A method other than max takes a second pass for its histograms."""
+    import onnx
+
+    activations = list(dict.fromkeys(t.activation for t in targets))
+    smooth = None
+    if smoothquant is not None:
+        smooth = {}
+        inits = {i.name: i for i in model.graph.initializer}
+        for act in activations:
+            weights = [onnx.numpy_helper.to_array(inits[t.weight]) for t in targets if t.activation == act]
+            smooth[act] = smoothquant_factors(channel_amax[act], np.concatenate(weights, axis=1), smoothquant)
+        # the quantized tensor is x / s: its range is the per-channel amax divided by s
+        for act in activations:
+            observers[act].amax = float((channel_amax[act] / smooth[act]).max())
+    if method != "max":
+        for i, item in enumerate(items()):
+            for name, x in run(item).items():
+                x = x.astype(np.float32)
+                observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
+            progress("histogram", i + 1, n_batches)
+    return {a: observers[a].compute_amax(method, precision, percentile) for a in activations}, smooth
 
 
 def _check_sizes(**sizes) -> None:
@@ -170,6 +193,20 @@ def calibrate(
 
         held_out = budget_ids(bundle, budget_data, budget_tokens)
 
+    if bundle.model_config.get("architecture") == "encoder-decoder":
+        if gptq:
+            raise KvforgeError("--gptq is not implemented for encoder-decoder bundles yet; calibrate with nearest rounding")
+        from .seq2seq import quantize_seq2seq
+
+        models, quantization, record = quantize_seq2seq(
+            bundle, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
+            random_data, batch_size, quantize_lm_head, progress, _check_weights_finite)
+        options = {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
+                   "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude), "block_size": block_size,
+                   "random_data": bool(random_data), "quantize_lm_head": quantize_lm_head, "kv_cache": None,
+                   "accuracy_budget": None, "gptq": False}
+        return write_calibrated(bundle, out, force, models, quantization, record, options, started)
+
     model = bundle.load_graph()  # a damage the manifest did not catch is named, not raised by protobuf
     targets, excluded = find_targets(model, list(exclude), quantize_lm_head)
     _check_weights_finite(model, targets)
@@ -181,31 +218,21 @@ def calibrate(
     if precision != "int4" or gptq:  # weight-only INT4 rounded to nearest needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
         hessians = HessianAccumulator(activations) if gptq else None
-        observers, channel_amax, run, n_batches = _observe(
-            bundle, model, activations + presents, cset, batch_size, smoothquant is not None, float_dtype, progress,
-            hessians,
+        past = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
+        n_batches = -(-len(cset.samples) // batch_size)
+        items = lambda: cset.batches(batch_size)  # noqa: E731
+        observers, channel_amax, run = _observe(
+            model, activations + presents, items, n_batches,
+            lambda batch: prefill_feeds(batch, bundle.model_config, past, dtype),
+            smoothquant is not None, float_dtype, progress, hessians,
         )
         calibration = {
             "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
         }
     if precision != "int4":
-        if smoothquant is not None:
-            smooth = {}
-            inits = {i.name: i for i in model.graph.initializer}
-            for act in activations:
-                weights = [onnx.numpy_helper.to_array(inits[t.weight]) for t in targets if t.activation == act]
-                smooth[act] = smoothquant_factors(channel_amax[act], np.concatenate(weights, axis=1), smoothquant)
-            # the quantized tensor is x / s: its range is the per-channel amax divided by s
-            for act in activations:
-                observers[act].amax = float((channel_amax[act] / smooth[act]).max())
-        if method != "max":
-            for i, batch in enumerate(cset.batches(batch_size)):
-                for name, x in run(batch).items():
-                    x = x.astype(np.float32)
-                    observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
-                progress("histogram", i + 1, n_batches)
-        act_amax = {a: observers[a].compute_amax(method, precision, percentile) for a in activations}
+        act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches, precision,
+                                             method, percentile, smoothquant, progress)
 
     rounded: dict[str, tuple] = {}  # weight -> GPTQ result; the budget's rewrites reuse it
 
@@ -238,8 +265,6 @@ def calibrate(
         model, targets, excluded, record = quantize([])
     progress("quantize", 1, 1)
 
-    from kvforge.export.lint import lint
-
     quantization = {
         "format": precision,
         "weights": "block-wise" if precision == "int4" else "per-channel",
@@ -254,39 +279,62 @@ def calibrate(
         "quantized_layers": [t.layer for t in targets],
         "excluded_layers": excluded,
     }
+    options = {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
+               "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
+               "block_size": block_size, "random_data": bool(random_data and calibration["data"]),
+               "quantize_lm_head": quantize_lm_head,
+               "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq}
+    return write_calibrated(bundle, out, force, {"model.onnx": model}, quantization,
+                            {**calibration, "scales": record, "accuracy_budget": budget_report}, options, started)
+
+
+def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], quantization: dict[str, Any],
+                     calibration: dict[str, Any], options: dict[str, Any], started: float) -> Bundle:
+    """Stage the quantized graphs (file name -> ModelProto) with the float bundle's tokenizer and a manifest
+    that extends its lineage. Two graphs (an encoder-decoder) keep their weights in one shared file."""
+    import onnx
+
+    from kvforge.export.lint import lint, merge_lint
+
     with staged_bundle(out, force, [bundle.path]) as tmp:
-        big = sum(len(i.raw_data) for i in model.graph.initializer) > (1 << 30)
-        onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
+        shared = len(models) > 1
+        big = not shared and sum(len(i.raw_data) for m in models.values() for i in m.graph.initializer) > (1 << 30)
+        for name, model in models.items():
+            onnx.save(model, str(tmp / name), save_as_external_data=big, location="model.onnx.data")
+        sharing = None
+        if shared:
+            from kvforge.export.seq2seq_export import share_weights
+
+            sharing = share_weights([tmp / name for name in models])
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (bundle.path / name).is_file():
                 shutil.copy2(bundle.path / name, tmp / name)
-        precision_record = {"dtype": dtype, "quantization": quantization}
+        precision_record = {"dtype": bundle.manifest["precision"]["dtype"], "quantization": quantization}
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
-        ecosystem = write_ecosystem_files(tmp, bundle.model_config, bundle.io, "model.onnx", precision_record,
+        ecosystem = write_ecosystem_files(tmp, bundle.model_config, bundle.io, bundle.manifest["graph"], precision_record,
                                           tokenizer, from_bundle=bundle.path)
-        lint_result = lint(tmp / "model.onnx")
+        roles = {name: role for role, name in bundle.manifest.get("graphs", {"model": "model.onnx"}).items()}
+        lint_result = merge_lint({roles.get(name, name): lint(tmp / name) for name in models})
         manifest: dict[str, Any] = {
             k: v for k, v in bundle.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")
         }
         manifest.update(
             stage="calibrate",
-            external_data="model.onnx.data" if big else None,
+            external_data="model.onnx.data" if big or shared else None,
             precision=precision_record,
             ecosystem=ecosystem,
-            calibration={**calibration, "scales": record, "accuracy_budget": budget_report},
+            calibration=calibration,
             lint=lint_result,
             lineage=bundle.manifest.get("lineage", []) + [{
                 "stage": "calibrate",
                 "tool": f"kvforge {kvforge.__version__}",
                 "time": now_utc(),
                 "input": {"source": str(bundle.path.resolve()), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
-                "options": {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
-                            "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude),
-                            "block_size": block_size, "random_data": bool(random_data and calibration["data"]),
-                            "quantize_lm_head": quantize_lm_head,
-                            "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq},
+                "options": options,
                 "seconds": {"total": round(time.time() - started, 2)},
             }],
         )
+        if sharing is not None:
+            manifest["weight_sharing"] = sharing
         write_manifest(tmp, manifest)
     return Bundle(out)

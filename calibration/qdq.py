@@ -93,8 +93,12 @@ def untie_lm_head(model) -> bool:
     return True
 
 
-def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False) -> tuple[list[Target], list[str]]:
-    """The linear layers to quantize, and the names of those excluded (quantize_lm_head unties a tied head)."""
+def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
+                 require_matches: bool = True) -> tuple[list[Target], list[str]]:
+    """The linear layers to quantize, and the names of those excluded (quantize_lm_head unties a tied head).
+
+    require_matches: an exclude pattern that names no layer is an error (a typo); callers that quantize
+    several graphs check that over all of them instead."""
     g = model.graph
     if quantize_lm_head:
         untie_lm_head(model)
@@ -116,9 +120,9 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False)
             continue
         targets.append(Target(node, name, node.input[1], node.input[0]))
     unmatched = [p.pattern for p in patterns if not any(p.search(n) for n in names)]
-    if unmatched:  # a typo would otherwise quantize what the user meant to keep
+    if unmatched and require_matches:  # a typo would otherwise quantize what the user meant to keep
         raise KvforgeError(f"--exclude {unmatched} matches no linear layer; their names look like {names[:3]}")
-    if not targets:
+    if not targets and require_matches:
         raise KvforgeError("no linear layer is left to quantize" + (f" after excluding {excluded}" if excluded else ""))
     return targets, excluded
 

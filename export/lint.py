@@ -72,10 +72,29 @@ def _load(model_or_path) -> Any:
         if not path.is_file():
             raise KvforgeError(f"no ONNX file at {path}")
         try:
-            return onnx.load(str(path), load_external_data=False)
+            model = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError and others on damaged files
             raise KvforgeError(f"{path} is not a readable ONNX model: {e}") from e
+        _load_qdq_parameters(model, path.parent)
+        return model
     return model_or_path
+
+
+def _load_qdq_parameters(model, directory: Path) -> None:
+    """Read the scales and zero points that a graph keeps as external data (an encoder-decoder's two graphs
+    share one weight file), and only those: the Q/DQ rules check their values, not the weights'."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    wanted = {n.input[i] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+              for i in (1, 2) if len(n.input) > i}
+    for init in model.graph.initializer:
+        if init.name in wanted and uses_external_data(init):
+            try:
+                load_external_data_for_tensor(init, str(directory))
+            except OSError:  # a missing or short data file: the rule then reports a non-constant scale
+                continue
+            del init.external_data[:]
+            init.data_location = 0  # DEFAULT: the values are inline now
 
 
 def _value_types(model) -> dict[str, int]:

@@ -568,6 +568,9 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
         console.print(layers)
     if r.get("kind") == "encoder":
         console.print(f"data: {r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens")
+    elif r.get("kind") == "encoder-decoder":
+        console.print(f"data: {r['data']}, {r['pairs']} source/target pairs, {r['tokens']} target tokens; "
+                      f"greedy: {r['prompts']} sources x {r['steps']} steps")
     else:
         console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
     if json_file:

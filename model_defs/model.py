@@ -251,4 +251,11 @@ def init_random_weights(model: Transformer, seed: int = 0) -> Transformer:
             p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p.shape[-1] ** 0.5))
         else:  # (out, in) matrices and learned positions: unit-variance outputs
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    cfg = model.config
+    if getattr(cfg, "attn_scale", None) == 1.0:
+        # Scores unscaled (T5): the query projections carry the 1/sqrt(head_dim), as T5 initializes them,
+        # so that scores have unit variance rather than a softmax that is one-hot from the start.
+        for name, p in model.named_parameters():
+            if name.endswith(("attn.q_proj.weight", "cross.q_proj.weight")):
+                p.mul_(cfg.head_dim ** -0.5)
     return model.eval()

@@ -67,7 +67,9 @@ class _OrtModel:
 
 
 class _TorchModel:
-    def __init__(self, bundle: Bundle, source: str | None = None, device: str = "cpu", **unknown):
+    def __init__(self, bundle: Bundle, source: str | None = None, device: str = "cpu", float_reference: bool = False,
+                 **unknown):
+        """float_reference: run the float model a quantized bundle was made from (what compare measures against)."""
         if unknown:
             raise KvforgeError(f"unknown torch options for an encoder-decoder: {sorted(unknown)}")
         import torch
@@ -76,13 +78,13 @@ class _TorchModel:
 
         from .encoder_session import recorded_source
 
-        if (bundle.manifest["precision"].get("quantization") or {}).get("format"):
+        if (bundle.manifest["precision"].get("quantization") or {}).get("format") and not float_reference:
             raise KvforgeError(f"{bundle.path} is quantized; the torch backend would run the float model it was made "
                                "from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
         source = source or recorded_source(bundle)
         if source is None:
             raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-        model, _ = load(source, dtype=bundle.manifest["precision"]["dtype"])
+        model, _ = load(source, dtype="float32" if float_reference else bundle.manifest["precision"]["dtype"])
         if model.config.to_dict() != bundle.model_config:
             raise KvforgeError(f"the source {source!r} builds a model whose config differs from the bundle's")
         self.torch, self.model, self.device = torch, model.to(device), device
@@ -244,6 +246,27 @@ class Seq2SeqSession:
         return np.zeros((batch, heads, 0, dim), model.dtype)
 
     # -- public -------------------------------------------------------------------------------
+    def forward(self, source_ids: np.ndarray, source_mask: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
+        """Teacher-forced float32 logits (B, T, vocab) of target_ids (decoder inputs, the start token first)
+        given right-padded sources: the encoder, then one decoder call over all T tokens."""
+        for name, a in (("source_ids", source_ids), ("source_mask", source_mask), ("target_ids", target_ids)):
+            if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 2 or 0 in a.shape:
+                raise KvforgeError(f"{name} must be a non-empty int64 array [batch, length]")
+        if source_ids.shape != source_mask.shape or target_ids.shape[0] != source_ids.shape[0]:
+            raise KvforgeError(f"shapes disagree: source {source_ids.shape}, mask {source_mask.shape}, target {target_ids.shape}")
+        self._check([r[m == 1].tolist() for r, m in zip(source_ids, source_mask)])
+        if target_ids.shape[1] > self.max_context or target_ids.min() < 0 or target_ids.max() >= self.vocab_size:
+            raise KvforgeError(f"target ids must lie in 0..{self.vocab_size - 1}, at most {self.max_context} per row")
+        self.activate()
+        model = self._model
+        cfg = self.config
+        with self._lock:
+            cross = model.encode(source_ids, source_mask)
+            B = source_ids.shape[0]
+            past = [(self._empty(model, B, cfg["decoder_heads"], cfg["head_dim"]),) * 2 for _ in cross]
+            logits, _ = model.decode(target_ids, source_mask, past, cross)
+        return np.asarray(logits, np.float32)
+
     def generate(self, source, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
         """The target for one source (-> GenerationResult) or each of a list (-> list; a right-padded batch)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)

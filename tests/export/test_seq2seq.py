@@ -152,3 +152,45 @@ def test_float16_seq2seq_export(tmp_path):
     assert {o.name: o.type.tensor_type.elem_type for o in enc.graph.output}["present.0.encoder.key"] == onnx.TensorProto.FLOAT16
     session = runtime.load(half.path)
     assert len(session.generate("hello", max_new_tokens=5, ignore_eos=True).tokens) == 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from kvforge.model_defs.evaluate import heldout_text
+
+    path = tmp_path_factory.mktemp("s2s-data") / "text.txt"
+    path.write_text(heldout_text()[:20000])
+    return path
+
+
+def test_int8_calibrates_both_graphs_and_compares(micro_bundle, corpus, tmp_path):
+    from kvforge.calibration import calibrate
+    from kvforge.verify.compare import compare
+
+    fp32 = micro_bundle("t5-micro")
+    with pytest.raises(KvforgeError, match="matches no linear layer of either graph"):
+        calibrate(fp32.path, tmp_path / "x", "int8", data=corpus, exclude=["no_such_layer"])
+    int8 = calibrate(fp32.path, tmp_path / "t5-int8", "int8", data=corpus, samples=16, seq_len=48,
+                     exclude=["decoder_layers\\.2\\.ffn"])
+    q = int8.manifest["precision"]["quantization"]
+    layers = q["quantized_layers"]
+    # both graphs: the encoder's own linears and every decoder layer's cross K/V projections, the decoder's
+    assert "encoder_layers.0.attn.q_proj" in layers and "decoder_layers.0.cross.k_proj" in layers
+    assert "decoder_layers.0.cross.q_proj" in layers and "decoder_layers.2.attn.o_proj" in layers
+    assert "lm_head" in q["excluded_layers"] and "decoder_layers.2.ffn.down_proj" in q["excluded_layers"]
+    assert set(int8.manifest["calibration"]["scales"]) == {"encoder", "decoder"}
+    assert int8.manifest["lint"]["passed"] and int8.manifest["weight_sharing"]["shared_bytes"] > 0
+    # random weights give flat next-token distributions whose near-ties flip: top-1 is bounded lower than the
+    # default (set on the trained tiny model); the KL and perplexity bounds are the defaults
+    report = compare(int8.path, data=corpus, seq_len=32, steps=12, tolerances={"top1_agreement": 0.85})
+    r = report.result
+    assert r["kind"] == "encoder-decoder" and report.passed, report.failures
+    assert 0.85 <= r["top1_agreement"] < 1.0 and abs(r["perplexity_delta_pct"]) <= 2.0 and r["logits_rel_l2"] > 1e-3
+    exact = compare(fp32.path, data=corpus, seq_len=32, steps=12).result
+    assert exact["top1_agreement"] == 1.0 and exact["greedy_agreement"] == 1.0 and exact["logits_rel_l2"] < 1e-4
+    # pairs: the decoder is observed on real targets
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps({"source": f"source {i} text", "target": f"target number {i}"}) for i in range(6)))
+    paired = calibrate(fp32.path, tmp_path / "t5-int8-pairs", "int8", data=pairs)
+    assert paired.manifest["calibration"]["pairs"] == 6
+    assert paired.manifest["calibration"]["scales"]["decoder"] != int8.manifest["calibration"]["scales"]["decoder"]

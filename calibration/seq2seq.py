@@ -1,0 +1,149 @@
+"""Calibration of an encoder-decoder bundle: both graphs, from text pairs or plain text.
+
+The data is either a .jsonl file of {"source": ..., "target": ...} pairs (each
+pair a batch of one: source and target truncated to seq_len), or plain text
+(any file `--data` takes), cut into windows of seq_len tokens that serve as
+both the source and the teacher-forced target ([decoder start] + the window
+minus its last token): the decoder then sees real target-side statistics
+without a parallel corpus. The encoder graph is observed on the sources; the
+decoder graph on the targets, with the cross-attention K/V the float
+encoder computed for each source. Each graph's linear layers get their own
+scales; lm_head stays in float (as in decoders) unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+from kvforge.runtime.ort_backend import make_session
+
+from .data import load_calibration_set
+from .qdq import find_targets, rewrite
+
+
+def read_pairs(path: str | Path) -> list[tuple[str, str]] | None:
+    """The (source, target) pairs of a .jsonl file whose lines are {"source", "target"} objects; None for any other data."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None
+    pairs = []
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KvforgeError(f"{path}:{n} is not valid JSON: {e}") from e
+        if not isinstance(item, dict) or "source" not in item:
+            return None if n == 1 else _bad(path, n)
+        if not isinstance(item.get("source"), str) or not isinstance(item.get("target"), str):
+            _bad(path, n)
+        pairs.append((item["source"], item["target"]))
+    return pairs or None
+
+
+def _bad(path, n):
+    raise KvforgeError(f"{path}:{n}: a line of a pairs file is {{\"source\": \"...\", \"target\": \"...\"}}")
+
+
+def calibration_items(bundle: Bundle, data, samples: int, seq_len: int, random_data: bool, batch_size: int):
+    """(batches of (source ids, source mask, target input ids), a record of the data)."""
+    from kvforge.tokenizer import Tokenizer
+
+    cfg = bundle.model_config
+    start = cfg["decoder_start_token_id"]
+    pairs = read_pairs(data) if data is not None and not random_data else None
+    if pairs is not None:
+        if bundle.tokenizer_file is None:
+            raise KvforgeError(f"bundle {bundle.path} has no tokenizer to tokenize calibration pairs with")
+        tok = Tokenizer.from_file(bundle.tokenizer_file)
+        items = []
+        for source, target in pairs[:samples]:
+            src = np.asarray([tok.encode(source)[:seq_len]], np.int64)
+            tgt = [start] + tok.encode(target)[:seq_len - 1]
+            if src.shape[1] == 0:
+                continue
+            items.append((src, np.ones_like(src), np.asarray([tgt], np.int64)))
+        if not items:
+            raise KvforgeError(f"{data} holds no pair with a non-empty source")
+        return items, {"data": str(data), "pairs": len(items), "random_data": False, "seq_len": seq_len}
+    cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
+    items = []
+    for batch in cset.batches(batch_size):
+        target = np.concatenate([np.full((len(batch), 1), start, np.int64), batch[:, :-1]], axis=1)
+        items.append((batch, np.ones_like(batch), target))
+    return items, {"data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
+                   "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
+                   "target": "the source windows, teacher-forced"}
+
+
+def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: float, data, samples: int, seq_len: int,
+                     smoothquant: float | None, exclude: list[str], block_size: int | None, random_data: bool,
+                     batch_size: int, quantize_lm_head: bool, progress: Callable, check_weights) -> tuple[dict, dict, dict]:
+    """Both graphs quantized: ({file: ModelProto}, the quantization record, the calibration record)."""
+    import onnx
+
+    from .api import _observe, activation_scales
+
+    cfg = bundle.model_config
+    graphs = bundle.manifest["graphs"]
+    bundle.load_graph(external_data=False)  # refuses external data outside the bundle
+    models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
+    float_dtype = np.float16 if bundle.manifest["precision"]["dtype"] == "float16" else np.float32
+    found = {role: find_targets(m, list(exclude), quantize_lm_head, require_matches=False) for role, m in models.items()}
+    names = [t.layer for targets, excluded in found.values() for t in targets] + [n for _, ex in found.values() for n in ex]
+    unmatched = [p for p in exclude if not any(re.search(p, n) for n in names)]
+    if unmatched:
+        raise KvforgeError(f"--exclude {unmatched} matches no linear layer of either graph; their names look like {names[:3]}")
+    for role, (targets, _) in found.items():
+        check_weights(models[role], targets)
+
+    items, record = (None, {"data": None}) if precision == "int4" else calibration_items(
+        bundle, data, samples, seq_len, random_data, batch_size)
+    encoder_float = make_session(bundle.path / graphs["encoder"]) if items else None
+    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["head_dim"]
+    dec_inputs = [i.name for i in models["decoder"].graph.input]
+
+    def encoder_feeds(item):
+        return {"input_ids": item[0], "attention_mask": item[1]}
+
+    def decoder_feeds(item):
+        cross = encoder_float.run(None, encoder_feeds(item))[1:]
+        empty = np.zeros((item[0].shape[0], H, 0, D), float_dtype)
+        feeds = [item[2], item[1]]
+        for i in range(n):
+            feeds += [empty, empty, cross[2 * i], cross[2 * i + 1]]
+        return dict(zip(dec_inputs, feeds))
+
+    out, scales, layers, excluded_all = {}, {}, [], []
+    for role, feeds in (("encoder", encoder_feeds), ("decoder", decoder_feeds)):
+        model = models[role]
+        targets, excluded = found[role]
+        act_amax = smooth = None
+        if precision != "int4":
+            activations = list(dict.fromkeys(t.activation for t in targets))
+            report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
+            observers, channel_amax, run = _observe(model, activations, lambda: iter(items), len(items), feeds,
+                                                    smoothquant is not None, float_dtype, report)
+            act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
+                                                 len(items), precision, method, percentile, smoothquant, report)
+        scales[role] = rewrite(model, targets, precision, act_amax, block_size, smooth, float_dtype, None)
+        out[graphs[role]] = model
+        layers += [t.layer for t in targets]
+        excluded_all += excluded
+    quantization = {
+        "format": precision, "weights": "block-wise" if precision == "int4" else "per-channel", "weight_rounding": "nearest",
+        "gptq_damp": None, "activations": None if precision == "int4" else "per-tensor static",
+        "method": None if precision == "int4" else method,
+        "percentile": percentile if method == "percentile" and precision != "int4" else None,
+        "smoothquant_alpha": smoothquant, "block_size": block_size, "kv_cache": None,
+        "quantized_layers": layers, "excluded_layers": excluded_all, "graphs": list(graphs),
+    }
+    return out, quantization, {**record, "scales": scales, "accuracy_budget": None}
