@@ -108,7 +108,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     items, record = (None, {"data": None}) if precision == "int4" else calibration_items(
         bundle, data, samples, seq_len, random_data, batch_size)
     encoder_float = make_session(bundle.path / graphs["encoder"]) if items else None
-    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["head_dim"]
+    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["decoder_head_dim"]
     dec_inputs = [i.name for i in models["decoder"].graph.input]
 
     def encoder_feeds(item):

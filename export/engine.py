@@ -336,6 +336,22 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
     b.verify_files()  # the plan is for the files the manifest records, not a truncated or altered copy
     options = options or BuildOptions()
     io = b.io
+    if b.model_config.get("architecture", "decoder") != "decoder":  # one engine per graph: export/engine_graphs.py
+        from .engine_graphs import multi_graph_plan
+
+        plan = multi_graph_plan(b, max_batch, max_context, opt_batch, opt_context, options)
+        tc = options.timing_cache
+        return {
+            "bundle": str(b.path), "graph": b.manifest["graph"], "stage": b.manifest.get("stage"),
+            "opset": b.manifest.get("opset"), "architecture": b.model_config["architecture"], **plan,
+            "bundle_max_context": io.max_context,
+            "builder": {"strongly_typed": True, "tf32": options.tf32,
+                        "builder_optimization_level": options.builder_optimization_level,
+                        "hardware_compatibility": options.hardware_compatibility,
+                        "version_compatible": options.version_compatible,
+                        "timing_cache": None if tc is None else {"path": str(tc), "exists": Path(tc).is_file()}},
+            "tensorrt": {"installed": tensorrt_version() is not None, "version": tensorrt_version()},
+        }
     limits = resolve_limits(io, max_batch, max_context, opt_batch, opt_context)
     profiles = synthesize_profiles(io, limits)
     check_profiles(io, profiles, limits.max_context)
@@ -368,12 +384,17 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
 
 def plan_text(plan: dict[str, Any]) -> str:
     """The dry-run plan for people: one block per profile, then precision, lint and builder settings."""
-    lim, p = plan["limits"], plan["precision"]
+    lim = plan["limits"]
     lines = [
         f"build plan for {plan['bundle']} ({plan['graph']}, stage {plan['stage']}, opset {plan['opset']})",
         f"limits: max batch {lim['max_batch']} (opt {lim['opt_batch']}), max context {lim['max_context']} "
         f"(opt {lim['opt_context']}; the bundle allows {plan['bundle_max_context']})",
     ]
+    if "graphs" in plan:  # an encoder or encoder-decoder: one engine per graph
+        from .engine_graphs import multi_graph_text
+
+        return "\n".join(lines + multi_graph_text(plan) + _builder_lines(plan))
+    p = plan["precision"]
     for prof in plan["profiles"]:
         lines.append(f"profile {prof['index']} {prof['name']!r} (used when {prof['used_for']}):")
         width = max(len(n) for n in prof["shapes"])
@@ -391,17 +412,19 @@ def plan_text(plan: dict[str, Any]) -> str:
     for f in lt["findings"][:10]:
         where = f" [{f['op']} {f['node']}]" if f["node"] else ""
         lines.append(f"  {f['severity']}: {f['rule']}{where}: {f['message']}")
+    return "\n".join(lines + _builder_lines(plan))
+
+
+def _builder_lines(plan: dict[str, Any]) -> list[str]:
     bo = plan["builder"]
     tc = bo["timing_cache"]
-    lines.append(
+    trt = plan["tensorrt"]
+    return [
         f"builder: strongly typed, TF32 {'on' if bo['tf32'] else 'off'}, optimization level {bo['builder_optimization_level']}, "
         f"hardware compatibility {bo['hardware_compatibility']}, version compatible {'yes' if bo['version_compatible'] else 'no'}, "
-        + (f"timing cache {tc['path']} ({'reused' if tc['exists'] else 'new'})" if tc else "no timing cache file")
-    )
-    trt = plan["tensorrt"]
-    lines.append(f"tensorrt: {trt['version']} installed" if trt["installed"]
-                 else f"tensorrt: not installed here; the build itself needs it. {INSTALL}")
-    return "\n".join(lines)
+        + (f"timing cache {tc['path']} ({'reused' if tc['exists'] else 'new'})" if tc else "no timing cache file"),
+        f"tensorrt: {trt['version']} installed" if trt["installed"] else f"tensorrt: not installed here; the build itself needs it. {INSTALL}",
+    ]
 
 
 # -- the manifest --------------------------------------------------------------------------
@@ -532,6 +555,10 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     check_output_path(out, force, [plan["bundle"]])
     source = Bundle(plan["bundle"])  # build_plan verified its files against the manifest
     check_precision_supported(source.manifest["precision"].get("quantization"), device["compute_capability"], device["name"])
+    if "graphs" in plan:
+        from .engine_graphs import build_graphs
+
+        return build_graphs(trt, device, source, plan, out, force, options, started, progress)
     tc_path = Path(options.timing_cache) if options.timing_cache else None
     tc_in = tc_path.read_bytes() if tc_path and tc_path.is_file() else None
 

@@ -5,17 +5,17 @@
     input_ids                      int64       [batch_size, encoder_sequence_length]
     attention_mask                 int64       [batch_size, encoder_sequence_length]  1 = real token (right-padded)
     last_hidden_state              float32     [batch_size, encoder_sequence_length, dim]
-    present.{i}.encoder.key/.value model dtype [batch_size, decoder_heads, encoder_sequence_length, head_dim]
+    present.{i}.encoder.key/.value model dtype [batch_size, decoder_heads, encoder_sequence_length, decoder_head_dim]
 
 the cross-attention keys and values of every decoder layer, computed once.
 `decoder_model.onnx` runs every step, the first one included (past length 0):
 
     input_ids                            int64       [batch_size, decoder_sequence_length]
     encoder_attention_mask               int64       [batch_size, encoder_sequence_length]
-    past_key_values.{i}.decoder.key/.value model dtype [batch_size, decoder_heads, past_decoder_sequence_length, head_dim]
-    past_key_values.{i}.encoder.key/.value model dtype [batch_size, decoder_heads, encoder_sequence_length, head_dim]
+    past_key_values.{i}.decoder.key/.value model dtype [batch_size, decoder_heads, past_decoder_sequence_length, decoder_head_dim]
+    past_key_values.{i}.encoder.key/.value model dtype [batch_size, decoder_heads, encoder_sequence_length, decoder_head_dim]
     logits                               float32     [batch_size, decoder_sequence_length, vocab]
-    present.{i}.decoder.key/.value       model dtype [batch_size, decoder_heads, total_decoder_sequence_length, head_dim]
+    present.{i}.decoder.key/.value       model dtype [batch_size, decoder_heads, total_decoder_sequence_length, decoder_head_dim]
 
 (Hugging Face Optimum's names for its encoder and decoder-with-past graphs.)
 One decoder graph serves the first step and the later ones, with no If node
@@ -83,7 +83,7 @@ def io_spec(cfg, dtype: torch.dtype, max_len: int) -> IOSpec:
     """The decoder graph's IO spec (its self-attention cache is the KV cache the runtime manages); the encoder
     graph's and the cross-attention cache's names go in `extra`."""
     kv = _NP[dtype]
-    H, D, n = cfg.decoder_heads, cfg.head_dim, cfg.n_decoder_layers
+    H, D, n = cfg.decoder_heads, cfg.decoder_head_dim, cfg.n_decoder_layers
     cross_in = cross_names(n, "past_key_values")
     inputs = [TensorSpec("input_ids", "int64", [BATCH, DEC_SEQ]), TensorSpec("encoder_attention_mask", "int64", [BATCH, ENC_SEQ])]
     for i in range(n):
@@ -141,8 +141,8 @@ def decoder_inputs(cfg, dtype, cross, mask, seq: int, past: int, seed: int = 0):
     ids = torch.randint(0, cfg.vocab_size, (B, seq), generator=gen)
     caches = []
     for k, v in cross:
-        pk = torch.randn(B, cfg.decoder_heads, past, cfg.head_dim, generator=gen).to(dtype)
-        pv = torch.randn(B, cfg.decoder_heads, past, cfg.head_dim, generator=gen).to(dtype)
+        pk = torch.randn(B, cfg.decoder_heads, past, cfg.decoder_head_dim, generator=gen).to(dtype)
+        pv = torch.randn(B, cfg.decoder_heads, past, cfg.decoder_head_dim, generator=gen).to(dtype)
         caches += [pk, pv, k.to(dtype), v.to(dtype)]
     return (ids, mask, *caches)
 
@@ -378,7 +378,7 @@ def _lockstep(enc_run, dec_run, reference, tol, seed, max_len, tick) -> dict[str
     _, ref_cross = reference.encode(*src)
     enc_out = enc_run.run(src)
     cand_cross = [(enc_out[1 + 2 * i], enc_out[2 + 2 * i]) for i in range(cfg.n_decoder_layers)]
-    empty = np.zeros((2, cfg.decoder_heads, 0, cfg.head_dim), np.asarray(enc_out[1]).dtype)
+    empty = np.zeros((2, cfg.decoder_heads, 0, cfg.decoder_head_dim), np.asarray(enc_out[1]).dtype)
 
     def cand_step(ids, past):
         feeds = [ids.numpy(), src[1].numpy()]

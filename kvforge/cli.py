@@ -94,7 +94,9 @@ def _design(cfg) -> str:
 
 
 def _encoder_design(cfg) -> str:
-    parts = [f"{cfg.position} positions", f"{cfg.norm}-{cfg.norm_placement}", cfg.activation, f"head={cfg.head}"]
+    head = f"head={cfg.head}" if hasattr(cfg, "head") else f"{cfg.n_layers}+{cfg.n_decoder_layers} layers"
+    parts = [f"{cfg.position} positions", f"{cfg.norm}-{cfg.norm_placement}",
+             f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}", head]
     if getattr(cfg, "n_latents", None):
         parts.insert(0, f"{cfg.n_latents} latents")
     return " ".join(parts)

@@ -51,7 +51,9 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
                      gated_ffn=True, tie_embeddings=False, family="t5", pad_token_id=258, eos_token_id=257,
                      decoder_start_token_id=258),
     # BART-shaped: learned positions offset by 2, post-norm LayerNorm with biases, scaled and normed embeddings.
-    "bart-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, decoder_ffn_dim=96, max_seq_len=1024,
+    # The decoder has its own head count and width (BART's heads are d_model / heads wide in each stack).
+    "bart-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, decoder_heads=2, decoder_head_dim=32, ffn_dim=128,
+                       decoder_ffn_dim=96, max_seq_len=1024,
                        position="learned", position_offset=2, norm="layernorm", norm_eps=1e-5, norm_placement="post",
                        final_norm=False, embed_norm=True, embed_scale=8.0, attn_scale=None, qkv_bias=True,
                        out_bias=True, ffn_bias=True, activation="gelu", lm_head_bias=True, family="bart",

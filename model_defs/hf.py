@@ -116,6 +116,17 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _tied_names(duplicates: tuple[tuple[str, str], ...]) -> dict[str, list[str]]:
+    """Each name in Family.duplicates -> the other names of its tensor (pairs sharing a name are one tensor: T5's
+    shared.weight, encoder.embed_tokens.weight and decoder.embed_tokens.weight)."""
+    groups: dict[str, list[str]] = {}
+    for a, b in duplicates:
+        group = list(dict.fromkeys(groups.get(a, [a]) + groups.get(b, [b])))
+        for name in group:
+            groups[name] = group
+    return {name: [other for other in group if other != name] for name, group in groups.items()}
+
+
 def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, torch.Tensor],
                        hf_config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Map checkpoint tensors onto `model`'s parameters, strictly.
@@ -127,15 +138,15 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     spec = FAMILIES[family]
     table = spec.weights(hf_config or {}, model.config)
     tied = tied_parameters(model)
-    partner = {a: b for pair in spec.duplicates for a, b in (pair, pair[::-1])}
+    partners = _tied_names(spec.duplicates)
     wanted = [n for n in model.state_dict() if n not in tied]
 
     out, used, missing, shapes = {}, set(), [], []
     expected = model.state_dict()
     for ours in wanted:
         name, transform = _source_name(table, family, ours)
-        if name not in tensors and partner.get(name) in tensors:
-            name = partner[name]  # the same tied tensor, saved under its other name
+        if name not in tensors:  # the same tied tensor, saved under another of its names
+            name = next((other for other in partners.get(name, ()) if other in tensors), name)
         if name not in tensors:
             missing.append(name)
             continue
@@ -155,7 +166,7 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     # Copies of a used tensor: some exports write the tied head anyway (a copy of the embedding), and some
     # families save one tied tensor under two names. Accept a copy only if it really is equal.
     copies = [(_source_name(table, family, ours)[0], _source_name(table, family, spec.embedding)[0]) for ours in tied]
-    copies += [(a, b) for a, b in partner.items()]
+    copies += [(a, b) for a, others in partners.items() for b in others]
     differ = []
     for copy, name in copies:
         if copy in extra and name in used:
@@ -177,14 +188,20 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     return out
 
 
+# What transformers' generate reads from generation_config.json: the tokens it stops on, and an encoder-decoder's
+# first decoder token and forced first / last tokens (transformers 5 writes the forced bos to that file only).
+_GENERATION_KEYS = ("eos_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
+
+
 def read_hf_config(directory: Path) -> dict[str, Any]:
-    """config.json, with generation_config.json's eos_token_id over the config's: what transformers' generate stops on."""
+    """config.json, with generation_config.json's generation ids (_GENERATION_KEYS) over the config's."""
     hf = _read_json(directory / "config.json")
     generation = directory / "generation_config.json"
     if generation.is_file():
-        eos = _read_json(generation).get("eos_token_id")
-        if eos is not None:
-            hf["eos_token_id"] = eos
+        gen = _read_json(generation)
+        for key in _GENERATION_KEYS:
+            if gen.get(key) is not None:
+                hf[key] = gen[key]
     return hf
 
 

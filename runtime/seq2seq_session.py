@@ -204,7 +204,7 @@ class Seq2SeqSession:
         model = self._model
         with self._lock:
             cross = model.encode(ids, mask)
-        heads, dim = cfg["decoder_heads"], cfg["head_dim"]
+        heads, dim = cfg["decoder_heads"], cfg["decoder_head_dim"]
         past = [(self._empty(model, B, heads, dim), self._empty(model, B, heads, dim)) for _ in cross]
         nxt = np.full((B, 1), cfg["decoder_start_token_id"], np.int64)
         seen = [np.zeros(0, np.int64) for _ in rows]
@@ -263,7 +263,7 @@ class Seq2SeqSession:
         with self._lock:
             cross = model.encode(source_ids, source_mask)
             B = source_ids.shape[0]
-            past = [(self._empty(model, B, cfg["decoder_heads"], cfg["head_dim"]),) * 2 for _ in cross]
+            past = [(self._empty(model, B, cfg["decoder_heads"], cfg["decoder_head_dim"]),) * 2 for _ in cross]
             logits, _ = model.decode(target_ids, source_mask, past, cross)
         return np.asarray(logits, np.float32)
 

@@ -68,6 +68,11 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
 
         bundle = Bundle(source)
         architecture = bundle.model_config.get("architecture", "decoder")
+        if architecture != "decoder" and is_engine_bundle(bundle.manifest):
+            raise KvforgeError(f"{bundle.path} holds TensorRT engines of an {architecture} "
+                               f"({', '.join(sorted(bundle.manifest.get('engines', {})))}); kvforge's runtime runs "
+                               "encoder and encoder-decoder bundles on onnxruntime or torch: load the ONNX bundle they "
+                               "were built from")
         if architecture == "encoder-decoder":
             from .seq2seq_session import Seq2SeqSession
 

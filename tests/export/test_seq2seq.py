@@ -34,7 +34,7 @@ def test_cached_decode_equals_teacher_forcing_and_padding_is_hidden(preset):
             logits, past = model.decode(target[:, t:t + 1], mask, past, cross)
             steps.append(logits)
         assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
-        assert past[0][0].shape == (3, model.config.decoder_heads, 6, model.config.head_dim)
+        assert past[0][0].shape == (3, model.config.decoder_heads, 6, model.config.decoder_head_dim)
         for row, n in enumerate([10, 6, 2]):  # a padded source row decodes as it would alone
             alone = model(ids[row:row + 1, :n], mask[row:row + 1, :n], target[row:row + 1])
             assert (alone[0] - full[row]).abs().max() < 1e-4
@@ -65,7 +65,7 @@ def test_two_graphs_share_weights_and_generate_as_the_reference(preset, micro_bu
     cfg = m["model"]
     assert m["validation"]["passed"] and m["lint"]["passed"] and m["validation"]["lockstep"]["greedy_matching_steps"] == 16
     assert m["graphs"] == {"encoder": "encoder_model.onnx", "decoder": "decoder_model.onnx"}
-    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["head_dim"]
+    n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["decoder_head_dim"]
     enc = onnx.load(str(bundle.path / "encoder_model.onnx"), load_external_data=False)
     dec = onnx.load(str(bundle.path / "decoder_model.onnx"), load_external_data=False)
     assert [i.name for i in enc.graph.input] == ["input_ids", "attention_mask"]
@@ -194,3 +194,48 @@ def test_int8_calibrates_both_graphs_and_compares(micro_bundle, corpus, tmp_path
     paired = calibrate(fp32.path, tmp_path / "t5-int8-pairs", "int8", data=pairs)
     assert paired.manifest["calibration"]["pairs"] == 6
     assert paired.manifest["calibration"]["scales"]["decoder"] != int8.manifest["calibration"]["scales"]["decoder"]
+
+
+def test_build_dry_run_plans_one_engine_per_graph(micro_bundle):
+    from kvforge.export.engine import build_plan, plan_text
+
+    plan = build_plan(micro_bundle("t5-micro").path, max_batch=4, max_context=64, opt_context=32)
+    graphs = {g["role"]: g for g in plan["graphs"]}
+    assert [g["engine"] for g in plan["graphs"]] == ["encoder_model.engine", "decoder_model.engine"]
+    (encode,) = graphs["encoder"]["profiles"]
+    assert encode["shapes"]["input_ids"] == {"min": [1, 1], "opt": [1, 32], "max": [4, 64]}
+    first, decode = graphs["decoder"]["profiles"]
+    cfg = micro_bundle("t5-micro").manifest["model"]
+    H, D = cfg["decoder_heads"], cfg["decoder_head_dim"]
+    assert first["shapes"]["past_key_values.0.decoder.key"]["max"] == [4, H, 0, D]  # the first step has no past
+    assert first["shapes"]["input_ids"]["max"] == [4, 64]
+    assert decode["shapes"]["input_ids"]["max"] == [4, 1]
+    assert decode["shapes"]["past_key_values.0.decoder.key"]["max"] == [4, H, 63, D]
+    assert decode["shapes"]["past_key_values.2.encoder.value"]["max"] == [4, H, 64, D]
+    assert graphs["decoder"]["shape_check"]["points"] == 6 and graphs["encoder"]["lint"]["passed"]
+    text = plan_text(plan)
+    assert "profile 1 'decode'" in text and "engine encoder_model.engine" in text
+    with pytest.raises(KvforgeError, match="exceeds the bundle's max context"):
+        build_plan(micro_bundle("t5-micro").path, max_context=5000)
+    enc = build_plan(micro_bundle("bert-micro").path, max_batch=2, max_context=16)
+    (g,) = enc["graphs"]
+    assert g["profiles"][0]["shapes"]["token_type_ids"] == {"min": [1, 1], "opt": [1, 16], "max": [2, 16]}
+
+
+@pytest.mark.gpu
+def test_seq2seq_engines_build_on_a_gpu(micro_bundle, tmp_path):
+    from tests.conftest import requires_tensorrt_gpu  # noqa: F401 (the skip reason)
+    from kvforge.export.engine import build
+    from kvforge.runtime.trt_backend import tensorrt_gpu_missing
+
+    if tensorrt_gpu_missing() is not None:
+        pytest.skip(f"needs TensorRT and an NVIDIA GPU: {tensorrt_gpu_missing()}")
+    import tensorrt as trt
+
+    out = build(micro_bundle("t5-micro").path, tmp_path / "t5-engines", max_batch=2, max_context=32)
+    engines = out.manifest["engines"]
+    assert set(engines) == {"encoder", "decoder"}
+    runtime_ = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    for role, record in engines.items():
+        engine = runtime_.deserialize_cuda_engine((out.path / record["file"]).read_bytes())
+        assert engine is not None and engine.num_optimization_profiles == len(record["profiles"])

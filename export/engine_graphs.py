@@ -1,0 +1,165 @@
+"""`kvforge build` for encoders and encoder-decoders: one engine per graph, profiles from each graph's IO spec.
+
+    encoder (BERT, RoBERTa, Perceiver)   model.onnx -> model.engine
+        profile 0 "encode"      batch 1..max_batch, sequence_length 1..max_context
+
+    encoder-decoder (T5, BART)           encoder_model.onnx -> encoder_model.engine
+        profile 0 "encode"      batch 1..max_batch, encoder_sequence_length 1..max_context
+                                         decoder_model.onnx -> decoder_model.engine
+        profile 0 "first step"  decoder_sequence_length 1..max_context, past 0   (the start token, or teacher forcing)
+        profile 1 "decode"      decoder_sequence_length 1, past 0..max_context - 1
+                                (both: encoder_sequence_length 1..max_context, the source's)
+
+Each engine is built strongly typed with the decoder engine's settings
+(export/engine.py); the checks that need no TensorRT (every profile corner
+consistent, ONNX shape inference at each, the graph's IO against the spec,
+lint, precision) run first and make the dry-run plan. The two graphs of an
+encoder-decoder share one weight file, which TensorRT's parser reads beside
+each graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import kvforge
+from kvforge.bundle import BATCH, SEQ, Bundle, IOSpec, TensorSpec, now_utc, staged_bundle, write_manifest
+from kvforge.errors import KvforgeError
+from kvforge.runtime.trt_backend import concrete_shape
+
+from .engine import POINTS, BuildOptions, Limits, check_graph, infer_profile_shapes, precision_summary, resolve_limits
+from .lint import lint
+from .seq2seq_export import DEC_PAST, DEC_SEQ, DEC_TOTAL, ENC_SEQ
+
+
+def graph_specs(bundle: Bundle) -> list[tuple[str, str, IOSpec]]:
+    """(role, graph file, IO spec) for each graph of an encoder or encoder-decoder bundle."""
+    if bundle.model_config.get("architecture") != "encoder-decoder":
+        return [("model", bundle.manifest["graph"], bundle.io)]
+    enc = bundle.io.extra["encoder"]
+    enc_io = IOSpec([TensorSpec.from_dict(t) for t in enc["inputs"]], [TensorSpec.from_dict(t) for t in enc["outputs"]],
+                    [], [], max_context=bundle.io.max_context)
+    return [("encoder", enc["graph"], enc_io), ("decoder", bundle.manifest["graphs"]["decoder"], bundle.io)]
+
+
+def _profile(index: int, name: str, used_for: str, io: IOSpec, dims: dict[str, dict[str, int]]) -> dict[str, Any]:
+    shapes = {t.name: {p: list(concrete_shape(t.shape, dims[p], t.name)) for p in POINTS} for t in io.inputs}
+    return {"index": index, "name": name, "used_for": used_for, "dims": dims, "shapes": shapes}
+
+
+def graph_profiles(role: str, io: IOSpec, L: Limits) -> list[dict[str, Any]]:
+    """The optimization profiles of one graph; every corner consistent (total = past + new <= max context)."""
+    if role == "model":
+        return [_profile(0, "encode", "every call", io, {
+            "min": {BATCH: 1, SEQ: 1}, "opt": {BATCH: L.opt_batch, SEQ: L.opt_context},
+            "max": {BATCH: L.max_batch, SEQ: L.max_context}})]
+    if role == "encoder":
+        return [_profile(0, "encode", "once per source", io, {
+            "min": {BATCH: 1, ENC_SEQ: 1}, "opt": {BATCH: L.opt_batch, ENC_SEQ: L.opt_context},
+            "max": {BATCH: L.max_batch, ENC_SEQ: L.max_context}})]
+
+    def point(batch, source, seq, past):
+        return {BATCH: batch, ENC_SEQ: source, DEC_SEQ: seq, DEC_PAST: past, DEC_TOTAL: past + seq}
+
+    return [
+        _profile(0, "first step", f"{DEC_PAST} == 0", io, {
+            "min": point(1, 1, 1, 0), "opt": point(L.opt_batch, L.opt_context, 1, 0),
+            "max": point(L.max_batch, L.max_context, L.max_context, 0)}),
+        _profile(1, "decode", f"{DEC_PAST} > 0", io, {
+            "min": point(1, 1, 1, 0), "opt": point(L.opt_batch, L.opt_context, 1, min(L.opt_context, L.max_context - 1)),
+            "max": point(L.max_batch, L.max_context, 1, L.max_context - 1)}),
+    ]
+
+
+def check_corners(profiles: list[dict[str, Any]], max_context: int) -> None:
+    for prof in profiles:
+        for point in POINTS:
+            v = prof["dims"][point]
+            if DEC_TOTAL in v and (v[DEC_TOTAL] != v[DEC_PAST] + v[DEC_SEQ] or v[DEC_TOTAL] > max_context):
+                raise KvforgeError(f"profile {prof['name']!r} {point}: {v} is not a point the decoder can compute")
+        for name, box in prof["shapes"].items():
+            if not all(a <= b <= c for a, b, c in zip(box["min"], box["opt"], box["max"])):
+                raise KvforgeError(f"profile {prof['name']!r}: {name} needs min <= opt <= max, got {box}")
+
+
+def multi_graph_plan(b: Bundle, max_batch, max_context, opt_batch, opt_context, options: BuildOptions) -> dict[str, Any]:
+    """The dry-run plan of an encoder or encoder-decoder bundle: per graph, its profiles and checks."""
+    import onnx
+
+    limits = resolve_limits(b.io, max_batch, max_context, opt_batch, opt_context)
+    b.load_graph(external_data=False)  # refuses external data outside the bundle
+    graphs = []
+    for role, name, io in graph_specs(b):
+        profiles = graph_profiles(role, io, limits)
+        check_corners(profiles, limits.max_context)
+        model = onnx.load(str(b.path / name), load_external_data=False)
+        check_graph(model, io)
+        points = infer_profile_shapes(model, io, profiles)
+        graphs.append({
+            "role": role, "graph": name, "engine": Path(name).with_suffix(".engine").name, "profiles": profiles,
+            "shape_check": {"method": "ONNX shape inference, strict, at every profile corner", "points": points, "passed": True},
+            "precision": precision_summary(model, b.manifest), "lint": lint(b.path / name),
+        })
+    return {"graphs": graphs, "limits": asdict(limits)}
+
+
+def multi_graph_text(plan: dict[str, Any]) -> list[str]:
+    lines = []
+    for g in plan["graphs"]:
+        lines.append(f"engine {g['engine']} from {g['graph']} ({g['role']}):")
+        for prof in g["profiles"]:
+            lines.append(f"  profile {prof['index']} {prof['name']!r} (used when {prof['used_for']}):")
+            width = max(len(n) for n in prof["shapes"])
+            for name, box in prof["shapes"].items():
+                lines.append(f"    {name:<{width}}  min {box['min']}  opt {box['opt']}  max {box['max']}")
+        lt, p = g["lint"], g["precision"]
+        lines.append(f"  shape check: passed ({g['shape_check']['points']} points); lint: "
+                     f"{'passed' if lt['passed'] else 'FAILED'} ({lt['errors']} errors, {lt['warnings']} warnings); "
+                     f"precision: {p['dtype']} graph, {p['quantization'] or 'no quantization'}, {p['matmuls']} MatMul/Gemm")
+    return lines
+
+
+def build_graphs(trt, device, source: Bundle, plan: dict[str, Any], out, force: bool, options: BuildOptions,
+                 started: float, progress) -> Bundle:
+    """One engine per graph (TensorRT present); the engine bundle records each with its profiles."""
+    from .engine import _build_engine
+
+    built = {}
+    for i, g in enumerate(plan["graphs"]):
+        progress("build", i, len(plan["graphs"]))
+        t0 = time.time()
+        engine, _ = _build_engine(trt, source.path / g["graph"], g["profiles"], options, None)
+        built[g["role"]] = (g, engine, round(time.time() - t0, 2))
+    progress("build", len(plan["graphs"]), len(plan["graphs"]))
+    files = source.manifest.get("files", {})
+    with staged_bundle(out, force, [source.path]) as tmp:
+        import shutil
+
+        for g, engine, _ in built.values():
+            (tmp / g["engine"]).write_bytes(engine)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (source.path / name).is_file():
+                shutil.copy2(source.path / name, tmp / name)
+        manifest = {k: v for k, v in source.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")}
+        main = built.get("decoder", built.get("model"))[0]["engine"]
+        manifest.update(
+            stage="build", graph=main, external_data=None,
+            graphs={role: g["engine"] for role, (g, _, _) in built.items()} if len(built) > 1 else None,
+            engines={role: {"file": g["engine"], "profiles": g["profiles"], "source_graph": g["graph"],
+                            "onnx_sha256": files.get(g["graph"], {}).get("sha256"), "seconds": s}
+                     for role, (g, _, s) in built.items()},
+            engine={"tensorrt_version": trt.__version__, "gpu": {"name": device["name"],
+                    "compute_capability": device["compute_capability"]}, "strongly_typed": True,
+                    "limits": plan["limits"], **{k: v for k, v in asdict(options).items() if k != "timing_cache"}},
+            lineage=source.manifest.get("lineage", []) + [{
+                "stage": "build", "tool": f"kvforge {kvforge.__version__}", "time": now_utc(),
+                "input": {"source": str(source.path), "kind": "bundle"}, "options": plan["limits"],
+                "versions": {"tensorrt": trt.__version__}, "seconds": {"total": round(time.time() - started, 2)}}],
+        )
+        if manifest["graphs"] is None:
+            del manifest["graphs"]
+        write_manifest(tmp, manifest)
+    return Bundle(out)
