@@ -194,17 +194,15 @@ def calibrate(
         held_out = budget_ids(bundle, budget_data, budget_tokens)
 
     if bundle.model_config.get("architecture") == "encoder-decoder":
-        if gptq:
-            raise KvforgeError("--gptq is not implemented for encoder-decoder bundles yet; calibrate with nearest rounding")
         from .seq2seq import quantize_seq2seq
 
         models, quantization, record = quantize_seq2seq(
             bundle, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
-            random_data, batch_size, quantize_lm_head, progress, _check_weights_finite)
+            random_data, batch_size, quantize_lm_head, progress, _check_weights_finite, gptq)
         options = {"precision": precision, "method": method, "percentile": percentile, "samples": samples,
                    "seq_len": seq_len, "smoothquant": smoothquant, "exclude": list(exclude), "block_size": block_size,
                    "random_data": bool(random_data), "quantize_lm_head": quantize_lm_head, "kv_cache": None,
-                   "accuracy_budget": None, "gptq": False}
+                   "accuracy_budget": None, "gptq": gptq}
         return write_calibrated(bundle, out, force, models, quantization, record, options, started)
 
     model = bundle.load_graph()  # a damage the manifest did not catch is named, not raised by protobuf

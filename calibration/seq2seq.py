@@ -86,11 +86,13 @@ def calibration_items(bundle: Bundle, data, samples: int, seq_len: int, random_d
 
 def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: float, data, samples: int, seq_len: int,
                      smoothquant: float | None, exclude: list[str], block_size: int | None, random_data: bool,
-                     batch_size: int, quantize_lm_head: bool, progress: Callable, check_weights) -> tuple[dict, dict, dict]:
+                     batch_size: int, quantize_lm_head: bool, progress: Callable, check_weights,
+                     gptq: bool = False) -> tuple[dict, dict, dict]:
     """Both graphs quantized: ({file: ModelProto}, the quantization record, the calibration record)."""
     import onnx
 
     from .api import _observe, activation_scales
+    from .gptq import DAMP, HessianAccumulator, gptq_quantize
 
     cfg = bundle.model_config
     graphs = bundle.manifest["graphs"]
@@ -105,7 +107,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     for role, (targets, _) in found.items():
         check_weights(models[role], targets)
 
-    items, record = (None, {"data": None}) if precision == "int4" else calibration_items(
+    items, record = (None, {"data": None}) if precision == "int4" and not gptq else calibration_items(
         bundle, data, samples, seq_len, random_data, batch_size)
     encoder_float = make_session(bundle.path / graphs["encoder"]) if items else None
     n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["decoder_head_dim"]
@@ -126,21 +128,30 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     for role, feeds in (("encoder", encoder_feeds), ("decoder", decoder_feeds)):
         model = models[role]
         targets, excluded = found[role]
-        act_amax = smooth = None
-        if precision != "int4":
+        act_amax = smooth = hessians = round_weight = None
+        report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
+        if items is not None:
             activations = list(dict.fromkeys(t.activation for t in targets))
-            report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
+            hessians = HessianAccumulator(activations) if gptq else None
             observers, channel_amax, run = _observe(model, activations, lambda: iter(items), len(items), feeds,
-                                                    smoothquant is not None, float_dtype, report)
+                                                    smoothquant is not None, float_dtype, report, hessians)
+        if precision != "int4":
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
                                                  len(items), precision, method, percentile, smoothquant, report)
-        scales[role] = rewrite(model, targets, precision, act_amax, block_size, smooth, float_dtype, None)
+        if gptq:
+            def round_weight(t, w, hessians=hessians, smooth=smooth, targets=targets, report=report, done={}):
+                if t.weight not in done:
+                    h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
+                    done[t.weight] = gptq_quantize(w, h, precision, block_size, dtype=float_dtype)
+                report("gptq", len(done), len(targets))
+                return done[t.weight]
+        scales[role] = rewrite(model, targets, precision, act_amax, block_size, smooth, float_dtype, round_weight)
         out[graphs[role]] = model
         layers += [t.layer for t in targets]
         excluded_all += excluded
     quantization = {
-        "format": precision, "weights": "block-wise" if precision == "int4" else "per-channel", "weight_rounding": "nearest",
-        "gptq_damp": None, "activations": None if precision == "int4" else "per-tensor static",
+        "format": precision, "weights": "block-wise" if precision == "int4" else "per-channel",
+        "weight_rounding": "gptq" if gptq else "nearest", "gptq_damp": DAMP if gptq else None, "activations": None if precision == "int4" else "per-tensor static",
         "method": None if precision == "int4" else method,
         "percentile": percentile if method == "percentile" and precision != "int4" else None,
         "smoothquant_alpha": smoothquant, "block_size": block_size, "kv_cache": None,

@@ -644,21 +644,32 @@ def pipeline(source, workdir, precisions, calibration_data, random_data, force, 
         result = run(source, workdir, precisions or DEFAULT_PRECISIONS, calibration_data, force, random_data, progress,
                      log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
-    for col in ("artifact", "backend", "MB", "perplexity", "delta %", "top-1", "KL", "greedy", "result"):
+    first = next((o.report for o in result.outcomes if o.report is not None), None)
+    encoder = first is not None and first.result.get("kind") == "encoder"
+    columns = (("embedding cos min", "hidden rel L2", "top-1") if encoder
+               else ("perplexity", "delta %", "top-1", "KL", "greedy"))
+    for col in ("artifact", "backend", "MB", *columns, "result"):
         table.add_column(col)
     for o in result.outcomes:
         if o.report is None:
-            table.add_row(o.artifact, o.backend, "", "", "", "", "", "", f"skipped: {o.skipped}")
+            table.add_row(o.artifact, o.backend, "", *[""] * len(columns), f"skipped: {o.skipped}")
             continue
         r = o.report.result
-        table.add_row(o.artifact, o.backend, f"{bundle_megabytes(o.bundle):.1f}", f"{r['perplexity_candidate']:.3f}",
-                      f"{r['perplexity_delta_pct']:+.2f}", f"{r['top1_agreement']:.4f}", _fmt(r["kl_divergence_mean"]),
-                      f"{r['greedy_agreement']:.3f}", "[green]pass[/]" if o.report.passed else "[red]FAIL: " + "; ".join(o.report.failures) + "[/]")
+        if encoder:
+            values = [f"{r['embedding_cosine_min']:.5f}", _fmt(r["hidden_rel_l2"]), _fmt(r["top1_agreement"])]
+        else:
+            values = [f"{r['perplexity_candidate']:.3f}", f"{r['perplexity_delta_pct']:+.2f}", f"{r['top1_agreement']:.4f}",
+                      _fmt(r["kl_divergence_mean"]), f"{r['greedy_agreement']:.3f}"]
+        table.add_row(o.artifact, o.backend, f"{bundle_megabytes(o.bundle):.1f}", *values,
+                      "[green]pass[/]" if o.report.passed else "[red]FAIL: " + "; ".join(o.report.failures) + "[/]")
     console.print(table)
-    first = next(o.report for o in result.outcomes if o.report is not None)
-    console.print(f"reference: {first['reference']} on torch, perplexity {first['perplexity_reference']:.3f} over "
-                  f"{first['tokens']} tokens of {first['data']}; greedy = teacher-forced agreement over "
-                  f"{first['prompts']} x {first['steps']} decode steps")
+    if encoder:
+        console.print(f"reference: {first['reference']} on torch; {first['inputs']} right-padded inputs, "
+                      f"{first['tokens']} real tokens of {first['data']}")
+    elif first is not None:
+        console.print(f"reference: {first['reference']} on torch, perplexity {first['perplexity_reference']:.3f} over "
+                      f"{first['tokens']} tokens of {first['data']}; greedy = teacher-forced agreement over "
+                      f"{first['prompts']} x {first['steps']} decode steps")
     if result.engine_skipped:
         console.print(f"TensorRT engine build skipped: {result.engine_skipped}")
     if result.sample:

@@ -55,6 +55,9 @@ REGRESSION_TOLERANCES: dict[str, tuple[float, float]] = {
     "kl_divergence_mean": (1e-4, 0.25),
     "logits_rel_l2": (1e-4, 0.25),
     "present_rel_l2": (1e-4, 0.25),
+    # encoders (kvforge/verify/compare_encoder.py)
+    "embedding_cosine_min": (1e-4, 0.0),
+    "hidden_rel_l2": (1e-4, 0.25),
 }
 DATA_KEYS = {"eval": "data", "max_tokens": "max_tokens", "seq_len": "seq_len", "steps": "steps", "prompts": "prompts",
              "random": "random_data"}
@@ -217,7 +220,7 @@ def against_baseline(outcomes: list[Outcome], baseline: dict[str, Any], toleranc
             findings.append(Finding(o.key, "-", None, None, None, False, "not in the baseline; run with --update-baseline"))
             continue
         for metric, tol in tolerances.items():
-            if metric not in base:
+            if base.get(metric) is None or r.get(metric) is None:  # not measured for this shape of model
                 continue
             current = r[metric]
             limit = limit_for(metric, base[metric], tol)
@@ -237,7 +240,8 @@ def baseline_record(outcomes: list[Outcome], spec: Spec) -> dict[str, Any]:
         "spec": spec.path.name,
         "written": now_utc(),
         "tool": f"kvforge {kvforge.__version__}",
-        "results": {o.key: {k: v for k, v in o.report.result.items() if k in keep} for o in outcomes if o.report is not None},
+        "results": {o.key: {k: v for k, v in o.report.result.items() if k in keep and v is not None}
+                    for o in outcomes if o.report is not None},
     }
 
 

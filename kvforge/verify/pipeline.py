@@ -117,7 +117,14 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
         quantized = [o for o in runs if o.report["precision"] in ("int8", "fp8", "int4")]
         chosen = next((o for o in quantized if o.report["precision"] == "int8"), None) or (quantized or runs)[-1]
         with runtime.load(chosen.bundle) as session:
-            if session.tokenizer is not None:
+            if isinstance(session, runtime.EncoderSession):  # an encoder does not generate: its view of the prompt
+                if session.config.get("head") == "classification":
+                    c = session.classify(sample_prompt)[0]
+                    sample = f"{chosen.artifact}: {sample_prompt!r} -> class {c['label']} ({c['score']:.3f})"
+                elif session.tokenizer is not None:
+                    v = session.embed(sample_prompt)[0]
+                    sample = f"{chosen.artifact}: {sample_prompt!r} -> a {v.shape[0]}-dim embedding, [{', '.join(f'{x:.3f}' for x in v[:4])}, ...]"
+            elif session.tokenizer is not None:
                 sample = f"{chosen.artifact}: " + repr(sample_prompt + session.generate(sample_prompt, max_new_tokens=32).text)
     result = PipelineResult(workdir, outcomes, engine_skipped, sample, round(time.time() - started, 1))
     write_pipeline_report(result, source)
@@ -140,7 +147,7 @@ def write_pipeline_report(result: PipelineResult, source) -> list[Path]:
     if curves:
         written.append(drift_png(curves, w / "drift.png"))
     for o in result.outcomes:
-        if o.report is not None and o.report["per_layer"]:
+        if o.report is not None and o.report.result.get("per_layer"):
             written.append(layers_png(o.report["per_layer"], w / f"{o.artifact}-layers.png", o.key))
     return written
 

@@ -152,4 +152,4 @@ def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path
 
 
 def drift_curves(outcomes: list[Outcome]) -> dict[str, list[dict[str, Any]]]:
-    return {o.key: o.report["drift"] for o in outcomes if o.report is not None}
+    return {o.key: o.report.result["drift"] for o in outcomes if o.report is not None and o.report.result.get("drift")}

@@ -58,3 +58,28 @@ def test_recipes_round_to_nearest_without_real_text():
     assert rounding(random) == {"fp8": False, "int4": False}
     assert random[0].calibrate.get("random_data") is True and "random_data" not in random[1].calibrate
     assert rounding(recipes(["int4"], "llama3-micro")) == {"int4": False}  # weight-only INT4 needs no data then
+
+
+def test_pipeline_and_check_on_an_encoder_and_an_encoder_decoder(tmp_path):
+    """The main job and the regression check take the other model shapes: their own metrics, no decode drift."""
+    from kvforge.model_defs.evaluate import heldout_text
+    from kvforge.verify.check import check
+
+    text = tmp_path / "text.txt"
+    text.write_text(heldout_text()[:12000])
+    result = pipeline("t5-micro", tmp_path / "t5", precisions=("fp32", "int8"), calibration_data=str(text), log=lambda m: None)
+    report = json.loads((tmp_path / "t5" / "report.json").read_text())
+    assert set(report["results"]) == {"fp32/onnxruntime", "int8/onnxruntime"}
+    fp32 = report["results"]["fp32/onnxruntime"]
+    assert fp32["kind"] == "encoder-decoder" and fp32["top1_agreement"] == 1.0 and fp32["greedy_agreement"] == 1.0
+    assert not (tmp_path / "t5" / "drift.png").exists()  # no lockstep drift curve for this shape
+    assert result.sample.startswith("int8: 'def fibonacci(n):")
+    spec = tmp_path / "bert.toml"
+    spec.write_text(f'source = "roberta-micro"\nbaseline = "bert.baseline.json"\n[data]\neval = "{text}"\n'
+                    f'calibration = "{text}"\n[[artifacts]]\nname = "int8"\nprecision = "int8"\n')
+    written = check(spec, update_baseline=True, workdir=tmp_path / "work", log=lambda m: None)
+    assert written.passed
+    baseline = json.loads((tmp_path / "bert.baseline.json").read_text())["results"]["int8/onnxruntime"]
+    assert 0.99 < baseline["embedding_cosine_min"] < 1.0 and "greedy_agreement" not in baseline
+    again = check(spec, workdir=tmp_path / "work2", log=lambda m: None)
+    assert again.passed and {f.metric for f in again.findings} >= {"embedding_cosine_min", "hidden_rel_l2", "top1_agreement"}
