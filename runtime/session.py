@@ -129,6 +129,9 @@ def _torch_session(source, dtype: str = "float32", **options) -> Session:
 
     model, tokenizer = load_model(source, dtype=dtype)
     cfg = model.config.to_dict()
+    if cfg.get("architecture", "decoder") != "decoder":
+        raise KvforgeError(f"{source} is an {cfg['architecture']}; its sessions open from a bundle: export it first "
+                           f"(`kvforge export {source} -o OUT`), then load OUT (backend='torch' runs the reference)")
     io = _io_from_config(cfg, dtype)
     impl = TorchBackend(cfg, io, source, dtype=dtype, **options)
     return Session(impl, tokenizer, cfg, io, str(source), f"{source}:{dtype}")
