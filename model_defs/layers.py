@@ -176,17 +176,28 @@ class Attention(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           softcap: float | None = None, bias: torch.Tensor | None = None, dropout: nn.Module | None = None) -> torch.Tensor:
+           softcap: float | None = None, bias: torch.Tensor | None = None, dropout: nn.Module | None = None,
+           grouped: bool = True) -> torch.Tensor:
     """softmax(q.k * scale [soft-capped] + bias, masked) . v for q (B, H, T, D), k and v (B, KV, L, D),
     mask (B, 1, T, L) bool; returns (B, T, H * Dv).
 
     Query heads are grouped by the KV head they share (a broadcasting matmul, K/V
     never repeated in memory); q is scaled before the matmul so that FP16 scores
-    stay in range; scores are masked and softmaxed in float32.
+    stay in range; scores are masked and softmaxed in float32. grouped=False (as many K/V heads as query
+    heads, no soft-cap) computes the same with 4-D matmuls, which spares a transposed copy of K per call.
     """
     B, H, T, D = q.shape
     KV = k.shape[1]
-    qg = (q * scale).reshape(B, KV, H // KV, T, D) if scale != 1.0 else q.reshape(B, KV, H // KV, T, D)
+    q = q * scale if scale != 1.0 else q
+    if not grouped:  # one K/V head per query head (cross-attention): plain 4-D matmuls, K^T fused into the MatMul
+        scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, H, T, L)
+        if bias is not None:
+            scores = scores + bias
+        scores = scores.masked_fill(~mask, MASK_VALUE)
+        probs = torch.softmax(scores, dim=-1)
+        probs = (dropout(probs) if dropout is not None else probs).to(v.dtype)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+    qg = q.reshape(B, KV, H // KV, T, D)
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float()  # (B, KV, G, T, L)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -230,7 +241,7 @@ class CrossAttention(nn.Module):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        return self.o_proj(attend(q, kv[0], kv[1], mask, self.scale, None, bias, self.attn_dropout))
+        return self.o_proj(attend(q, kv[0], kv[1], mask, self.scale, None, bias, self.attn_dropout, grouped=False))
 
 
 # --- FFN ----------------------------------------------------------------------
