@@ -122,11 +122,15 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
         # greedy: the reference's tokens, the candidate fed them, and the candidate on its own
         steps = min(steps, cand.max_context - 1)
         chosen = [pairs[i][0] for i in np.linspace(0, len(pairs) - 1, min(prompts, len(pairs))).astype(int)]
-        ref_tokens = [r.tokens for r in ref.generate(chosen, max_new_tokens=steps, ignore_eos=True)]
+        # one step more than compared: a forced end token (BART's, at the last allowed step) falls outside, and a
+        # forced first token is no prediction of the model's: neither is counted
+        ref_tokens = [r.tokens[:steps] for r in ref.generate(chosen, max_new_tokens=steps + 1, ignore_eos=True)]
         src, mask = _batch(chosen, pad)
         fed = np.asarray([[start] + t[:-1] for t in ref_tokens], np.int64)
-        agree = float((cand.forward(src, mask, fed).argmax(-1) == np.asarray(ref_tokens)).mean())
-        own = [r.tokens for r in cand.generate(chosen, max_new_tokens=steps, ignore_eos=True)]
+        hits = cand.forward(src, mask, fed).argmax(-1) == np.asarray(ref_tokens)
+        first = 1 if cand.config.get("forced_bos_token_id") is not None else 0
+        agree = float(hits[:, first:].mean())
+        own = [r.tokens[:steps] for r in cand.generate(chosen, max_new_tokens=steps + 1, ignore_eos=True)]
         prefix = float(np.mean([next((k for k, (a, b) in enumerate(zip(o, r)) if a != b), steps) / steps
                                 for o, r in zip(own, ref_tokens)]))
         progress("greedy", 1, 1)

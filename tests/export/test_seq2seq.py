@@ -140,6 +140,11 @@ def test_bart_forces_its_end_token_and_cli_generate(micro_bundle):
     assert result.exit_code == 0, result.output
     record = json.loads(result.output.strip().splitlines()[-1])
     assert record["tokens"] == r.tokens and record["backend"] == "onnxruntime"
+    # compare's greedy agreement does not count the forced end token as a disagreement of the FP32 graph
+    from kvforge.verify.compare import compare
+
+    exact = compare(path, seq_len=16, steps=8, prompts=2).result
+    assert exact["greedy_agreement"] == 1.0 and exact["top1_agreement"] == 1.0
 
 
 def test_float16_seq2seq_export(tmp_path):
