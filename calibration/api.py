@@ -140,7 +140,6 @@ def calibrate(
     gptq: round weights with GPTQ (error-compensating, from the calibration activations) instead of
     to nearest; INT4 then needs calibration data too.
     """
-    import onnx
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()

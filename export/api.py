@@ -95,8 +95,9 @@ def export(
     if max_context < 2:
         raise KvforgeError(f"max context {max_context} is too small (at least 2)")
     if (not decoder or cfg.position == "learned") and max_context > longest:
-        raise KvforgeError(f"max context {max_context} exceeds the {longest} positions this model takes"
-                           + (" (its learned position table)" if cfg.position in ("learned", "absolute", "padded") else ""))
+        learned = cfg.position in ("learned", "absolute", "padded")
+        raise KvforgeError(f"max context {max_context} exceeds the {longest} "
+                           + ("learned positions of this model" if learned else "positions this model takes"))
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 

@@ -21,9 +21,7 @@ tolerances are the decoders' (export/validate.py): FP32 1e-4 max abs (or
 
 from __future__ import annotations
 
-import logging
 import random
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +124,7 @@ def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | Non
     """Export an encoder (in its target dtype, eval mode) to `path`."""
     import onnx_ir as ir
 
-    from .onnx_export import EXTERNAL_DATA, PROTOBUF_LIMIT, _name_initializers, _strip_debug_metadata
+    from .onnx_export import EXTERNAL_DATA, PROTOBUF_LIMIT, _name_initializers, _strip_debug_metadata, trace
 
     cfg = model.config
     flat = FlatEncoder(model).eval()
@@ -137,18 +135,7 @@ def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | Non
     dyn = torch.export.Dim.DYNAMIC
     names = input_names(cfg)
     dynamic_shapes = {n: {0: dyn, 1: dyn} for n in ("input_ids", "attention_mask", "token_type_ids")[:len(names)]}
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            program = torch.onnx.export(flat, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=names,
-                                        output_names=output_names(cfg), opset_version=opset, optimize=True, verbose=False)
-        except Exception as e:  # the exporter raises many types; report them as one
-            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
-        finally:
-            quiet.setLevel(level)
+    program = trace(flat, args, dynamic_shapes, names, output_names(cfg), opset)
     graph = program.model.graph
     _rename_dims(graph)
     _name_initializers(graph)
@@ -194,17 +181,20 @@ def compare_outputs(cfg, outputs: list[np.ndarray], reference: dict[str, np.ndar
     return result
 
 
-def failures_of(result: dict[str, dict], tol: dict[str, float]) -> list[str]:
+def failures_of(result: dict[str, dict], tol: dict[str, float], where: str = "") -> list[str]:
+    """The bounds each output's metrics break (max abs: the larger of the bound and its share of the reference's
+    magnitude; rel L2), one sentence each, prefixed by `where`."""
     out = []
+    prefix = f"{where}: " if where else ""
     for name, m in result.items():
         if not m["finite"]:
-            out.append(f"{name} holds non-finite values")
+            out.append(f"{prefix}{name} holds non-finite values")
         if "max_abs" in tol:
             limit = max(tol["max_abs"], tol.get("max_abs_of_magnitude", 0.0) * m["reference_magnitude"])
             if m["max_abs"] > limit:
-                out.append(f"{name} max_abs {m['max_abs']:.3g} > {limit:.3g}")
+                out.append(f"{prefix}{name} max_abs {m['max_abs']:.3g} > {limit:.3g}")
         if "rel_l2" in tol and m["rel_l2"] > tol["rel_l2"]:
-            out.append(f"{name} rel_l2 {m['rel_l2']:.3g} > {tol['rel_l2']:.3g}")
+            out.append(f"{prefix}{name} rel_l2 {m['rel_l2']:.3g} > {tol['rel_l2']:.3g}")
     return out
 
 
@@ -228,7 +218,7 @@ def validate_encoder(path: Path, reference, dtype: str, max_len: int, fuzz: int 
         result = compare_outputs(cfg, runner.run(args), ref, args[1].numpy())
         for out, m in result.items():
             per_output[out].append(m)
-        failures += [f"{name} (batch {batch}, length {seq}): {f}" for f in failures_of(result, tol)]
+        failures += failures_of(result, tol, f"{name} (batch {batch}, length {seq})")
         if progress:
             progress(i + 1, len(cases))
     return {

@@ -218,6 +218,22 @@ def _strip_debug_metadata(graph) -> None:
             node.metadata_props.pop(key, None)
 
 
+def trace(module, args, dynamic_shapes, input_names: list[str], output_names: list[str], opset: int):
+    """torch.onnx's dynamo export of `module` on `args`, quietly; any failure is one KvforgeError."""
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the exporter warns about optional torchvision ops
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
+                                     output_names=output_names, opset_version=opset, optimize=True, verbose=False)
+        except Exception as e:  # the exporter raises many types; report them as one
+            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
+        finally:
+            quiet.setLevel(level)
+
+
 def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
     """Export `model` (already in its target dtype, eval mode) to `path`; returns the path.
 
@@ -240,27 +256,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
         "position_ids": {0: dyn, 1: dyn},
         "past": tuple({0: dyn, 2: dyn} for _ in range(n_past)),
     }
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the exporter warns about optional torchvision ops
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            program = torch.onnx.export(
-                flat,
-                args,
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes,
-                input_names=input_names(cfg.n_layers),
-                output_names=output_names(cfg.n_layers),
-                opset_version=opset,
-                optimize=True,
-                verbose=False,
-            )
-        except Exception as e:  # the exporter raises many types; report them as one
-            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
-        finally:
-            quiet.setLevel(level)
+    program = trace(flat, args, dynamic_shapes, input_names(cfg.n_layers), output_names(cfg.n_layers), opset)
     graph = program.model.graph
     _rename_dims(graph, windows)
     _name_initializers(graph)

@@ -35,10 +35,8 @@ comparing every step and the free-running tokens. Tolerances: the decoders'
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +46,9 @@ import torch
 from kvforge import metrics
 from kvforge.bundle import BATCH, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
+
+from .encoder_export import failures_of
+from .onnx_export import trace
 
 ENCODER_GRAPH, DECODER_GRAPH, SHARED_DATA = "encoder_model.onnx", "decoder_model.onnx", "model.onnx.data"
 ENC_SEQ, DEC_SEQ = "encoder_sequence_length", "decoder_sequence_length"
@@ -148,21 +149,6 @@ def decoder_inputs(cfg, dtype, cross, mask, seq: int, past: int, seed: int = 0):
 
 
 # --- export -------------------------------------------------------------------------------
-def _trace(module, args, dynamic_shapes, input_names, output_names, opset):
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
-                                     output_names=output_names, opset_version=opset, optimize=True, verbose=False)
-        except Exception as e:  # the exporter raises many types; report them as one
-            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
-        finally:
-            quiet.setLevel(level)
-
-
 def _name_dims(graph, symbols: dict[tuple[str, int], str], known: set[str]) -> None:
     """Give the exporter's symbols the contract's names; a sum past + new becomes the total."""
     import onnx_ir as ir
@@ -238,7 +224,7 @@ def export_seq2seq_onnx(model, directory: Path, opset: int) -> dict[str, Any]:
     n = cfg.n_decoder_layers
     batch, length, seq, past = 2, 7, 3, 5  # distinct, none 0 or 1
     src = source_inputs(cfg, batch, length, [length, length - 3])
-    enc = _trace(FlatEncoder(model).eval(), src, {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn}},
+    enc = trace(FlatEncoder(model).eval(), src, {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn}},
                  ["input_ids", "attention_mask"], encoder_output_names(cfg), opset)
     _name_dims(enc.model.graph, {("input_ids", 0): BATCH, ("input_ids", 1): ENC_SEQ}, {BATCH, ENC_SEQ})
     _finish(enc, directory / ENCODER_GRAPH)
@@ -249,7 +235,7 @@ def export_seq2seq_onnx(model, directory: Path, opset: int) -> dict[str, Any]:
     cache_dims = []
     for _ in range(n):
         cache_dims += [{0: dyn, 2: dyn}] * 4
-    dec = _trace(FlatDecoder(model).eval(), args,
+    dec = trace(FlatDecoder(model).eval(), args,
                  {"input_ids": {0: dyn, 1: dyn}, "encoder_attention_mask": {0: dyn, 1: dyn}, "caches": tuple(cache_dims)},
                  decoder_input_names(cfg), decoder_output_names(cfg), opset)
     _name_dims(dec.model.graph, {("input_ids", 0): BATCH, ("input_ids", 1): DEC_SEQ,
@@ -273,20 +259,6 @@ def _metrics(name: str, cand: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     m["reference_magnitude"] = float(np.abs(ref).max()) if ref.size else 0.0
     m["finite"] = bool(np.isfinite(cand).all())
     return m
-
-
-def _failures(where: str, result: dict[str, dict], tol: dict[str, float]) -> list[str]:
-    out = []
-    for name, m in result.items():
-        if not m["finite"]:
-            out.append(f"{where}: {name} holds non-finite values")
-        if "max_abs" in tol:
-            limit = max(tol["max_abs"], tol.get("max_abs_of_magnitude", 0.0) * m["reference_magnitude"])
-            if m["max_abs"] > limit:
-                out.append(f"{where}: {name} max_abs {m['max_abs']:.3g} > {limit:.3g}")
-        if "rel_l2" in tol and m["rel_l2"] > tol["rel_l2"]:
-            out.append(f"{where}: {name} rel_l2 {m['rel_l2']:.3g} > {tol['rel_l2']:.3g}")
-    return out
 
 
 def _group(results: list[dict[str, dict]], key: str) -> list[dict[str, float]]:
@@ -328,7 +300,7 @@ def validate_seq2seq(directory: Path, reference, dtype: str, max_len: int, fuzz:
         kv_r = [t.float().numpy().transpose(0, 2, 1, 3)[real] for kv in cross for t in kv]
         result["cross_kv"] = metrics.worst([_metrics("kv", c, r) for c, r in zip(kv_c, kv_r)])
         result["cross_kv"]["finite"] = all(np.isfinite(c).all() for c in kv_c)
-        failures += _failures(f"encoder {name} (batch {batch}, length {length})", result, tol)
+        failures += failures_of(result, tol, f"encoder {name} (batch {batch}, length {length})")
         enc_results.append(result)
         tick()
 
@@ -354,7 +326,7 @@ def validate_seq2seq(directory: Path, reference, dtype: str, max_len: int, fuzz:
         result = {"logits": _metrics("logits", cand[0], ref[0].numpy())}
         result["present"] = metrics.worst([_metrics("present", c, r.float().numpy()) for c, r in zip(cand[1:], ref[1:])])
         result["present"]["finite"] = all(np.isfinite(np.asarray(c, np.float32)).all() for c in cand[1:])
-        failures += _failures(f"decoder {name} (batch {batch}, past {past}, new {seq})", result, tol)
+        failures += failures_of(result, tol, f"decoder {name} (batch {batch}, past {past}, new {seq})")
         dec_results.append(result)
         tick()
 
@@ -401,7 +373,7 @@ def _lockstep(enc_run, dec_run, reference, tol, seed, max_len, tick) -> dict[str
                   "present": metrics.worst([_metrics("p", np.asarray(c, np.float32), r.float().numpy())
                                             for (ck, cv), (rk, rv) in zip(cp, rp) for c, r in ((ck, rk), (cv, rv))])}
         result["present"]["finite"] = True
-        failures += _failures(f"lockstep step {step}", result, tol)
+        failures += failures_of(result, tol, f"lockstep step {step}")
         worst_logits.append({k: v for k, v in result["logits"].items() if k != "finite"})
         worst_present.append({k: v for k, v in result["present"].items() if k != "finite"})
         ids = lr[:, -1:].argmax(-1)

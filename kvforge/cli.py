@@ -240,10 +240,15 @@ def inspect(bundle, as_json):
     console.print(files)
     v = m.get("validation")
     if v:
+        # per output, its worst case: a decoder's logits (and lockstep), an encoder's outputs, a seq2seq's two graphs
+        parts = {"logits": v["logits"]} if "logits" in v else dict(v.get("outputs", {}))
+        for graph in ("encoder", "decoder"):
+            parts.update({f"{graph} {name}": metric for name, metric in v.get(graph, {}).items()})
+        shown = "; ".join(f"{name} max abs {x['max_abs']:.2e}, rel L2 {x['rel_l2']:.2e}" for name, x in parts.items())
+        lock = v.get("lockstep")
         console.print(
-            f"validation: {'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes; logits "
-            f"max abs {v['logits']['max_abs']:.2e}, rel L2 {v['logits']['rel_l2']:.2e}, top-1 {v['logits']['top1_agreement']:.3f}; "
-            f"lockstep {v['lockstep']['steps']} steps, greedy {v['lockstep']['greedy_matching_steps']}/{v['lockstep']['steps']}"
+            f"validation: {'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes; {shown}"
+            + (f"; lockstep {lock['steps']} steps, greedy {lock['greedy_matching_steps']}/{lock['steps']}" if lock else "")
         )
     engine = m.get("engine")
     if engine:

@@ -39,21 +39,21 @@ ENCODER_PRESETS: dict[str, dict[str, Any]] = {
                           family="roberta", pad_token_id=258, bos_token_id=256, eos_token_id=257),
 }
 PERCEIVER_PRESETS: dict[str, dict[str, Any]] = {
-    # 16 latents over inputs of up to 1024 tokens, two latent blocks, a 4-class head on the mean latent.
-    "perceiver-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=1024,
+    # 16 latents over inputs of up to 512 tokens, two latent blocks, a 4-class head on the mean latent.
+    "perceiver-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=512,
                             n_latents=16, head="classification", num_labels=4, activation="gelu", pad_token_id=258),
 }
 
 SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
     # T5 v1.1-shaped: relative position buckets, gated-GELU FFNs, RMSNorm pre-norm, an untied head.
     "t5-micro": dict(vocab_size=259, dim=64, n_layers=2, n_decoder_layers=3, n_heads=4, head_dim=24, ffn_dim=128,
-                     max_seq_len=1024, relative_buckets=16, relative_max_distance=64, activation="gelu_tanh",
+                     max_seq_len=256, relative_buckets=16, relative_max_distance=64, activation="gelu_tanh",
                      gated_ffn=True, tie_embeddings=False, family="t5", pad_token_id=258, eos_token_id=257,
                      decoder_start_token_id=258),
     # BART-shaped: learned positions offset by 2, post-norm LayerNorm with biases, scaled and normed embeddings.
     # The decoder has its own head count and width (BART's heads are d_model / heads wide in each stack).
     "bart-micro": dict(vocab_size=259, dim=64, n_layers=2, n_heads=4, decoder_heads=2, decoder_head_dim=32, ffn_dim=128,
-                       decoder_ffn_dim=96, max_seq_len=1024,
+                       decoder_ffn_dim=96, max_seq_len=256,
                        position="learned", position_offset=2, norm="layernorm", norm_eps=1e-5, norm_placement="post",
                        final_norm=False, embed_norm=True, embed_scale=8.0, attn_scale=None, qkv_bias=True,
                        out_bias=True, ffn_bias=True, activation="gelu", lm_head_bias=True, family="bart",

@@ -105,7 +105,7 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
     return LoadedModel(model.to(dtype).eval(), tokenizer)
 
 
-def _check_tokenizer(cfg: ModelConfig, tokenizer: Tokenizer | None, source) -> None:
+def _check_tokenizer(cfg, tokenizer: Tokenizer | None, source) -> None:
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise KvforgeError(
             f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings"

@@ -186,3 +186,34 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
         logits, cache = session.forward(nxt, mask, None, cache, last_logits_only=True)
         last = logits[:, -1]
+
+
+def token_rows(prompt, encode, what: str = "prompt") -> tuple[list[list[int]], bool]:
+    """Normalize str | ids | a list of either to a list of id lists (an empty row stays empty, for the caller's
+    check to name); report whether one was given. encode(text) -> ids."""
+    if isinstance(prompt, str):
+        return [encode(prompt)], True
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+        return [[int(t) for t in prompt]], True
+    if isinstance(prompt, Sequence) and prompt:
+        return [[] if isinstance(p, (list, tuple, np.ndarray)) and len(p) == 0 else token_rows(p, encode, what)[0][0]
+                for p in prompt], False
+    raise KvforgeError(f"a {what} is a str, a list of token ids, or a list of those; got {prompt!r}")
+
+
+def stop_ids(config: GenerationConfig, eos, vocab_size: int, tokenizer=None) -> set[int]:
+    """The tokens that end a row: config.stop_token_ids, and unless ignore_eos the model's eos ids (as
+    transformers' generate: config.json's or generation_config.json's; the tokenizer's eos only for a model
+    that names none)."""
+    extra = {int(t) for t in config.stop_token_ids}
+    outside = sorted(t for t in extra if t >= vocab_size)
+    if outside:
+        raise KvforgeError(f"stop_token_ids {outside[:8]} are outside the vocabulary (0..{vocab_size - 1})")
+    if config.ignore_eos:
+        return extra
+    stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not stop and tokenizer is not None and tokenizer.eos_token_id is not None:
+        stop.add(tokenizer.eos_token_id)
+    return stop | extra

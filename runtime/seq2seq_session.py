@@ -22,7 +22,7 @@ rebuilt from the bundle's source). Calls are serialized by a lock.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent, finish_reason
+from .generate import GenerationConfig, GenerationResult, TokenEvent, finish_reason, stop_ids, token_rows
 from .sampling import select
 
 Pairs = list[tuple[np.ndarray, np.ndarray]]
@@ -148,16 +148,7 @@ class Seq2SeqSession:
 
     # -- inputs ------------------------------------------------------------------------------
     def _sources(self, source) -> tuple[list[list[int]], bool]:
-        if isinstance(source, str):
-            return [self._encode_text(source)], True
-        if isinstance(source, np.ndarray):
-            source = source.tolist()
-        if isinstance(source, Sequence) and source and all(isinstance(t, (int, np.integer)) for t in source):
-            return [[int(t) for t in source]], True
-        if isinstance(source, Sequence) and source:  # a batch; an empty row is named by _check
-            return [[] if isinstance(s, (list, tuple, np.ndarray)) and len(s) == 0 else self._sources(s)[0][0]
-                    for s in source], False
-        raise KvforgeError(f"a source is a str, a list of token ids, or a list of those; got {source!r}")
+        return token_rows(source, self._encode_text, "source")
 
     def _encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -175,14 +166,7 @@ class Seq2SeqSession:
                 raise KvforgeError(f"a source of {len(r)} tokens exceeds this bundle's maximum of {self.max_context}")
 
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
-        extra = {int(t) for t in config.stop_token_ids}
-        outside = sorted(t for t in extra if t >= self.vocab_size)
-        if outside:
-            raise KvforgeError(f"stop_token_ids {outside[:8]} are outside the vocabulary (0..{self.vocab_size - 1})")
-        if config.ignore_eos:
-            return extra
-        eos = self.config.get("eos_token_id")
-        return extra | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self, rows: list[list[int]], config: GenerationConfig, stop: set[int]) -> Iterator[list[list[int]]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache
 from .encoder_session import EncoderSession
-from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens
+from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens, stop_ids, token_rows
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
@@ -275,31 +275,10 @@ class Session:
 
     def _prompts(self, prompt) -> tuple[list[list[int]], bool]:
         """Normalize str | ids | list of either to a list of id lists; report whether one was given."""
-        if isinstance(prompt, str):
-            return [self.encode(prompt)], True
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if isinstance(prompt, Sequence) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return [[int(t) for t in prompt]], True
-        if isinstance(prompt, Sequence) and prompt:
-            rows = [self._prompts(p)[0][0] for p in prompt]
-            return rows, False
-        raise KvforgeError(f"a prompt is a str, a list of token ids, or a list of those; got {prompt!r}")
+        return token_rows(prompt, self.encode)
 
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
-        extra = {int(t) for t in config.stop_token_ids}
-        outside = sorted(t for t in extra if t >= self.vocab_size)
-        if outside:
-            raise KvforgeError(f"stop_token_ids {outside[:8]} are outside the vocabulary (0..{self.vocab_size - 1})")
-        if config.ignore_eos:
-            return extra
-        # As transformers' generate: the model's eos ids (config.json, or generation_config.json where it
-        # has them); the tokenizer's eos only for a model that names none.
-        eos = self.config.get("eos_token_id")
-        stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if not stop and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            stop.add(self.tokenizer.eos_token_id)
-        return stop | extra
+        return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list (-> list, left-padded batch)."""

@@ -77,6 +77,11 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
     if not Bundle.is_bundle(bundle):
         raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
     source = Bundle(bundle)
+    architecture = source.model_config.get("architecture", "decoder")
+    if architecture != "decoder":
+        raise KvforgeError(f"{bundle} is an {architecture}; the Triton model serves decoder LMs (the generate "
+                           "extension with continuous batching). Run encoders and encoder-decoders with "
+                           "kvforge.runtime (embed, classify, generate)")
     source.verify_files()  # a damaged bundle is refused here, not when the server loads it
     name = model_name or default_model_name(source.path)
     if not _NAME.match(name):

@@ -146,6 +146,10 @@ def test_encoder_session_names_bad_input(micro_bundle):
         s.generate("hi")
     with pytest.raises(KvforgeError, match="no CLS token"):
         runtime.load(micro_bundle("perceiver-micro").path).embed("hi", pooling="cls")
+    from kvforge.serving import write_repository
+
+    with pytest.raises(KvforgeError, match="the Triton model serves decoder LMs"):
+        write_repository(micro_bundle("bert-micro").path, micro_bundle("bert-micro").path.parent / "repo")
 
 
 def test_cli_embed(micro_bundle):
