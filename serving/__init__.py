@@ -39,7 +39,9 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
         def on_signal(signum, frame):  # SIGTERM stops the server as Ctrl-C does
             raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, on_signal)
+        # SIGINT too, explicitly: a process started in the background of a non-interactive shell inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt of its own (Ctrl-C / kill -INT would do nothing)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             server.start()
             echo(f"serving {bundle} as model {name!r} on Triton Inference Server")
@@ -57,4 +59,5 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
             return 0 if code in (0, None) else code
         finally:
             server.stop()
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
