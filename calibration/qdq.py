@@ -115,7 +115,8 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
             continue
         name = "lm_head" if "logits" in node.output else layer_name(node)
         names.append(name)
-        if (name == "lm_head" and not quantize_lm_head) or any(p.search(name) for p in patterns):
+        router = name.endswith(".router")  # a mixture's router stays in float: a flipped choice costs a whole expert
+        if (name == "lm_head" and not quantize_lm_head) or router or any(p.search(name) for p in patterns):
             excluded.append(name)
             continue
         targets.append(Target(node, name, node.input[1], node.input[0]))

@@ -86,6 +86,9 @@ def _design(cfg) -> str:
     if cfg.sliding_window:
         layers = "" if cfg.sliding_window_layers is None else f" on {cfg.sliding_window_layers}"
         parts.append(f"window={cfg.sliding_window}{layers}")
+    if cfg.n_experts:
+        shared = f"+shared {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
+        parts.append(f"moe={cfg.experts_per_token}/{cfg.n_experts}{shared}")
     if cfg.attn_softcap or cfg.final_softcap:
         parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
     if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:

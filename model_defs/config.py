@@ -94,6 +94,22 @@ class ModelConfig:
     gated_ffn: bool = True
     ffn_bias: bool = False
 
+    # mixture of experts (model_defs/moe.py): 0 experts = a dense FFN on every layer. A MoE layer's FFN is
+    # n_experts gated FFNs of expert_ffn_dim, experts_per_token of them chosen per token by a router
+    # (softmax or sigmoid scores, top-k, renormalized or not, scaled, optionally with a correction bias that
+    # steers the choice only), plus an always-on shared expert (optionally gated by a sigmoid: Qwen2-MoE).
+    # moe_layers: the layers that have experts (None: all); the others keep the dense FFN of ffn_dim.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn_dim: int | None = None
+    router_scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_correction_bias: bool = False
+    shared_expert_ffn_dim: int = 0
+    shared_expert_gate: bool = False
+    moe_layers: list[int] | None = None
+
     tie_embeddings: bool = False  # lm_head shares the token embedding matrix
     lm_head_bias: bool = False  # GPT-J
 
@@ -127,6 +143,10 @@ class ModelConfig:
             self.ffn_dim = 4 * self.dim
         if self.sliding_window_layers is not None:
             self.sliding_window_layers = sorted(int(i) for i in self.sliding_window_layers)
+        if self.n_experts and self.expert_ffn_dim is None:
+            self.expert_ffn_dim = self.ffn_dim
+        if self.moe_layers is not None:
+            self.moe_layers = sorted(int(i) for i in self.moe_layers)
         self.validate()
 
     def validate(self) -> None:
@@ -189,6 +209,8 @@ class ModelConfig:
             problems.append(f"sinusoidal positions need an even dim, got {self.dim}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.n_experts:
+            problems += self._moe_problems()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             for i in value if isinstance(value, list) else [value]:
@@ -196,6 +218,29 @@ class ModelConfig:
                     problems.append(f"{name}={value} is outside the vocabulary (size {self.vocab_size})")
         if problems:
             raise KvforgeError("invalid model config:\n  " + "\n  ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.n_experts, int) or self.n_experts < 1:
+            problems.append(f"n_experts must be a positive integer (or 0 for a dense model), got {self.n_experts!r}")
+        elif not isinstance(self.experts_per_token, int) or not 1 <= self.experts_per_token <= self.n_experts:
+            problems.append(f"experts_per_token must be in 1..n_experts={self.n_experts}, got {self.experts_per_token!r}")
+        if not isinstance(self.expert_ffn_dim, int) or self.expert_ffn_dim < 1:
+            problems.append(f"expert_ffn_dim must be a positive integer, got {self.expert_ffn_dim!r}")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            problems.append(f"router_scoring={self.router_scoring!r} is not one of ('softmax', 'sigmoid')")
+        if not isinstance(self.shared_expert_ffn_dim, int) or self.shared_expert_ffn_dim < 0:
+            problems.append(f"shared_expert_ffn_dim must be an integer >= 0, got {self.shared_expert_ffn_dim!r}")
+        if self.shared_expert_gate and not self.shared_expert_ffn_dim:
+            problems.append("shared_expert_gate gates the shared expert: it needs shared_expert_ffn_dim")
+        if not self.gated_ffn:
+            problems.append("experts are gated FFNs (gate, up, down): set gated_ffn=True")
+        if self.moe_layers is not None and any(not 0 <= i < self.n_layers for i in self.moe_layers):
+            problems.append(f"moe_layers {self.moe_layers} name layers outside 0..{self.n_layers - 1}")
+        return problems
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.n_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
     @staticmethod
     def _scaling_problems(name: str, scaling: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
@@ -340,6 +385,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
         embed_scale=12.0, residual_scale=0.22, attn_scale=0.0625, logit_scale=0.125, tie_embeddings=True,
         family="granite",
+    ),
+    # Mixtral-style mixture of experts: 8 gated experts, 2 per token (softmax, renormalized), GQA.
+    "mixtral-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
+        n_experts=8, experts_per_token=2, expert_ffn_dim=96, family="mixtral",
+    ),
+    # Qwen2-MoE-style: a dense first layer, then 6 experts (top-2, not renormalized) beside a shared expert
+    # behind a sigmoid gate.
+    "qwen2moe-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256, qkv_bias=True,
+        n_experts=6, experts_per_token=2, expert_ffn_dim=48, norm_topk_prob=False, shared_expert_ffn_dim=128,
+        shared_expert_gate=True, moe_layers=[1], family="qwen2_moe",
     ),
     # Gemma 2/3-style: sandwich norms, per-head q/k norms, attention and final soft-capping,
     # query_pre_attn_scalar, embeddings * sqrt(dim), local (windowed, capped cache, own RoPE base) and

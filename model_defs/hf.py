@@ -50,11 +50,15 @@ def _source_name(table, family: str, ours: str) -> tuple[str, Any]:
     """The checkpoint name and transform that feed the kvforge parameter `ours`."""
     layer = re.match(r"layers\.(\d+)\.(.*)", ours)
     key = f"layers.{{i}}.{layer.group(2)}" if layer else ours
+    expert = re.search(r"\.experts\.(\d+)\.", key)  # a mixture's expert: its index is {j}
+    if expert:
+        key = key[:expert.start()] + ".experts.{j}." + key[expert.end():]
     entry = table.get(key)
     if entry is None:
         raise KvforgeError(f"no {family} checkpoint name is known for parameter {ours!r}")
     name, transform = entry
-    return (name.format(i=layer.group(1)) if layer else name), transform
+    indices = {"i": layer.group(1) if layer else None, "j": expert.group(1) if expert else None}
+    return name.format(**indices) if layer or expert else name, transform
 
 
 def _normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

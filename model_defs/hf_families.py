@@ -351,6 +351,52 @@ def _olmo2(hf):
     return cfg
 
 
+def _moe_layers(hf: dict[str, Any], n_layers: int) -> list[int]:
+    """Qwen-MoE's layers with experts: every decoder_sparse_step-th one not in mlp_only_layers."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    return [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _n_experts(hf: dict[str, Any], default: int) -> int:
+    """The routed expert count: num_experts, or num_local_experts (Mixtral's name, and transformers 5's for Qwen3-MoE)."""
+    return int(next((hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None), default))
+
+
+def _mixtral(hf):
+    cfg = _mistral(hf)
+    cfg.update(family="mixtral", n_experts=_n_experts(hf, 8), experts_per_token=hf.get("num_experts_per_tok", 2),
+               expert_ffn_dim=hf.get("intermediate_size", 14336), norm_topk_prob=True)
+    return cfg
+
+
+def _qwen2_moe(hf):
+    cfg = _qwen2(hf)
+    cfg.update(family="qwen2_moe", n_experts=_n_experts(hf, 60), experts_per_token=hf.get("num_experts_per_tok", 4),
+               expert_ffn_dim=hf.get("moe_intermediate_size", 1408), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+               shared_expert_ffn_dim=hf.get("shared_expert_intermediate_size", 5632), shared_expert_gate=True,
+               moe_layers=_moe_layers(hf, cfg["n_layers"]))
+    return cfg
+
+
+def _qwen3_moe(hf):
+    cfg = _qwen3(hf)
+    cfg.update(family="qwen3_moe", n_experts=_n_experts(hf, 128), experts_per_token=hf.get("num_experts_per_tok", 8),
+               expert_ffn_dim=hf.get("moe_intermediate_size", 768), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+               moe_layers=_moe_layers(hf, cfg["n_layers"]))
+    return cfg
+
+
+def _olmoe(hf):
+    if hf.get("clip_qkv") is not None:
+        raise KvforgeError("olmoe clip_qkv (clamping q, k and v) is not supported")
+    cfg = llama_like(hf, "olmoe", eps=1e-5)
+    cfg.update(ffn_bias=False, qk_norm="proj", n_experts=_n_experts(hf, 64),
+               experts_per_token=hf.get("num_experts_per_tok", 8), expert_ffn_dim=hf.get("intermediate_size", 1024),
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    return cfg
+
+
 def _granite(hf):
     cfg = llama_like(hf, "granite")
     cfg.update(
@@ -793,6 +839,41 @@ def llama_weights(norms: dict[str, str] | None = None, norm_transform: Transform
     return table
 
 
+def moe_weights(layer: str, experts: str, names: tuple[str, str, str], router: str, shared: str | None = None,
+                shared_gate: str | None = None) -> Table:
+    """A MoE FFN's table: the router, each expert's gate/up/down (`names`, under {layer}.{experts}.{j}), the shared
+    expert and its gate."""
+    table: Table = {"layers.{i}.ffn.router.weight": (f"{layer}.{router}.weight", None)}
+    for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), names):
+        table[f"layers.{{i}}.ffn.experts.experts.{{j}}.{ours}.weight"] = (f"{layer}.{experts}.{{j}}.{theirs}.weight", None)
+    if shared:
+        for p in ("gate", "up", "down"):
+            table.update(_linear(f"layers.{{i}}.ffn.shared.{p}_proj", f"{layer}.{shared}.{p}_proj"))
+    if shared_gate:
+        table["layers.{i}.ffn.shared_gate.weight"] = (f"{layer}.{shared_gate}.weight", None)
+    return table
+
+
+def _mixtral_weights(hf, cfg) -> Table:
+    return {**llama_weights(), **moe_weights("model.layers.{i}.block_sparse_moe", "experts", ("w1", "w3", "w2"), "gate")}
+
+
+def _qwen_moe_weights(shared: bool) -> Callable[[dict[str, Any], Any], Table]:
+    def table(hf, cfg) -> Table:
+        out = {**llama_weights(), **moe_weights("model.layers.{i}.mlp", "experts", ("gate_proj", "up_proj", "down_proj"),
+                                                "gate", "shared_expert" if shared else None,
+                                                "shared_expert_gate" if shared else None)}
+        if not shared:  # Qwen3-MoE: per-head q/k norms
+            out.update(_qk_norms("weight", repeat_heads(query_heads), repeat_heads(kv_heads)))
+        return out
+    return table
+
+
+def _olmoe_weights(hf, cfg) -> Table:
+    return {**llama_weights(), **_qk_norms("weight", None, None),
+            **moe_weights("model.layers.{i}.mlp", "experts", ("gate_proj", "up_proj", "down_proj"), "gate")}
+
+
 def _qk_norms(theirs: str, q: Transform | None, k: Transform | None) -> Table:
     return {
         "layers.{i}.attn.q_norm.weight": (f"model.layers.{{i}}.self_attn.q_norm.{theirs}", q),
@@ -1087,6 +1168,10 @@ FAMILIES: dict[str, Family] = {
     "gptj": Family(_gptj, _gptj_weights),
     "falcon": Family(_falcon, _falcon_weights),
     "bloom": Family(_bloom, _bloom_weights, add_prefix="transformer."),
+    "mixtral": Family(_mixtral, _mixtral_weights),
+    "qwen2_moe": Family(_qwen2_moe, _qwen_moe_weights(shared=True)),
+    "qwen3_moe": Family(_qwen3_moe, _qwen_moe_weights(shared=False)),
+    "olmoe": Family(_olmoe, _olmoe_weights),
     "bert": Family(_bert, _bert_weights, add_prefix="bert.", head_prefixes=("cls.", "classifier."),
                    architecture="encoder", embedding="embed.tokens.weight",
                    duplicates=(("cls.predictions.decoder.bias", "cls.predictions.bias"),),

@@ -268,13 +268,15 @@ class MLP(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu, ReGLU with relu."""
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu, ReGLU with relu. width: the hidden width
+    (default: the config's ffn_dim; a MoE's shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.ffn_bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.ffn_bias)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.ffn_bias)
+        width = cfg.ffn_dim if width is None else width
+        self.gate_proj = nn.Linear(cfg.dim, width, bias=cfg.ffn_bias)
+        self.up_proj = nn.Linear(cfg.dim, width, bias=cfg.ffn_bias)
+        self.down_proj = nn.Linear(width, cfg.dim, bias=cfg.ffn_bias)
         self.act = activation_fn(cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

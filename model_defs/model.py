@@ -30,7 +30,8 @@ from torch import nn
 from kvforge.errors import KvforgeError
 
 from .config import ModelConfig
-from .layers import Attention, attention_mask_bool, build_ffn, build_norm, build_qk_norms
+from .layers import Attention, GatedMLP, attention_mask_bool, build_ffn, build_norm, build_qk_norms
+from .moe import MoE, Experts, Router
 from .positions import LearnedPositions, SinusoidalPositions, build_alibi, build_rope
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -213,13 +214,25 @@ class Transformer(nn.Module):
 
 
 def build_block(cfg: ModelConfig, layer: int) -> nn.Module:
-    """One decoder layer: attention (with this layer's window and q/k norms) and the FFN, in the config's block."""
+    """One decoder layer: attention (with this layer's window and q/k norms) and the FFN (dense, or a mixture
+    of experts on the config's MoE layers), in the config's block."""
     attn = Attention(cfg, cfg.layer_window(layer), *build_qk_norms(cfg))
+    ffn = build_moe(cfg) if cfg.is_moe_layer(layer) else build_ffn(cfg)
     if cfg.block != "sequential":
-        return ParallelBlock(cfg, attn, build_ffn(cfg))
+        return ParallelBlock(cfg, attn, ffn)
     if cfg.norm_placement == "post":
-        return PostNormBlock(cfg, attn, build_ffn(cfg))
-    return Block(cfg, attn, build_ffn(cfg))
+        return PostNormBlock(cfg, attn, ffn)
+    return Block(cfg, attn, ffn)
+
+
+def build_moe(cfg: ModelConfig) -> MoE:
+    router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.router_scoring, cfg.norm_topk_prob,
+                    cfg.routed_scaling_factor, cfg.router_correction_bias)
+    shared = None
+    if cfg.shared_expert_ffn_dim:
+        shared = GatedMLP(cfg, cfg.shared_expert_ffn_dim)
+    experts = Experts([GatedMLP(cfg, cfg.expert_ffn_dim) for _ in range(cfg.n_experts)])
+    return MoE(router, experts, shared, cfg.shared_expert_gate)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

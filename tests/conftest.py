@@ -72,6 +72,19 @@ HF_CONFIGS = {
                    num_kv_heads=2, bias=True, ffn_hidden_size=96, bos_token_id=1, eos_token_id=2),
     # ALiBi with 6 heads (not a power of two), embedding LayerNorm
     "bloom": dict(hidden_size=72, n_layer=2, n_head=6, vocab_size=300, bos_token_id=1, eos_token_id=2),
+    # mixtures of experts: 6 experts, top-2 (renormalized) ...
+    "mixtral": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 2}, num_key_value_heads=2, num_local_experts=6,
+                    num_experts_per_tok=2, sliding_window=None),
+    # ... a dense first layer, a shared expert behind a sigmoid gate, top-k not renormalized, q/k/v biases
+    "qwen2_moe": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 2}, num_key_value_heads=2, num_experts=5,
+                      num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=72,
+                      mlp_only_layers=[0], norm_topk_prob=False),
+    # ... per-head q/k norms, top-k renormalized, every other layer sparse
+    "qwen3_moe": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 2}, num_key_value_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2),
+    # ... q/k norms over whole projections, 8 experts top-2 not renormalized
+    "olmoe": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 2, "intermediate_size": 40}, num_key_value_heads=2,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
 }
 HF_FAMILIES = tuple(HF_CONFIGS)
 # Further valid configs per family (overrides of HF_CONFIGS), checked against transformers on the Torch reference.
@@ -114,6 +127,10 @@ _HF_CLASSES = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM"),
     "falcon": ("FalconConfig", "FalconForCausalLM"),
     "bloom": ("BloomConfig", "BloomForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 # transformers' eager Falcon adds ALiBi twice (an upstream bug); its default SDPA path is the model's function.
 _ATTENTION = {"falcon": "sdpa"}

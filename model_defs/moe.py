@@ -1,0 +1,80 @@
+"""Mixture of experts: a router picks k of N expert FFNs per token, and only those run.
+
+    scores  = softmax(router(x))  or  sigmoid(router(x))          (B*T, N), float32
+    chosen  = top-k of scores (+ a correction bias, for the choice only: DeepSeek-V3)
+    weights = the chosen scores, renormalized to sum 1 when asked, * routed_scaling_factor
+    y       = sum over the chosen experts e of weights_e * expert_e(x)
+            + shared(x) (* sigmoid(shared_gate(x)): Qwen2-MoE)
+
+Dispatch is by expert, not by token: for each expert, the tokens routed to it
+are gathered (their indices from `nonzero`), run through that expert's FFN,
+weighted and scattered back. So a step computes k experts' FFNs per token
+and reads only the experts some token chose: decode cost follows the active
+parameters, not the total. Each expert is the dense layers' gated FFN, so its
+matmuls look like any other linear layer's to calibration and fusions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, scoring: str = "softmax", norm_topk: bool = True,
+                 scaling: float = 1.0, correction_bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(n_experts)) if correction_bias else None
+        self.top_k, self.scoring, self.norm_topk, self.scaling = top_k, scoring, norm_topk, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, C) -> (weights (M, k) float32, expert indices (M, k) int64)."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
+        choice = scores + self.bias if self.bias is not None else scores
+        _, index = torch.topk(choice, self.top_k, dim=-1)
+        weights = scores.gather(-1, index)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.scaling if self.scaling != 1.0 else weights, index
+
+
+class Experts(nn.Module):
+    """N gated FFNs (the dense layers' GatedMLP each), run on the tokens routed to them only."""
+
+    def __init__(self, experts: list[nn.Module]):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """x (M, C), weights and index (M, k) -> (M, C): each token's weighted sum over its chosen experts."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            # the tokens routed to expert e (a float mask: TensorRT's NonZero takes no bool) and which of their k
+            # slots chose it; a token picks an expert at most once, so its row is added to, never twice
+            token, slot = torch.nonzero((index == e).to(torch.float32), as_tuple=True)
+            y = expert(x[token][None])[0] * weights[token, slot, None].to(x.dtype)
+            out = out.index_put((token,), out[token] + y)
+        return out
+
+
+class MoE(nn.Module):
+    """The routed experts, plus optional always-on shared experts (one FFN of n_shared x their width)."""
+
+    def __init__(self, router: Router, experts: Experts, shared: nn.Module | None = None, shared_gate: bool = False):
+        super().__init__()
+        self.router, self.experts, self.shared = router, experts, shared
+        self.shared_gate = nn.Linear(router.weight.shape[1], 1, bias=False) if shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        weights, index = self.router(flat)
+        y = self.experts(flat, weights, index)
+        if self.shared is not None:
+            s = self.shared(flat)
+            y = y + (torch.sigmoid(self.shared_gate(flat)) * s if self.shared_gate is not None else s)
+        return y.reshape(B, T, C)
