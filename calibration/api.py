@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvforge.runtime.ort_backend import make_session, prefill_feeds
 from kvforge.runtime.sampling import is_number
 
 from .data import load_calibration_set
+from .experts import KEEP_ROWS, STARVED, cover_starved, find_experts, router_inputs
 from .gptq import DAMP, HessianAccumulator, gptq_quantize
 from .observers import METHODS, TensorObserver
 from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
@@ -29,7 +31,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def _observe(model, activations: list[str], items: Callable[[], Any], n_batches: int, feeds: Callable[[Any], dict],
-             smooth_needed: bool, float_dtype, progress: Progress, hessians=None):
+             smooth_needed: bool, float_dtype, progress: Progress, hessians=None, keep_rows: dict[str, int] | None = None):
     """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
 
     items() iterates the calibration batches, feeds(item) makes a batch's graph inputs. Returns the
@@ -50,7 +52,7 @@ def _observe(model, activations: list[str], items: Callable[[], Any], n_batches:
     def run(item):
         return dict(zip(names, sess.run(names, feeds(item))))
 
-    observers = {n: TensorObserver(n) for n in activations}
+    observers = {n: TensorObserver(n, keep_rows=(keep_rows or {}).get(n, 0)) for n in activations}
     channel_amax: dict[str, np.ndarray] = {}
     for i, item in enumerate(items()):
         for name, x in run(item).items():
@@ -134,11 +136,15 @@ def calibrate(
     budget_data: str | Path | None = None,
     budget_tokens: int = 4096,
     gptq: bool = False,
+    min_expert_tokens: int = 16,
+    starved_experts: str = "all-tokens",
 ) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only.
 
     gptq: round weights with GPTQ (error-compensating, from the calibration activations) instead of
-    to nearest; INT4 then needs calibration data too.
+    to nearest; INT4 then needs calibration data too. A mixture's expert that fewer than min_expert_tokens
+    calibration tokens reach is calibrated on all of them ("all-tokens") or kept in float ("float"):
+    calibration/experts.py.
     """
 
     progress = progress or (lambda phase, done, total: None)
@@ -178,6 +184,10 @@ def calibrate(
     _check_sizes(samples=samples, seq_len=seq_len, batch_size=batch_size, block_size=block_size, budget_tokens=budget_tokens)
     if method == "percentile" and precision != "int4" and not (is_number(percentile) and 0.0 < percentile <= 100.0):
         raise KvforgeError(f"--percentile must be a number in (0, 100], got {percentile!r}")
+    if starved_experts not in STARVED:
+        raise KvforgeError(f"--starved-experts {starved_experts!r} is not one of {STARVED}")
+    if not isinstance(min_expert_tokens, int) or isinstance(min_expert_tokens, bool) or min_expert_tokens < 0:
+        raise KvforgeError(f"--min-expert-tokens must be an integer >= 0, got {min_expert_tokens!r}")
     if isinstance(exclude, str):  # one pattern, not its characters
         exclude = [exclude]
     if data is not None and random_data:
@@ -210,6 +220,9 @@ def calibrate(
     activations = list(dict.fromkeys(t.activation for t in targets))
     presents = [n for layer in bundle.io.present for n in layer] if kv_cache else []
     float_dtype = np.float16 if dtype == "float16" else np.float32
+    experts = find_experts(targets)  # a mixture's experts: each one's tokens are counted, the starved covered
+    routers = router_inputs(model, {e.moe for e in experts}) if experts else {}
+    extra = [n for n in dict.fromkeys(routers.values()) if n not in activations]
 
     act_amax, smooth, calibration, hessians = None, None, {"data": None}, None
     if precision != "int4" or gptq:  # weight-only INT4 rounded to nearest needs no data
@@ -219,17 +232,26 @@ def calibrate(
         n_batches = -(-len(cset.samples) // batch_size)
         items = lambda: cset.batches(batch_size)  # noqa: E731
         observers, channel_amax, run = _observe(
-            model, activations + presents, items, n_batches,
+            model, activations + presents + extra, items, n_batches,
             lambda batch: prefill_feeds(batch, bundle.model_config, past, dtype),
-            smoothquant is not None, float_dtype, progress, hessians,
+            smoothquant is not None, float_dtype, progress, hessians, {n: KEEP_ROWS for n in routers.values()},
         )
         calibration = {
             "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": batch_size,
         }
+    expert_record, starved_float = None, []
     if precision != "int4":
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches, precision,
                                              method, percentile, smoothquant, progress)
+        if experts:
+            from onnx import numpy_helper
+
+            inits = {i.name: i for i in model.graph.initializer}
+            weights = {w: numpy_helper.to_array(inits[w]).astype(np.float32) for e in experts for w in (e.gate_weight, e.up_weight)}
+            expert_record, starved_float = cover_starved(
+                experts, observers, routers, weights, act_amax, min_expert_tokens, starved_experts,
+                bundle.model_config["activation"], bundle.model_config["dim"])
 
     rounded: dict[str, tuple] = {}  # weight -> GPTQ result; the budget's rewrites reuse it
 
@@ -259,7 +281,7 @@ def calibrate(
         (model, targets, excluded, record), budget_report = fit_budget(
             bundle, model, quantize, precision, accuracy_budget, held_out, progress)
     else:
-        model, targets, excluded, record = quantize([])
+        model, targets, excluded, record = quantize([f"^{re.escape(name)}$" for name in starved_float])
     progress("quantize", 1, 1)
 
     quantization = {
@@ -281,8 +303,10 @@ def calibrate(
                "block_size": block_size, "random_data": bool(random_data and calibration["data"]),
                "quantize_lm_head": quantize_lm_head,
                "kv_cache": kv_cache, "accuracy_budget": accuracy_budget, "gptq": gptq}
+    options.update(min_expert_tokens=min_expert_tokens, starved_experts=starved_experts)
     return write_calibrated(bundle, out, force, {"model.onnx": model}, quantization,
-                            {**calibration, "scales": record, "accuracy_budget": budget_report}, options, started)
+                            {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record},
+                            options, started)
 
 
 def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], quantization: dict[str, Any],

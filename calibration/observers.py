@@ -30,12 +30,14 @@ METHODS = ("max", "percentile", "entropy", "mse")
 class TensorObserver:
     """Statistics of one tensor, fed batch by batch."""
 
-    def __init__(self, name: str, bins: int = BINS):
+    def __init__(self, name: str, bins: int = BINS, keep_rows: int = 0):
         self.name = name
         self.bins = bins
         self.amax = 0.0
         self.count = 0
         self.hist: np.ndarray | None = None
+        self.keep_rows = keep_rows  # keep the first rows (last axis = features) seen, up to this many
+        self.rows: list[np.ndarray] = []
 
     def observe_range(self, x: np.ndarray) -> None:
         if x.size == 0:
@@ -45,6 +47,9 @@ class TensorObserver:
             raise KvforgeError(f"calibration tensor {self.name!r} holds NaN or infinite values")
         self.amax = max(self.amax, a)
         self.count += x.size
+        kept = sum(len(r) for r in self.rows)
+        if kept < self.keep_rows:
+            self.rows.append(np.array(x.reshape(-1, x.shape[-1])[: self.keep_rows - kept], np.float32))
 
     def observe_histogram(self, x: np.ndarray) -> None:
         if self.hist is None:

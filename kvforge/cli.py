@@ -299,17 +299,22 @@ def inspect(bundle, as_json):
 @click.option("--budget-tokens", default=4096, show_default=True, type=click.IntRange(2), help="Tokens the budget is measured on.")
 @click.option("--gptq", is_flag=True, help="Round weights with GPTQ (compensates each rounding error using the calibration "
                                            "activations) instead of to nearest; INT4 then needs calibration data too.")
+@click.option("--min-expert-tokens", default=16, show_default=True, type=click.IntRange(0),
+              help="A mixture's expert that fewer calibration tokens reach is starved (see --starved-experts).")
+@click.option("--starved-experts", default="all-tokens", show_default=True, type=click.Choice(["all-tokens", "float"]),
+              help="all-tokens: calibrate a starved expert on every calibration token (statistics only); float: keep it in float.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
-              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq, force, quiet):
+              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
+              min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     from kvforge.calibration import calibrate as run
 
     with _PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
                 random_data, batch_size, quantize_lm_head, force, progress, kv_cache, list(budget) or None,
-                budget_data, budget_tokens, gptq)
+                budget_data, budget_tokens, gptq, min_expert_tokens, starved_experts)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
@@ -320,6 +325,11 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
         f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
     )
+    if c.get("experts"):
+        rows = [(moe, e, r) for moe, experts in c["experts"].items() for e, r in experts.items()]
+        starved = [f"{moe}.{e} ({r['tokens']} tokens: {r['calibrated']})" for moe, e, r in rows if r["calibrated"] != "routed"]
+        click.echo(f"experts: {len(rows)}, calibration tokens per expert {min(r['tokens'] for *_, r in rows)}.."
+                   f"{max(r['tokens'] for *_, r in rows)}; starved: {', '.join(starved) or 'none'}")
     fit = c.get("accuracy_budget")
     if fit:
         last, speed = fit["iterations"][-1], fit["speed"]
