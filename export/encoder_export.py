@@ -122,9 +122,8 @@ def _rename_dims(graph) -> None:
 
 def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | None = None) -> Path:
     """Export an encoder (in its target dtype, eval mode) to `path`."""
-    import onnx_ir as ir
 
-    from .onnx_export import EXTERNAL_DATA, PROTOBUF_LIMIT, _name_initializers, _strip_debug_metadata, trace
+    from .onnx_export import save_program, trace
 
     cfg = model.config
     flat = FlatEncoder(model).eval()
@@ -136,16 +135,8 @@ def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | Non
     names = input_names(cfg)
     dynamic_shapes = {n: {0: dyn, 1: dyn} for n in ("input_ids", "attention_mask", "token_type_ids")[:len(names)]}
     program = trace(flat, args, dynamic_shapes, names, output_names(cfg), opset)
-    graph = program.model.graph
-    _rename_dims(graph)
-    _name_initializers(graph)
-    _strip_debug_metadata(graph)
-    program.model.producer_name = "kvforge"
-    weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
-    if external_data is None:
-        external_data = weight_bytes > PROTOBUF_LIMIT - (64 << 20)
-    ir.save(program.model, path, external_data=EXTERNAL_DATA if external_data else None)
-    return path
+    _rename_dims(program.model.graph)
+    return save_program(program, path, external_data)
 
 
 def validation_cases(max_len: int, fuzz: int, seed: int) -> list[tuple[str, int, int, list[int] | None]]:

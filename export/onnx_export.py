@@ -240,7 +240,6 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     external_data: True writes weights to model.onnx.data beside the graph; None
     does so only when the graph would exceed protobuf's 2 GB limit.
     """
-    import onnx_ir as ir
 
     cfg = model.config
     dtype = model.dtype
@@ -257,8 +256,16 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
         "past": tuple({0: dyn, 2: dyn} for _ in range(n_past)),
     }
     program = trace(flat, args, dynamic_shapes, input_names(cfg.n_layers), output_names(cfg.n_layers), opset)
+    _rename_dims(program.model.graph, windows)
+    return save_program(program, path, external_data)
+
+
+def save_program(program, path: Path, external_data: bool | None = None) -> Path:
+    """Name the initializers, drop the exporter's debug metadata and save; external_data None: only when the
+    weights would pass protobuf's limit."""
+    import onnx_ir as ir
+
     graph = program.model.graph
-    _rename_dims(graph, windows)
     _name_initializers(graph)
     _strip_debug_metadata(graph)
     program.model.producer_name = "kvforge"

@@ -48,7 +48,7 @@ from kvforge.bundle import BATCH, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
 from .encoder_export import failures_of
-from .onnx_export import trace
+from .onnx_export import save_program, trace
 
 ENCODER_GRAPH, DECODER_GRAPH, SHARED_DATA = "encoder_model.onnx", "decoder_model.onnx", "model.onnx.data"
 ENC_SEQ, DEC_SEQ = "encoder_sequence_length", "decoder_sequence_length"
@@ -172,17 +172,6 @@ def _name_dims(graph, symbols: dict[tuple[str, int], str], known: set[str]) -> N
         raise KvforgeError(f"export produced dimensions outside the IO contract: {sorted(unknown)}")
 
 
-def _finish(program, path: Path) -> None:
-    import onnx_ir as ir
-
-    from .onnx_export import _name_initializers, _strip_debug_metadata
-
-    _name_initializers(program.model.graph)
-    _strip_debug_metadata(program.model.graph)
-    program.model.producer_name = "kvforge"
-    ir.save(program.model, path)
-
-
 def share_weights(paths: list[Path], data_name: str = SHARED_DATA, min_bytes: int = 1024) -> dict[str, int]:
     """Move the initializers of several graphs into one external data file beside them, each distinct tensor
     stored once: a tensor two graphs hold (the shared embeddings) becomes one range both point to."""
@@ -227,7 +216,7 @@ def export_seq2seq_onnx(model, directory: Path, opset: int) -> dict[str, Any]:
     enc = trace(FlatEncoder(model).eval(), src, {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn}},
                  ["input_ids", "attention_mask"], encoder_output_names(cfg), opset)
     _name_dims(enc.model.graph, {("input_ids", 0): BATCH, ("input_ids", 1): ENC_SEQ}, {BATCH, ENC_SEQ})
-    _finish(enc, directory / ENCODER_GRAPH)
+    save_program(enc, directory / ENCODER_GRAPH, external_data=False)
 
     with torch.no_grad():
         _, cross = model.encode(*src)
@@ -241,7 +230,7 @@ def export_seq2seq_onnx(model, directory: Path, opset: int) -> dict[str, Any]:
     _name_dims(dec.model.graph, {("input_ids", 0): BATCH, ("input_ids", 1): DEC_SEQ,
                                  ("encoder_attention_mask", 1): ENC_SEQ, ("past_key_values.0.decoder.key", 2): DEC_PAST},
                {BATCH, ENC_SEQ, DEC_SEQ, DEC_PAST, DEC_TOTAL})
-    _finish(dec, directory / DECODER_GRAPH)
+    save_program(dec, directory / DECODER_GRAPH, external_data=False)
     return share_weights([directory / ENCODER_GRAPH, directory / DECODER_GRAPH])
 
 
