@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvforge.errors import KvforgeError
 
@@ -38,8 +38,30 @@ _ROPE_SCALING_KEYS = {
 }
 
 
+class ConfigDict:
+    """to_dict / to_json / from_dict for a config dataclass; from_dict refuses unknown fields, naming them."""
+
+    KIND: ClassVar[str | None] = None  # how errors name the config; None: the class's name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KvforgeError(f"unknown {cls.KIND or cls.__name__} fields: {unknown}")
+        return cls(**data)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(ConfigDict):
+    KIND: ClassVar[str] = "model config"
+
     vocab_size: int
     dim: int  # model width (hidden_size / n_embd)
     n_layers: int
@@ -269,20 +291,6 @@ class ModelConfig:
         return None
 
     # -- (de)serialization -----------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise KvforgeError(f"unknown model config fields: {unknown}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:
         if name not in PRESETS:

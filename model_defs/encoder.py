@@ -19,8 +19,6 @@ number of real tokens before), or none.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +27,7 @@ from torch import nn
 
 from kvforge.errors import KvforgeError
 
+from .config import ConfigDict
 from .layers import Attention, activation_fn, build_ffn, build_norm
 from .model import Block, PostNormBlock
 
@@ -37,7 +36,7 @@ HEADS = (None, "pooler", "mlm", "classification")
 
 
 @dataclass
-class EncoderConfig:
+class EncoderConfig(ConfigDict):
     vocab_size: int
     dim: int
     n_layers: int
@@ -143,20 +142,6 @@ class EncoderConfig:
     @property
     def eos_token_ids(self) -> list[int]:
         return [] if self.eos_token_id is None else [self.eos_token_id]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise KvforgeError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**data)
 
 
 # --- embeddings -------------------------------------------------------------------

@@ -30,7 +30,6 @@ The two families differ only in components the config selects:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -40,6 +39,7 @@ from torch import nn
 
 from kvforge.errors import KvforgeError
 
+from .config import ConfigDict
 from .layers import Attention, CrossAttention, attention_mask_bool, build_ffn, build_norm
 from .model import Block, PostNormBlock
 from .positions import RelativePositionBias
@@ -49,7 +49,7 @@ SEQ2SEQ_POSITIONS = ("relative", "learned")
 
 
 @dataclass
-class Seq2SeqConfig:
+class Seq2SeqConfig(ConfigDict):
     vocab_size: int
     dim: int
     n_layers: int  # encoder layers
@@ -166,20 +166,6 @@ class Seq2SeqConfig:
             view.update(n_heads=self.decoder_heads, n_kv_heads=self.decoder_heads, head_dim=self.decoder_head_dim,
                         ffn_dim=self.decoder_ffn_dim)
         return SimpleNamespace(**view)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise KvforgeError(f"unknown Seq2SeqConfig fields: {unknown}")
-        return cls(**data)
 
 
 # --- the stacks ---------------------------------------------------------------------
