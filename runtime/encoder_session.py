@@ -25,6 +25,8 @@ from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
+from .generate import right_padded
+
 POOLINGS = ("mean", "cls")
 
 
@@ -198,14 +200,7 @@ class EncoderSession:
 
     def feeds(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
         """Right-padded input_ids and attention_mask (and zero token_type_ids) for token id rows."""
-        pad = self.config.get("pad_token_id")
-        pad = 0 if pad is None else pad
-        length = max(len(r) for r in rows)
-        ids = np.full((len(rows), length), pad, np.int64)
-        mask = np.zeros((len(rows), length), np.int64)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+        ids, mask = right_padded(rows, self.config.get("pad_token_id"))
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self.input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)

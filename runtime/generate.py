@@ -131,6 +131,16 @@ def left_padded(session: Session, prompts: list[list[int]]) -> tuple[np.ndarray,
     return ids, mask
 
 
+def right_padded(rows: list[list[int]], pad: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Encoder inputs: ids right-padded (with `pad`, or 0) to the longest row, and the mask of real tokens."""
+    longest = max(len(r) for r in rows)
+    ids = np.full((len(rows), longest), pad or 0, np.int64)
+    mask = np.zeros((len(rows), longest), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    return ids, mask
+
+
 def finish_reason(token: int, generated: int, prompt: int, config: GenerationConfig, stop: set[int], context: int) -> str | None:
     """Why a row ends with `token`, its `generated`-th new token after a `prompt`-token prompt (None: it goes on)."""
     if token in stop:

@@ -30,7 +30,7 @@ from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent, finish_reason, stop_ids, token_rows
+from .generate import GenerationConfig, GenerationResult, TokenEvent, finish_reason, right_padded, stop_ids, token_rows
 from .sampling import select
 
 Pairs = list[tuple[np.ndarray, np.ndarray]]
@@ -173,12 +173,9 @@ class Seq2SeqSession:
         """Yield every row's tokens after each step, with each row's finish reason (None: going on)."""
         self._check(rows)
         cfg = self.config
-        B, L = len(rows), max(len(r) for r in rows)
+        B = len(rows)
         pad = cfg.get("pad_token_id") or 0
-        ids = np.full((B, L), pad, np.int64)
-        mask = np.zeros((B, L), np.int64)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)], mask[i, :len(r)] = r, 1
+        ids, mask = right_padded(rows, pad)
         tokens: list[list[int]] = [[] for _ in rows]
         finish: list[str | None] = [None] * B
         if config.max_new_tokens == 0:

@@ -227,6 +227,13 @@ def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[
 def _reference_session(candidate: Bundle, reference):
     from kvforge import runtime
 
+    reference = reference_source(candidate, reference)
+    return runtime.load(reference, backend="torch"), str(reference)
+
+
+def reference_source(candidate: Bundle, reference, float_model: str | None = None) -> str:
+    """REF as given, or the source the candidate was made from (refused when its files changed since).
+    float_model: the candidate's shape, whose reference must be a model source, not a bundle."""
     if reference is None:
         lineage = candidate.manifest.get("lineage") or [{}]
         recorded = lineage[0].get("input", {})
@@ -241,7 +248,9 @@ def _reference_session(candidate: Bundle, reference):
                 f"the source {reference} has changed since {candidate.path} was made from it (sha256 recorded "
                 f"{recorded['sha256'][:16]}, now {now[:16]}); re-export, or pass --reference to compare against it as it is"
             )
-    return runtime.load(reference, backend="torch"), str(reference)
+    if float_model and Bundle.is_bundle(reference):
+        raise KvforgeError(f"the reference {reference} is a bundle; an {float_model} is compared with its Torch source model")
+    return str(reference)
 
 
 def compare(

@@ -25,7 +25,6 @@ import numpy as np
 
 from kvforge import metrics
 from kvforge.bundle import Bundle
-from kvforge.errors import KvforgeError
 
 ENCODER_METRICS = (
     "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "hidden_max_abs", "hidden_rel_l2",
@@ -93,9 +92,9 @@ def compare_encoder(
 ):
     """Compare an encoder bundle on `backend` with the Torch reference; returns a compare.Report."""
     from kvforge import runtime
-    from kvforge.runtime.encoder_session import EncoderSession, recorded_source, torch_runner
+    from kvforge.runtime.encoder_session import EncoderSession, torch_runner
 
-    from .compare import Report, check_tolerances, eval_ids, precision_of
+    from .compare import Report, check_tolerances, eval_ids, precision_of, reference_source
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
@@ -103,11 +102,7 @@ def compare_encoder(
     precision = precision_of(bundle.manifest)
     bounds = {**ENCODER_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
-    ref_source = str(reference) if reference is not None else recorded_source(bundle)
-    if ref_source is None:
-        raise KvforgeError(f"{candidate} records no source model; pass --reference")
-    if Bundle.is_bundle(ref_source):
-        raise KvforgeError(f"the reference {ref_source} is a bundle; an encoder is compared with its Torch source model")
+    ref_source = reference_source(bundle, reference, "encoder")
     ref = EncoderSession(bundle, "torch", runner=torch_runner(ref_source, bundle.model_config, bundle.io))
     cfg = bundle.model_config
     seq_len = min(seq_len, cand.max_length)

@@ -53,23 +53,14 @@ def _pairs(cand, data, max_tokens: int, seq_len: int, samples: int, random_data:
     return [(w[:seq_len].tolist(), w[seq_len:].tolist()) for w in windows], name
 
 
-def _batch(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
-    L = max(len(r) for r in rows)
-    ids = np.full((len(rows), L), pad, np.int64)
-    mask = np.zeros((len(rows), L), np.int64)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = r, 1
-    return ids, mask
-
-
 def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, data: str | Path | None = None,
                     backend: str = "auto", steps: int = 16, prompts: int = 4, max_tokens: int = 8192, seq_len: int = 64,
                     samples: int = 32, batch_size: int = 4, tolerances: dict[str, float] | None = None,
                     random_data: bool = False, seed: int = 0, progress=None, **backend_options):
-    from kvforge.runtime.encoder_session import recorded_source
+    from kvforge.runtime.generate import right_padded
     from kvforge.runtime.seq2seq_session import Seq2SeqSession
 
-    from .compare import DEFAULT_TOLERANCES, Report, check_tolerances, precision_of
+    from .compare import DEFAULT_TOLERANCES, Report, check_tolerances, precision_of, reference_source
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
@@ -77,11 +68,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
     precision = precision_of(bundle.manifest)
     defaults = {k: v for k, v in DEFAULT_TOLERANCES.get(precision, {}).items() if k in SEQ2SEQ_METRICS}
     bounds = {**defaults, **(tolerances or {})}
-    ref_source = str(reference) if reference is not None else recorded_source(bundle)
-    if ref_source is None:
-        raise KvforgeError(f"{candidate} records no source model; pass --reference")
-    if Bundle.is_bundle(ref_source):
-        raise KvforgeError(f"the reference {ref_source} is a bundle; an encoder-decoder is compared with its Torch source model")
+    ref_source = reference_source(bundle, reference, "encoder-decoder")
     cand = Seq2SeqSession(bundle, backend, **backend_options)
     ref = Seq2SeqSession(bundle, "torch", source=ref_source, float_reference=True)
     seq_len = min(seq_len, cand.max_context - 1)
@@ -97,7 +84,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
         n_batches = -(-len(pairs) // batch_size)
         for b in range(0, len(pairs), batch_size):
             chunk = pairs[b:b + batch_size]
-            src, mask = _batch([s for s, _ in chunk], pad)
+            src, mask = right_padded([s for s, _ in chunk], pad)
             tgt = [t for _, t in chunk]
             T = max(len(t) for t in tgt)
             inputs = np.full((len(chunk), T), pad, np.int64)
@@ -125,7 +112,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
         # one step more than compared: a forced end token (BART's, at the last allowed step) falls outside, and a
         # forced first token is no prediction of the model's: neither is counted
         ref_tokens = [r.tokens[:steps] for r in ref.generate(chosen, max_new_tokens=steps + 1, ignore_eos=True)]
-        src, mask = _batch(chosen, pad)
+        src, mask = right_padded(chosen, pad)
         fed = np.asarray([[start] + t[:-1] for t in ref_tokens], np.int64)
         hits = cand.forward(src, mask, fed).argmax(-1) == np.asarray(ref_tokens)
         first = 1 if cand.config.get("forced_bos_token_id") is not None else 0
