@@ -20,7 +20,7 @@ from kvforge.runtime.sampling import is_number
 
 from .data import load_calibration_set
 from .experts import KEEP_ROWS, STARVED, cover_starved, find_experts, router_inputs
-from .gptq import DAMP, HessianAccumulator, gptq_quantize
+from .gptq import DAMP, HessianAccumulator, gptq_rounder
 from .observers import METHODS, TensorObserver
 from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
 
@@ -253,22 +253,15 @@ def calibrate(
                 experts, observers, routers, weights, act_amax, min_expert_tokens, starved_experts,
                 bundle.model_config["activation"], bundle.model_config["dim"])
 
-    rounded: dict[str, tuple] = {}  # weight -> GPTQ result; the budget's rewrites reuse it
-
-    def round_weight(t, w):
-        if t.weight not in rounded:
-            h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
-            rounded[t.weight] = gptq_quantize(w, h, precision, block_size, dtype=float_dtype)
-        progress("gptq", len(rounded), len(targets))
-        return rounded[t.weight]
+    # the budget's rewrites reuse each weight's GPTQ rounding
+    round_weight = gptq_rounder(hessians, smooth, precision, block_size, float_dtype, progress, len(targets)) if gptq else None
 
     def quantize(extra_exclude: list[str]):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(exclude) + extra_exclude, quantize_lm_head)
-        rec = rewrite(q, q_targets, precision, act_amax, block_size, smooth, float_dtype,
-                      round_weight if gptq else None)
+        rec = rewrite(q, q_targets, precision, act_amax, block_size, smooth, float_dtype, round_weight)
         if kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents}, float_dtype)
         return q, q_targets, q_excluded, rec

@@ -35,24 +35,33 @@ class CalibrationSet:
             yield self.samples[i : i + batch_size]
 
 
-def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
-    """A .jsonl file: one JSON string or {"text": ...} object per line; anything else: one UTF-8 text."""
-    path = Path(path)
+def read_text_file(path: Path, what: str) -> str:
     if not path.is_file():
         raise KvforgeError(f"{what} file {path} does not exist")
     try:
-        raw = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
+        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         raise KvforgeError(f"{what} {path} is not UTF-8 text: {e}") from e
+
+
+def jsonl_items(path: Path, raw: str):
+    """(line number, parsed item) for every non-blank line of a .jsonl file's text."""
+    for n, line in enumerate(raw.split("\n"), 1):  # not splitlines(): U+2028 & co. are legal inside JSON strings
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KvforgeError(f"{path}:{n} is not valid JSON: {e}") from e
+
+
+def read_texts(path: str | Path, what: str = "calibration data") -> list[str]:
+    """A .jsonl file: one JSON string or {"text": ...} object per line; anything else: one UTF-8 text."""
+    path = Path(path)
+    raw = read_text_file(path, what)
     if path.suffix.lower() == ".jsonl":
         texts = []
-        for n, line in enumerate(raw.split("\n"), 1):  # not splitlines(): U+2028 & co. are legal inside JSON strings
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KvforgeError(f"{path}:{n} is not valid JSON: {e}") from e
+        for n, item in jsonl_items(path, raw):
             text = item.get("text") if isinstance(item, dict) else item
             if not isinstance(text, str):
                 raise KvforgeError(f"{path}:{n}: expected a string or an object with a \"text\" string")

@@ -98,6 +98,7 @@ def cover_starved(experts: list[Expert], observers, routers: dict[str, str], wei
     act = _act(activation)
     record: dict[str, dict[str, dict]] = {}
     keep_float: list[str] = []
+    inputs: dict[str, np.ndarray] = {}  # each MoE layer's kept input rows, joined once
     for ex in experts:
         tokens = int(observers[ex.gate_up_input].count // dim)
         entry = {"tokens": tokens, "calibrated": "routed"}
@@ -106,8 +107,11 @@ def cover_starved(experts: list[Expert], observers, routers: dict[str, str], wei
                 entry["calibrated"] = "float"
                 keep_float += ex.layers
             else:
-                x = np.concatenate(observers[routers[ex.moe]].rows) if observers[routers[ex.moe]].rows else None
-                if x is None or not len(x):
+                if ex.moe not in inputs:
+                    rows = observers[routers[ex.moe]].rows
+                    inputs[ex.moe] = np.concatenate(rows) if rows else np.zeros((0, dim), np.float32)
+                x = inputs[ex.moe]
+                if not len(x):
                     raise KvforgeError(f"no calibration rows of {ex.moe}'s input to calibrate its starved expert {ex.index}")
                 h = act(x @ weights[ex.gate_weight]) * (x @ weights[ex.up_weight])
                 act_amax[ex.gate_up_input] = float(observers[routers[ex.moe]].amax)

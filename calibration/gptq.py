@@ -115,3 +115,17 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
             err[i] = e
         W[i2:] -= U[i1:i2, i2:].T @ err
     return np.stack(codes), scales
+
+
+def gptq_rounder(hessians, smooth, fmt: str, block_size, dtype, progress, total: int):
+    """round_weight(target, w) for qdq.rewrite: each target's weight rounded by GPTQ once (later rewrites of the
+    same graph reuse it), from its activation's Hessian (divided by the SmoothQuant factors where given)."""
+    rounded: dict[str, tuple] = {}
+
+    def round_weight(t, w):
+        if t.weight not in rounded:
+            h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
+            rounded[t.weight] = gptq_quantize(w, h, fmt, block_size, dtype=dtype)
+        progress("gptq", len(rounded), total)
+        return rounded[t.weight]
+    return round_weight

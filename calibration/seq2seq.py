@@ -13,7 +13,6 @@ scales; lm_head stays in float (as in decoders) unless asked.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable
@@ -29,20 +28,19 @@ from .qdq import find_targets, rewrite
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, str]] | None:
-    """The (source, target) pairs of a .jsonl file whose lines are {"source", "target"} objects; None for any other data."""
+    """The (source, target) pairs of a .jsonl file whose lines are {"source", "target"} objects; None for any other
+    data (a file whose first item is no such object)."""
+    from .data import jsonl_items, read_text_file
+
     path = Path(path)
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         return None
     pairs = []
-    for n, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise KvforgeError(f"{path}:{n} is not valid JSON: {e}") from e
+    for n, item in jsonl_items(path, read_text_file(path, "calibration data")):
         if not isinstance(item, dict) or "source" not in item:
-            return None if n == 1 else _bad(path, n)
+            if not pairs:
+                return None
+            _bad(path, n)
         if not isinstance(item.get("source"), str) or not isinstance(item.get("target"), str):
             _bad(path, n)
         pairs.append((item["source"], item["target"]))
@@ -92,7 +90,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     import onnx
 
     from .api import _observe, activation_scales
-    from .gptq import DAMP, HessianAccumulator, gptq_quantize
+    from .gptq import DAMP, HessianAccumulator, gptq_rounder
 
     cfg = bundle.model_config
     graphs = bundle.manifest["graphs"]
@@ -139,12 +137,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
                                                  len(items), precision, method, percentile, smoothquant, report)
         if gptq:
-            def round_weight(t, w, hessians=hessians, smooth=smooth, targets=targets, report=report, done={}):
-                if t.weight not in done:
-                    h = hessians.hessian(t.activation, smooth.get(t.activation) if smooth else None)
-                    done[t.weight] = gptq_quantize(w, h, precision, block_size, dtype=float_dtype)
-                report("gptq", len(done), len(targets))
-                return done[t.weight]
+            round_weight = gptq_rounder(hessians, smooth, precision, block_size, float_dtype, report, len(targets))
         scales[role] = rewrite(model, targets, precision, act_amax, block_size, smooth, float_dtype, round_weight)
         out[graphs[role]] = model
         layers += [t.layer for t in targets]

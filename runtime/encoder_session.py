@@ -31,7 +31,7 @@ POOLINGS = ("mean", "cls")
 
 
 def _ort_runner(bundle: Bundle, device: str = "cpu", threads: int | None = None, optimization: str = "all",
-                **unknown) -> tuple[Callable[[dict[str, np.ndarray]], list[np.ndarray]], str]:
+                **unknown) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     if unknown:
         raise KvforgeError(f"unknown onnxruntime options for an encoder: {sorted(unknown)}")
     from .ort_backend import make_session
@@ -41,7 +41,7 @@ def _ort_runner(bundle: Bundle, device: str = "cpu", threads: int | None = None,
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
     session = make_session(bundle.graph_file, quant, optimization=optimization, threads=threads)
-    return (lambda feeds: session.run(None, feeds)), "onnxruntime"
+    return lambda feeds: session.run(None, feeds)
 
 
 def torch_runner(source, config: dict[str, Any], io: IOSpec, dtype: str = "float32", device: str = "cpu"):
@@ -78,7 +78,7 @@ def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu"
     source = source or recorded_source(bundle)
     if source is None:
         raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-    return torch_runner(source, bundle.model_config, bundle.io, bundle.manifest["precision"]["dtype"], device), "torch"
+    return torch_runner(source, bundle.model_config, bundle.io, bundle.manifest["precision"]["dtype"], device)
 
 
 class EncoderSession:
@@ -108,7 +108,7 @@ class EncoderSession:
                 self._run = self._given
             elif self._run is None:
                 make = _ort_runner if self.backend_name == "onnxruntime" else _torch_runner
-                self._run, _ = make(self.bundle, **self._options)
+                self._run = make(self.bundle, **self._options)
         return self
 
     def deactivate(self) -> None:
