@@ -71,7 +71,6 @@ class _Evaluator:
 
         self.bundle = bundle
         self.dtype = bundle.manifest["precision"]["dtype"]
-        self.past = [n for layer in bundle.io.past for n in layer]
         ids, self.data = held_out
         self.chunks = windows(ids, budget_window(bundle, seq_len))
         self.batch_size = batch_size
@@ -81,7 +80,7 @@ class _Evaluator:
     def feeds(self, batch):
         from kvforge.runtime.ort_backend import prefill_feeds
 
-        return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.past, self.dtype)
+        return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
 
     def metrics(self, model, quant: str) -> dict[str, float]:
         from kvforge.runtime.ort_backend import make_session
@@ -109,15 +108,15 @@ class _Evaluator:
         from kvforge.runtime.ort_backend import make_session
 
         sess = make_session(model.SerializeToString(), quant)
-        cfg = self.bundle.model_config
+        io = self.bundle.io
         rng = np.random.default_rng(0)
         np_dtype = np.float16 if self.dtype == "float16" else np.float32
         feeds = {
             "input_ids": np.array([[1]], np.int64),
             "attention_mask": np.ones((1, past + 1), np.int64),
             "position_ids": np.array([[past]], np.int64),
-            **{n: rng.standard_normal((1, cfg["n_kv_heads"], length, cfg["head_dim"])).astype(np_dtype)
-               for names, length in zip(self.bundle.io.past, self.bundle.io.cache_lengths(past)) for n in names},
+            **{n: rng.standard_normal(io.empty_shape(n, 1)[:2] + [length] + io.empty_shape(n, 1)[3:]).astype(np_dtype)
+               for names, length in zip(io.past, io.cache_lengths(past)) for n in names},
         }
         times = []
         for i in range(runs + 3):

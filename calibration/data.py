@@ -82,10 +82,12 @@ def check_vocab(ids, vocab_size: int, source: str) -> None:
 
 
 def _is_builtin_tiny(bundle: Bundle) -> bool:
+    """A bundle of a trained preset (tiny, tiny-moe: one corpus and tokenizer)."""
     from kvforge.model_defs import ModelConfig
+    from kvforge.model_defs.checkpoint import TRAINED
 
     source = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
-    return source == "tiny" and bundle.model_config == ModelConfig.from_name("tiny").to_dict()
+    return source in TRAINED and bundle.model_config == ModelConfig.from_name(source).to_dict()
 
 
 def load_calibration_set(

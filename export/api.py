@@ -44,11 +44,11 @@ def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
     from kvforge.model_defs import source_kind
     from kvforge.model_defs.architectures import preset_config
-    from kvforge.model_defs.checkpoint import TINY_DIR
+    from kvforge.model_defs.checkpoint import TRAINED, trained_dir
 
     kind = source_kind(source)
-    if kind == "preset" and str(source) == "tiny":
-        kind, path, name = "kvforge", TINY_DIR, "tiny"
+    if kind == "preset" and str(source) in TRAINED:
+        kind, path, name = "kvforge", trained_dir(str(source)), str(source)
     elif kind == "preset":
         blob = json.dumps({"preset": str(source), "config": preset_config(str(source)).to_dict(), "seed": 0}, sort_keys=True)
         return {"source": str(source), "kind": "preset", "sha256": hashlib.sha256(blob.encode()).hexdigest()}

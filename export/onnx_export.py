@@ -12,6 +12,13 @@ lengths are dynamic. Names follow Hugging Face Optimum / ONNX Runtime GenAI:
 
 total_sequence_length = past_sequence_length + sequence_length.
 
+A latent-attention layer (DeepSeek's MLA) caches one tensor instead of the pair:
+
+    past_key_values.{i}.latent  model dtype [batch_size, 1, past_sequence_length, kv_lora_rank + qk_rope_head_dim]
+    present.{i}.latent          (the same over total_sequence_length)
+
+its features are [the normed latent c_kv | the rotated shared RoPE key] (ModelConfig.cache_entries).
+
 A layer with a sliding window W keeps a capped cache (a rolling buffer of its
 newest positions): its past is [batch_size, kv_heads, past_sequence_length_wW,
 head_dim] with past_sequence_length_wW = min(past, W), and its present holds
@@ -52,14 +59,17 @@ EXTERNAL_DATA = "model.onnx.data"
 _NP_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def input_names(n_layers: int) -> list[str]:
-    return ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")
-    ]
+def cache_names(cfg, prefix: str) -> list[list[str]]:
+    """Per layer, its cache tensors' names: `{prefix}.{i}.key` and `.value`, or `.latent` (cfg.cache_entries)."""
+    return [[f"{prefix}.{i}.{name}" for name, _, _ in cfg.cache_entries(i)] for i in range(cfg.n_layers)]
 
 
-def output_names(n_layers: int) -> list[str]:
-    return ["logits"] + [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+def input_names(cfg) -> list[str]:
+    return ["input_ids", "attention_mask", "position_ids"] + [n for layer in cache_names(cfg, "past_key_values") for n in layer]
+
+
+def output_names(cfg) -> list[str]:
+    return ["logits"] + [n for layer in cache_names(cfg, "present") for n in layer]
 
 
 def layer_windows(cfg) -> list[int | None]:
@@ -71,20 +81,23 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     kv = _NP_DTYPES[dtype]
     windows = layer_windows(cfg)
 
-    def cache(layer: int, present: bool) -> list:
+    def cache(layer: int, present: bool, entry: int) -> list:
         length = (TOTAL if present else PAST) if windows[layer] is None else window_dims(windows[layer])[present]
-        return [BATCH, cfg.n_kv_heads, length, cfg.head_dim]
+        _, heads, dim = cfg.cache_entries(layer)[entry]
+        return [BATCH, heads, length, dim]
 
-    past = [[f"past_key_values.{i}.key", f"past_key_values.{i}.value"] for i in range(cfg.n_layers)]
-    present = [[f"present.{i}.key", f"present.{i}.value"] for i in range(cfg.n_layers)]
+    past, present = cache_names(cfg, "past_key_values"), cache_names(cfg, "present")
     inputs = [
         TensorSpec("input_ids", "int64", [BATCH, SEQ]),
         TensorSpec("attention_mask", "int64", [BATCH, TOTAL]),
         TensorSpec("position_ids", "int64", [BATCH, SEQ]),
-    ] + [TensorSpec(n, kv, cache(i, False)) for i, names in enumerate(past) for n in names]
+    ] + [TensorSpec(n, kv, cache(i, False, j)) for i, names in enumerate(past) for j, n in enumerate(names)]
     outputs = [TensorSpec("logits", "float32", [BATCH, SEQ, cfg.vocab_size])] + [
-        TensorSpec(n, kv, cache(i, True)) for i, names in enumerate(present) for n in names
+        TensorSpec(n, kv, cache(i, True, j)) for i, names in enumerate(present) for j, n in enumerate(names)
     ]
+    if cfg.kv_lora_rank:
+        return IOSpec(inputs, outputs, past, present, max_context=max_context, windows=windows,
+                      cache_layout="batch,1,seq,kv_lora_rank+qk_rope_head_dim")
     return IOSpec(inputs, outputs, past, present, max_context=max_context, windows=windows)
 
 
@@ -94,11 +107,14 @@ class FlatKVModel(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.n_layers = model.config.n_layers
+        self.sizes = [len(model.config.cache_entries(i)) for i in range(model.config.n_layers)]  # tensors per layer
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
-        cache = tuple((past[2 * i], past[2 * i + 1]) for i in range(self.n_layers))
-        logits, present = self.model(input_ids, attention_mask, position_ids, cache)
+        cache, at = [], 0
+        for n in self.sizes:
+            cache.append(tuple(past[at:at + n]))
+            at += n
+        logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
         return (logits, *[t for kv in present for t in kv])
 
 
@@ -114,19 +130,19 @@ def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, see
     positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
     lengths = [past if w is None else min(past, w) if capped_past is None else min(capped_past, w) for w in layer_windows(cfg)]
     cache = [
-        torch.randn(batch, cfg.n_kv_heads, n, cfg.head_dim, generator=gen).to(dtype)
-        for n in lengths for _ in range(2)
+        torch.randn(batch, heads, n, dim, generator=gen).to(dtype)
+        for i, n in enumerate(lengths) for _, heads, dim in cfg.cache_entries(i)
     ]
     return (ids, mask, positions, *cache)
 
 
-def _rename_dims(graph, windows: list[int | None]) -> None:
+def _rename_dims(graph, cfg) -> None:
     """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names."""
     import onnx_ir as ir
 
     values = {v.name: v for v in list(graph.inputs) + list(graph.outputs)}
     symbol = {}
-    n_layers = len(windows)
+    windows = layer_windows(cfg)
 
     def sym(name, axis):
         dim = values[name].shape[axis]
@@ -138,13 +154,13 @@ def _rename_dims(graph, windows: list[int | None]) -> None:
     # position_ids is unused by models without positions (NoPE, ALiBi): its symbols are free
     symbol.setdefault(sym("position_ids", 0), BATCH)
     symbol.setdefault(sym("position_ids", 1), SEQ)
-    for i, name in enumerate(input_names(n_layers)[3:]):
-        window = windows[i // 2]
-        symbol[sym(name, 2)] = PAST if window is None else window_dims(window)[0]
+    for window, names in zip(windows, cache_names(cfg, "past_key_values")):
+        for name in names:
+            symbol[sym(name, 2)] = PAST if window is None else window_dims(window)[0]
     symbol.pop(None, None)
     # A capped present's length is an expression of the exporter's (Max(0, ... - Max(...))): named here.
-    for i, window in enumerate(windows):
-        for name in (f"present.{i}.key", f"present.{i}.value"):
+    for window, names in zip(windows, cache_names(cfg, "present")):
+        for name in names:
             if window is not None and values[name].shape is not None:
                 dims = list(values[name].shape)
                 dims[2] = window_dims(window)[1]
@@ -248,15 +264,15 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     batch, seq, past = _example_sizes(windows)
     args = example_inputs(cfg, dtype, batch, seq, past, capped_past=4)
     dyn = torch.export.Dim.DYNAMIC
-    n_past = 2 * cfg.n_layers
+    n_past = sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers))
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},
         "attention_mask": {0: dyn, 1: dyn},
         "position_ids": {0: dyn, 1: dyn},
         "past": tuple({0: dyn, 2: dyn} for _ in range(n_past)),
     }
-    program = trace(flat, args, dynamic_shapes, input_names(cfg.n_layers), output_names(cfg.n_layers), opset)
-    _rename_dims(program.model.graph, windows)
+    program = trace(flat, args, dynamic_shapes, input_names(cfg), output_names(cfg), opset)
+    _rename_dims(program.model.graph, cfg)
     return save_program(program, path, external_data)
 
 

@@ -187,10 +187,10 @@ def validate(
     cfg = reference.config
     tol = TOLERANCES[dtype]
     runner = OrtRunner(path, dtype)
-    if runner.names != input_names(cfg.n_layers):
-        raise KvforgeError(f"graph inputs {runner.names} do not follow the IO contract {input_names(cfg.n_layers)}")
+    if runner.names != input_names(cfg):
+        raise KvforgeError(f"graph inputs {runner.names} do not follow the IO contract {input_names(cfg)}")
     flat = FlatKVModel(reference).eval()
-    names = output_names(cfg.n_layers)
+    names = output_names(cfg)
     cases, failures = [], []
     all_cases = _grid(cfg, max_context) + _fuzz_cases(max_context, fuzz, seed)
     for i, case in enumerate(all_cases):
@@ -231,8 +231,7 @@ def _lockstep(runner: OrtRunner, flat, cfg, tol, seed, progress, done, max_conte
     """
     gen = torch.Generator().manual_seed(seed + 99)
     prompt = torch.randint(0, cfg.vocab_size, (1, min(8, max_context - 1)), generator=gen)
-    n = cfg.n_layers
-    empty = tuple(torch.zeros(1, cfg.n_kv_heads, 0, cfg.head_dim) for _ in range(2 * n))
+    empty = tuple(t for layer in flat.model.empty_cache(1) for t in layer)
 
     def step_inputs(ids, past_len):
         total = past_len + ids.shape[1]

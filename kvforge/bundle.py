@@ -143,6 +143,16 @@ class IOSpec:
         except (KeyError, TypeError) as e:
             raise KvforgeError(f"malformed IO spec in manifest: missing {e}") from e
 
+    def empty_shape(self, name: str, batch: int) -> list[int]:
+        """The shape of cache input `name` holding no positions: [batch, heads, 0, features] (per-head K/V or a
+        latent: the spec's static dims say which)."""
+        shape = self.input(name).shape
+        return [batch, int(shape[1]), 0, int(shape[3])]
+
+    def cache_shapes(self, batch: int) -> dict[str, list[int]]:
+        """Every cache input's empty shape, in IO order."""
+        return {n: self.empty_shape(n, batch) for layer in self.past for n in layer}
+
     def input(self, name: str) -> TensorSpec:
         for t in self.inputs:
             if t.name == name:

@@ -46,6 +46,7 @@ def models(as_json):
     """List the model presets and the Hugging Face families kvforge imports."""
     from kvforge.model_defs import SUPPORTED_FAMILIES
     from kvforge.model_defs.architectures import all_presets, preset_config
+    from kvforge.model_defs.checkpoint import TRAINED
 
     rows = []
     for name, arch in sorted(all_presets().items(), key=lambda item: (item[1] != "decoder", item[0])):
@@ -53,7 +54,7 @@ def models(as_json):
         rows.append({
             "name": name,
             "architecture": arch,
-            "weights": "trained" if name == "tiny" else "random",
+            "weights": "trained" if name in TRAINED else "random",
             "layers x dim": f"{cfg.n_layers} x {cfg.dim}",
             "heads q/kv": f"{cfg.n_heads}/{cfg.n_kv_heads}",
             "vocab": cfg.vocab_size,

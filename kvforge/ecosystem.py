@@ -52,6 +52,9 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
                       "layers keep capped caches of min(past + new, W) positions")
+    if any(len(layer) != 2 for layer in io.past):
+        return None, ("ONNX Runtime GenAI's config names a key and a value per layer; this bundle's latent-attention "
+                      "layers cache one latent tensor each")
     patterns = [_layer_pattern(io.past, 0), _layer_pattern(io.past, 1), _layer_pattern(io.present, 0), _layer_pattern(io.present, 1)]
     if None in patterns or [t.name for t in io.inputs[:3]] != ["input_ids", "attention_mask", "position_ids"]:
         return None, "the graph's cache tensors do not follow one naming pattern per layer, which GenAI's config needs"
@@ -109,7 +112,7 @@ def llama_config(model: dict[str, Any]) -> tuple[dict[str, Any] | None, str | No
               "gated_ffn": True, "final_norm": True, "embed_norm": False, "qk_norm": None, "rotary_fraction": 1.0,
               "sliding_window": None, "attn_scale": None, "attn_softcap": None, "final_softcap": None,
               "embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0, "lm_head_bias": False,
-              "local_rope_theta": None}
+              "local_rope_theta": None, "n_experts": 0, "kv_lora_rank": 0}
     for key, value in expect.items():
         if model.get(key, value) != value:
             differs.append(f"{key}={model.get(key)!r}")

@@ -31,6 +31,17 @@ WEIGHTS_FILE = "model.safetensors"
 ASSETS = Path(__file__).parent / "assets"
 TINY_DIR = ASSETS / "tiny"
 DEFAULT_MODEL = "tiny"
+# Presets whose trained weights ship with the package (train_tiny.py made them), and where
+TRAINED = {"tiny": TINY_DIR, "tiny-moe": ASSETS / "tiny-moe"}
+
+
+def trained_dir(name: str) -> Path:
+    """The checkpoint directory of trained preset `name`; a clear error when its weights are missing."""
+    path = TRAINED[name]
+    if not (path / CHECKPOINT_CONFIG).is_file():
+        raise KvforgeError(f"the trained weights of preset {name!r} are missing from {path}: train them with "
+                           f"`python -m kvforge.model_defs.train_tiny --preset {name}`")
+    return path
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,15 +92,15 @@ def source_kind(source: str | os.PathLike) -> str:
 def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
     """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")`.
 
-    source: a preset name (`tiny` has trained weights; other presets get
+    source: a preset name (`tiny` and `tiny-moe` have trained weights; other presets get
     seeded random weights), a kvforge checkpoint directory, or a Hugging Face
     checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) of a
     supported family (kvforge.model_defs.SUPPORTED_FAMILIES).
     """
     dtype = resolve_dtype(dtype)
     kind = source_kind(source)
-    if kind == "preset" and str(source) == "tiny":
-        source, kind = TINY_DIR, "kvforge"
+    if kind == "preset" and str(source) in TRAINED:
+        source, kind = trained_dir(str(source)), "kvforge"
     if kind == "preset":
         cfg = preset_config(str(source))
         model = init_random_weights(build(cfg), seed)

@@ -79,6 +79,18 @@ class ModelConfig(ConfigDict):
     qk_norm: str | None = None  # norm q and k before RoPE: "head" (each head: Qwen3, Gemma3, Cohere), "proj" (OLMo2)
     attn_scale: float | None = None  # scores = q.k * attn_scale; None -> 1/sqrt(head_dim) (Gemma, Granite set it)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before masking (Gemma 2)
+    # Multi-head latent attention (DeepSeek-V2/V3, model_defs/mla.py) when kv_lora_rank > 0: each token's keys and
+    # values come from one latent c_kv of kv_lora_rank features (kv_a_proj_with_mqa, normed, then kv_b_proj per
+    # head) plus one RoPE key of qk_rope_head_dim shared by all heads; the cache holds only those
+    # kv_lora_rank + qk_rope_head_dim values per token and layer. A head's query is qk_nope_head_dim features
+    # without positions and qk_rope_head_dim rotated ones (from q_proj, or through a q_lora_rank bottleneck
+    # with its own norm); its value has v_head_dim. head_dim must equal qk_rope_head_dim (the rotated width);
+    # attn_scale None -> 1/sqrt(qk_nope_head_dim + qk_rope_head_dim).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # positions
     position: str = "rope"
@@ -131,6 +143,12 @@ class ModelConfig(ConfigDict):
     shared_expert_ffn_dim: int = 0
     shared_expert_gate: bool = False
     moe_layers: list[int] | None = None
+    # group-limited routing (DeepSeek): experts form router_groups equal groups, each token first keeps its
+    # router_topk_groups best groups (a group's score: its best expert's, "max" (V2), or its best two summed,
+    # "top2" (V3)), then picks experts_per_token experts within them. 1 group: plain top-k.
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "max"
 
     tie_embeddings: bool = False  # lm_head shares the token embedding matrix
     lm_head_bias: bool = False  # GPT-J
@@ -233,6 +251,8 @@ class ModelConfig(ConfigDict):
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if self.n_experts:
             problems += self._moe_problems()
+        if self.kv_lora_rank:
+            problems += self._mla_problems()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             for i in value if isinstance(value, list) else [value]:
@@ -259,7 +279,54 @@ class ModelConfig(ConfigDict):
             problems.append("experts are gated FFNs (gate, up, down): set gated_ffn=True")
         if self.moe_layers is not None and any(not 0 <= i < self.n_layers for i in self.moe_layers):
             problems.append(f"moe_layers {self.moe_layers} name layers outside 0..{self.n_layers - 1}")
+        g, kg = self.router_groups, self.router_topk_groups
+        if not isinstance(g, int) or not isinstance(kg, int) or g < 1 or not 1 <= kg <= g:
+            problems.append(f"router_groups ({g!r}) and router_topk_groups ({kg!r}) must be integers with "
+                            "1 <= router_topk_groups <= router_groups")
+        elif isinstance(self.n_experts, int) and self.n_experts >= 1:
+            if self.n_experts % g:
+                problems.append(f"n_experts={self.n_experts} is not divisible into router_groups={g}")
+            elif isinstance(self.experts_per_token, int) and self.experts_per_token > kg * (self.n_experts // g):
+                problems.append(f"experts_per_token={self.experts_per_token} exceeds the {kg * (self.n_experts // g)} "
+                                f"experts of router_topk_groups={kg} groups")
+            elif g > 1 and self.router_group_score == "top2" and self.n_experts // g < 2:
+                problems.append("router_group_score 'top2' sums each group's best two experts: groups need >= 2 experts")
+        if self.router_group_score not in ("max", "top2"):
+            problems.append(f"router_group_score={self.router_group_score!r} is not one of ('max', 'top2')")
         return problems
+
+    def _mla_problems(self) -> list[str]:
+        problems = []
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"latent attention needs {name} to be a positive integer, got {value!r}")
+        if not isinstance(self.qk_nope_head_dim, int) or self.qk_nope_head_dim < 0:
+            problems.append(f"qk_nope_head_dim must be an integer >= 0, got {self.qk_nope_head_dim!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            problems.append(f"q_lora_rank must be a positive integer or None, got {self.q_lora_rank!r}")
+        if self.position != "rope":
+            problems.append(f"latent attention rotates its decoupled RoPE dims: position must be 'rope', got {self.position!r}")
+        if self.head_dim != self.qk_rope_head_dim:
+            problems.append(f"latent attention: head_dim (the rotated width) must equal qk_rope_head_dim="
+                            f"{self.qk_rope_head_dim}, got {self.head_dim}")
+        if self.rotary_fraction != 1.0 and not problems:
+            problems.append("latent attention rotates all qk_rope_head_dim features: rotary_fraction must be 1")
+        if self.sliding_window is not None:
+            problems.append("latent attention keeps a full latent cache: sliding_window is not supported with it")
+        if self.qk_norm is not None or self.attn_softcap is not None or self.position == "alibi":
+            problems.append("latent attention has no q/k norms or soft-capping")
+        return problems
+
+    def cache_entries(self, layer: int) -> list[tuple[str, int, int]]:
+        """Layer `layer`'s cache tensors: (name, heads, features per head), each (batch, heads, positions, features).
+
+        Per-head attention caches a key and a value per KV head; latent attention one `latent` of
+        kv_lora_rank + qk_rope_head_dim features ([normed c_kv | rotated k_pe]) shared by every head.
+        """
+        if self.kv_lora_rank:
+            return [("latent", 1, self.kv_lora_rank + self.qk_rope_head_dim)]
+        return [("key", self.n_kv_heads, self.head_dim), ("value", self.n_kv_heads, self.head_dim)]
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.n_experts) and (self.moe_layers is None or layer in self.moe_layers)
@@ -309,6 +376,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=1024, rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5,
         activation="silu", gated_ffn=True, tie_embeddings=True, family="llama",
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    # The trained mixture of experts (weights ship with the package; model_defs/train_tiny.py --preset tiny-moe, on
+    # tiny's corpus with tiny's tokenizer): DeepSeek-style latent attention (q through a 128 bottleneck, a 64-wide
+    # latent + 16 RoPE dims cached per token), a dense first layer, then 8 experts, top-2, beside a shared expert.
+    "tiny-moe": dict(
+        vocab_size=4096, dim=256, n_layers=4, n_heads=8, head_dim=16, ffn_dim=704, max_seq_len=1024,
+        kv_lora_rank=64, q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_experts=8, experts_per_token=2, expert_ffn_dim=192, shared_expert_ffn_dim=192, moe_layers=[1, 2, 3],
+        rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, activation="silu", gated_ffn=True, tie_embeddings=True,
+        family="kvforge", bos_token_id=1, eos_token_id=2, pad_token_id=0,
     ),
     # The ~125M Llama shape of the runtime benchmarks.
     "llama-125m": dict(
@@ -405,6 +482,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=259, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256, qkv_bias=True,
         n_experts=6, experts_per_token=2, expert_ffn_dim=48, norm_topk_prob=False, shared_expert_ffn_dim=128,
         shared_expert_gate=True, moe_layers=[1], family="qwen2_moe",
+    ),
+    # DeepSeek-V3-style: latent attention (q low-rank path, 16-wide latent + 8 RoPE dims cached), a dense first
+    # layer, then 8 sigmoid-scored experts in 4 groups (best 2 groups kept), top-2, a correction bias, scaled
+    # weights, a shared expert.
+    "deepseek-micro": dict(
+        vocab_size=259, dim=64, n_layers=2, n_heads=4, head_dim=8, ffn_dim=160, max_seq_len=256,
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12,
+        n_experts=8, experts_per_token=2, expert_ffn_dim=48, router_scoring="sigmoid", router_correction_bias=True,
+        router_groups=4, router_topk_groups=2, router_group_score="top2", routed_scaling_factor=2.5,
+        shared_expert_ffn_dim=48, moe_layers=[1], family="deepseek_v3",
     ),
     # Gemma 2/3-style: sandwich norms, per-head q/k norms, attention and final soft-capping,
     # query_pre_attn_scalar, embeddings * sqrt(dim), local (windowed, capped cache, own RoPE base) and

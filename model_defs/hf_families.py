@@ -397,6 +397,54 @@ def _olmoe(hf):
     return cfg
 
 
+def _deepseek(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: latent attention, a dense FFN on the first first_k_dense_replace layers, then routed experts
+    beside always-on shared ones (n_shared_experts of them: one FFN of that multiple of moe_intermediate_size)."""
+    v3 = family == "deepseek_v3"
+    if not v3 and hf.get("mlp_bias"):
+        raise KvforgeError("deepseek_v2 mlp_bias is not supported: transformers' experts have no biases while its "
+                           "dense and shared FFNs would")
+    heads = hf["num_attention_heads"]
+    cfg = llama_like(hf, family, kv_heads_default=heads)
+    n = cfg["n_layers"]
+    rope_dim, nope = int(hf.get("qk_rope_head_dim", 64)), int(hf.get("qk_nope_head_dim", 128))
+    method = "group_limited_greedy" if v3 else hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise KvforgeError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    groups = int(hf.get("n_group") or 1) if method == "group_limited_greedy" else 1
+    cfg.update(
+        n_kv_heads=heads, head_dim=rope_dim, kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+        q_lora_rank=hf.get("q_lora_rank", 1536), qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+        v_head_dim=int(hf.get("v_head_dim") or 128), ffn_bias=bool(hf.get("mlp_bias", False)),
+        n_experts=_n_experts({"num_experts": hf.get("n_routed_experts")}, 256 if v3 else 64),
+        experts_per_token=int(hf.get("num_experts_per_tok") or (8 if v3 else 6)),
+        expert_ffn_dim=int(hf.get("moe_intermediate_size", 2048 if v3 else 1407)),
+        router_scoring="sigmoid" if v3 else "softmax", router_correction_bias=v3,
+        # transformers' V2 router never renormalizes its top-k, whatever norm_topk_prob says
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        router_groups=groups, router_topk_groups=int(hf.get("topk_group") or 1) if groups > 1 else 1,
+        router_group_score="top2" if v3 else "max",
+        shared_expert_ffn_dim=int(hf.get("moe_intermediate_size", 2048 if v3 else 1407))
+        * int(hf.get("n_shared_experts") or 0),
+        moe_layers=list(range(int(hf.get("first_k_dense_replace") or 0), n)),
+    )
+    params = rope_parameters(hf)
+    mscale_all = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all:
+        # YaRN's softmax scale: 1/sqrt(qk head dim) * mscale(factor, mscale_all_dim)^2
+        cfg["attn_scale"] = (nope + rope_dim) ** -0.5 * _mscale(float(params["factor"]), float(mscale_all)) ** 2
+    return cfg
+
+
+def _deepseek_v2(hf):
+    return _deepseek(hf, "deepseek_v2")
+
+
+def _deepseek_v3(hf):
+    return _deepseek(hf, "deepseek_v3")
+
+
 def _granite(hf):
     cfg = llama_like(hf, "granite")
     cfg.update(
@@ -874,6 +922,42 @@ def _olmoe_weights(hf, cfg) -> Table:
             **moe_weights("model.layers.{i}.mlp", "experts", ("gate_proj", "up_proj", "down_proj"), "gate")}
 
 
+def mla_half_split(which: str) -> Transform:
+    """DeepSeek rotates interleaved pairs of the RoPE dims (V2 always, V3 with rope_interleave): reorder them to
+    kvforge's halves, in each head's query rows (`q`: [nope | rope] per head) or the shared key's (`kv_a`: the
+    last qk_rope_head_dim rows of kv_a_proj_with_mqa, after the latent's)."""
+
+    def f(t, cfg):
+        dr, dn = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+        if which == "kv_a":
+            r = cfg.kv_lora_rank
+            return torch.cat([t[:r], t[r:][perm]])
+        x = t.reshape(cfg.n_heads, dn + dr, *t.shape[1:])
+        return torch.cat([x[:, :dn], x[:, dn:][:, perm]], dim=1).reshape(t.shape)
+    return f
+
+
+def _deepseek_weights(hf, cfg) -> Table:
+    interleaved = hf.get("model_type") == "deepseek_v2" or hf.get("rope_interleave", True)
+    q_rows = mla_half_split("q") if interleaved else None
+    attn = "model.layers.{i}.self_attn"
+    table = {k: v for k, v in llama_weights().items() if ".attn." not in k}
+    table.update(_linear("layers.{i}.attn.q_proj", f"{attn}.q_proj", q_rows))
+    table.update(_linear("layers.{i}.attn.q_a_proj", f"{attn}.q_a_proj"))
+    table["layers.{i}.attn.q_a_norm.weight"] = (f"{attn}.q_a_layernorm.weight", None)
+    table.update(_linear("layers.{i}.attn.q_b_proj", f"{attn}.q_b_proj", q_rows))
+    table.update(_linear("layers.{i}.attn.kv_a_proj", f"{attn}.kv_a_proj_with_mqa",
+                         mla_half_split("kv_a") if interleaved else None))
+    table["layers.{i}.attn.kv_a_norm.weight"] = (f"{attn}.kv_a_layernorm.weight", None)
+    table.update(_linear("layers.{i}.attn.kv_b_proj", f"{attn}.kv_b_proj"))
+    table.update(_linear("layers.{i}.attn.o_proj", f"{attn}.o_proj"))
+    table.update(moe_weights("model.layers.{i}.mlp", "experts", ("gate_proj", "up_proj", "down_proj"), "gate",
+                             "shared_experts"))
+    table["layers.{i}.ffn.router.bias"] = ("model.layers.{i}.mlp.gate.e_score_correction_bias", None)
+    return table
+
+
 def _qk_norms(theirs: str, q: Transform | None, k: Transform | None) -> Table:
     return {
         "layers.{i}.attn.q_norm.weight": (f"model.layers.{{i}}.self_attn.q_norm.{theirs}", q),
@@ -1172,6 +1256,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(_qwen2_moe, _qwen_moe_weights(shared=True)),
     "qwen3_moe": Family(_qwen3_moe, _qwen_moe_weights(shared=False)),
     "olmoe": Family(_olmoe, _olmoe_weights),
+    "deepseek_v2": Family(_deepseek_v2, _deepseek_weights),
+    # released V3 files also hold the multi-token-prediction layer(s) after the last one, which transformers skips
+    "deepseek_v3": Family(_deepseek_v3, _deepseek_weights, leftovers=lambda cfg: (f"model.layers.{cfg.n_layers}.",)),
     "bert": Family(_bert, _bert_weights, add_prefix="bert.", head_prefixes=("cls.", "classifier."),
                    architecture="encoder", embedding="embed.tokens.weight",
                    duplicates=(("cls.predictions.decoder.bias", "cls.predictions.bias"),),

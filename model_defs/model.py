@@ -11,6 +11,9 @@ with the tensors of DESIGN.md's KV-cache IO contract:
     logits           float32 (B, T, vocab)
     present          n_layers x (key, value), each (B, KV, P_i + T, D)
 
+A latent-attention layer (DeepSeek's MLA: mla.py) caches one tensor instead of a pair: (latent,), (B, 1, P, r + dr)
+(ModelConfig.cache_entries says what each layer's cache holds).
+
 P_i is the past length P for full-attention layers; a layer with a sliding
 window W keeps a capped cache of the last min(P, W) positions, and its present
 holds min(P + T, W) (a rolling buffer: see layers.Attention).
@@ -31,10 +34,11 @@ from kvforge.errors import KvforgeError
 
 from .config import ModelConfig
 from .layers import Attention, GatedMLP, attention_mask_bool, build_ffn, build_norm, build_qk_norms
+from .mla import LatentAttention
 from .moe import MoE, Experts, Router
 from .positions import LearnedPositions, SinusoidalPositions, build_alibi, build_rope
 
-KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+KVCache = tuple[tuple[torch.Tensor, ...], ...]  # per layer: (key, value), or (latent,)
 
 
 def _norm_or_identity(cfg: ModelConfig, present: bool) -> nn.Module:
@@ -205,18 +209,20 @@ class Transformer(nn.Module):
     def empty_cache(self, batch: int) -> KVCache:
         """A past of length 0, in the model dtype, for callers that always pass a cache."""
         cfg = self.config
-        shape = (batch, cfg.n_kv_heads, 0, cfg.head_dim)
         dev = self.embed.weight.device
         return tuple(
-            (torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
-            for _ in range(cfg.n_layers)
+            tuple(torch.zeros(batch, heads, 0, dim, dtype=self.dtype, device=dev) for _, heads, dim in cfg.cache_entries(i))
+            for i in range(cfg.n_layers)
         )
 
 
 def build_block(cfg: ModelConfig, layer: int) -> nn.Module:
-    """One decoder layer: attention (with this layer's window and q/k norms) and the FFN (dense, or a mixture
-    of experts on the config's MoE layers), in the config's block."""
-    attn = Attention(cfg, cfg.layer_window(layer), *build_qk_norms(cfg))
+    """One decoder layer: attention (per-head with this layer's window and q/k norms, or latent) and the FFN
+    (dense, or a mixture of experts on the config's MoE layers), in the config's block."""
+    if cfg.kv_lora_rank:
+        attn = LatentAttention(cfg)
+    else:
+        attn = Attention(cfg, cfg.layer_window(layer), *build_qk_norms(cfg))
     ffn = build_moe(cfg) if cfg.is_moe_layer(layer) else build_ffn(cfg)
     if cfg.block != "sequential":
         return ParallelBlock(cfg, attn, ffn)
@@ -227,7 +233,8 @@ def build_block(cfg: ModelConfig, layer: int) -> nn.Module:
 
 def build_moe(cfg: ModelConfig) -> MoE:
     router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.router_scoring, cfg.norm_topk_prob,
-                    cfg.routed_scaling_factor, cfg.router_correction_bias)
+                    cfg.routed_scaling_factor, cfg.router_correction_bias, cfg.router_groups, cfg.router_topk_groups,
+                    cfg.router_group_score)
     shared = None
     if cfg.shared_expert_ffn_dim:
         shared = GatedMLP(cfg, cfg.shared_expert_ffn_dim)

@@ -1,7 +1,8 @@
 """Mixture of experts: a router picks k of N expert FFNs per token, and only those run.
 
     scores  = softmax(router(x))  or  sigmoid(router(x))          (B*T, N), float32
-    chosen  = top-k of scores (+ a correction bias, for the choice only: DeepSeek-V3)
+    chosen  = top-k of scores (+ a correction bias, for the choice only: DeepSeek-V3), optionally
+              group-limited: only within the token's best topk_groups groups of experts (DeepSeek)
     weights = the chosen scores, renormalized to sum 1 when asked, * routed_scaling_factor
     y       = sum over the chosen experts e of weights_e * expert_e(x)
             + shared(x) (* sigmoid(shared_gate(x)): Qwen2-MoE)
@@ -24,17 +25,34 @@ from torch import nn
 
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, scoring: str = "softmax", norm_topk: bool = True,
-                 scaling: float = 1.0, correction_bias: bool = False):
+                 scaling: float = 1.0, correction_bias: bool = False, groups: int = 1, topk_groups: int = 1,
+                 group_score: str = "max"):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_experts, dim))
         self.bias = nn.Parameter(torch.zeros(n_experts)) if correction_bias else None
         self.top_k, self.scoring, self.norm_topk, self.scaling = top_k, scoring, norm_topk, scaling
+        self.groups, self.topk_groups, self.group_score = groups, topk_groups, group_score
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice (M, N) with every expert outside the token's best topk_groups groups set to -inf."""
+        M, N = choice.shape
+        grouped = choice.reshape(M, self.groups, N // self.groups)
+        if self.group_score == "max":  # DeepSeek-V2: a group scores its best expert
+            score = grouped.max(dim=-1).values
+        else:  # DeepSeek-V3: its best two, summed
+            score = torch.topk(grouped, 2, dim=-1).values.sum(dim=-1)
+        _, best = torch.topk(score, self.topk_groups, dim=-1)
+        keep = torch.zeros_like(score).scatter(1, best, 1.0)  # (M, groups)
+        keep = keep.unsqueeze(-1).expand(M, self.groups, N // self.groups).reshape(M, N)
+        return choice.masked_fill(keep == 0, float("-inf"))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (M, C) -> (weights (M, k) float32, expert indices (M, k) int64)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
         choice = scores + self.bias if self.bias is not None else scores
+        if self.groups > 1 and self.topk_groups < self.groups:
+            choice = self._group_limited(choice)
         _, index = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, index)
         if self.norm_topk:

@@ -1,4 +1,8 @@
-"""Train the built-in `tiny` model: python -m kvforge.model_defs.train_tiny [--steps N] [--out DIR]
+"""Train a built-in model: python -m kvforge.model_defs.train_tiny [--preset tiny|tiny-moe] [--steps N] [--out DIR]
+
+`tiny` (a Llama-style decoder) trains its BPE tokenizer too; `tiny-moe` (latent attention + a mixture of
+experts) reuses tiny's tokenizer and corpus split, and adds the Switch Transformer's load-balancing loss
+(AUX_LOSS * N * sum_e tokens_share_e * mean_prob_e per MoE layer) so that its experts share the tokens.
 
 Corpus: the Python standard library's own source (PSF license), which every
 machine with Python has. Files are split deterministically: every 20th file
@@ -29,16 +33,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import TINY_DIR, load, save_checkpoint
+from .checkpoint import TINY_DIR, TRAINED, load, save_checkpoint
 from .config import ModelConfig
 from .evaluate import greedy_continuation, perplexity
 from .model import build_model
+from .moe import Router
 
 HELDOUT_EVERY = 20
 HELDOUT_BYTES = 200_000
 CALIBRATION_BYTES = 160_000
 SAMPLE_PROMPT = "def fibonacci(n):\n    if n"  # ends on a token boundary BPE saw in training
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the `tiny` preset says
+AUX_LOSS = 0.01  # weight of the MoE load-balancing loss
 
 
 def stdlib_files() -> list[Path]:
@@ -88,21 +94,50 @@ def init_for_training(model, n_layers: int, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+class BalanceLoss:
+    """Collects each router's token shares and mean probabilities in a forward pass (forward hooks): the
+    Switch Transformer's auxiliary loss, N * sum_e f_e * P_e per MoE layer (1 when perfectly balanced)."""
+
+    def __init__(self, model):
+        self.terms: list[torch.Tensor] = []
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, router, inputs, outputs):
+        (x,), (_, index) = inputs, outputs
+        probs = torch.softmax(F.linear(x.float(), router.weight.float()), dim=-1)  # (M, N)
+        n = probs.shape[-1]
+        share = F.one_hot(index, n).float().sum(1).mean(0) / index.shape[-1]  # fraction of assignments per expert
+        self.terms.append(n * (share * probs.mean(0)).sum())
+
+    def pop(self) -> torch.Tensor | None:
+        terms, self.terms = self.terms, []
+        return torch.stack(terms).mean() if terms else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=TINY_DIR)
+    ap.add_argument("--preset", choices=sorted(TRAINED), default="tiny")
+    ap.add_argument("--out", type=Path, default=None, help="default: the preset's shipped directory")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
+    args.out = args.out or TRAINED[args.preset]
     torch.manual_seed(args.seed)
     start = time.time()
 
-    cfg = ModelConfig.from_name("tiny")
+    cfg = ModelConfig.from_name(args.preset)
     train_texts, held_texts = split_corpus(stdlib_files())
-    tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+    if args.preset == "tiny":
+        tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+    else:  # the same tokenizer as tiny's, so that perplexities compare
+        from kvforge.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_file(TINY_DIR / "tokenizer.json")
     assert [tokenizer.backend.token_to_id(t) for t in SPECIALS] == [cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id]
     stream: list[int] = []
     for text in train_texts:
@@ -112,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(cfg).train()
     init_for_training(model, cfg.n_layers, args.seed)
+    balance = BalanceLoss(model)
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -134,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = lr_at(step)
         logits, _ = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        aux = balance.pop()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if aux is None else loss + AUX_LOSS * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(round(loss.item(), 4))
         if step % 25 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  {time.time() - start:7.1f}s", flush=True)
+            balance_note = f"  balance {aux.item():.3f}" if aux is not None else ""
+            print(f"step {step:5d}  loss {loss.item():.4f}{balance_note}  lr {lr_at(step):.2e}  {time.time() - start:7.1f}s",
+                  flush=True)
     train_seconds = time.time() - start
 
     # Write the checkpoint, then measure what was written (FP16-stored weights).
@@ -166,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = tok.encode(SAMPLE_PROMPT)
     sample = tok.decode(greedy_continuation(shipped, prompt_ids, 48, stop=[cfg.eos_token_id]))
     record = {
+        "preset": args.preset,
         "steps": args.steps,
         "batch": args.batch,
         "seq_len": args.seq_len,

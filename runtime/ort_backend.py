@@ -73,9 +73,9 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         raise KvforgeError(f"ONNX Runtime cannot load {where}: {e}") from e
 
 
-def prefill_feeds(batch: np.ndarray, config: dict, past_names: list[str], dtype: str) -> dict[str, np.ndarray]:
-    """Feeds for a prefill of `batch` (B, T) from an empty cache: what calibration and attribution runs use.
-    An encoder's are its whole input: every token real, one segment."""
+def prefill_feeds(batch: np.ndarray, config: dict, io, dtype: str) -> dict[str, np.ndarray]:
+    """Feeds for a prefill of `batch` (B, T) from an empty cache (shaped as the IOSpec `io` says): what calibration
+    and attribution runs use. An encoder's are its whole input: every token real, one segment."""
     b, t = batch.shape
     if config.get("architecture", "decoder") != "decoder":
         feeds = {"input_ids": batch, "attention_mask": np.ones((b, t), np.int64)}
@@ -87,7 +87,7 @@ def prefill_feeds(batch: np.ndarray, config: dict, past_names: list[str], dtype:
         "input_ids": batch,
         "attention_mask": np.ones((b, t), np.int64),
         "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
-        **{n: np.zeros((b, config["n_kv_heads"], 0, config["head_dim"]), np_dtype) for n in past_names},
+        **{n: np.zeros(shape, np_dtype) for n, shape in io.cache_shapes(b).items()},
     }
 
 
@@ -173,8 +173,8 @@ class OnnxRuntimeBackend(Backend):
         return KVCache(self.name, batch, 0, store.arrays, layout=packed.Packed(np.zeros(batch, np.int64), store))
 
     def _zeros(self, batch: int) -> list[np.ndarray]:
-        shape = [batch, self.config["n_kv_heads"], 0, self.config["head_dim"]]
-        return [np.zeros(shape, np.float16 if self.kv_dtype == "float16" else np.float32) for _ in self.past_names]
+        dtype = np.float16 if self.kv_dtype == "float16" else np.float32
+        return [np.zeros(self.io.empty_shape(n, batch), dtype) for n in self.past_names]
 
     def empty_cache_impl(self, batch: int):
         ort = _ort()

@@ -219,9 +219,10 @@ class Session:
             if cache.owner is not None and cache.owner != self.model_id:
                 raise KvforgeError(f"this cache was made by a session of another model ({cache.owner[:16]}), "
                                    f"not {self.source}; a cache continues only the model that made it")
-            if len(cache.values) != 2 * len(self.io.past) or not 0 <= cache.length <= self.max_context:
+            n_cache = sum(len(layer) for layer in self.io.past)
+            if len(cache.values) != n_cache or not 0 <= cache.length <= self.max_context:
                 raise KvforgeError(f"this cache holds {len(cache.values)} tensors over {cache.length} positions; "
-                                   f"{self.source} takes {2 * len(self.io.past)} tensors over 0..{self.max_context}")
+                                   f"{self.source} takes {n_cache} tensors over 0..{self.max_context}")
             if cache.batch != B:
                 raise KvforgeError(f"the cache holds {cache.batch} rows but input_ids has {B}")
             total = cache.length + T

@@ -48,13 +48,16 @@ class TorchBackend(Backend):
     def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
         torch = self._torch
         dev = self.device
-        past = tuple((cache.values[2 * i], cache.values[2 * i + 1]) for i in range(len(cache.values) // 2))
+        past, at = [], 0
+        for layer in self.io.past:  # per layer: (key, value), or (latent,)
+            past.append(tuple(cache.values[at:at + len(layer)]))
+            at += len(layer)
         with torch.inference_mode():
             logits, present = self.model(
                 torch.from_numpy(input_ids).to(dev),
                 torch.from_numpy(attention_mask).to(dev),
                 torch.from_numpy(position_ids).to(dev),
-                past,
+                tuple(past),
             )
         values = [t for kv in present for t in kv]
         if last_only:

@@ -85,6 +85,21 @@ HF_CONFIGS = {
     # ... q/k norms over whole projections, 8 experts top-2 not renormalized
     "olmoe": dict(**{**_LLAMA_SHAPE, "num_hidden_layers": 2, "intermediate_size": 40}, num_key_value_heads=2,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    # latent attention (q through a low-rank bottleneck, YaRN with DeepSeek's mscale), a dense first layer, then
+    # 8 sigmoid-scored experts in 4 groups (2 kept, top-3, renormalized, scaled, correction bias) + a shared one
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, vocab_size=300,
+                        max_position_embeddings=256, routed_scaling_factor=2.5, bos_token_id=1, eos_token_id=2,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.9,
+                                             mscale_all_dim=0.8, original_max_position_embeddings=64)),
+    # ... V2-Lite-style: q straight from q_proj, softmax top-2 of 6 (greedy, not renormalized), 2 shared experts
+    "deepseek_v2": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=4, n_routed_experts=6, n_shared_experts=2, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        num_experts_per_tok=2, first_k_dense_replace=1, vocab_size=300, max_position_embeddings=256,
+                        routed_scaling_factor=1.5, bos_token_id=1, eos_token_id=2),
 }
 HF_FAMILIES = tuple(HF_CONFIGS)
 # Further valid configs per family (overrides of HF_CONFIGS), checked against transformers on the Torch reference.
@@ -106,6 +121,10 @@ HF_VARIANTS = [
     ("gpt_neox", dict(hidden_size=72, head_dim=8, rotary_pct=1.0)),  # head_dim sizes only the rotary part
     ("gemma3_text", dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
                                            truncate=False))),  # transformers truncates whatever this says
+    ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000.0))),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2, q_lora_rank=20,
+                         attention_bias=True, first_k_dense_replace=0)),
     ("gemma3_text", dict(rope_scaling=None, rope_parameters=dict(  # sliding layers with a scaled RoPE of their own
         full_attention=dict(rope_type="default", rope_theta=500.0),
         sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=50.0)))),
@@ -131,6 +150,8 @@ _HF_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 # transformers' eager Falcon adds ALiBi twice (an upstream bug); its default SDPA path is the model's function.
 _ATTENTION = {"falcon": "sdpa"}
@@ -154,6 +175,9 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router correction bias is a buffer, zero at init
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.05 * torch.randn(b.shape, generator=gen))
     return model.eval()
 
 

@@ -99,7 +99,7 @@ def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str |
     elem = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}.get(dtype, TensorProto.FLOAT)
     for name in names:
         probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
-    feeds = prefill_feeds(batch, cfg, [n for layer in io.past for n in layer], dtype)
+    feeds = prefill_feeds(batch, cfg, io, dtype)
     if inject is not None:  # cut the graph at each block boundary: consumers read an input instead
         np_dtype = np.float16 if dtype == "float16" else np.float32
         for i, (name, value) in enumerate(zip(names[:-1], inject)):

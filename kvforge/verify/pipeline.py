@@ -51,7 +51,9 @@ def recipe(precision: str) -> Artifact:
 def recipes(precisions, source: str, calibration_data=None, random_data: bool = False) -> list[Artifact]:
     """The artifacts for these precisions, adapted to the data there is."""
     artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
-    real_text = calibration_data is not None or (source == "tiny" and not random_data)
+    from kvforge.model_defs.checkpoint import TRAINED
+
+    real_text = calibration_data is not None or (source in TRAINED and not random_data)
     for a in artifacts:
         if not real_text:  # GPTQ fits the weights to the calibration activations: random tokens would mislead it
             a.calibrate.pop("gptq", None)
@@ -89,9 +91,11 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise KvforgeError(f"precisions {list(bad or precisions)} must be a non-empty choice from {PRECISIONS}")
-    if source != "tiny" and calibration_data is None and not random_data and {"int8", "fp8"} & set(precisions):
+    from kvforge.model_defs.checkpoint import TRAINED
+
+    if source not in TRAINED and calibration_data is None and not random_data and {"int8", "fp8"} & set(precisions):
         raise KvforgeError(
-            f"int8 and fp8 are calibrated on data, and only tiny has a built-in corpus: pass --calibration-data FILE "
+            f"int8 and fp8 are calibrated on data, and only tiny and tiny-moe have a built-in corpus: pass --calibration-data FILE "
             f"(text like what {source} will see; UTF-8, or JSONL with one text per line), or --random-data, "
             "or leave out int8/fp8"
         )

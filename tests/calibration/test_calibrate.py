@@ -173,7 +173,7 @@ def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
     b = export("classic-micro", tmp_path / "fp32")
     q = calibrate(b.path, tmp_path / "fp8", "fp8", random_data=True, samples=8, seq_len=32)
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 16))
-    feeds = prefill_feeds(ids, q.model_config, [n for layer in q.io.past for n in layer], "float32")
+    feeds = prefill_feeds(ids, q.model_config, q.io, "float32")
     (plain,) = make_session(str(q.graph_file), optimization="none").run(["logits"], feeds)
     (ours,) = make_session(str(q.graph_file), "fp8").run(["logits"], feeds)
     np.testing.assert_allclose(ours, plain, rtol=0, atol=1e-4)
@@ -411,6 +411,5 @@ def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, f
         np.testing.assert_allclose(fast.forward(feeds_ids)[0], ours, rtol=0, atol=2e-4)  # the runtime's ORT variant
     from kvforge.runtime.ort_backend import make_session, prefill_feeds
 
-    past = [n for layer in fp32.io.past for n in layer]
-    (theirs,) = make_session(reference.SerializeToString()).run(["logits"], prefill_feeds(feeds_ids, fp32.model_config, past, "float32"))
+    (theirs,) = make_session(reference.SerializeToString()).run(["logits"], prefill_feeds(feeds_ids, fp32.model_config, fp32.io, "float32"))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-4)

@@ -35,7 +35,7 @@ def _independent_check(bundle: Bundle, model, shapes, seed=0):
     flat = FlatKVModel(model)
     for i, (b, t, p) in enumerate(shapes):
         args = example_inputs(cfg, torch.float32, b, t, p, seed=seed + i)
-        out = sess.run(None, {n: a.numpy() for n, a in zip(input_names(cfg.n_layers), args)})
+        out = sess.run(None, {n: a.numpy() for n, a in zip(input_names(cfg), args)})
         ref = flat(*args)
         for o, r in zip(out, ref):
             np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=0, err_msg=f"shape {(b, t, p)}")
@@ -84,14 +84,15 @@ def test_the_graph_matches_transformers(hf_bundle, family):
         out = sess.run(None, dict(zip(names, [step_ids.numpy(), mask.numpy(), pos.numpy(), *past])))
         return out[0], out[1:]
 
-    empty = [np.zeros((2, bundle.model_config["n_kv_heads"], 0, bundle.model_config["head_dim"]), np.float32)] * len(names[3:])
+    empty = [np.zeros(io.empty_shape(n, 2), np.float32) for n in names[3:]]  # per-head K/V, or latent attention's latent
     logits, past = run(ids[:, :6], torch.ones(2, 6, dtype=torch.int64), empty)
     np.testing.assert_allclose(logits, hf_model(ids[:, :6]).logits.numpy(), atol=ATOL, rtol=0)
     for t in range(6, 14):  # past the windows of every windowed config
         logits, past = run(ids[:, t:t + 1], torch.ones(2, t + 1, dtype=torch.int64), past)
         np.testing.assert_allclose(logits[:, -1], hf_model(ids[:, :t + 1]).logits[:, -1].numpy(), atol=ATOL, rtol=0,
                                    err_msg=f"decode at position {t}")
-    assert [p.shape[2] for p in past[::2]] == io.cache_lengths(14)  # windowed layers hold only their window
+    firsts = [names[3:].index(layer[0]) for layer in io.past]
+    assert [past[k].shape[2] for k in firsts] == io.cache_lengths(14)  # windowed layers hold only their window
     mask = torch.ones(2, 14, dtype=torch.int64)
     mask[1, :5] = 0
     logits, _ = run(ids, mask, empty)
@@ -138,7 +139,7 @@ def test_left_padded_batch_through_the_graph(micro_bundle):
         ids[i, 14 - len(r):], mask[i, 14 - len(r):] = r, 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     empty = [np.zeros((2, cfg.n_kv_heads, 0, cfg.head_dim), np.float32)] * (2 * cfg.n_layers)
-    out = sess.run(None, dict(zip(input_names(cfg.n_layers), [ids.numpy(), mask.numpy(), pos.numpy(), *empty])))
+    out = sess.run(None, dict(zip(input_names(cfg), [ids.numpy(), mask.numpy(), pos.numpy(), *empty])))
     for i, r in enumerate(rows):
         alone, _ = model(r[None])
         np.testing.assert_allclose(out[0][i, 14 - len(r):], alone[0].numpy(), atol=ATOL, rtol=0)
@@ -156,7 +157,7 @@ def test_sliding_window_is_in_the_graph(micro_bundle):
     no_window.load_state_dict(model.state_dict())
     full_args = example_inputs(no_window.config, torch.float32, 1, 3, 30, seed=3)  # caches of all 30 positions
     args = full_args[:3] + tuple(c[:, :, -8:] for c in full_args[3:])  # the windowed graph keeps the newest 8
-    out = _session(bundle).run(None, {n: a.numpy() for n, a in zip(input_names(2), args)})
+    out = _session(bundle).run(None, {n: a.numpy() for n, a in zip(input_names(model.config), args)})
     np.testing.assert_allclose(out[0], FlatKVModel(model)(*args)[0].numpy(), atol=ATOL, rtol=0)
     assert [o.shape[2] for o in out[1:]] == [8] * 4  # present: capped at the window too
     assert np.abs(out[0] - FlatKVModel(no_window.eval())(*full_args)[0].numpy()).max() > 1e-3

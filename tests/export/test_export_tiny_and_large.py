@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvforge.export import export
-from kvforge.export.onnx_export import input_names
 from kvforge.export.validate import TOLERANCES, OrtRunner
 from kvforge.model_defs import load
 from kvforge.model_defs.evaluate import greedy_continuation
@@ -18,10 +17,8 @@ PROMPT = "import os\n\n\ndef read_config(path):\n    "
 def _ort_greedy(bundle, dtype, prompt_ids, steps):
     """Free-running greedy decode on ONNX Runtime, the cache fed back (independent of the validator's loop)."""
     runner = OrtRunner(bundle.graph_file, dtype)
-    cfg = bundle.model_config
-    names = input_names(cfg["n_layers"])
-    zero = torch.zeros(1, cfg["n_kv_heads"], 0, cfg["head_dim"])
-    past = [runner.cast(zero)] * (2 * cfg["n_layers"])
+    names = [t.name for t in bundle.io.inputs]
+    past = [runner.cast(torch.zeros(bundle.io.empty_shape(n, 1))) for layer in bundle.io.past for n in layer]
     ids, tokens = list(prompt_ids), []
     step_ids = ids
     for _ in range(steps):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvforge.export import export
-from kvforge.export.onnx_export import example_inputs, input_names
+from kvforge.export.onnx_export import example_inputs
 from kvforge.export.validate import OrtRunner
 
 FP32 = onnx.TensorProto.FLOAT

@@ -38,9 +38,13 @@ def test_prefill_logits_match(pair):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     cfg = ours.config
     assert len(present) == cfg.n_layers
-    for i, (k, v) in enumerate(present):  # a windowed layer's cache is capped at its window
+    for i, tensors in enumerate(present):  # a windowed layer's cache is capped at its window
         window = cfg.layer_window(i)
-        assert k.shape == v.shape == (2, cfg.n_kv_heads, 13 if window is None else min(13, window), cfg.head_dim)
+        length = 13 if window is None else min(13, window)
+        # per-head K/V: (2, kv_heads, length, head_dim) each; latent attention: one (2, 1, length, rank + rope)
+        assert [t.shape for t in tensors] == [(2, heads, length, dim) for _, heads, dim in cfg.cache_entries(i)]
+        if cfg.kv_lora_rank:
+            assert tensors[0].shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
 
 @torch.no_grad()
