@@ -228,12 +228,11 @@ def calibrate(
     if precision != "int4" or gptq:  # weight-only INT4 rounded to nearest needs no data
         cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
         hessians = HessianAccumulator(activations) if gptq else None
-        past = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
         n_batches = -(-len(cset.samples) // batch_size)
         items = lambda: cset.batches(batch_size)  # noqa: E731
         observers, channel_amax, run = _observe(
             model, activations + presents + extra, items, n_batches,
-            lambda batch: prefill_feeds(batch, bundle.model_config, past, dtype),
+            lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, dtype),
             smoothquant is not None, float_dtype, progress, hessians, {n: KEEP_ROWS for n in routers.values()},
         )
         calibration = {

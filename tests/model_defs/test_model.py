@@ -33,8 +33,8 @@ def test_io_contract_shapes_and_dtypes(name):
     logits, present = model(_ids(3, 5, cfg.vocab_size))
     assert logits.shape == (3, 5, cfg.vocab_size) and logits.dtype == torch.float32
     assert len(present) == cfg.n_layers
-    for k, v in present:
-        assert k.shape == v.shape == (3, cfg.n_kv_heads, 5, cfg.head_dim)
+    for i, tensors in enumerate(present):  # (key, value) per KV head, or latent attention's one latent
+        assert [t.shape for t in tensors] == [(3, heads, 5, dim) for _, heads, dim in cfg.cache_entries(i)]
     logits, present = model(_ids(3, 1, cfg.vocab_size, 1), past_key_values=present)
     assert logits.shape == (3, 1, cfg.vocab_size) and present[0][0].shape[2] == 6
 
@@ -53,9 +53,9 @@ def test_cached_decode_equals_full_forward(name):
         mask = torch.ones(2, t + 1, dtype=torch.int64)
         logits, past = model(ids[:, t : t + 1], attention_mask=mask, past_key_values=past)
         steps.append(logits)
-        for i, (k, v) in enumerate(past):
+        for i, tensors in enumerate(past):
             window = model.config.layer_window(i)
-            assert k.shape[2] == v.shape[2] == (t + 1 if window is None else min(t + 1, window))
+            assert {x.shape[2] for x in tensors} == {t + 1 if window is None else min(t + 1, window)}
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
 
 
