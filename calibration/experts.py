@@ -73,6 +73,24 @@ def router_inputs(model, moes: set[str]) -> dict[str, str]:
     return out
 
 
+def router_choices(model) -> dict[str, str]:
+    """Each MoE layer's routing decision: moe prefix ("layers.1.ffn") -> the (tokens, k) expert indices tensor
+    (the last TopK under its router: a group-limited router picks groups first)."""
+    from .qdq import layer_name
+
+    out = {}
+    for node in model.graph.node:
+        name = layer_name(node)
+        if node.op_type == "TopK" and name.endswith(".router"):
+            out[name[: -len(".router")]] = node.output[1]
+    return out
+
+
+def routing_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """The fraction of tokens whose set of chosen experts is the same in both (tokens, k) index arrays."""
+    return float(np.mean(np.all(np.sort(reference, axis=-1) == np.sort(candidate, axis=-1), axis=-1)))
+
+
 def _act(name: str):
     if name == "silu":
         return lambda x: x / (1.0 + np.exp(-x))

@@ -11,7 +11,8 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
   the hidden states before the vocabulary projection, so a prefill that only
   needs the last position's logits does not compute the other positions';
 - in float32 graphs, RMSNorm and RoPE chains become ONNX Runtime's fused
-  kernels (see ort_fusions.py).
+  kernels (see ort_fusions.py), and a mixture of experts with softmax routing
+  ONNX Runtime's MoE kernel (ort_moe.py).
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
@@ -32,7 +33,7 @@ from kvforge.errors import KvforgeError
 
 from .ort_attention import LOGITS_ROWS
 
-VARIANT_VERSION = 10
+VARIANT_VERSION = 11
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -369,6 +370,10 @@ def variant_path(bundle, attention: bool = False) -> Path:
     import onnx
 
     model = bundle.load_graph()
+    if bundle.manifest["precision"]["dtype"] == "float32":  # before the sibling fusion merges each expert's gate/up
+        from .ort_moe import use_moe_kernel
+
+        use_moe_kernel(model, bundle.model_config)
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
