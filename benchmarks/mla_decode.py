@@ -72,27 +72,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default=str(HERE / "results" / "mla_decode.json"))
     args = ap.parse_args()
-    from runtime_125m import bandwidth_gbs
+    from runtime_125m import bandwidth_gbs, export_random
 
     from kvforge import runtime
-    from kvforge.export import export
-    from kvforge.model_defs import ModelConfig, save_checkpoint
-    from kvforge.model_defs.model import build_model, init_random_weights
 
     info, sessions = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, fields in MODELS.items():
-            cfg = ModelConfig(**fields)
-            model = init_random_weights(build_model(cfg), seed=0)
-            save_checkpoint(model, tmp / f"{name}-ckpt")
-            t = time.time()
-            bundle = export(tmp / f"{name}-ckpt", tmp / name)
+            bundle, model, seconds = export_random(fields, tmp, name)
             weights = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
             info[name] = {"parameters": model.num_parameters(), "weight_bytes_read": 4 * weights,
-                          "cache_values_per_token": cache_values_per_token(cfg),
-                          "cache_inputs": [t.shape for t in bundle.io.inputs[3:5]],
-                          "export_seconds": round(time.time() - t, 1)}
+                          "cache_values_per_token": cache_values_per_token(model.config),
+                          "cache_inputs": [t.shape for t in bundle.io.inputs[3:5]], "export_seconds": seconds}
             sessions[name] = runtime.load(bundle.path).activate()
             del model
         for s in sessions.values():  # warm-up

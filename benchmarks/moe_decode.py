@@ -57,25 +57,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "moe_decode.json"))
     args = ap.parse_args()
-    from runtime_125m import bandwidth_gbs
+    from runtime_125m import bandwidth_gbs, export_random
 
     from kvforge import runtime
-    from kvforge.export import export
-    from kvforge.model_defs import ModelConfig, save_checkpoint
-    from kvforge.model_defs.model import build_model, init_random_weights
     from kvforge.runtime.bench import timed_greedy
 
     info, sessions = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, fields in MODELS.items():
-            cfg = ModelConfig(**fields)
-            model = init_random_weights(build_model(cfg), seed=0)
-            save_checkpoint(model, tmp / f"{name}-ckpt")
-            t = time.time()
-            bundle = export(tmp / f"{name}-ckpt", tmp / name)
-            info[name] = {"parameters": model.num_parameters(), "bytes_read_per_token": read_bytes_per_token(cfg, model),
-                          "export_seconds": round(time.time() - t, 1)}
+            bundle, model, seconds = export_random(fields, tmp, name)
+            info[name] = {"parameters": model.num_parameters(),
+                          "bytes_read_per_token": read_bytes_per_token(model.config, model), "export_seconds": seconds}
             sessions[name] = runtime.load(bundle.path).activate()
             del model
         prompt = np.random.default_rng(0).integers(3, BASE["vocab_size"], (1, PROMPT)).astype(np.int64)

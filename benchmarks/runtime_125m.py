@@ -69,6 +69,20 @@ def make_checkpoint(directory: Path) -> dict:
     return {"parameters": params, "bytes_read_per_token": 4 * (params - embedding)}  # the embedding is gathered, not read
 
 
+def export_random(fields: dict, directory: Path, name: str):
+    """A kvforge model of config `fields` with seeded random weights, checkpointed and exported (validated) under
+    `directory`: (the bundle, the Torch model, the export's seconds)."""
+    from kvforge.export import export
+    from kvforge.model_defs import ModelConfig, save_checkpoint
+    from kvforge.model_defs.model import build_model, init_random_weights
+
+    model = init_random_weights(build_model(ModelConfig(**fields)), seed=0)
+    save_checkpoint(model, directory / f"{name}-ckpt")
+    t = time.time()
+    bundle = export(directory / f"{name}-ckpt", directory / name)
+    return bundle, model, round(time.time() - t, 1)
+
+
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of n contenders in which each follows each other one equally often (a Williams design)."""
     first, lo, hi = [0], 1, n - 1

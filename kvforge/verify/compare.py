@@ -302,7 +302,8 @@ def compare(
     with cand, ref:
         if cand.vocab_size != ref.vocab_size:
             raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
-        shape = lambda s: {k: s.config[k] for k in ("n_layers", "n_kv_heads", "head_dim")}  # noqa: E731
+        shape = lambda s: {k: s.config.get(k) for k in ("n_layers", "n_kv_heads", "head_dim", "kv_lora_rank",  # noqa: E731
+                                                          "qk_rope_head_dim")}
         if shape(cand) != shape(ref):
             raise KvforgeError(f"the candidate's KV cache {shape(cand)} differs from the reference's {shape(ref)}: "
                                "they are not the same model")

@@ -195,7 +195,6 @@ def test_blocks_match_torch_transformer_encoder_layer(placement, activation):
     )
     model = _model(cfg)
     x = torch.randn(2, 7, cfg.dim)
-    ours = x
     mask = torch.ones(2, 7, dtype=torch.int64)
     from kvforge.model_defs.layers import attention_mask_bool
 

@@ -99,3 +99,70 @@ def test_exported_graph_runs_only_the_chosen_experts(micro_bundle):
                 (matmul,) = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] == weight]
                 # the expert reads the rows gathered for it, never the whole batch
                 assert "GatherND" in source_ops(matmul.input[0]), (weight, source_ops(matmul.input[0]))
+
+
+@pytest.mark.parametrize("group_score", ["max", "top2"])
+@torch.no_grad()
+def test_group_limited_routing_chooses_only_within_the_best_groups(group_score):
+    """DeepSeek's group-limited top-k against a per-token brute force: rank the groups by their best expert
+    (V2) or best two summed (V3), keep the best topk_groups, take the top-k experts among them."""
+    cfg = ModelConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, ffn_dim=32, n_experts=12, experts_per_token=3,
+                      router_groups=4, router_topk_groups=2, router_group_score=group_score, router_scoring="sigmoid",
+                      router_correction_bias=True)
+    router = init_random_weights(build_model(cfg), seed=3).layers[0].ffn.router
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    weights, index = router(x)
+    choice = (torch.sigmoid(x @ router.weight.T) + router.bias).reshape(64, 4, 3)
+    for t in range(64):
+        per_group = choice[t].max(-1).values if group_score == "max" else choice[t].topk(2, -1).values.sum(-1)
+        kept = per_group.topk(2).indices.tolist()
+        allowed = torch.full((12,), float("-inf"))
+        for g in kept:
+            allowed[3 * g:3 * g + 3] = choice[t, g]
+        assert sorted(index[t].tolist()) == sorted(allowed.topk(3).indices.tolist())
+        assert {int(e) // 3 for e in index[t]} <= set(kept)
+    with pytest.raises(KvforgeError, match="not divisible into router_groups=5"):
+        ModelConfig(**{**cfg.to_dict(), "router_groups": 5})
+    with pytest.raises(KvforgeError, match="exceeds the 3 experts of router_topk_groups=1"):
+        ModelConfig(**{**cfg.to_dict(), "router_topk_groups": 1, "experts_per_token": 4})
+
+
+def test_latent_attention_configs_are_checked():
+    base = dict(vocab_size=50, dim=32, n_layers=1, n_heads=4, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=8)
+    assert ModelConfig(**base).cache_entries(0) == [("latent", 1, 24)]
+    with pytest.raises(KvforgeError, match="head_dim .* must equal qk_rope_head_dim=8"):
+        ModelConfig(**{**base, "head_dim": 16})
+    with pytest.raises(KvforgeError, match="latent attention needs v_head_dim to be a positive integer"):
+        ModelConfig(**{**base, "v_head_dim": 0})
+    with pytest.raises(KvforgeError, match="sliding_window is not supported"):
+        ModelConfig(**{**base, "sliding_window": 8})
+    with pytest.raises(KvforgeError, match="position must be 'rope'"):
+        ModelConfig(**{**base, "position": "alibi"})
+
+
+@torch.no_grad()
+def test_absorbed_latent_attention_equals_expanding_the_latent():
+    """The graph's form (queries and outputs through kv_b_proj's halves, attention over the latent) against
+    DeepSeek's written-out form: per-head keys [k_nope | k_pe] and values from kv_b_proj(latent)."""
+    from kvforge.model_defs.layers import attention_mask_bool
+    from kvforge.model_defs.positions import apply_rope
+
+    model, _ = load("deepseek-micro")
+    cfg, attn = model.config, model.layers[0].attn
+    H, r, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    x = torch.randn(2, 9, cfg.dim, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    rope = model.rope(pos)
+    mask = attention_mask_bool(torch.ones(2, 9, dtype=torch.int64), 0, 9, None)
+    out, (latent,) = attn(x, mask, rope, None)
+    assert latent.shape == (2, 1, 9, r + dr)
+
+    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(2, 9, H, dn + dr).transpose(1, 2)
+    q = torch.cat([q[..., :dn], apply_rope(q[..., dn:], *rope)], -1)
+    kv = attn.kv_b_proj(latent[:, 0, :, :r]).view(2, 9, H, dn + dv).transpose(1, 2)
+    k = torch.cat([kv[..., :dn], latent[:, :, :, r:].expand(2, H, 9, dr)], -1)
+    scores = (q @ k.transpose(-1, -2)) * attn.scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    expected = attn.o_proj((probs @ kv[..., dn:]).transpose(1, 2).reshape(2, 9, H * dv))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
