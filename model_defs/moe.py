@@ -91,8 +91,10 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
         weights, index = self.router(flat)
-        y = self.experts(flat, weights, index)
+        y = self.experts(flat, weights, index).reshape(B, T, C)
         if self.shared is not None:
-            s = self.shared(flat)
-            y = y + (torch.sigmoid(self.shared_gate(flat)) * s if self.shared_gate is not None else s)
-        return y.reshape(B, T, C)
+            # on the (B, T, C) input, as the dense FFN: its linear layers export as MatMuls, which calibration
+            # quantizes (the router and the shared expert's one-output gate, Gemms on the flat rows, stay float)
+            s = self.shared(x)
+            y = y + (torch.sigmoid(self.shared_gate(flat)).reshape(B, T, 1) * s if self.shared_gate is not None else s)
+        return y

@@ -43,3 +43,31 @@ def test_every_expert_is_counted_and_the_starved_are_covered(micro_bundle, tmp_p
         assert kept.manifest["calibration"]["experts"][moe][e]["calibrated"] == "float"
     with pytest.raises(KvforgeError, match="starved-experts"):
         calibrate(fp32.path, tmp_path / "x", "int8", random_data=True, starved_experts="drop")
+
+
+# cosine bounds on random weights: FP8 is close; 4-bit codes of random 16-wide blocks are coarse
+@pytest.mark.parametrize("precision, options, cosine", [
+    ("fp8", {"random_data": True, "samples": 4, "seq_len": 16}, 0.95), ("int4", {"block_size": 16}, 0.8)])
+def test_latent_attention_and_grouped_routing_quantize(micro_bundle, tmp_path, precision, options, cosine):
+    """DeepSeek-shaped (latent attention, sigmoid group-limited routing): every projection quantizes, the router
+    and the absorbed per-head kv_b_proj halves (3-D, no linear layer) stay float, the cache stays the latent,
+    and the quantized graph stays close to the float one."""
+    import numpy as np
+
+    from kvforge import runtime
+
+    fp32 = micro_bundle("deepseek-micro")
+    q = calibrate(fp32.path, tmp_path / precision, precision, **options)
+    layers = set(q.manifest["precision"]["quantization"]["quantized_layers"])
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
+        assert f"layers.0.attn.{proj}" in layers
+    assert "layers.1.ffn.experts.experts.3.down_proj" in layers and "layers.1.ffn.shared.up_proj" in layers
+    assert not any("router" in name or "kv_b_proj" in name for name in layers)
+    assert q.io.past == fp32.io.past and q.io.inputs == fp32.io.inputs
+    ids = np.random.default_rng(0).integers(3, 259, (1, 12))
+    with runtime.load(q.path) as s, runtime.load(fp32.path) as f:
+        got, cache = s.forward(ids)
+        want, _ = f.forward(ids)
+        assert s.backend.cache_arrays(cache)[0].shape == (1, 1, 12, 24)
+    measured = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
+    assert measured > cosine, measured
