@@ -82,6 +82,8 @@ def _design(cfg) -> str:
              f"{cfg.norm}-{cfg.norm_placement}", f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}"]
     if cfg.block != "sequential":
         parts.append(f"block={cfg.block}")
+    if cfg.kv_lora_rank:
+        parts.append(f"mla latent={cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}")
     if cfg.qk_norm:
         parts.append(f"qk-norm={cfg.qk_norm}")
     if cfg.sliding_window:
@@ -89,7 +91,8 @@ def _design(cfg) -> str:
         parts.append(f"window={cfg.sliding_window}{layers}")
     if cfg.n_experts:
         shared = f"+shared {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
-        parts.append(f"moe={cfg.experts_per_token}/{cfg.n_experts}{shared}")
+        groups = f" in {cfg.router_topk_groups}/{cfg.router_groups} groups" if cfg.router_groups > 1 else ""
+        parts.append(f"moe={cfg.experts_per_token}/{cfg.n_experts}{groups}{shared}")
     if cfg.attn_softcap or cfg.final_softcap:
         parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
     if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:
