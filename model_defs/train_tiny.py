@@ -187,17 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp_out, ignore_errors=True)
     save_checkpoint(model.eval(), tmp_out, tokenizer, weight_dtype="float16")
     held = "".join(held_texts)
-    (tmp_out / "heldout.txt").write_text(held[:HELDOUT_BYTES], encoding="utf-8")
-    calib_gen = torch.Generator().manual_seed(args.seed + 1)
-    order = torch.randperm(len(train_texts), generator=calib_gen).tolist()
-    calib, size = [], 0
-    for i in order:
-        if size >= CALIBRATION_BYTES:
-            break
-        piece = train_texts[i][:8000]
-        calib.append(piece)
-        size += len(piece)
-    (tmp_out / "calibration.txt").write_text("\n".join(calib), encoding="utf-8")
+    if args.preset == "tiny":  # the held-out and calibration corpora: tiny's, which tiny-moe shares
+        (tmp_out / "heldout.txt").write_text(held[:HELDOUT_BYTES], encoding="utf-8")
+        calib_gen = torch.Generator().manual_seed(args.seed + 1)
+        order = torch.randperm(len(train_texts), generator=calib_gen).tolist()
+        calib, size = [], 0
+        for i in order:
+            if size >= CALIBRATION_BYTES:
+                break
+            piece = train_texts[i][:8000]
+            calib.append(piece)
+            size += len(piece)
+        (tmp_out / "calibration.txt").write_text("\n".join(calib), encoding="utf-8")
 
     shipped, tok = load(tmp_out)
     held_ids = tok.encode(held[:HELDOUT_BYTES], add_special_tokens=False)
