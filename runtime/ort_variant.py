@@ -11,8 +11,9 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
   the hidden states before the vocabulary projection, so a prefill that only
   needs the last position's logits does not compute the other positions';
 - in float32 graphs, RMSNorm and RoPE chains become ONNX Runtime's fused
-  kernels (see ort_fusions.py), and a mixture of experts with softmax routing
-  ONNX Runtime's MoE kernel (ort_moe.py).
+  kernels (see ort_fusions.py). (ONNX Runtime's own MoE kernel computes
+  softmax-routed experts too, but measured slower on the CPU at batch 1 than
+  the graph's per-expert dispatch, so mixtures of experts keep the graph.)
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
@@ -370,10 +371,6 @@ def variant_path(bundle, attention: bool = False) -> Path:
     import onnx
 
     model = bundle.load_graph()
-    if bundle.manifest["precision"]["dtype"] == "float32":  # before the sibling fusion merges each expert's gate/up
-        from .ort_moe import use_moe_kernel
-
-        use_moe_kernel(model, bundle.model_config)
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
