@@ -39,6 +39,14 @@ def config_from_hf(hf: dict[str, Any]):
             f"unsupported architecture: model_type={family!r} (architectures={archs}); "
             f"supported model types: {list(SUPPORTED_FAMILIES)}"
         )
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise KvforgeError(
+            f"this {family} checkpoint is already quantized (quantization_config: {method!r}, as DeepSeek-V3's FP8 "
+            "release with its block scales is): kvforge imports float weights (FP32/FP16/BF16); dequantize the "
+            "checkpoint first, then quantize the export with `kvforge calibrate`"
+        )
     try:
         spec = FAMILIES[family]
         return ARCHITECTURES[spec.architecture].config(**spec.config(hf))

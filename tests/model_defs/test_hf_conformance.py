@@ -184,3 +184,21 @@ def test_partial_rotary_with_scaled_rope_is_refused(tmp_path):
                                                 partial_rotary_factor=0.5)).save_pretrained(tmp_path)
     with pytest.raises(KvforgeError, match="partial_rotary_factor 0.5 with rope type 'linear' is not supported"):
         load(tmp_path)
+
+
+def test_a_prequantized_checkpoint_is_refused_by_name(hf_checkpoint, tmp_path):
+    """DeepSeek-V3 is released in FP8 with block scales (weight_scale_inv): importing its codes as weights would
+    be wrong, so a config with a quantization_config is refused, saying what to do."""
+    import json
+    import shutil
+
+    from kvforge.errors import KvforgeError
+    from kvforge.model_defs import load
+
+    src = hf_checkpoint("deepseek_v3")
+    shutil.copytree(src, tmp_path / "fp8")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KvforgeError, match="already quantized .*'fp8'.* dequantize the checkpoint first"):
+        load(tmp_path / "fp8")
