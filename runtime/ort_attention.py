@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ort_fusions import MS_DOMAIN, _attr, _Graph, _replace, _scalar, _use_ms_domain, drop_dead_nodes
+from .ort_fusions import MS_DOMAIN, _attr, _Graph, _replace, _scalar, _use_ms_domain, drop_dead_nodes, node_reads
 
 SEQLENS = "kvforge_seqlens_k"  # int32 (B,): each row's valid cache length after this step, minus one
 TOTAL = "kvforge_total_length"  # int32 [1]: the longest row's length after this step
@@ -200,7 +200,7 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     for v in [*graph.input, *graph.output]:
         if v.name in {n for pair in past + present for n in pair}:
             v.type.tensor_type.shape.dim[2].dim_param = "cache_capacity"
-    used = {x for n in graph.node for x in n.input}
+    used = {x for n in graph.node for x in node_reads(n)}
     kept = [i for i in graph.input if i.name in used]
     del graph.input[:]
     graph.input.extend(kept)

@@ -290,6 +290,16 @@ def _half_tables(f: str, half: int, index: int):
     return (f"{p}_cos_cache", f"{p}_sin_cache", f"{p}_ids"), nodes
 
 
+def node_reads(node) -> list[str]:
+    """What a node reads: its inputs and, for If / Loop / Scan, every name its subgraphs read."""
+    names = [i for i in node.input if i]
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            for n in sub.node:
+                names += node_reads(n)
+    return names
+
+
 def drop_dead_nodes(model) -> int:
     """Remove nodes none of whose outputs reach a graph output (left behind by the fusions); returns how many."""
     g = model.graph
@@ -298,7 +308,7 @@ def drop_dead_nodes(model) -> int:
     for n in reversed(g.node):
         if any(o in needed for o in n.output):
             kept.append(n)
-            needed.update(i for i in n.input if i)
+            needed.update(node_reads(n))
     dropped = len(g.node) - len(kept)
     if dropped:
         del g.node[:]

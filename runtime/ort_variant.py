@@ -11,9 +11,11 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
   the hidden states before the vocabulary projection, so a prefill that only
   needs the last position's logits does not compute the other positions';
 - in float32 graphs, RMSNorm and RoPE chains become ONNX Runtime's fused
-  kernels (see ort_fusions.py). (ONNX Runtime's own MoE kernel computes
-  softmax-routed experts too, but measured slower on the CPU at batch 1 than
-  the graph's per-expert dispatch, so mixtures of experts keep the graph.)
+  kernels (see ort_fusions.py);
+- in a mixture of experts, each expert's dispatch runs under an `If` on
+  whether any token chose it, so a decode step skips the unchosen experts'
+  kernels (ort_moe.py). (ONNX Runtime's own MoE kernel computes
+  softmax-routed experts too, but measured slower on the CPU at batch 1.)
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
@@ -34,7 +36,7 @@ from kvforge.errors import KvforgeError
 
 from .ort_attention import LOGITS_ROWS
 
-VARIANT_VERSION = 11
+VARIANT_VERSION = 12
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -49,7 +51,9 @@ def _rewrite_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
     from .ort_fusions import _replace
 
     _replace(graph, removed, added)
-    used = {x for n in graph.node for x in n.input}
+    from .ort_fusions import node_reads
+
+    used = {x for n in graph.node for x in node_reads(n)}
     kept = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -382,6 +386,9 @@ def variant_path(bundle, attention: bool = False) -> Path:
         fuse_rotary(model)
         drop_dead_nodes(model)
         fold_scales_into_norms(model)
+    from .ort_moe import skip_unchosen_experts
+
+    skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.manifest["precision"]["dtype"], 1))
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
     if attention and rewrite_attention(model, bundle):
         add_logits_rows(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -88,11 +89,12 @@ def _assert_variant_equals_graph(path, steps: int = 3, packed: bool | None = Non
     ("gemma-micro", {"RotaryEmbedding": 8, "Pow": 8}),
     # learned positions, biases, MHA: no RoPE to fuse; its attention is packed (GroupQueryAttention with 4/4 heads)
     ("gpt2-micro", {"RotaryEmbedding": 0, "LayerNormalization": 5}),
-    # mixtures of experts keep their per-expert dispatch (one NonZero per expert and MoE layer); the latent
-    # attention of deepseek-micro keeps its exported form (no packed GroupQueryAttention over a latent)
-    ("mixtral-micro", {"NonZero": 16, "RotaryEmbedding": 4}),
-    ("qwen2moe-micro", {"NonZero": 6, "RotaryEmbedding": 4}),
-    ("deepseek-micro", {"NonZero": 8, "GroupQueryAttention": 0}),
+    # each expert's dispatch (its NonZero, gathers, FFN and scatter) runs under an If on whether any token chose
+    # it (ort_moe.py): one If per expert and MoE layer, nothing of the dispatch left in the main graph; the
+    # latent attention of deepseek-micro keeps its exported form (no packed GroupQueryAttention over a latent)
+    ("mixtral-micro", {"If": 16, "NonZero": 0, "ScatterND": 0, "RotaryEmbedding": 4}),
+    ("qwen2moe-micro", {"If": 6, "NonZero": 0}),
+    ("deepseek-micro", {"If": 8, "NonZero": 0, "GroupQueryAttention": 0}),
 ])
 def test_variant_of_every_decoder_design_computes_the_bundle_graph(micro_bundle, preset, fused):
     bundle = micro_bundle(preset)
@@ -220,3 +222,38 @@ def test_rotary_fusion_needs_the_whole_rotate_half_chain(tmp_path):
     assert fuse_rotary(model) == 2 * bundle.model_config["n_layers"] - 1
     assert drop_dead_nodes(model) == 0  # the chain left decomposed still reads the Cos/Sin tables
     assert any(n.output[0] == concat.output[0] for n in model.graph.node)  # and is still computed
+
+
+def test_unchosen_experts_are_skipped_and_chosen_ones_run(micro_bundle, tmp_path):
+    """The If on each expert: a decode step of one token runs the FFN of only the k = 2 experts it chose per
+    layer (the others take the else branch, which passes the running output through), with the bundle graph's
+    logits."""
+    import json
+
+    import onnxruntime as ort
+
+    bundle = micro_bundle("mixtral-micro")
+    path = variant_path(Bundle(bundle.path))
+    ifs = [n for n in onnx.load(str(path)).graph.node if n.op_type == "If"]
+    assert len(ifs) == 16
+    expert_matmuls = []  # per If (layer-major, expert order): the names of the MatMuls in its then branch
+    for node in ifs:
+        branches = {a.name: a.g for a in node.attribute}
+        assert [n.op_type for n in branches["else_branch"].node] == ["Identity"]
+        then_ops = collections.Counter(n.op_type for n in branches["then_branch"].node)
+        assert then_ops["NonZero"] == 1 and then_ops["ScatterND"] == 1 and then_ops["MatMul"] >= 2
+        expert_matmuls.append({n.name for n in branches["then_branch"].node if n.op_type == "MatMul"})
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "moe")
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([[7]]), "attention_mask": np.ones((1, 1), np.int64),
+             "position_ids": np.zeros((1, 1), np.int64), "num_logits_to_keep": np.array([1])}
+    feeds.update({n: np.zeros(bundle.io.empty_shape(n, 1), np.float32) for layer in bundle.io.past for n in layer})
+    (logits,) = sess.run(["logits"], feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    ran = {e["name"].removesuffix("_kernel_time") for e in events if e.get("cat") == "Node"}
+    chosen = [i for i, names in enumerate(expert_matmuls) if names & ran]
+    assert [sum(1 for i in chosen if i // 8 == layer) for layer in (0, 1)] == [2, 2], chosen
+    with runtime.load(bundle.path, variant=False) as plain:
+        np.testing.assert_allclose(logits, plain.forward(np.array([[7]]))[0], atol=2e-5, rtol=0)
