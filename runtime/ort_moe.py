@@ -52,8 +52,10 @@ def skip_unchosen_experts(model, elem_type: int = 1) -> int:
         router_out = [k for k, nm in enumerate(names) if nm == f"{prefix}.router"]
         if not scatters or not router_out:
             continue
-        # what every expert reads from the layer: the router's outputs and everything before them
-        shared = ancestors([o for k in router_out for o in g.node[k].output], set())
+        # what every expert reads from the layer: its input, the router's choice and weights (its last node's
+        # output), and everything before them
+        x = next(g.node[k].input[0] for k in router_out if g.node[k].op_type in ("Gemm", "MatMul"))
+        shared = ancestors([x, index, *g.node[max(router_out)].output], set())
         n_experts = len(scatters)
         tag = prefix.replace(".", "_")
         present = f"{tag}_chosen"
@@ -81,7 +83,7 @@ def skip_unchosen_experts(model, elem_type: int = 1) -> int:
             # self-contained: nothing outside the region reads what it computes, except its output
             leaks = [o for k in region for o in g.node[k].output if o != out and
                      (o in graph_outputs or consumers.get(o, set()) - region)]
-            if leaks or region & removed:
+            if k_scatter not in region or leaks or region & removed:
                 continue
             ordered = [g.node[k] for k in sorted(region)]
             body = []
