@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
 
 from .ort_attention import LOGITS_ROWS
@@ -39,10 +40,6 @@ from .ort_attention import LOGITS_ROWS
 VARIANT_VERSION = 12
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVFORGE_CACHE", Path.home() / ".cache" / "kvforge"))
 
 
 def _rewrite_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
@@ -368,7 +365,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
     if bundle.manifest.get("external_data"):
         key_parts.append(files.get(bundle.manifest["external_data"], {}).get("sha256", ""))
     key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}" + ("-gqa" if attention else "")
-    directory = cache_root() / "ort-variants" / key
+    directory = cache_dir("ort-variants") / key
     target = directory / "model.onnx"
     if target.is_file():
         return target
@@ -394,7 +391,6 @@ def variant_path(bundle, attention: bool = False) -> Path:
         add_logits_rows(model)
     else:
         add_logits_to_keep(model)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:
         big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvforge.bundle import BATCH, Bundle
+from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError, MissingDependencyError
 
 from .backend import Backend, KVCache
@@ -598,16 +599,13 @@ def engine_for(bundle: Bundle) -> Bundle:
     This is what `runtime.load(onnx_bundle, backend="tensorrt")` runs; `kvforge
     build` makes an engine bundle with chosen limits instead.
     """
-    from .ort_variant import cache_root
-
     trt, device = require_tensorrt_gpu()
-    target = cache_root() / "trt-engines" / engine_cache_key(bundle, trt.__version__, device["compute_capability"])
+    target = cache_dir("trt-engines") / engine_cache_key(bundle, trt.__version__, device["compute_capability"])
     if Bundle.is_bundle(target):
         return Bundle(target)
     from kvforge.export.engine import build
 
     print(f"kvforge: building a TensorRT engine for {bundle.path} (cached in {target}) ...", file=sys.stderr)
-    target.parent.mkdir(parents=True, exist_ok=True)
     try:
         return build(bundle.path, target)
     except KvforgeError:

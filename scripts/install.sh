@@ -40,3 +40,15 @@ if [[ " ${extras[*]-} " == *" gpu "* ]]; then
   "$PY" -m pip install -q --force-reinstall --no-deps onnxruntime-gpu
 fi
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+# what was resolved, in one line (bug reports and CI logs want it)
+"$PY" - <<'PYTHON'
+from importlib import metadata
+names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "nvidia-pytriton", "tritonclient"]
+found = []
+for name in names:
+    try:
+        found.append(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        pass
+print("kvforge installed with: " + ", ".join(found))
+PYTHON

@@ -8,10 +8,11 @@ The model (triton_model.py) runs kvforge's runtime with its continuous batcher
 (requests.py); server.py starts and stops the server.
 """
 
+from .preflight import check_python_backend
 from .repository import repository_model, write_repository
 from .server import TritonServer, triton_distribution
 
-__all__ = ["TritonServer", "repository_model", "serve", "triton_distribution", "write_repository"]
+__all__ = ["TritonServer", "check_python_backend", "repository_model", "serve", "triton_distribution", "write_repository"]
 
 
 def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
@@ -25,6 +26,7 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
     from kvforge.bundle import Bundle
 
     triton_distribution()  # a missing server is reported before any export
+    check_python_backend()  # and a Triton whose Python backend cannot take this NumPy, before a server that hangs
     with tempfile.TemporaryDirectory(prefix="kvforge-serve-") as work:
         bundle = Path(source)
         if not Bundle.is_bundle(source):
@@ -50,7 +52,8 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
             echo(f"  metrics http://{server.client_host}:{server.metrics_port}/metrics")
             echo("Ctrl-C or SIGTERM stops it.")
             code = server.wait()
-            echo(f"tritonserver exited on its own ({code}):\n{server.log_tail()}")
+            why = f": {server.failure}" if server.failure else ""
+            echo(f"tritonserver exited on its own ({code}){why}:\n{server.log_tail()}")
             return code or 1
         except KeyboardInterrupt:
             echo("stopping tritonserver ...")

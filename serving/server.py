@@ -10,6 +10,11 @@ interpreter's libpython and site-packages, so the model imports the kvforge
 installed here. stop() (and SIGTERM or Ctrl-C under `kvforge serve`) shuts the
 server down cleanly; a server that does not go within its exit timeout is
 killed, and the shared-memory regions its stubs held are removed.
+
+A watchdog follows the server's backend stubs: a stub that dies (a crash, a
+NumPy the stub was not built for) leaves Triton answering nothing for that
+model, so the watchdog stops the whole server at once, records why (`failure`),
+and a client waiting on it gets a closed connection instead of a long stall.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,7 +61,7 @@ class TritonServer:
 
     def __init__(self, repository: str | os.PathLike, host: str = "127.0.0.1", http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, exit_timeout_s: int = 10, log_file: str | None = None,
-                 verbose: bool = False):
+                 verbose: bool = False, dist: Path | None = None, watchdog: bool = True):
         self.repository = Path(repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -63,12 +69,15 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port(host)
         self.exit_timeout_s = exit_timeout_s
         self.verbose = verbose
-        self.dist = triton_distribution()
+        self.dist = dist or triton_distribution()
         self.work = Path(tempfile.mkdtemp(prefix="kvforge-triton-"))
         self.log_path = Path(log_file) if log_file else self.work / "tritonserver.log"
         self.shm_prefix = f"kvforge{os.getpid()}_{self.work.name[-8:]}_"
         self.proc: subprocess.Popen | None = None
         self._saved_log = ""
+        self.watchdog = watchdog
+        self.failure: str | None = None  # what the watchdog saw, when it stopped the server
+        self._stopping = threading.Event()
 
     # -- set-up ------------------------------------------------------------------------
     def _backends(self) -> Path:
@@ -119,10 +128,46 @@ class TritonServer:
                 self._cleanup()
                 raise KvforgeError(f"tritonserver exited ({self.proc.returncode}) before it was ready:\n{self.log_tail()}")
             if self.ready():
+                if self.watchdog:
+                    threading.Thread(target=self._watch, name="kvforge-triton-watchdog", daemon=True).start()
                 return self
             time.sleep(0.1)
         self.stop()
         raise KvforgeError(f"tritonserver was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stubs(self) -> dict[int, str]:
+        """The server's Python-backend stub processes: pid -> state letter (Z: dead, not yet reaped)."""
+        found = {}
+        if self.proc is None:
+            return found
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if rest[2] == str(self.proc.pid) and name.startswith("triton_python"):  # rest: state, ppid, pgrp, ...
+                found[int(entry.name)] = rest[0]
+        return found
+
+    def _watch(self, interval_s: float = 0.25) -> None:
+        """Stop the server as soon as one of its stubs dies or goes (Triton leaves requests to that model hanging)."""
+        seen = set(self.stubs())
+        while not self._stopping.wait(interval_s):
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            stubs = self.stubs()
+            dead = [pid for pid, state in stubs.items() if state in "ZX"] + sorted(seen - set(stubs))
+            if dead:
+                self.failure = f"a Python backend stub (pid {dead[0]}) died; the server was stopped"
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
+            seen |= set(stubs)
 
     def ready(self) -> bool:
         try:
@@ -151,6 +196,7 @@ class TritonServer:
     def stop(self) -> int | None:
         """SIGTERM, then (past the exit timeout and a grace period) SIGKILL; leftovers removed. Returns the exit code."""
         code = None
+        self._stopping.set()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -82,7 +82,7 @@ def test_genai_config_settings_that_keep_its_numbers_right(micro_bundle, tmp_pat
 @pytest.fixture(scope="session")
 def optimum_python():
     """A Python that has optimum-onnx (and the transformers it needs) over this environment's packages."""
-    from kvforge.runtime.ort_variant import cache_root
+    from kvforge.cache import cache_root
 
     key = hashlib.sha256(json.dumps([sys.version, OPTIMUM_REQUIREMENTS]).encode()).hexdigest()[:12]
     env = cache_root() / f"optimum-env-{key}"

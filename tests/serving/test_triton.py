@@ -43,7 +43,7 @@ PROMPTS = ["def add(a, b):", "class Stack", "import os\nimport", "x = 1", "for i
 def server(tiny_fp32, tmp_path_factory):
     repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", MODEL, max_batch=8)
     srv = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0)
-    srv.start()
+    srv.start(timeout_s=90)  # a server that is not ready by then fails here with its log tail
     yield srv
     code = srv.stop()
     assert code == 0, srv.log_tail()
@@ -63,6 +63,8 @@ def _post(server, endpoint: str, body: dict, timeout: float = 120) -> tuple[int,
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+    except (urllib.error.URLError, OSError) as e:  # the watchdog stopped a server whose stub died, or no answer
+        pytest.fail(f"no answer from the server ({e}); {server.failure or 'server still running'}:\n{server.log_tail()}")
 
 
 def _sse(server, body: dict, keep: int | None = None):
