@@ -195,7 +195,7 @@ def calibrate(
     if bundle.manifest.get("opset", 0) < MIN_OPSET[precision]:
         raise KvforgeError(f"{precision} Q/DQ needs opset >= {MIN_OPSET[precision]}; re-export with --opset {max(21, MIN_OPSET[precision])}")
     check_output_path(out, force, [bundle.path])
-    bundle.verify_files()  # a truncated or altered graph is named here, not by protobuf mid-calibration
+    bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     held_out = None
     if accuracy_budget:  # its held-out text is read and checked now, not after the calibration
         from .budget import budget_ids

@@ -86,7 +86,7 @@ def _is_builtin_tiny(bundle: Bundle) -> bool:
     from kvforge.model_defs import ModelConfig
     from kvforge.model_defs.checkpoint import TRAINED
 
-    source = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
+    source = bundle.recorded_source
     return source in TRAINED and bundle.model_config == ModelConfig.from_name(source).to_dict()
 
 

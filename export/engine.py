@@ -333,7 +333,7 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
                opt_context: int | None = None, options: BuildOptions | None = None) -> dict[str, Any]:
     """Everything a build would do, checked on the CPU: limits, profiles, shape inference, precision, lint."""
     b = _source_bundle(bundle)
-    b.verify_files()  # the plan is for the files the manifest records, not a truncated or altered copy
+    b.verify(full=True)  # the plan is for the files the manifest records, not a truncated or altered copy
     options = options or BuildOptions()
     io = b.io
     if b.model_config.get("architecture", "decoder") != "decoder":  # one engine per graph: export/engine_graphs.py

@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
+
+from kvforge.cache import cache_root
 from kvforge.errors import KvforgeError
+from kvforge.manifest import validate_manifest
+from kvforge.schema import ListOf, RelPath, SchemaError, check
 
 MANIFEST = "kvforge.json"
+_FLOAT_TYPES = {1, 10, 11, 16}  # onnx TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 FORMAT = "kvforge-bundle"
 FORMAT_VERSION = 1
 
@@ -174,37 +180,53 @@ class Bundle:
             self.manifest: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise KvforgeError(f"{manifest} is not valid JSON: {e}") from e
+        if isinstance(self.manifest, dict) and "format" not in self.manifest:
+            raise KvforgeError(f"{manifest} is damaged: 'format' is missing (a kvforge bundle's says {FORMAT!r})")
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
             found = self.manifest.get("format") if isinstance(self.manifest, dict) else type(self.manifest).__name__
             raise KvforgeError(f"{manifest}: format {found!r} is not {FORMAT!r}")
         version = self.manifest.get("format_version", 0)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise KvforgeError(f"{manifest}: format_version {version!r} is not an integer")
-        if version > FORMAT_VERSION:
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise KvforgeError(f"{manifest}: bundle format {version} is newer than this kvforge reads ({FORMAT_VERSION})")
-        self._check_manifest(manifest)
-
-    def _check_manifest(self, manifest: Path) -> None:
-        """The entries every command reads, so that a damaged manifest is named here rather than by a KeyError later."""
-        m = self.manifest
-        kinds = {"graph": str, "model": dict, "io": dict, "precision": dict, "files": dict}
-        for key, kind in kinds.items():
-            if not isinstance(m.get(key), kind):
-                what = "missing" if key not in m else f"a {type(m[key]).__name__}, not a {kind.__name__}"
-                raise KvforgeError(f"{manifest} is damaged: {key!r} is {what}")
-        if not isinstance(m["precision"].get("dtype"), str):
-            raise KvforgeError(f"{manifest} is damaged: precision.dtype is missing")
-        # the model entries every backend reads (kvforge.model_defs would import torch, which the ORT path avoids)
-        needed = ("family", "vocab_size", "n_layers", "n_kv_heads", "head_dim", "max_seq_len")
-        if m["model"].get("architecture", "decoder") != "decoder":
-            needed = ("family", "vocab_size", "n_layers", "dim", "max_seq_len")
-        missing = [k for k in needed if k not in m["model"] or (k != "family" and not isinstance(m["model"][k], int))]
-        if missing:
-            raise KvforgeError(f"{manifest} is damaged: its model entry lacks {missing}")
+        validate_manifest(self.manifest, str(manifest))
         try:
-            IOSpec.from_dict(m["io"])
+            IOSpec.from_dict(self.manifest["io"])
         except (KvforgeError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise KvforgeError(f"{manifest} is damaged: its io entry does not read ({type(e).__name__}: {e})") from e
+
+    # -- the typed face: what stages ask of a bundle, read from the validated manifest -----------------------
+    @property
+    def architecture(self) -> str:
+        return self.manifest["model"].get("architecture", "decoder")
+
+    @property
+    def dtype(self) -> str:
+        """The float dtype of the graph's computation (float32, float16, bfloat16)."""
+        return self.manifest["precision"]["dtype"]
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The quantization record (format, weights, activations, ...), or None for a float bundle."""
+        return self.manifest["precision"].get("quantization")
+
+    @property
+    def quantization_format(self) -> str | None:
+        return (self.quantization or {}).get("format")
+
+    @property
+    def precision_key(self) -> str:
+        """Its Q/DQ format, else its float dtype: what tolerances and tables are keyed by."""
+        return self.quantization_format or self.dtype
+
+    @property
+    def is_engine(self) -> bool:
+        return self.manifest.get("engine") is not None or self.manifest.get("engines") is not None
+
+    @property
+    def recorded_source(self) -> str | None:
+        """The model source the first stage read (a preset name or a checkpoint path), when recorded."""
+        lineage = self.manifest.get("lineage") or [{}]
+        return (lineage[0].get("input") or {}).get("source")
 
     @staticmethod
     def is_bundle(path: str | Path) -> bool:
@@ -232,16 +254,18 @@ class Bundle:
             raise KvforgeError(f"bundle {self.path} is damaged: tokenizer.json is missing")
         return None
 
-    def load_graph(self, external_data: bool = True):
-        """The graph (an onnx ModelProto), after checking that its external weights lie inside this bundle:
-        a location that is absolute or climbs out with '..' is refused before any loader follows it."""
+    def load_graph(self, external_data: bool = True, graph: str | None = None):
+        """The graph (an onnx ModelProto; `graph`: another of the bundle's graphs by file name), after checking
+        that its external weights lie inside this bundle: a location that is absolute or climbs out with '..' is
+        refused before any loader follows it."""
         import onnx
         from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
+        graph_file = self.path / graph if graph else self.graph_file
         try:
-            model = onnx.load(str(self.graph_file), load_external_data=False)
+            model = onnx.load(str(graph_file), load_external_data=False)
         except Exception as e:  # protobuf DecodeError, a missing file, ...
-            raise KvforgeError(f"{self.graph_file} is not a readable ONNX model: {e}") from e
+            raise KvforgeError(f"{graph_file} is not a readable ONNX model: {e}") from e
         root = self.path.resolve()
         for tensor in _get_all_tensors(model):
             if not uses_external_data(tensor):
@@ -249,11 +273,11 @@ class Bundle:
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
             target = (root / location).resolve()
             if os.path.isabs(location) or root not in target.parents:
-                raise KvforgeError(f"{self.graph_file} keeps the weights of {tensor.name!r} as external data at "
+                raise KvforgeError(f"{graph_file} keeps the weights of {tensor.name!r} as external data at "
                                    f"{location!r}, outside the bundle; refusing to read them")
             if not target.is_file():
                 raise KvforgeError(f"bundle {self.path} is damaged: the external data file {location} that "
-                                   f"{self.manifest['graph']} names is missing")
+                                   f"{graph_file.name} names is missing")
         if external_data:
             from onnx.external_data_helper import load_external_data_for_model
 
@@ -262,17 +286,93 @@ class Bundle:
 
     def verify_files(self) -> None:
         """Check every file the manifest lists against its recorded size and hash."""
-        problems = []
-        for name, meta in self.manifest.get("files", {}).items():
-            p = self.path / name
-            if not p.is_file():
-                problems.append(f"{name} is missing")
-            elif p.stat().st_size != meta["bytes"]:
-                problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}")
-            elif sha256_file(p) != meta["sha256"]:
-                problems.append(f"{name} does not match its recorded sha256")
+        problems = self._size_problems()
+        if not problems:
+            for name, meta in self.manifest["files"].items():
+                if sha256_file(self.path / name) != meta["sha256"]:
+                    problems.append(f"{name} does not match its recorded sha256")
         if problems:
             raise KvforgeError(f"bundle {self.path} is damaged: " + "; ".join(problems))
+
+    def _size_problems(self) -> list[str]:
+        problems = []
+        for name, meta in self.manifest["files"].items():
+            p = self.path / name
+            if p.is_symlink() or not p.is_file():
+                problems.append(f"{name} is missing" if not p.is_symlink() else f"{name} is a link, not the bundle's own file")
+            elif p.stat().st_size != meta["bytes"]:
+                problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}")
+        return problems
+
+    def verify(self, full: bool = False) -> None:
+        """What is checked before a bundle runs or feeds another stage.
+
+        Always (a stat per file): every recorded file is there with its recorded size. The first time a
+        bundle's files are seen in their present state (path, size, inode, mtime and ctime of each, recorded
+        under $KVFORGE_CACHE/verified), and whenever `full`: every file's sha256 against the manifest, and every
+        float initializer of its ONNX graphs finite. So a file rewritten in place (even to the same size, even
+        with its mtime put back: the ctime still moves) is hashed again before anything derived from it, such
+        as a cached ORT variant, is used.
+        """
+        problems = self._size_problems()
+        if problems:
+            raise KvforgeError(f"bundle {self.path} is damaged: " + "; ".join(problems))
+        state = self._file_state()
+        record = self._verified_record()
+        if not full and record is not None and record.is_file():
+            try:
+                if json.loads(record.read_text()) == state:
+                    return
+            except (OSError, ValueError):
+                pass
+        self.verify_files()
+        self.check_finite()
+        if record is not None:
+            try:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                record.write_text(json.dumps(state))
+            except OSError:
+                pass  # no record: the next load verifies in full again
+
+    def _file_state(self) -> dict[str, list[int]]:
+        state = {}
+        for name in sorted(self.manifest["files"]):
+            st = (self.path / name).stat()
+            state[name] = [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+        return state
+
+    def _verified_record(self) -> Path | None:
+        key = hashlib.sha256(str(self.path.resolve()).encode()
+                             + json.dumps(self.manifest["files"], sort_keys=True).encode()).hexdigest()[:32]
+        try:
+            return cache_root() / "verified" / f"{key}.json"
+        except KvforgeError:
+            return None
+
+    def onnx_files(self) -> list[str]:
+        """The bundle's ONNX graphs (an engine bundle has none)."""
+        return [name for name in self.manifest["files"] if name.endswith(".onnx")]
+
+    def check_finite(self) -> None:
+        """Refuse a bundle whose graphs hold NaN or infinite float weights (they run, and generate garbage)."""
+        from onnx import numpy_helper
+
+        bad = {}
+        for name in self.onnx_files():
+            model = self.load_graph(external_data=True, graph=name)
+            for init in model.graph.initializer:
+                if init.data_type not in _FLOAT_TYPES:
+                    continue
+                values = numpy_helper.to_array(init)
+                count = int(values.size - np.isfinite(values.astype(np.float32, copy=False)).sum())
+                if count:
+                    bad[f"{name}:{init.name}"] = count
+            del model
+        if bad:
+            listed = ", ".join(f"{k} holds {n} NaN or infinite values" for k, n in sorted(bad.items())[:3])
+            raise KvforgeError(f"bundle {self.path} is damaged: {listed}"
+                               + (f" (and {len(bad) - 3} more tensors)" if len(bad) > 3 else "")
+                               + "; re-export it from a finite checkpoint")
 
 
 def file_records(directory: Path) -> dict[str, dict[str, Any]]:
@@ -284,10 +384,11 @@ def file_records(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = (), marker: str = MANIFEST) -> Path:
-    """Refuse, before any work is done: an output that is or holds one of the inputs, an existing output
-    (unless force), a non-empty directory that is not a bundle (force replaces bundles only), an unwritable parent.
+    """Refuse, before any work is done: an output that is or holds one of the inputs or the current directory,
+    an existing output (unless force), a non-empty directory kvforge cannot prove it wrote (force replaces only
+    those: see owned_entries), an output location that cannot be written. Returns the output's absolute path.
 
-    marker: the file that says a directory is kvforge's to replace (a bundle's manifest; a Triton repository's record).
+    marker: the file that records what kvforge wrote there (a bundle's manifest; a Triton repository's record).
     """
     out = Path(out)
     target = out.resolve()
@@ -303,18 +404,85 @@ def check_output_path(out: str | Path, force: bool, inputs: Iterable[str | Path 
         raise KvforgeError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise KvforgeError(f"{out} exists and is not a directory")
-    if out.is_dir() and not (out / marker).is_file() and any(out.iterdir()):
-        what = "bundle" if marker == MANIFEST else "output"
-        raise KvforgeError(f"{out} is a directory but not a kvforge {what} (no {marker}); --force replaces only {what}s "
-                           "kvforge wrote, so remove it yourself or choose another output")
-    parent = out.resolve().parent
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the current directory was removed
+        cwd = None
+    if out.exists() and cwd is not None and (target == cwd or target in cwd.parents):
+        raise KvforgeError(f"the output {out} is the current directory (or holds it): replacing it would leave this "
+                           "shell in a removed directory; run the command from outside it")
+    if out.is_dir() and any(out.iterdir()):
+        owned_entries(out, marker)
+    parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise KvforgeError(f"cannot create {parent}: {e.strerror}") from e
-    if not os.access(parent, os.W_OK):
-        raise KvforgeError(f"cannot write to {parent}: permission denied")
-    return out
+        raise KvforgeError(f"cannot create {parent}: {e.strerror or e}") from e
+    try:  # a real write: permissions, a read-only filesystem, /proc, a full disk all answer here, before any work
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+    except OSError as e:
+        raise KvforgeError(f"cannot write to {parent}: {e.strerror or e}") from e
+    return target
+
+
+def owned_entries(directory: Path, marker: str = MANIFEST) -> set[str]:
+    """The paths under `directory` that kvforge can prove it wrote, when that is all of them; else KvforgeError.
+
+    Proof is a record that kvforge writes last and that lists every file: a bundle's manifest (valid against the
+    bundle schema, its `files` covering every file in the directory) or another output's record (a JSON object
+    whose `files` lists every file by relative path). A file name alone is no proof: a directory holding
+    anything the record does not list is refused by name, and nothing in it is touched.
+    """
+    record = directory / marker
+    kind = "bundle" if marker == MANIFEST else "output"
+    refuse = (f"--force replaces only a {kind} kvforge wrote (or an empty directory); remove it yourself or choose "
+              "another output")
+    if not record.is_file():
+        raise KvforgeError(f"{directory} is a directory but not a kvforge {kind} (no {marker}); {refuse}")
+    if marker == MANIFEST:
+        try:
+            listed = set(Bundle(directory).manifest["files"])
+        except KvforgeError as e:
+            raise KvforgeError(f"{directory} holds a {marker} that is not a valid bundle manifest ({e}); {refuse}") from e
+    else:
+        listed = _record_files(record)
+        if listed is None:
+            raise KvforgeError(f"{directory} holds a {marker} that does not list the files kvforge wrote; {refuse}")
+    listed.add(marker)
+    found = _tree(directory)
+    folders = {p.as_posix() for name in listed for p in Path(name).parents if p != Path(".")}
+    # Python writes bytecode beside a module it imports (a Triton repository's model.py, once served)
+    bytecode = {(Path(name).parent / "__pycache__").as_posix() for name in listed if name.endswith(".py")}
+    stray = sorted(p for p, is_dir in found.items()
+                   if p not in listed and not (is_dir and p in folders | bytecode)
+                   and not (not is_dir and Path(p).parent.as_posix() in bytecode and p.endswith(".pyc")))
+    if stray:
+        shown = ", ".join(stray[:5]) + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+        raise KvforgeError(f"{directory} holds files its {marker} does not list ({shown}); {refuse}")
+    return set(found)
+
+
+def _record_files(record: Path) -> set[str] | None:
+    try:
+        files = json.loads(record.read_text(encoding="utf-8"))["files"]
+        check(files, ListOf(RelPath(directories=True)), "files")
+    except (OSError, ValueError, KeyError, TypeError, SchemaError):  # SchemaError is a ValueError too
+        return None
+    return set(files)
+
+
+def _tree(directory: Path) -> dict[str, bool]:
+    """Every path under directory (relative, '/'-separated) -> whether it is a real directory (links are files)."""
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        rel = Path(root).relative_to(directory)
+        for name in dirs:
+            p = Path(root) / name
+            found[(rel / name).as_posix()] = not p.is_symlink()
+        for name in files:
+            found[(rel / name).as_posix()] = False
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
+    return found
 
 
 @contextlib.contextmanager
@@ -331,7 +499,7 @@ def staged_bundle(out: str | Path, force: bool = False, inputs: Iterable[str | P
     write there.
     """
     out = check_output_path(out, force, inputs, marker)
-    parent = out.resolve().parent
+    parent = out.parent
     _clear_leftovers(out, marker)
     existed = out.exists()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -19,6 +20,22 @@ class _Group(click.Group):
         except KvforgeError as e:
             click.echo(f"error: {one_line(e)}", err=True)
             sys.exit(1)
+
+
+def _writable_file(ctx, param, value):
+    """A file option kvforge writes (a report, a timing cache): its directory must take a file, checked before any
+    work (a read-only filesystem, /proc, a path under a file), so a long run does not end in a traceback."""
+    if value is None:
+        return value
+    import tempfile
+
+    parent = Path(value).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(prefix=".kvforge-probe-", dir=parent).close()  # created, then removed
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {value}: {e.strerror or e}", ctx=ctx, param=param) from e
+    return value
 
 
 def one_line(error: Exception) -> str:
@@ -186,8 +203,6 @@ def export(source, out, dtype, opset, max_context, external_data, force, quiet):
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def lint(target, as_json):
     """Check a bundle (or .onnx file) against TensorRT's ONNX rules; exit 1 on errors."""
-    from pathlib import Path
-
     from kvforge.bundle import Bundle
     from kvforge.export import lint as lint_graph
 
@@ -217,7 +232,7 @@ def inspect(bundle, as_json):
     m = b.manifest
     if as_json:
         click.echo(json.dumps(m))
-        b.verify_files()  # a damaged bundle: the manifest is printed, then the error (exit 1)
+        b.verify(full=True)  # a damaged bundle: the manifest is printed, then the error (exit 1)
         return
     from rich.console import Console
     from rich.table import Table
@@ -273,10 +288,11 @@ def inspect(bundle, as_json):
         console.print(f"lint (when written): {'passed' if lint_result['passed'] else 'FAILED'} "
                       f"({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
     for entry in m.get("lineage", []):
-        console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {entry['input']['source']} "
-                      f"({entry['input']['kind']}, sha256 {entry['input']['sha256'][:16]}), options {entry['options']}")
-    b.verify_files()  # raises, naming each damaged file (exit 1)
-    console.print("files: intact (sizes and sha256 match the manifest)")
+        given = entry.get("input", {})
+        console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {given.get('source')} "
+                      f"({given.get('kind')}, sha256 {(given.get('sha256') or '-')[:16]}), options {entry.get('options', {})}")
+    b.verify(full=True)  # raises, naming each damaged file or non-finite weight (exit 1)
+    console.print("files: intact (sizes and sha256 match the manifest; weights finite)")
 
 
 @main.command()
@@ -352,7 +368,7 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
 @click.option("--max-context", type=click.IntRange(2), help="Longest past + new tokens (default: the bundle's max context).")
 @click.option("--opt-batch", type=click.IntRange(1), help="Batch the kernels are tuned for.  [default: 1]")
 @click.option("--opt-context", type=click.IntRange(1), help="Prompt / context length the kernels are tuned for.  [default: min(256, max context)]")
-@click.option("--timing-cache", type=click.Path(dir_okay=False), help="TensorRT timing cache: reused if it exists, updated after the build.")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), callback=_writable_file, help="TensorRT timing cache: reused if it exists, updated after the build.")
 @click.option("--builder-optimization-level", default=3, show_default=True, type=click.IntRange(0, 5),
               help="TensorRT's kernel search effort (higher: slower build, maybe faster engine).")
 @click.option("--hardware-compatibility", default="none", show_default=True,
@@ -406,7 +422,7 @@ def _backend_option(f):
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = no limit.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True))
-@click.option("--seed", type=int, help="Seed for sampling.")
+@click.option("--seed", type=click.IntRange(0), help="Seed for sampling (an integer >= 0).")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
@@ -561,7 +577,7 @@ def _fmt(value) -> str:
               help="Override a default bound (floor for agreements/cosines, ceiling for errors); repeatable.")
 @click.option("--per-layer", is_flag=True, help="Rank decoder blocks by their contribution to the error.")
 @click.option("--random-data", is_flag=True, help="Seeded random tokens instead of text.")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Write the report here, with -drift.png (and -layers.png) beside it.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), callback=_writable_file, help="Write the report here, with -drift.png (and -layers.png) beside it.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
             json_file, quiet):
@@ -611,7 +627,7 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--update-baseline", is_flag=True, help="Rewrite the spec's baseline from this run (on purpose).")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep the artifacts here (default: a temporary directory).")
-@click.option("--report", "report_file", type=click.Path(dir_okay=False), help="Write the JSON report here, with -drift.png beside it.")
+@click.option("--report", "report_file", type=click.Path(dir_okay=False), callback=_writable_file, help="Write the JSON report here, with -drift.png beside it.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def check(spec, update_baseline, workdir, report_file, quiet):
     """Run the accuracy regression check SPEC (TOML); exit 1 on a regression against its baseline."""

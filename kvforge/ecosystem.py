@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.bundle import IOSpec
+from kvforge.schema import read_json
 
 if TYPE_CHECKING:
     from kvforge.tokenizer import Tokenizer
@@ -160,7 +161,7 @@ def write_ecosystem_files(directory: Path, model: dict[str, Any], io: IOSpec, gr
         if source is not None and (source / name).is_file():
             shutil.copy2(source / name, directory / name)
     if (directory / HF_CONFIG).is_file():
-        model_type = json.loads((directory / HF_CONFIG).read_text()).get("model_type")
+        model_type = read_json(directory / HF_CONFIG).get("model_type")
         carried = from_bundle is not None and hf_source is None
         record["optimum"] = {"config": HF_CONFIG, "model_type": model_type, "reason": None,
                              "from": "the float bundle" if carried else "the source checkpoint"}

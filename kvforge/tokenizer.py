@@ -99,9 +99,14 @@ class Tokenizer:
         cfg_path = path.parent / SPECIALS_FILE
         if cfg_path.is_file():
             try:
-                cfg = json.loads(cfg_path.read_text())
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as e:
+                raise KvforgeError(f"{cfg_path} is not UTF-8 text (byte {e.start}); a tokenizer_config.json is JSON "
+                                   "in UTF-8") from e
             except json.JSONDecodeError as e:
                 raise KvforgeError(f"{cfg_path} is not valid JSON: {e}") from e
+            if not isinstance(cfg, dict):
+                raise KvforgeError(f"{cfg_path} holds {type(cfg).__name__} JSON, not an object of special tokens")
             for role in _SPECIAL_ROLES:
                 value = cfg.get(f"{role}_token")
                 if isinstance(value, dict):  # {"content": "<s>", ...} in older files

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from kvforge.errors import KvforgeError
+from kvforge.schema import read_json
 from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
 
 from . import hf
@@ -146,7 +147,7 @@ def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: Path
 
 
 def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
-    meta = json.loads((directory / CHECKPOINT_CONFIG).read_text())
+    meta = read_json(directory / CHECKPOINT_CONFIG)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise KvforgeError(f"{directory / CHECKPOINT_CONFIG}: format is {meta.get('format')!r}, not {CHECKPOINT_FORMAT!r}")
     if meta.get("version", 0) > CHECKPOINT_VERSION:

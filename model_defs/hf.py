@@ -9,7 +9,6 @@ used. Only safetensors are read; pickle-based files are refused.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from kvforge.errors import KvforgeError
+from kvforge.schema import path_problem, read_json
 
 from .architectures import ARCHITECTURES, tied_parameters
 from .hf_families import FAMILIES
@@ -87,7 +87,9 @@ def _normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str,
 def safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and not path_problem(f) for f in weight_map.values()):
+            raise KvforgeError(f"{index} has no usable weight_map (tensor name -> a shard file beside it)")
         files = sorted({directory / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -218,7 +220,4 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise KvforgeError(f"{path} is not valid JSON: {e}") from e
+    return read_json(path)

@@ -64,10 +64,6 @@ def torch_runner(source, config: dict[str, Any], io: IOSpec, dtype: str = "float
     return run
 
 
-def recorded_source(bundle: Bundle) -> str | None:
-    return bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
-
-
 def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu", **unknown):
     if unknown:
         raise KvforgeError(f"unknown torch options for an encoder: {sorted(unknown)}")
@@ -75,7 +71,7 @@ def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu"
     if quant:
         raise KvforgeError(f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was "
                            "made from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
-    source = source or recorded_source(bundle)
+    source = source or bundle.recorded_source
     if source is None:
         raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
     return torch_runner(source, bundle.model_config, bundle.io, bundle.manifest["precision"]["dtype"], device)

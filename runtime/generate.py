@@ -29,8 +29,8 @@ class GenerationConfig:
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise KvforgeError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise KvforgeError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            raise KvforgeError(f"seed must be an int >= 0 or None, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
             raise KvforgeError(f"stop_token_ids takes a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -201,6 +201,12 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
 def token_rows(prompt, encode, what: str = "prompt") -> tuple[list[list[int]], bool]:
     """Normalize str | ids | a list of either to a list of id lists (an empty row stays empty, for the caller's
     check to name); report whether one was given. encode(text) -> ids."""
+    if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints to Python: never token ids here
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KvforgeError(f"the {what} is bytes that are not UTF-8 text (byte {e.start}: "
+                               f"{bytes(prompt)[e.start:e.start + 4]!r}); pass a str, or token ids as a list of ints") from e
     if isinstance(prompt, str):
         return [encode(prompt)], True
     if isinstance(prompt, np.ndarray):

@@ -76,12 +76,11 @@ class _TorchModel:
 
         from kvforge.model_defs import load
 
-        from .encoder_session import recorded_source
 
         if (bundle.manifest["precision"].get("quantization") or {}).get("format") and not float_reference:
             raise KvforgeError(f"{bundle.path} is quantized; the torch backend would run the float model it was made "
                                "from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
-        source = source or recorded_source(bundle)
+        source = source or bundle.recorded_source
         if source is None:
             raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
         model, _ = load(source, dtype="float32" if float_reference else bundle.manifest["precision"]["dtype"])

@@ -67,7 +67,8 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
         from .trt_backend import is_engine_bundle
 
         bundle = Bundle(source)
-        architecture = bundle.model_config.get("architecture", "decoder")
+        bundle.verify()  # before any cache derived from its files is consulted (docs/bundle.md: integrity)
+        architecture = bundle.architecture
         if architecture != "decoder" and is_engine_bundle(bundle.manifest):
             raise KvforgeError(f"{bundle.path} holds TensorRT engines of an {architecture} "
                                f"({', '.join(sorted(bundle.manifest.get('engines', {})))}); kvforge's runtime runs "
@@ -105,8 +106,7 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
                     f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was made from, "
                     "not this bundle. Run it on onnxruntime (or tensorrt); `kvforge compare` measures it against that float reference"
                 )
-            recorded = bundle.manifest.get("lineage", [{}])[0].get("input", {}).get("source")
-            src = options.pop("source", None) or recorded
+            src = options.pop("source", None) or bundle.recorded_source
             if src is None:
                 raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
             impl = TorchBackend(config, io, src, dtype=dtype, **options)

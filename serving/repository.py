@@ -82,7 +82,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
         raise KvforgeError(f"{bundle} is an {architecture}; the Triton model serves decoder LMs (the generate "
                            "extension with continuous batching). Run encoders and encoder-decoders with "
                            "kvforge.runtime (embed, classify, generate)")
-    source.verify_files()  # a damaged bundle is refused here, not when the server loads it
+    source.verify(full=True)  # a damaged bundle is refused here, not when the server loads it
     name = model_name or default_model_name(source.path)
     if not _NAME.match(name):
         raise KvforgeError(f"model name {name!r}: use letters, digits, '_', '.' or '-' (Triton's model directory name)")
@@ -98,7 +98,9 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
         _link_tree(source.path, model / "1" / "bundle")
         (model / "1" / "model.py").write_text(MODEL_PY)
         (model / "config.pbtxt").write_text(config_pbtxt(name, instances, max_batch, max_cache_tokens, backend))
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         (tmp / RECORD).write_text(json.dumps({
+            "files": files,  # what --force may replace: every file written here (kvforge.bundle.owned_entries)
             "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.manifest.get("files", {})
             .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances, "max_batch": max_batch,
             "max_cache_tokens": max_cache_tokens, "backend": backend, "written": now_utc()}, indent=2) + "\n")

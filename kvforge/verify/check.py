@@ -40,6 +40,7 @@ from typing import Any, Callable
 import kvforge
 from kvforge.bundle import now_utc
 from kvforge.errors import KvforgeError
+from kvforge.schema import read_json
 from kvforge.runtime.sampling import positive_int_or_none
 
 from .compare import HIGHER_IS_BETTER
@@ -253,15 +254,15 @@ def check(spec_path: str | Path, update_baseline: bool = False, workdir: str | P
     if not update_baseline:
         if not spec.baseline.is_file():
             raise KvforgeError(f"no baseline at {spec.baseline}; create it on purpose with `kvforge check {spec.path} --update-baseline`")
-        try:
-            baseline = json.loads(spec.baseline.read_text())
-        except json.JSONDecodeError as e:
-            raise KvforgeError(f"baseline {spec.baseline} is not valid JSON: {e}") from e
+        baseline = read_json(spec.baseline, "baseline")
     tmp = None
     if workdir is None:
         tmp = Path(tempfile.mkdtemp(prefix="kvforge-check-"))
     work = Path(workdir) if workdir is not None else tmp
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvforgeError(f"cannot create the work directory {work}: {e.strerror or e}") from e
     try:
         paths = produce(spec.source, spec.artifacts, work, spec.calibration_data, progress, log)
         outcomes = compare_all(spec.artifacts, paths, work, spec.reference, spec.compare_options, progress, log)

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvforge
-from kvforge.bundle import now_utc
+from kvforge.bundle import MANIFEST, now_utc, owned_entries
 from kvforge.errors import KvforgeError
+from kvforge.schema import ListOf, RelPath, check
 
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
 
@@ -100,10 +101,8 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
             "or leave out int8/fp8"
         )
     workdir = Path(workdir)
-    if workdir.exists() and any(workdir.iterdir()) and not force:
-        raise KvforgeError(f"{workdir} exists and is not empty; pass --force to replace the artifacts in it")
-    workdir.mkdir(parents=True, exist_ok=True)
     artifacts = recipes(precisions, source, calibration_data, random_data)
+    claim_workdir(workdir, force, [a.name for a in artifacts])
     engine_skipped = tensorrt_unavailable()
     if not engine_skipped:
         for a in artifacts:
@@ -133,6 +132,49 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     result = PipelineResult(workdir, outcomes, engine_skipped, sample, round(time.time() - started, 1))
     write_pipeline_report(result, source)
     return result
+
+
+PIPELINE_RECORD = "kvforge-pipeline.json"
+
+
+def claim_workdir(workdir: Path, force: bool, artifacts: list[str]) -> None:
+    """Make `workdir` the pipeline's: new or empty, or (with force) one that holds only what a pipeline wrote.
+
+    The record (PIPELINE_RECORD) lists the top-level entries a pipeline writes there, and is written before
+    the first of them, so a run that is stopped midway is still replaceable; a listed directory is replaced
+    only if it is a bundle kvforge can prove it wrote (kvforge.bundle.owned_entries). Anything else in the
+    directory is named and nothing is touched.
+    """
+    if workdir.exists() and not workdir.is_dir():
+        raise KvforgeError(f"{workdir} exists and is not a directory")
+    entries = sorted(p.name for p in workdir.iterdir()) if workdir.is_dir() else []
+    listed: list[str] = []
+    if entries:
+        if not force:
+            raise KvforgeError(f"{workdir} exists and is not empty; pass --force to replace the artifacts in it")
+        try:
+            listed = json.loads((workdir / PIPELINE_RECORD).read_text(encoding="utf-8"))["entries"]
+            check(listed, ListOf(RelPath()), "entries")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise KvforgeError(f"{workdir} is not a directory `kvforge pipeline` wrote (its {PIPELINE_RECORD} is missing "
+                               f"or unreadable: {type(e).__name__}); --force replaces only a pipeline's own artifacts: "
+                               "remove it yourself or choose another directory") from e
+        leftovers = tuple(f".{name}." for name in listed)  # a killed writer's staging directories
+        stray = [n for n in entries if n not in listed and n != PIPELINE_RECORD and not n.startswith(leftovers)]
+        if stray:
+            raise KvforgeError(f"{workdir} holds entries no pipeline wrote ({', '.join(stray[:5])}); --force replaces "
+                               "only a pipeline's own artifacts: remove them yourself or choose another directory")
+        for name in listed:
+            if (workdir / name).is_dir() and any((workdir / name).iterdir()):
+                owned_entries(workdir / name, MANIFEST)
+    planned = [*artifacts, *(f"{a}-engine" for a in artifacts), *(f"{a}-layers.png" for a in artifacts),
+               "report.json", "drift.png"]
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / PIPELINE_RECORD).write_text(json.dumps({"entries": sorted(set(listed) | set(planned)),
+                                                           "written": now_utc()}, indent=2) + "\n")
+    except OSError as e:
+        raise KvforgeError(f"cannot write to {workdir}: {e.strerror or e}") from e
 
 
 def write_pipeline_report(result: PipelineResult, source) -> list[Path]:

@@ -1,0 +1,182 @@
+"""The bundle manifest's schema (kvforge.json), applied every time a bundle is opened (docs/bundle.md).
+
+Every field kvforge reads is typed here, every path in the manifest must name a
+file inside the bundle, and the values commands branch on are enumerated; what
+does not fit is one error, "bundle ... is damaged: <field> <what it holds>,
+expected <what>". The model entry is checked field by field against the config
+of its architecture (kvforge/model_fields.py, generated from model_defs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge.errors import KvforgeError
+from kvforge.model_fields import MODEL_FIELDS
+from kvforge.schema import (
+    AnyJSON, DictOf, Enum, ListOf, Num, Opt, Pattern, Rec, RelPath, SchemaError, Union, annotation_spec, check,
+)
+
+STAGES = ("export", "calibrate", "build")
+DTYPES = ("float32", "float16", "bfloat16")
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool",
+                 "float8_e4m3fn")
+QUANT_FORMATS = ("int8", "fp8", "int4")
+ARCHITECTURES = tuple(MODEL_FIELDS)
+SHA256 = Pattern(r"[0-9a-f]{64}", "a sha256 hex digest")
+COUNT = Num(low=0, integer=True)
+POSITIVE = Num(low=1, integer=True)
+METRIC = Opt(Num(finite=False))  # measured numbers: a divergence may be infinite, an undefined one null
+
+TENSOR = Rec({"name": str, "dtype": Enum(*TENSOR_DTYPES), "shape": ListOf(Union(str, COUNT))},
+             required=("name", "dtype", "shape"))
+CACHE_NAMES = ListOf(ListOf(str, min_len=1))
+IO = Rec({
+    "inputs": ListOf(TENSOR, min_len=1),
+    "outputs": ListOf(TENSOR, min_len=1),
+    "kv_cache": Rec({"past": CACHE_NAMES, "present": CACHE_NAMES, "layout": str, "windows": Opt(ListOf(Opt(POSITIVE)))},
+                    required=("past", "present")),
+    "max_context": Opt(POSITIVE),
+    "extra": Rec({
+        "architecture": Enum(*ARCHITECTURES),
+        "per_token_outputs": ListOf(str),
+        "decoder_graph": RelPath(),
+        "encoder": Rec({"graph": RelPath(), "inputs": ListOf(TENSOR), "outputs": ListOf(TENSOR)},
+                       required=("graph", "inputs", "outputs")),
+        "cross_cache": Rec({"inputs": CACHE_NAMES, "encoder_outputs": CACHE_NAMES}, required=("inputs", "encoder_outputs")),
+        "max_source_length": POSITIVE,
+    }),
+}, required=("inputs", "outputs", "kv_cache"))
+
+QUANTIZATION = Rec({
+    "format": Enum(*QUANT_FORMATS), "weights": str, "weight_rounding": str, "gptq_damp": Opt(Num(low=0)),
+    "activations": Opt(str), "method": Opt(str), "percentile": Opt(Num(low=0, high=100)),
+    "smoothquant_alpha": Opt(Num(low=0, high=1)), "block_size": Opt(POSITIVE), "kv_cache": Opt(Enum("int8", "fp8")),
+    "quantized_layers": ListOf(str), "excluded_layers": ListOf(Union(str, DictOf(AnyJSON))),
+}, required=("format",))
+PRECISION = Rec({"dtype": Enum(*DTYPES), "quantization": Opt(QUANTIZATION)}, required=("dtype",))
+
+FILES = DictOf(Rec({"bytes": COUNT, "sha256": SHA256}, required=("bytes", "sha256")))
+LINEAGE = ListOf(Rec({
+    "stage": Enum(*STAGES), "tool": str, "time": str,
+    "input": Rec({"source": Opt(str), "kind": str, "sha256": Opt(str)}),
+    "options": DictOf(AnyJSON), "versions": DictOf(Opt(str)), "seconds": DictOf(METRIC),
+}, required=("stage", "tool", "time")))
+
+# what a comparison measured for one output; the first two are always measured (inspect shows them)
+METRICS = Rec({"max_abs": Num(finite=False), "rel_l2": Num(finite=False), "cosine": METRIC, "top1_agreement": METRIC,
+               "kl_divergence_mean": METRIC, "reference_magnitude": METRIC}, required=("max_abs", "rel_l2"))
+VALIDATION = Rec({
+    "dtype": str, "reference": str, "tolerances": DictOf(Opt(Num(low=0))), "cases": COUNT,
+    "logits": METRICS, "present": METRICS, "outputs": DictOf(METRICS), "encoder": DictOf(METRICS),
+    "decoder": DictOf(METRICS),
+    "lockstep": Rec({"steps": COUNT, "logits": METRICS, "present": METRICS, "greedy_matching_steps": COUNT,
+                     "greedy_first_divergence": Opt(COUNT)}, required=("steps", "greedy_matching_steps")),
+    "passed": bool, "failures": ListOf(str),
+}, required=("reference", "cases", "passed"))
+FINDING = Rec({"severity": Enum("error", "warning", "info"), "rule": str, "message": str, "node": Opt(str),
+               "op": Opt(str), "graph": Opt(str)}, required=("severity", "rule", "message"))
+LINT = Rec({
+    "passed": bool, "opset": Opt(COUNT), "targets": DictOf(bool), "errors": COUNT, "warnings": COUNT,
+    "findings": ListOf(FINDING), "graphs": DictOf(Rec({"passed": bool, "errors": COUNT, "warnings": COUNT},
+                                                     required=("passed", "errors", "warnings"))),
+}, required=("passed", "errors", "warnings", "findings"))
+ECOSYSTEM = DictOf(Rec({"config": Opt(RelPath()), "reason": Opt(str), "model_type": Opt(str), "from": Opt(str)}))
+CALIBRATION = Rec({
+    "data": Opt(str), "data_sha256": Opt(str), "random_data": bool, "samples": COUNT, "seq_len": COUNT,
+    "batch_size": COUNT, "scales": DictOf(DictOf(AnyJSON)), "accuracy_budget": Opt(DictOf(AnyJSON)),
+    "experts": Opt(DictOf(AnyJSON)),
+})
+SHAPE_RANGE = Rec({"min": ListOf(COUNT), "opt": ListOf(COUNT), "max": ListOf(COUNT)}, required=("min", "opt", "max"))
+PROFILE = Rec({"index": COUNT, "name": str, "shapes": DictOf(SHAPE_RANGE)}, required=("index", "name", "shapes"))
+LIMITS = Rec({"max_batch": POSITIVE, "max_context": POSITIVE}, required=("max_batch", "max_context"))
+ENGINE = Rec({
+    "file": RelPath(), "tensorrt_version": str, "gpu": Rec({"name": str, "compute_capability": str},
+                                                          required=("name", "compute_capability")),
+    "strongly_typed": bool, "tf32": bool, "builder_optimization_level": Num(low=0, high=5, integer=True),
+    "hardware_compatibility": str, "version_compatible": bool, "limits": LIMITS, "profiles": ListOf(PROFILE, min_len=1),
+    "source": Rec({"bundle": Opt(str), "stage": Opt(str), "graph": Opt(str), "onnx_sha256": Opt(str),
+                   "external_data_sha256": Opt(str)}),
+    "timing_cache": Opt(DictOf(AnyJSON)),
+}, required=("file", "tensorrt_version", "gpu", "limits", "profiles", "hardware_compatibility", "version_compatible"))
+
+MANIFEST_SCHEMA = Rec({
+    "format": Enum("kvforge-bundle"), "format_version": COUNT, "stage": Enum(*STAGES),
+    "graph": RelPath(), "external_data": Opt(RelPath()), "graphs": Opt(DictOf(RelPath())),
+    "model": DictOf(AnyJSON),  # field by field below, by architecture
+    "io": IO, "precision": PRECISION, "opset": Opt(POSITIVE), "files": FILES, "lineage": LINEAGE,
+    "validation": Opt(VALIDATION), "lint": Opt(LINT), "ecosystem": Opt(ECOSYSTEM), "calibration": Opt(CALIBRATION),
+    "weight_sharing": Opt(Rec({"stored_bytes": COUNT, "shared_bytes": COUNT})),
+    "engine": Opt(ENGINE), "engines": Opt(DictOf(DictOf(AnyJSON))),
+}, required=("format", "graph", "model", "io", "precision", "files"))
+
+# the model entries every backend and `inspect` read, by architecture (the rest have defaults in the configs)
+_COMMON = ("family", "vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "max_seq_len")
+MODEL_REQUIRED = {"decoder": (*_COMMON, "head_dim"), "encoder": _COMMON, "perceiver": _COMMON, "encoder-decoder": _COMMON}
+# written beside the config's own fields so that every backend reads the same names
+MODEL_EXTRA = {"family": str, "architecture": Enum(*ARCHITECTURES), "n_kv_heads": POSITIVE,
+               "head_dim": POSITIVE, "residual_scale": float, "attn_softcap": Opt(float)}
+_MODEL_SPECS: dict[str, Rec] = {}
+
+
+def model_spec(architecture: str) -> Rec:
+    if architecture not in _MODEL_SPECS:
+        fields = {name: annotation_spec(annotation) for name, annotation in MODEL_FIELDS[architecture].items()}
+        for name, spec in MODEL_EXTRA.items():
+            fields.setdefault(name, spec)
+        fields["architecture"] = Enum(architecture)
+        _MODEL_SPECS[architecture] = Rec(fields, required=MODEL_REQUIRED[architecture])
+    return _MODEL_SPECS[architecture]
+
+
+def validate_manifest(manifest: Any, where: str) -> None:
+    """Raise KvforgeError("<where> is damaged: ...") naming the first field that does not fit the schema."""
+    try:
+        check(manifest, MANIFEST_SCHEMA, "manifest")
+        model = manifest["model"]
+        architecture = model.get("architecture", "decoder")
+        check(architecture, Enum(*ARCHITECTURES), "manifest.model.architecture")
+        check(model, model_spec(architecture), "manifest.model")
+        _check_paths(manifest)
+        _check_cache_tensors(manifest["io"])
+    except SchemaError as e:
+        field = e.path.removeprefix("manifest.").removeprefix("manifest")
+        raise KvforgeError(f"{where} is damaged: {repr(field) if field else 'the manifest'} {e.problem}") from e
+
+
+def _check_paths(m: dict[str, Any]) -> None:
+    """Every file the manifest names for kvforge to open is one of the bundle's recorded files."""
+    named = {"graph": m["graph"]}
+    if m.get("external_data"):
+        named["external_data"] = m["external_data"]
+    for role, name in (m.get("graphs") or {}).items():
+        named[f"graphs.{role}"] = name
+    extra = m["io"].get("extra", {})
+    if "decoder_graph" in extra:
+        named["io.extra.decoder_graph"] = extra["decoder_graph"]
+    if "encoder" in extra:
+        named["io.extra.encoder.graph"] = extra["encoder"]["graph"]
+    if m.get("engine"):
+        named["engine.file"] = m["engine"]["file"]
+    for name, meta in m["files"].items():
+        check(name, RelPath(), f"manifest.files[{name[:60]!r}]")
+    for field, name in named.items():
+        if name not in m["files"]:
+            raise SchemaError(f"manifest.{field}", f"{name!r} is not one of the bundle's recorded files")
+
+
+def _check_cache_tensors(io: dict[str, Any]) -> None:
+    """Each cache name is a graph input (past) or output (present) of four dimensions whose heads and features
+    are sizes: the runtimes make empty caches from those two numbers."""
+    for side, names, tensors in (("past", io["kv_cache"]["past"], io["inputs"]), ("present", io["kv_cache"]["present"], io["outputs"])):
+        shapes = {t["name"]: t["shape"] for t in tensors}
+        for i, layer in enumerate(names):
+            for name in layer:
+                where = f"manifest.io.kv_cache.{side}[{i}]"
+                if name not in shapes:
+                    raise SchemaError(where, f"names {name!r}, which is not one of the graph's {'inputs' if side == 'past' else 'outputs'}")
+                shape = shapes[name]
+                if len(shape) != 4 or not all(isinstance(shape[d], int) for d in (1, 3)):
+                    raise SchemaError(where, f"names {name!r} of shape {shape}: a cache has 4 dimensions, the 2nd and 4th sizes")
+    if len(io["kv_cache"]["past"]) != len(io["kv_cache"]["present"]):
+        raise SchemaError("manifest.io.kv_cache", "has a different number of past and present layers")
