@@ -14,6 +14,7 @@ import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
+from kvforge.manifest import kind_name
 from kvforge.tokenizer import Tokenizer
 from kvforge.runtime.ort_backend import make_session, prefill_feeds
 from kvforge.runtime.sampling import is_number
@@ -169,7 +170,7 @@ def calibrate(
         raise KvforgeError(f"--kv-cache {kv_cache!r} is not supported; the choice is fp8")
     decoder = bundle.model_config.get("architecture", "decoder") == "decoder"
     if kv_cache and not decoder:
-        raise KvforgeError(f"--kv-cache: {bundle.path} is an {bundle.model_config['architecture']}, which has no KV cache")
+        raise KvforgeError(f"--kv-cache: {bundle.path} is {kind_name(bundle.architecture)}, which has no KV cache")
     if accuracy_budget and not decoder:
         raise KvforgeError("--accuracy-budget measures a decoder's perplexity; for an encoder, calibrate and then "
                            "measure with `kvforge compare` (embedding cosine, top-1 agreement)")

@@ -33,6 +33,9 @@ from kvforge.schema import ListOf, RelPath, SchemaError, check
 
 MANIFEST = "kvforge.json"
 _FLOAT_TYPES = {1, 10, 11, 16}  # onnx TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+# ops whose initializer inputs are a model's weights (projections, embeddings, norms' scales, quantized codes' scales)
+_WEIGHT_OPS = {"MatMul", "Gemm", "Gather", "Conv", "DequantizeLinear", "MatMulNBits", "LayerNormalization",
+               "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization", "Mul", "Add"}
 FORMAT = "kvforge-bundle"
 FORMAT_VERSION = 1
 
@@ -354,17 +357,21 @@ class Bundle:
         return [name for name in self.manifest["files"] if name.endswith(".onnx")]
 
     def check_finite(self) -> None:
-        """Refuse a bundle whose graphs hold NaN or infinite float weights (they run, and generate garbage)."""
+        """Refuse a bundle whose graphs hold NaN weights, or infinite ones where a weight is read (they run, and
+        generate garbage). An infinite constant elsewhere is the graph's own (a mask's -inf, a routing bound)."""
         from onnx import numpy_helper
 
         bad = {}
         for name in self.onnx_files():
             model = self.load_graph(external_data=True, graph=name)
+            weight_reads = {x for node in model.graph.node if node.op_type in _WEIGHT_OPS for x in node.input}
             for init in model.graph.initializer:
                 if init.data_type not in _FLOAT_TYPES:
                     continue
-                values = numpy_helper.to_array(init)
-                count = int(values.size - np.isfinite(values.astype(np.float32, copy=False)).sum())
+                values = numpy_helper.to_array(init).astype(np.float32, copy=False)
+                count = int(np.isnan(values).sum())
+                if init.name in weight_reads and values.size > 1:
+                    count += int(np.isinf(values).sum())
                 if count:
                     bad[f"{name}:{init.name}"] = count
             del model

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvforge.errors import KvforgeError
+from kvforge.manifest import kind_name, validation_summary
 
 
 class _Group(click.Group):
@@ -189,13 +190,9 @@ def export(source, out, dtype, opset, max_context, external_data, force, quiet):
 
     with _PhaseProgress(enabled=not quiet) as progress:
         bundle = export_bundle(source, out, dtype, opset, max_context, external_data, force, progress)
-    v, lint_result = bundle.manifest["validation"], bundle.manifest["lint"]
-    click.echo(
-        f"wrote {bundle.path}: {dtype}, opset {opset}; validation passed over {v['cases']} shapes + "
-        f"{v['lockstep']['steps']}-step lockstep (logits max abs {v['logits']['max_abs']:.2e}, rel L2 "
-        f"{v['logits']['rel_l2']:.2e}; greedy {v['lockstep']['greedy_matching_steps']}/{v['lockstep']['steps']}); "
-        f"lint {'passed' if lint_result['passed'] else 'FAILED'}"
-    )
+    lint_result = bundle.manifest["lint"]
+    click.echo(f"wrote {bundle.path} ({bundle.architecture}): {dtype}, opset {opset}; "
+               f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}")
 
 
 @main.command()
@@ -260,18 +257,8 @@ def inspect(bundle, as_json):
     for name, rec in m.get("files", {}).items():
         files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16])
     console.print(files)
-    v = m.get("validation")
-    if v:
-        # per output, its worst case: a decoder's logits (and lockstep), an encoder's outputs, a seq2seq's two graphs
-        parts = {"logits": v["logits"]} if "logits" in v else dict(v.get("outputs", {}))
-        for graph in ("encoder", "decoder"):
-            parts.update({f"{graph} {name}": metric for name, metric in v.get(graph, {}).items()})
-        shown = "; ".join(f"{name} max abs {x['max_abs']:.2e}, rel L2 {x['rel_l2']:.2e}" for name, x in parts.items())
-        lock = v.get("lockstep")
-        console.print(
-            f"validation: {'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes; {shown}"
-            + (f"; lockstep {lock['steps']} steps, greedy {lock['greedy_matching_steps']}/{lock['steps']}" if lock else "")
-        )
+    if m.get("validation"):
+        console.print("validation: " + validation_summary(m["validation"]))
     engine = m.get("engine")
     if engine:
         lim = engine["limits"]
@@ -458,7 +445,8 @@ def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as
 
     session = runtime.load(bundle, backend=backend)
     if not isinstance(session, runtime.EncoderSession):
-        raise KvforgeError(f"{bundle} is a decoder; `kvforge embed` runs encoder bundles (use `kvforge generate`)")
+        raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge embed` runs encoder bundles "
+                           "(BERT, RoBERTa, Perceiver): use `kvforge generate`")
     with session:
         vectors = session.embed(list(texts), pooling=pooling, normalize=normalize, truncate=truncate)
         classes = session.classify(list(texts), truncate=truncate) if with_classes else None
@@ -537,6 +525,9 @@ def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json)
     from kvforge.runtime.bench import benchmark
 
     with runtime.load(bundle, backend=backend) as session:
+        if not isinstance(session, runtime.Session):
+            raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge bench` measures a decoder LM's "
+                               "prefill and decode steps (time an encoder with kvforge.runtime's embed())")
         result = benchmark(session, batch, prompt_len, new_tokens, runs, warmup)
     if not as_json:
         decode = result["decode_tokens_per_s"]

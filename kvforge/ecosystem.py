@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.bundle import IOSpec
+from kvforge.manifest import kind_name
 from kvforge.schema import read_json
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
     """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle). Special ids the
     model config does not name come from the tokenizer."""
     if model.get("architecture", "decoder") != "decoder":
-        return None, f"ONNX Runtime GenAI's config describes decoder LMs; this bundle is an {model['architecture']}"
+        return None, f"ONNX Runtime GenAI's config describes decoder LMs; this bundle is {kind_name(model['architecture'])}"
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
                       "layers keep capped caches of min(past + new, W) positions")

@@ -23,6 +23,15 @@ TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", 
                  "float8_e4m3fn")
 QUANT_FORMATS = ("int8", "fp8", "int4")
 ARCHITECTURES = tuple(MODEL_FIELDS)
+KIND_NAMES = {"decoder": "a decoder LM", "encoder": "an encoder", "perceiver": "a Perceiver encoder",
+              "encoder-decoder": "an encoder-decoder"}
+
+
+def kind_name(architecture: str) -> str:
+    """How messages name an architecture, article included ("an encoder-decoder", "a Perceiver encoder")."""
+    return KIND_NAMES.get(architecture, f"a {architecture!r} model")
+
+
 SHA256 = Pattern(r"[0-9a-f]{64}", "a sha256 hex digest")
 COUNT = Num(low=0, integer=True)
 POSITIVE = Num(low=1, integer=True)
@@ -180,3 +189,16 @@ def _check_cache_tensors(io: dict[str, Any]) -> None:
                     raise SchemaError(where, f"names {name!r} of shape {shape}: a cache has 4 dimensions, the 2nd and 4th sizes")
     if len(io["kv_cache"]["past"]) != len(io["kv_cache"]["present"]):
         raise SchemaError("manifest.io.kv_cache", "has a different number of past and present layers")
+
+
+def validation_summary(v: dict[str, Any]) -> str:
+    """One line for an export's validation record, whatever the architecture: per output its worst case (a
+    decoder's logits, an encoder's outputs, an encoder-decoder's two graphs) and the lockstep decode if one ran."""
+    parts = {"logits": v["logits"]} if "logits" in v else dict(v.get("outputs", {}))
+    for graph in ("encoder", "decoder"):
+        parts.update({f"{graph} {name}": metric for name, metric in v.get(graph, {}).items()})
+    shown = "; ".join(f"{name} max abs {x['max_abs']:.2e}, rel L2 {x['rel_l2']:.2e}" for name, x in parts.items())
+    lock = v.get("lockstep")
+    return (f"{'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes"
+            + (f"; {shown}" if shown else "")
+            + (f"; {lock['steps']}-step lockstep, greedy {lock['greedy_matching_steps']}/{lock['steps']}" if lock else ""))

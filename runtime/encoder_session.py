@@ -23,6 +23,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
+from kvforge.manifest import kind_name
 from kvforge.tokenizer import Tokenizer
 
 from .generate import right_padded
@@ -247,7 +248,7 @@ class EncoderSession:
         return out
 
     def generate(self, *args, **kwargs):
-        raise KvforgeError(f"{self.source} is an {self.architecture}: it does not generate text; use embed() or classify() "
+        raise KvforgeError(f"{self.source} is {kind_name(self.architecture)}: it does not generate text; use embed() or classify() "
                            "(`kvforge embed` on the command line)")
 
     stream = generate

@@ -109,6 +109,8 @@ class _TorchModel:
 
 
 class Seq2SeqSession:
+    architecture = "encoder-decoder"
+
     def __init__(self, bundle: Bundle, backend: str = "auto", **options):
         if backend not in ("auto", "onnxruntime", "torch"):
             raise KvforgeError(f"encoder-decoder bundles run on the onnxruntime or torch backend, not {backend!r}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
+from kvforge.manifest import kind_name
 from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache
@@ -130,7 +131,7 @@ def _torch_session(source, dtype: str = "float32", **options) -> Session:
     model, tokenizer = load_model(source, dtype=dtype)
     cfg = model.config.to_dict()
     if cfg.get("architecture", "decoder") != "decoder":
-        raise KvforgeError(f"{source} is an {cfg['architecture']}; its sessions open from a bundle: export it first "
+        raise KvforgeError(f"{source} is {kind_name(cfg['architecture'])}; its sessions open from a bundle: export it first "
                            f"(`kvforge export {source} -o OUT`), then load OUT (backend='torch' runs the reference)")
     io = _io_from_config(cfg, dtype)
     impl = TorchBackend(cfg, io, source, dtype=dtype, **options)
@@ -147,6 +148,8 @@ def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
 
 
 class Session:
+    architecture = "decoder"  # what kvforge.manifest.kind_name names in messages
+
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str,
                  model_id: str | None = None):
         self.backend = backend

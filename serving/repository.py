@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvforge.bundle import Bundle, now_utc, staged_bundle
 from kvforge.errors import KvforgeError
+from kvforge.manifest import kind_name
 
 from .requests import INPUTS, OUTPUTS
 
@@ -79,7 +80,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
     source = Bundle(bundle)
     architecture = source.model_config.get("architecture", "decoder")
     if architecture != "decoder":
-        raise KvforgeError(f"{bundle} is an {architecture}; the Triton model serves decoder LMs (the generate "
+        raise KvforgeError(f"{bundle} is {kind_name(architecture)}; the Triton model serves decoder LMs (the generate "
                            "extension with continuous batching). Run encoders and encoder-decoders with "
                            "kvforge.runtime (embed, classify, generate)")
     source.verify(full=True)  # a damaged bundle is refused here, not when the server loads it
