@@ -1,4 +1,4 @@
-"""Quantization primitives and the Q/DQ rewrite of DESIGN.md's recipe.
+"""Quantization primitives and the Q/DQ rewrite of docs/design.md's recipe.
 
 Targets are the linear layers: MatMuls whose second input is a 2-D constant
 weight [K, N]. Normalization, softmax, embeddings and residual adds stay in

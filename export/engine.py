@@ -1,6 +1,6 @@
 """`kvforge build`: an ONNX bundle -> a TensorRT engine bundle, strongly typed, with prefill and decode profiles.
 
-Precision lives in the graph (DESIGN.md): the network is created strongly
+Precision lives in the graph (docs/design.md): the network is created strongly
 typed (TensorRT 10: the STRONGLY_TYPED creation flag; TensorRT 11: always, the
 flag is ignored or absent), no precision flag is set, and TF32 is off unless
 asked for, so an FP32 graph is computed in FP32 and a Q/DQ graph in what its

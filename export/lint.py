@@ -16,7 +16,7 @@ Rules (each finding names the offending node):
   (NonZero's output, or a shape computed from such values) may flow inside the
   graph, but no graph output's shape may depend on one: kvforge's TensorRT
   backend sizes every output from the input shapes before a step;
-- Q/DQ (DESIGN.md's recipe): zero points are zero; scales are positive
+- Q/DQ (docs/design.md's recipe): zero points are zero; scales are positive
   constants whose dtype equals the dequantized dtype; FP8 needs opset >= 19
   and block-wise INT4 needs opset >= 21 and whole blocks (TensorRT reads the
   block size as the blocked length over the scale's).

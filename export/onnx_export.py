@@ -1,4 +1,4 @@
-"""Torch reference model -> ONNX graph with the KV-cache IO contract of DESIGN.md.
+"""Torch reference model -> ONNX graph with the KV-cache IO contract of docs/design.md.
 
 One graph serves prefill (past 0) and decode (seq 1): batch, sequence and past
 lengths are dynamic. Names follow Hugging Face Optimum / ONNX Runtime GenAI:

@@ -39,7 +39,7 @@ _WEIGHT_OPS = {"MatMul", "Gemm", "Gather", "Conv", "DequantizeLinear", "MatMulNB
 FORMAT = "kvforge-bundle"
 FORMAT_VERSION = 1
 
-# The IO contract's symbolic dimensions (DESIGN.md). total = past + sequence.
+# The IO contract's symbolic dimensions (docs/design.md). total = past + sequence.
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 
 

@@ -1,6 +1,6 @@
 """What other runtimes need beside a bundle's graph: ONNX Runtime GenAI and Hugging Face Optimum.
 
-kvforge's graphs already use Optimum's and ONNX Runtime GenAI's IO names (DESIGN.md); these files
+kvforge's graphs already use Optimum's and ONNX Runtime GenAI's IO names (docs/design.md); these files
 let those runtimes open a bundle directory as it is:
 
 - `genai_config.json` for `onnxruntime_genai.Model(bundle)`: the decoder's IO names, sizes, context

@@ -1,4 +1,4 @@
-"""Numerical comparison metrics (DESIGN.md, Verification), in numpy: no Torch needed.
+"""Numerical comparison metrics (docs/design.md, Verification), in numpy: no Torch needed.
 
 All functions take (candidate, reference). Logit metrics treat the last axis
 as the vocabulary.

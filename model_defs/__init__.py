@@ -2,7 +2,7 @@
 
     from kvforge.model_defs import load
     model, tokenizer = load("tiny")          # preset, kvforge checkpoint or HF directory
-    logits, present = model(input_ids)       # DESIGN.md's KV-cache IO contract
+    logits, present = model(input_ids)       # docs/design.md's KV-cache IO contract
 
 Other shapes (model_defs/architectures.py): EncoderConfig (BERT, RoBERTa), PerceiverConfig (latent
 blocks), Seq2SeqConfig (T5, BART); `load` builds whichever a preset or checkpoint describes.

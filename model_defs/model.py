@@ -3,7 +3,7 @@
 forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None)
     -> (logits, present_key_values)
 
-with the tensors of DESIGN.md's KV-cache IO contract:
+with the tensors of docs/design.md's KV-cache IO contract:
     input_ids        int64  (B, T)
     attention_mask   int64  (B, P + T)   1 = real token, 0 = padding (left)
     position_ids     int64  (B, T)       default: count of real tokens before each one

@@ -1,4 +1,4 @@
-"""`compare(candidate, reference)`: DESIGN.md's verification metrics for one artifact against the Torch reference.
+"""`compare(candidate, reference)`: docs/design.md's verification metrics for one artifact against the Torch reference.
 
 Three measurements, all seeded and on real text (or random tokens when asked):
 - windows: perplexity of candidate and reference over non-overlapping

@@ -471,7 +471,7 @@ PROMPT = "def fibonacci(n):\n    if n"
 MAX_CONTEXT = 512
 # Tolerances of the engine against ONNX Runtime running the same graph on the CPU (the same function: only
 # kernels and fusions differ). Against the FP32 Torch reference the engine must be about as close as ONNX
-# Runtime is (DESIGN.md: the CPU measures what a precision costs, the GPU only adds kernel differences):
+# Runtime is (docs/design.md: the CPU measures what a precision costs, the GPU only adds kernel differences):
 # rel L2 within ORT's + the ORT tolerance, top-1 within 1 - ort_top1 of ORT's, KL within 1.5x ORT's + 1e-4.
 TOL = {
     "fp32": {"ort_rel_l2": 1e-4, "ort_top1": 0.998, "greedy_equal": True},

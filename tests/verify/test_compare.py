@@ -1,4 +1,4 @@
-"""kvforge compare: DESIGN.md's verification metrics against the Torch reference, and per-layer attribution."""
+"""kvforge compare: docs/design.md's verification metrics against the Torch reference, and per-layer attribution."""
 
 from __future__ import annotations
 
