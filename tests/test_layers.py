@@ -1,0 +1,140 @@
+"""The layer contract of docs/design.md, over the AST of every module (function-local imports included).
+
+Layers, bottom to top: core (kvforge/*.py) -> model_defs -> export -> calibration -> runtime -> serving ->
+verify -> cli. A module may import its own layer and those below. The imports that break the contract today
+are listed below, with the cycles they close; the architecture issue removes them. The test fails on any
+new upward import or cycle, and on a listed one that has gone (so the lists only shrink).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"kvforge": "kvforge", "model_defs": "kvforge.model_defs", "export": "kvforge.export",
+            "calibration": "kvforge.calibration", "runtime": "kvforge.runtime", "serving": "kvforge.serving"}
+ORDER = ["core", "model_defs", "export", "calibration", "runtime", "serving", "verify", "cli"]
+
+KNOWN_UPWARD = {
+    ("kvforge.calibration.api", "kvforge.runtime.ort_backend"),
+    ("kvforge.calibration.api", "kvforge.runtime.sampling"),
+    ("kvforge.calibration.budget", "kvforge.runtime.ort_backend"),
+    ("kvforge.calibration.budget", "kvforge.verify.compare"),
+    ("kvforge.calibration.budget", "kvforge.verify.layers"),
+    ("kvforge.calibration.seq2seq", "kvforge.runtime.ort_backend"),
+    ("kvforge.export.engine", "kvforge.runtime.trt_backend"),
+    ("kvforge.export.engine_graphs", "kvforge.runtime.trt_backend"),
+}
+KNOWN_CYCLES = {
+    frozenset({"kvforge.export.engine", "kvforge.export.engine_graphs", "kvforge.runtime.trt_backend"}),
+    frozenset({"kvforge.runtime.encoder_session", "kvforge.runtime.generate", "kvforge.runtime.seq2seq_session",
+               "kvforge.runtime.session"}),
+    frozenset({"kvforge.calibration.api", "kvforge.calibration.budget", "kvforge.calibration.seq2seq",
+               "kvforge.verify.compare", "kvforge.verify.compare_encoder", "kvforge.verify.compare_seq2seq"}),
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ORDER:
+        return parts[1]
+    return "cli" if module in ("kvforge.cli", "kvforge.__main__") else "core"
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the kvforge modules it imports anywhere in its source."""
+    edges = defaultdict(set)
+    for module, path in mods.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in mods and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in mods and target != module and target.startswith("kvforge"):
+                    edges[module].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> set[frozenset]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.add(frozenset(group))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_new_upward_import_and_the_known_ones_are_still_listed():
+    mods = modules()
+    assert len(mods) > 60 and "kvforge.runtime.session" in mods and "kvforge.bundle" in mods
+    edges = imports(mods)
+    upward = {(a, b) for a, targets in edges.items() for b in targets if ORDER.index(layer(b)) > ORDER.index(layer(a))}
+    assert upward - KNOWN_UPWARD == set(), "imports from a higher layer (docs/design.md, Layers)"
+    assert KNOWN_UPWARD - upward == set(), "fixed: remove them from KNOWN_UPWARD"
+
+
+def test_no_new_import_cycle():
+    found = cycles(imports(modules()))
+    assert found - KNOWN_CYCLES == set(), "a new import cycle"
+    assert KNOWN_CYCLES - found == set(), "a cycle is gone or changed: update KNOWN_CYCLES"
+
+
+def test_the_core_imports_nothing_above_it():
+    """The new core modules (schema, manifest, cache, bundle) stay free of every stage, with or without Torch."""
+    edges = imports(modules())
+    for module in ("kvforge.schema", "kvforge.manifest", "kvforge.cache", "kvforge.bundle", "kvforge.errors"):
+        assert {layer(t) for t in edges.get(module, ())} <= {"core"}, module
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The contract can fail: a core module importing the runtime is caught, function-local or not."""
+    fake = {"kvforge.fake": tmp_path / "fake.py", "kvforge.runtime.session": ROOT / "runtime" / "session.py"}
+    fake["kvforge.fake"].write_text("def f():\n    from kvforge.runtime.session import Session\n    return Session\n")
+    edges = imports(fake)
+    assert edges["kvforge.fake"] == {"kvforge.runtime.session"} and layer("kvforge.fake") == "core"
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {frozenset({"a", "b"})}
