@@ -99,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
     from runtime_125m import bandwidth_gbs
 
-    from kvforge.runtime.ort_backend import make_session
+    from kvforge.ort_session import make_session
 
     rng = np.random.default_rng(0)
     feeds = {f"x{k}": rng.standard_normal((1, k)).astype(np.float32) for k in (768, 2048)}

@@ -82,7 +82,7 @@ def build(kind: str, ws, x_scale: float, block: int = 0, accuracy: int = 0):
 def session(model):
     import onnxruntime as ort
 
-    from kvforge.runtime.ort_backend import _QUANT_DISABLED_OPTIMIZERS
+    from kvforge.ort_session import QUANT_DISABLED_OPTIMIZERS as _QUANT_DISABLED_OPTIMIZERS
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

@@ -53,7 +53,7 @@ def probe(bundle, chunks):
 
     from kvforge import metrics
     from kvforge.calibration.experts import router_choices
-    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+    from kvforge.ort_session import make_session, prefill_feeds
 
     model = onnx.load(str(bundle.graph_file))
     choices = router_choices(model)

@@ -6,7 +6,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -16,86 +16,23 @@ from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.manifest import kind_name
 from kvforge.tokenizer import Tokenizer
-from kvforge.runtime.ort_backend import make_session, prefill_feeds
-from kvforge.runtime.sampling import is_number
+from kvforge.ort_session import prefill_feeds
+from kvforge.checks import is_number
 
 from .data import load_calibration_set
 from .experts import KEEP_ROWS, STARVED, cover_starved, find_experts, router_inputs
 from .gptq import DAMP, HessianAccumulator, gptq_rounder
-from .observers import METHODS, TensorObserver
-from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite, smoothquant_factors
+from .observers import METHODS
+from .passes import Progress, activation_scales, observe
+from .qdq import FORMATS, add_kv_cache_qdq, find_targets, rewrite
 
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
 # TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings
 DEFAULT_BLOCK_SIZE = 128
-Progress = Callable[[str, int, int], None]
-
-
-def _observe(model, activations: list[str], items: Callable[[], Any], n_batches: int, feeds: Callable[[Any], dict],
-             smooth_needed: bool, float_dtype, progress: Progress, hessians=None, keep_rows: dict[str, int] | None = None):
-    """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
-
-    items() iterates the calibration batches, feeds(item) makes a batch's graph inputs. Returns the
-    observers (amax recorded), per-channel amax (for SmoothQuant) and the batch runner (item ->
-    activations, for pass 2's histograms); fills `hessians` (GPTQ's X^T X) when given.
-    """
-    from onnx import TensorProto, helper
-
-    probe = type(model)()
-    probe.CopyFrom(model)
-    del probe.graph.output[1:]  # keep the first output (logits, a hidden state); drop presents
-    elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
-    for name in activations:  # activations carry the model dtype
-        probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
-    sess = make_session(probe.SerializeToString())
-    names = [o.name for o in sess.get_outputs()][1:]
-
-    def run(item):
-        return dict(zip(names, sess.run(names, feeds(item))))
-
-    observers = {n: TensorObserver(n, keep_rows=(keep_rows or {}).get(n, 0)) for n in activations}
-    channel_amax: dict[str, np.ndarray] = {}
-    for i, item in enumerate(items()):
-        for name, x in run(item).items():
-            x = x.astype(np.float32)
-            observers[name].observe_range(x)
-            if hessians is not None:
-                hessians.add(name, x)
-            if smooth_needed:
-                m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)
-                channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)
-        progress("observe", i + 1, n_batches)
-    return observers, channel_amax, run
-
-
-def activation_scales(model, targets, observers, channel_amax, run, items, n_batches: int, precision: str, method: str,
-                      percentile: float, smoothquant: float | None, progress: Progress):
-    """Each activation's amax (after SmoothQuant's per-channel division, when asked) by `method`, and the
-    SmoothQuant factors (or None). A method other than max takes a second pass for its histograms."""
-    import onnx
-
-    activations = list(dict.fromkeys(t.activation for t in targets))
-    smooth = None
-    if smoothquant is not None:
-        smooth = {}
-        inits = {i.name: i for i in model.graph.initializer}
-        for act in activations:
-            weights = [onnx.numpy_helper.to_array(inits[t.weight]) for t in targets if t.activation == act]
-            smooth[act] = smoothquant_factors(channel_amax[act], np.concatenate(weights, axis=1), smoothquant)
-        # the quantized tensor is x / s: its range is the per-channel amax divided by s
-        for act in activations:
-            observers[act].amax = float((channel_amax[act] / smooth[act]).max())
-    if method != "max":
-        for i, item in enumerate(items()):
-            for name, x in run(item).items():
-                x = x.astype(np.float32)
-                observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
-            progress("histogram", i + 1, n_batches)
-    return {a: observers[a].compute_amax(method, precision, percentile) for a in activations}, smooth
 
 
 def _check_sizes(**sizes) -> None:
-    from kvforge.runtime.sampling import positive_int_or_none
+    from kvforge.checks import positive_int_or_none
 
     for name, value in sizes.items():
         if not positive_int_or_none(value):
@@ -231,7 +168,7 @@ def calibrate(
         hessians = HessianAccumulator(activations) if gptq else None
         n_batches = -(-len(cset.samples) // batch_size)
         items = lambda: cset.batches(batch_size)  # noqa: E731
-        observers, channel_amax, run = _observe(
+        observers, channel_amax, run = observe(
             model, activations + presents + extra, items, n_batches,
             lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, dtype),
             smoothquant is not None, float_dtype, progress, hessians, {n: KEEP_ROWS for n in routers.values()},

@@ -4,7 +4,7 @@
    (both on ONNX Runtime) over held-out windows: perplexity change, top-1
    agreement, KL (kvforge.verify.compare's metrics and bounds).
 2. If a bound fails, the blocks are ranked by their contribution to the
-   error of the residual stream (kvforge.verify.layers, the same ranking as
+   error of the residual stream (kvforge.attribution, the same ranking as
    `kvforge compare --per-layer`), and kept in float one at a time, most
    sensitive first, re-measuring after each, until every bound holds.
    The calibration statistics are reused; only the Q/DQ rewrite is redone.
@@ -23,17 +23,14 @@ from typing import Any, Callable
 import numpy as np
 
 from kvforge.errors import KvforgeError
+from kvforge.metrics import WindowStats, check_tolerances, parse_tolerances, split_tolerance
 
 BUDGET_METRICS = ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean", "logits_rel_l2")
 BUDGET_SEQ_LEN = 256  # tokens per held-out window (fewer where the model's context is shorter)
 
 
 def parse_budget(items) -> dict[str, float]:
-    from kvforge.verify.compare import parse_tolerances
-
-    from kvforge.verify.compare import _split
-
-    keys = list(items) if isinstance(items, dict) else [_split(s)[0] for s in items or []]
+    keys = list(items) if isinstance(items, dict) else [split_tolerance(s)[0] for s in items or []]
     bad = [k for k in keys if k not in BUDGET_METRICS]
     if bad:
         raise KvforgeError(f"--accuracy-budget measures {list(BUDGET_METRICS)} on held-out windows; {bad} is not among them")
@@ -47,7 +44,8 @@ def budget_window(bundle, seq_len: int = BUDGET_SEQ_LEN) -> int:
 def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tuple[list[int], str]:
     """The budget's held-out token stream, checked before any calibration work: enough for one window, in vocabulary."""
     from kvforge.tokenizer import Tokenizer
-    from kvforge.verify.compare import eval_ids
+
+    from .data import eval_ids
 
     if bundle.tokenizer_file is None:
         raise KvforgeError(f"--accuracy-budget measures on text, and {bundle.path} has no tokenizer")
@@ -67,7 +65,7 @@ class _Evaluator:
                  batch_size: int = 4):
         """held_out: budget_ids()'s token stream and its name."""
         from kvforge.metrics import windows
-        from kvforge.runtime.ort_backend import make_session
+        from kvforge.ort_session import make_session
 
         self.bundle = bundle
         self.dtype = bundle.manifest["precision"]["dtype"]
@@ -78,13 +76,12 @@ class _Evaluator:
         self.reference = make_session(float_model.SerializeToString())
 
     def feeds(self, batch):
-        from kvforge.runtime.ort_backend import prefill_feeds
+        from kvforge.ort_session import prefill_feeds
 
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
 
     def metrics(self, model, quant: str) -> dict[str, float]:
-        from kvforge.runtime.ort_backend import make_session
-        from kvforge.verify.compare import WindowStats
+        from kvforge.ort_session import make_session
 
         cand = make_session(model.SerializeToString(), quant)
         stats = WindowStats()
@@ -96,7 +93,7 @@ class _Evaluator:
         return stats.result()
 
     def ranking(self, model, quant: str) -> list[dict[str, Any]]:
-        from kvforge.verify.layers import compare_blocks, graph_block_outputs
+        from kvforge.attribution import compare_blocks, graph_block_outputs
 
         sample = np.ascontiguousarray(self.chunks[:2, :-1])
         cfg, io = self.bundle.model_config, self.bundle.io
@@ -105,7 +102,7 @@ class _Evaluator:
 
     def decode_tokens_per_s(self, model, quant: str | None, past: int = 128, runs: int = 15) -> float:
         """Median single-token decode steps per second over a past of `past` tokens (batch 1)."""
-        from kvforge.runtime.ort_backend import make_session
+        from kvforge.ort_session import make_session
 
         sess = make_session(model.SerializeToString(), quant)
         io = self.bundle.io
@@ -133,8 +130,6 @@ def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: 
 
     held_out: budget_ids()'s token stream and its name, read (and checked) before the calibration.
     """
-    from kvforge.verify.compare import check_tolerances
-
     ev = _Evaluator(bundle, float_model, held_out)
     result = quantize([])
     full = result[0]

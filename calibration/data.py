@@ -136,3 +136,24 @@ def load_calibration_set(
     ids = np.stack([stream[s : s + seq_len] for s in starts])
     check_vocab(ids, vocab, f"calibration data {source}")
     return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest())
+
+
+def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: int | None = None) -> tuple[list[int], str]:
+    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids
+    (checked against the model's vocabulary where given)."""
+    if tokenizer is None:
+        raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
+    if data is None:
+        from kvforge.model_defs.evaluate import heldout_text
+
+        texts, name = [heldout_text()], "built-in held-out text"
+    else:
+        texts, name = read_texts(data, what="evaluation data"), str(data)
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > max_tokens:
+            break
+    if vocab_size is not None:
+        check_vocab(ids[: max_tokens + 1], vocab_size, name)
+    return ids[: max_tokens + 1], name

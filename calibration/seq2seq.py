@@ -21,7 +21,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.runtime.ort_backend import make_session
+from kvforge.ort_session import make_session
 
 from .data import load_calibration_set
 from .qdq import find_targets, rewrite
@@ -89,7 +89,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     """Both graphs quantized: ({file: ModelProto}, the quantization record, the calibration record)."""
     import onnx
 
-    from .api import _observe, activation_scales
+    from .passes import activation_scales, observe
     from .gptq import DAMP, HessianAccumulator, gptq_rounder
 
     cfg = bundle.model_config
@@ -131,7 +131,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
         if items is not None:
             activations = list(dict.fromkeys(t.activation for t in targets))
             hessians = HessianAccumulator(activations) if gptq else None
-            observers, channel_amax, run = _observe(model, activations, lambda: iter(items), len(items), feeds,
+            observers, channel_amax, run = observe(model, activations, lambda: iter(items), len(items), feeds,
                                                     smoothquant is not None, float_dtype, report, hessians)
         if precision != "int4":
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),

@@ -575,7 +575,8 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
     """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
     from rich.table import Table
 
-    from kvforge.verify.compare import HIGHER_IS_BETTER, REPORT_METRICS, compare as run, parse_tolerances, write_report
+    from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS, parse_tolerances
+    from kvforge.verify.compare import compare as run, write_report
 
     with _PhaseProgress(enabled=not quiet) as progress:
         report = run(candidate, reference, data, backend, steps, prompts, max_tokens=max_tokens, seq_len=seq_len,

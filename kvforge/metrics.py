@@ -6,15 +6,18 @@ as the vocabulary.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
+
+from kvforge.errors import KvforgeError
 
 
 def windows(ids, seq_len: int) -> np.ndarray:
     """Non-overlapping windows of seq_len + 1 tokens (inputs plus next-token targets), int64 (n, seq_len + 1)."""
     n = (len(ids) - 1) // seq_len
     if n < 1:
-        from kvforge.errors import KvforgeError
-
         raise KvforgeError(f"need more than {seq_len} tokens, got {len(ids)}")
     arr = np.asarray(ids[: n * seq_len + 1], np.int64)
     return np.stack([arr[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
@@ -82,3 +85,107 @@ def worst(metrics: list[dict[str, float]]) -> dict[str, float]:
     keys = metrics[0].keys()
     lowest_is_worst = {"cosine", "top1_agreement"}
     return {k: (min if k in lowest_is_worst else max)(m[k] for m in metrics) for k in keys}
+
+
+# -- tolerances: bounds on the metrics of a comparison (compare, check, the calibration budget) -----------------
+# Metrics where larger is better: a tolerance is a floor. Every other bounded metric has a ceiling.
+HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine",
+                              "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "pooler_cosine_min"})
+
+# The scalar metrics of a report (all floats), in table order.
+REPORT_METRICS = (
+    "perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
+    "logits_max_abs", "logits_rel_l2", "logits_cosine", "greedy_agreement", "greedy_prefix_match",
+    "present_max_abs", "present_rel_l2", "present_cosine",
+)
+ENCODER_METRICS = (
+    "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "hidden_max_abs", "hidden_rel_l2",
+    "top1_agreement", "kl_divergence_mean", "logits_max_abs", "logits_rel_l2", "pooler_cosine_min",
+)
+
+
+def check_tolerances(result: dict[str, Any], tolerances: dict[str, float]) -> list[str]:
+    """The violated bounds, one sentence each."""
+    failures = []
+    for key, bound in tolerances.items():
+        value = result.get(key)
+        if value is None:
+            failures.append(f"{key}: not measured")
+        elif key in HIGHER_IS_BETTER:
+            if not value >= bound:
+                failures.append(f"{key} {value:.6g} < {bound:g}")
+        elif key == "perplexity_delta_pct":
+            if not abs(value) <= bound:
+                failures.append(f"|{key}| {abs(value):.4g} > {bound:g}")
+        elif not value <= bound:
+            failures.append(f"{key} {value:.4g} > {bound:g}")
+    return failures
+
+
+def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, float]:
+    """"key=value" strings (CLI) or a mapping -> {metric: bound}, with the keys checked."""
+    if not items:
+        return {}
+    pairs = items.items() if isinstance(items, dict) else [split_tolerance(s) for s in items]
+    out = {}
+    known = set(REPORT_METRICS) | set(ENCODER_METRICS)
+    for key, value in pairs:
+        if key not in known:
+            raise KvforgeError(f"unknown tolerance {key!r}; choose from {sorted(known)}")
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError) as e:
+            raise KvforgeError(f"tolerance {key}={value!r} is not a number") from e
+        bound = out[key]
+        low = -1.0 if key.endswith("cosine") else 0.0
+        if key in HIGHER_IS_BETTER and not low <= bound <= 1.0:
+            raise KvforgeError(f"tolerance {key}={value!r}: " + ("a cosine bound lies in [-1, 1]" if low else "an agreement bound lies in [0, 1]"))
+        if key not in HIGHER_IS_BETTER and not 0.0 <= bound < float("inf"):
+            raise KvforgeError(f"tolerance {key}={value!r}: the bound is a finite number >= 0 "
+                               + ("(on |change|)" if key == "perplexity_delta_pct" else "(an upper limit)"))
+    return out
+
+
+def split_tolerance(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise KvforgeError(f"a tolerance is METRIC=VALUE (e.g. top1_agreement=0.97), got {item!r}")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+# -- perplexity and the logits metrics over held-out windows, streamed ----------------------------------------
+class WindowStats:
+    """Streaming sums over every window position: perplexities and the logits metrics."""
+
+    def __init__(self):
+        self.nll_c = self.nll_r = self.kl = 0.0
+        self.count = self.agree = 0
+        self.max_abs = self.diff_sq = self.ref_sq = self.cand_sq = self.dot = 0.0
+
+    def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
+        lc, lr = log_softmax(cand), log_softmax(ref)
+        t = targets[..., None]
+        self.nll_c -= float(np.take_along_axis(lc, t, -1).sum())
+        self.nll_r -= float(np.take_along_axis(lr, t, -1).sum())
+        self.kl += float((np.exp(lr) * (lr - lc)).sum())
+        self.count += targets.size
+        self.agree += int((cand.argmax(-1) == ref.argmax(-1)).sum())
+        c, r = cand.astype(np.float64), ref.astype(np.float64)
+        self.max_abs = max(self.max_abs, float(np.abs(c - r).max()))
+        self.diff_sq += float(((c - r) ** 2).sum())
+        self.ref_sq += float((r**2).sum())
+        self.cand_sq += float((c**2).sum())
+        self.dot += float((c * r).sum())
+
+    def result(self) -> dict[str, float]:
+        ppl_c, ppl_r = math.exp(self.nll_c / self.count), math.exp(self.nll_r / self.count)
+        return {
+            "perplexity_reference": ppl_r,
+            "perplexity_candidate": ppl_c,
+            "perplexity_delta_pct": 100.0 * (ppl_c - ppl_r) / ppl_r,
+            "top1_agreement": self.agree / self.count,
+            "kl_divergence_mean": self.kl / self.count,
+            "logits_max_abs": self.max_abs,
+            "logits_rel_l2": math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else 0.0,
+            "logits_cosine": self.dot / math.sqrt(self.cand_sq * self.ref_sq) if self.cand_sq and self.ref_sq else 1.0,
+        }

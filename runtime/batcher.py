@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
 from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, finish_reason, left_padded
-from .sampling import is_int, select
+from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import KVCache

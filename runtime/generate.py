@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
-from .sampling import SamplingConfig, is_int, select
+from .sampling import SamplingConfig, select
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session

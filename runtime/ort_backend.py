@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
+from kvforge.ort_session import import_onnxruntime as _ort
+from kvforge.ort_session import make_session
 
 from . import ort_packed_cache as packed
 from .backend import Backend, KVCache
@@ -17,78 +19,6 @@ from .ort_attention import LOGITS_ROWS, SEQLENS, TOTAL
 from .ort_variant import KEEP_INPUT
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
-
-
-def _ort():
-    try:
-        import onnxruntime
-    except ImportError as e:
-        raise MissingDependencyError("onnxruntime", "Install it with `pip install onnxruntime` (or onnxruntime-gpu).") from e
-    return onnxruntime
-
-
-# How ONNX Runtime's CPU provider must run each Q/DQ format to compute what the
-# graph says (measured on ORT 1.31):
-# - int8: the default fusions turn W8A8 into integer kernels (exact, 5-7x faster);
-# - fp8: the integer fusions reject float8 inputs, so Q/DQ fusion is turned off
-#   (the dequantized weights are constant-folded; activations keep their Q/DQ);
-# - int4: block-wise DQ -> MatMul fuses into MatMulNBits, which by default also
-#   quantizes activations to int8; accuracy level 0 keeps them in float.
-# - int8 also needs common-subexpression elimination off: it merges the per-MatMul
-#   QuantizeLinear nodes of a shared activation back into one, and ORT's QDQ
-#   selector fuses only a Q -> DQ pair that feeds a single MatMul.
-# - fp8 also needs ReluQuantRewrite off: it deletes a Relu that feeds a QuantizeLinear whose zero
-#   point is the format's minimum, and takes FP8's zero point 0 for that (a ReLU FFN then sees
-#   negative values: top-1 fell to ~0.2 on classic-micro).
-_QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"], "fp8": ["ReluQuantRewrite"]}
-_QUANT_SESSION_CONFIG = {
-    "fp8": {"session.disable_quant_qdq": "1"},
-    "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
-}
-
-
-def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
-                 threads: int | None = None):
-    """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs."""
-    ort = _ort()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = {
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    }[optimization]
-    if threads:
-        opts.intra_op_num_threads = threads
-    for key, value in _QUANT_SESSION_CONFIG.get(quant_format, {}).items():
-        opts.add_session_config_entry(key, value)
-    try:
-        return ort.InferenceSession(
-            model if isinstance(model, bytes) else str(model), opts, providers=providers or ["CPUExecutionProvider"],
-            disabled_optimizers=_QUANT_DISABLED_OPTIMIZERS.get(quant_format, []),
-        )
-    except Exception as e:  # ORT raises its own exception types for bad graphs
-        where = "the graph" if isinstance(model, bytes) else model
-        raise KvforgeError(f"ONNX Runtime cannot load {where}: {e}") from e
-
-
-def prefill_feeds(batch: np.ndarray, config: dict, io, dtype: str) -> dict[str, np.ndarray]:
-    """Feeds for a prefill of `batch` (B, T) from an empty cache (shaped as the IOSpec `io` says): what calibration
-    and attribution runs use. An encoder's are its whole input: every token real, one segment."""
-    b, t = batch.shape
-    if config.get("architecture", "decoder") != "decoder":
-        feeds = {"input_ids": batch, "attention_mask": np.ones((b, t), np.int64)}
-        if config.get("type_vocab_size", 0) > 1:
-            feeds["token_type_ids"] = np.zeros((b, t), np.int64)
-        return feeds
-    np_dtype = np.float16 if dtype == "float16" else np.float32
-    return {
-        "input_ids": batch,
-        "attention_mask": np.ones((b, t), np.int64),
-        "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
-        **{n: np.zeros(shape, np_dtype) for n, shape in io.cache_shapes(b).items()},
-    }
 
 
 _OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
@@ -124,7 +54,7 @@ class OnnxRuntimeBackend(Backend):
         self.past_names = [n for layer in io.past for n in layer]
         self.present_names = [n for layer in io.present for n in layer]
         self.output_names = [t.name for t in io.outputs]
-        self.quant_format = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+        self.quant_format = bundle.quantization_format
 
     def _providers(self) -> list[str]:
         ort = _ort()

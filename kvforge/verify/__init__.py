@@ -5,6 +5,9 @@
     report.passed, report["top1_agreement"]
 """
 
-from .compare import DEFAULT_TOLERANCES, REPORT_METRICS, Report, compare
+from kvforge.metrics import REPORT_METRICS
+
+from .compare import compare
+from .report import DEFAULT_TOLERANCES, Report
 
 __all__ = ["DEFAULT_TOLERANCES", "REPORT_METRICS", "Report", "compare"]

@@ -41,9 +41,9 @@ import kvforge
 from kvforge.bundle import now_utc
 from kvforge.errors import KvforgeError
 from kvforge.schema import read_json
-from kvforge.runtime.sampling import positive_int_or_none
+from kvforge.checks import positive_int_or_none
 
-from .compare import HIGHER_IS_BETTER
+from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
 
 # How far a metric may move in its bad direction before it counts as a regression: (absolute, relative).
@@ -77,7 +77,6 @@ class Spec:
 
 
 def _tolerance(key: str, value) -> tuple[float, float]:
-    from .compare import REPORT_METRICS
 
     if key not in REPORT_METRICS:
         raise KvforgeError(f"[tolerances]: unknown metric {key!r}; choose from {list(REPORT_METRICS)}")

@@ -18,183 +18,19 @@ errors; `perplexity_delta_pct` is bounded in absolute value.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvforge import metrics
+from kvforge.calibration.data import eval_ids
+from kvforge.metrics import WindowStats, check_tolerances
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
-# Metrics where larger is better: a tolerance is a floor. Every other bounded metric has a ceiling.
-HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine",
-                              "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "pooler_cosine_min"})
-
-# Default bounds per precision (measured on tiny, with margin; see docs/verification.md).
-# Quantized logits move by whole units, so there the bounds are on what users feel:
-# perplexity, agreement and KL. greedy_agreement counts prompts x steps decisions
-# (128 by default), so its floor sits below top1_agreement's.
-DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
-    "float32": {"perplexity_delta_pct": 0.01, "top1_agreement": 0.999, "kl_divergence_mean": 1e-6,
-                "logits_rel_l2": 1e-4, "greedy_agreement": 0.99, "present_rel_l2": 1e-4},
-    "float16": {"perplexity_delta_pct": 0.5, "top1_agreement": 0.98, "kl_divergence_mean": 1e-3,
-                "logits_rel_l2": 2e-2, "greedy_agreement": 0.95, "present_rel_l2": 2e-2},
-    "bfloat16": {"perplexity_delta_pct": 2.0, "top1_agreement": 0.95, "kl_divergence_mean": 1e-2,
-                 "logits_rel_l2": 8e-2, "greedy_agreement": 0.9, "present_rel_l2": 8e-2},
-    "int8": {"perplexity_delta_pct": 2.0, "top1_agreement": 0.9, "kl_divergence_mean": 0.05, "greedy_agreement": 0.8},
-    "fp8": {"perplexity_delta_pct": 1.0, "top1_agreement": 0.93, "kl_divergence_mean": 0.03, "greedy_agreement": 0.8},
-    "int4": {"perplexity_delta_pct": 3.0, "top1_agreement": 0.88, "kl_divergence_mean": 0.05, "greedy_agreement": 0.75},
-}
-
-
-def precision_of(manifest: dict[str, Any]) -> str:
-    """The key of DEFAULT_TOLERANCES for a bundle: its Q/DQ format, else its float dtype."""
-    quant = manifest["precision"].get("quantization")
-    return quant["format"] if quant else manifest["precision"]["dtype"]
-
-
-def check_tolerances(result: dict[str, Any], tolerances: dict[str, float]) -> list[str]:
-    """The violated bounds, one sentence each."""
-    failures = []
-    for key, bound in tolerances.items():
-        value = result.get(key)
-        if value is None:
-            failures.append(f"{key}: not measured")
-        elif key in HIGHER_IS_BETTER:
-            if not value >= bound:
-                failures.append(f"{key} {value:.6g} < {bound:g}")
-        elif key == "perplexity_delta_pct":
-            if not abs(value) <= bound:
-                failures.append(f"|{key}| {abs(value):.4g} > {bound:g}")
-        elif not value <= bound:
-            failures.append(f"{key} {value:.4g} > {bound:g}")
-    return failures
-
-
-def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, float]:
-    """"key=value" strings (CLI) or a mapping -> {metric: bound}, with the keys checked."""
-    if not items:
-        return {}
-    pairs = items.items() if isinstance(items, dict) else [_split(s) for s in items]
-    out = {}
-    from .compare_encoder import ENCODER_METRICS
-
-    known = set(REPORT_METRICS) | set(ENCODER_METRICS)
-    for key, value in pairs:
-        if key not in known:
-            raise KvforgeError(f"unknown tolerance {key!r}; choose from {sorted(known)}")
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError) as e:
-            raise KvforgeError(f"tolerance {key}={value!r} is not a number") from e
-        bound = out[key]
-        low = -1.0 if key.endswith("cosine") else 0.0
-        if key in HIGHER_IS_BETTER and not low <= bound <= 1.0:
-            raise KvforgeError(f"tolerance {key}={value!r}: " + ("a cosine bound lies in [-1, 1]" if low else "an agreement bound lies in [0, 1]"))
-        if key not in HIGHER_IS_BETTER and not 0.0 <= bound < float("inf"):
-            raise KvforgeError(f"tolerance {key}={value!r}: the bound is a finite number >= 0 "
-                               + ("(on |change|)" if key == "perplexity_delta_pct" else "(an upper limit)"))
-    return out
-
-
-def _split(item: str) -> tuple[str, str]:
-    if "=" not in item:
-        raise KvforgeError(f"a tolerance is METRIC=VALUE (e.g. top1_agreement=0.97), got {item!r}")
-    key, value = item.split("=", 1)
-    return key.strip(), value.strip()
-
-
-# The scalar metrics of a report (all floats), in table order.
-REPORT_METRICS = (
-    "perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
-    "logits_max_abs", "logits_rel_l2", "logits_cosine", "greedy_agreement", "greedy_prefix_match",
-    "present_max_abs", "present_rel_l2", "present_cosine",
-)
-
-
-@dataclass
-class Report:
-    """One comparison: `result` holds the JSON-ready report (keys in docs/verification.md)."""
-
-    result: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.result["passed"])
-
-    @property
-    def failures(self) -> list[str]:
-        return list(self.result["failures"])
-
-    def __getitem__(self, key: str):
-        return self.result[key]
-
-
-def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: int | None = None) -> tuple[list[int], str]:
-    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids
-    (checked against the model's vocabulary where given)."""
-    if tokenizer is None:
-        raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
-    if data is None:
-        from kvforge.model_defs.evaluate import heldout_text
-
-        texts, name = [heldout_text()], "built-in held-out text"
-    else:
-        from kvforge.calibration.data import read_texts
-
-        texts, name = read_texts(data, what="evaluation data"), str(data)
-    ids: list[int] = []
-    for text in texts:
-        ids += tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) > max_tokens:
-            break
-    if vocab_size is not None:
-        from kvforge.calibration.data import check_vocab
-
-        check_vocab(ids[: max_tokens + 1], vocab_size, name)
-    return ids[: max_tokens + 1], name
-
-
-class WindowStats:
-    """Streaming sums over every window position: perplexities and the logits metrics."""
-
-    def __init__(self):
-        self.nll_c = self.nll_r = self.kl = 0.0
-        self.count = self.agree = 0
-        self.max_abs = self.diff_sq = self.ref_sq = self.cand_sq = self.dot = 0.0
-
-    def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
-        lc, lr = metrics.log_softmax(cand), metrics.log_softmax(ref)
-        t = targets[..., None]
-        self.nll_c -= float(np.take_along_axis(lc, t, -1).sum())
-        self.nll_r -= float(np.take_along_axis(lr, t, -1).sum())
-        self.kl += float((np.exp(lr) * (lr - lc)).sum())
-        self.count += targets.size
-        self.agree += int((cand.argmax(-1) == ref.argmax(-1)).sum())
-        c, r = cand.astype(np.float64), ref.astype(np.float64)
-        self.max_abs = max(self.max_abs, float(np.abs(c - r).max()))
-        self.diff_sq += float(((c - r) ** 2).sum())
-        self.ref_sq += float((r**2).sum())
-        self.cand_sq += float((c**2).sum())
-        self.dot += float((c * r).sum())
-
-    def result(self) -> dict[str, float]:
-        ppl_c, ppl_r = math.exp(self.nll_c / self.count), math.exp(self.nll_r / self.count)
-        return {
-            "perplexity_reference": ppl_r,
-            "perplexity_candidate": ppl_c,
-            "perplexity_delta_pct": 100.0 * (ppl_c - ppl_r) / ppl_r,
-            "top1_agreement": self.agree / self.count,
-            "kl_divergence_mean": self.kl / self.count,
-            "logits_max_abs": self.max_abs,
-            "logits_rel_l2": math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else 0.0,
-            "logits_cosine": self.dot / math.sqrt(self.cand_sq * self.ref_sq) if self.cand_sq and self.ref_sq else 1.0,
-        }
-
+from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
 def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[int], list[dict[str, float]], dict]:
     """Decode `steps` tokens in both sessions, both fed the reference's greedy token.
@@ -229,28 +65,6 @@ def _reference_session(candidate: Bundle, reference):
 
     reference = reference_source(candidate, reference)
     return runtime.load(reference, backend="torch"), str(reference)
-
-
-def reference_source(candidate: Bundle, reference, float_model: str | None = None) -> str:
-    """REF as given, or the source the candidate was made from (refused when its files changed since).
-    float_model: the candidate's shape, whose reference must be a model source, not a bundle."""
-    if reference is None:
-        lineage = candidate.manifest.get("lineage") or [{}]
-        recorded = lineage[0].get("input", {})
-        reference = recorded.get("source")
-        if reference is None:
-            raise KvforgeError(f"{candidate.path} records no source model; pass --reference")
-        from kvforge.export.api import source_digest
-
-        now = source_digest(reference)["sha256"]
-        if recorded.get("sha256") and now != recorded["sha256"]:
-            raise KvforgeError(
-                f"the source {reference} has changed since {candidate.path} was made from it (sha256 recorded "
-                f"{recorded['sha256'][:16]}, now {now[:16]}); re-export, or pass --reference to compare against it as it is"
-            )
-    if float_model and Bundle.is_bundle(reference):
-        raise KvforgeError(f"the reference {reference} is a bundle; an {float_model} is compared with its Torch source model")
-    return str(reference)
 
 
 def compare(
@@ -295,7 +109,7 @@ def compare(
         return compare_encoder(candidate, reference, data, backend, max_tokens=max_tokens, seq_len=seq_len,
                                batch_size=batch_size, tolerances=tolerances, random_data=random_data, seed=seed,
                                progress=progress, **backend_options)
-    precision = precision_of(cand_bundle.manifest)
+    precision = precision_of(cand_bundle)
     bounds = {**DEFAULT_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
     ref, ref_name = _reference_session(cand_bundle, reference)
@@ -359,7 +173,7 @@ def compare(
 
         result["per_layer"] = None
         if per_layer:
-            from .layers import compare_blocks, onnx_block_outputs, torch_block_outputs
+            from kvforge.attribution import compare_blocks, onnx_block_outputs, torch_block_outputs
 
             if cand.backend_name != "onnxruntime":
                 raise KvforgeError(f"--per-layer reads intermediate tensors from the ONNX graph; run the candidate on onnxruntime, not {cand.backend_name}")

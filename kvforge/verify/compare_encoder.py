@@ -25,13 +25,7 @@ import numpy as np
 
 from kvforge import metrics
 from kvforge.bundle import Bundle
-
-ENCODER_METRICS = (
-    "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "hidden_max_abs", "hidden_rel_l2",
-    "top1_agreement", "kl_divergence_mean", "logits_max_abs", "logits_rel_l2", "pooler_cosine_min",
-)
-ENCODER_HIGHER_IS_BETTER = frozenset({"embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min",
-                                      "top1_agreement", "pooler_cosine_min"})
+from kvforge.metrics import ENCODER_METRICS
 
 # Default bounds per precision. Float exports are bounded on what export validation already holds them to;
 # the quantized ones on what users feel (the embedding's direction and the prediction), measured on the
@@ -94,12 +88,15 @@ def compare_encoder(
     from kvforge import runtime
     from kvforge.runtime.encoder_session import EncoderSession, torch_runner
 
-    from .compare import Report, check_tolerances, eval_ids, precision_of, reference_source
+    from kvforge.calibration.data import eval_ids
+    from kvforge.metrics import check_tolerances
+
+    from .report import Report, precision_of, reference_source
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(candidate)
-    precision = precision_of(bundle.manifest)
+    precision = precision_of(bundle)
     bounds = {**ENCODER_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
     ref_source = reference_source(bundle, reference, "encoder")

@@ -35,7 +35,7 @@ SEQ2SEQ_METRICS = (
 def _pairs(cand, data, max_tokens: int, seq_len: int, samples: int, random_data: bool, seed: int):
     from kvforge.calibration.seq2seq import read_pairs
 
-    from .compare import eval_ids
+    from kvforge.calibration.data import eval_ids
 
     vocab = cand.vocab_size
     pairs = read_pairs(data) if data is not None and not random_data else None
@@ -60,12 +60,14 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
     from kvforge.runtime.generate import right_padded
     from kvforge.runtime.seq2seq_session import Seq2SeqSession
 
-    from .compare import DEFAULT_TOLERANCES, Report, check_tolerances, precision_of, reference_source
+    from kvforge.metrics import check_tolerances
+
+    from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(candidate)
-    precision = precision_of(bundle.manifest)
+    precision = precision_of(bundle)
     defaults = {k: v for k, v in DEFAULT_TOLERANCES.get(precision, {}).items() if k in SEQ2SEQ_METRICS}
     bounds = {**defaults, **(tolerances or {})}
     ref_source = reference_source(bundle, reference, "encoder-decoder")

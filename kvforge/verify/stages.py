@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 
-from .compare import Report, compare
+from .compare import compare
+from .report import Report
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_PRECISIONS = ("int8", "fp8", "int4")
@@ -55,7 +56,7 @@ class Artifact:
             raise KvforgeError(f"artifact {name!r}: {sorted(calib)} apply to calibrated artifacts (set precision)")
         if art.bundle is not None and root is not None:
             art.bundle = str((root / art.bundle).resolve())
-        from .compare import parse_tolerances
+        from kvforge.metrics import parse_tolerances
 
         art.tolerances = parse_tolerances(art.tolerances)
         if isinstance(art.backends, str):

@@ -156,7 +156,7 @@ def test_quantized_tiny_stays_close_to_fp32(tmp_path, fp32, heldout, precision, 
 def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
     """The speed of INT8 comes from ORT fusing each Q/DQ/MatMul group; every quantized layer must fuse."""
     q = calibrate(fp32.path, tmp_path / "int8", precision="int8", samples=8, seq_len=64)
-    from kvforge.runtime.ort_backend import _QUANT_DISABLED_OPTIMIZERS
+    from kvforge.ort_session import QUANT_DISABLED_OPTIMIZERS as _QUANT_DISABLED_OPTIMIZERS
 
     opts = ort.SessionOptions()
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -168,7 +168,7 @@ def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
 
 def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
     """ORT's ReluQuantRewrite drops a Relu before an FP8 QuantizeLinear (zero point 0); the runtime turns it off."""
-    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+    from kvforge.ort_session import make_session, prefill_feeds
 
     b = export("classic-micro", tmp_path / "fp32")
     q = calibrate(b.path, tmp_path / "fp8", "fp8", random_data=True, samples=8, seq_len=32)
@@ -409,7 +409,7 @@ def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, f
     with runtime.load(q.path, variant=False) as s, runtime.load(q.path) as fast:
         ours, _ = s.forward(feeds_ids)
         np.testing.assert_allclose(fast.forward(feeds_ids)[0], ours, rtol=0, atol=2e-4)  # the runtime's ORT variant
-    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+    from kvforge.ort_session import make_session, prefill_feeds
 
     (theirs,) = make_session(reference.SerializeToString()).run(["logits"], prefill_feeds(feeds_ids, fp32.model_config, fp32.io, "float32"))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-4)

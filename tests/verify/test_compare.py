@@ -17,7 +17,7 @@ from kvforge.model_defs.evaluate import heldout_text
 from kvforge.runtime.evaluate import perplexity
 from kvforge.verify import REPORT_METRICS, compare
 from kvforge.verify.compare import write_report
-from kvforge.verify.layers import block_outputs
+from kvforge.attribution import block_outputs
 
 QUICK = dict(max_tokens=1024, steps=8, prompts=2)
 # The JSON keys docs/verification.md promises.
@@ -110,7 +110,7 @@ def test_bad_requests_get_clear_errors(tiny_fp32, tmp_path):
     with pytest.raises(KvforgeError, match="not a bundle"):
         compare(tmp_path)
     with pytest.raises(KvforgeError, match="unknown tolerance 'top1'"):
-        from kvforge.verify.compare import parse_tolerances
+        from kvforge.metrics import parse_tolerances
 
         parse_tolerances(["top1=0.9"])
     for item, message in [("top1_agreement=2", "lies in \\[0, 1\\]"), ("perplexity_delta_pct=-1", "finite number >= 0 \\(on \\|change\\|\\)"),

@@ -91,7 +91,7 @@ def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str |
     """As onnx_block_outputs, for an in-memory graph (left unchanged) of the bundle format `quant`."""
     from onnx import TensorProto, helper
 
-    from kvforge.runtime.ort_backend import make_session, prefill_feeds
+    from kvforge.ort_session import make_session, prefill_feeds
 
     names = block_outputs(model, cfg["n_layers"])
     probe = type(model)()
