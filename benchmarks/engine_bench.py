@@ -57,7 +57,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from kvforge.errors import KvforgeError, MissingDependencyError
-    from kvforge.runtime.trt_backend import require_tensorrt_gpu
+    from kvforge.tensorrt_env import require_tensorrt_gpu
 
     try:
         trt, device = require_tensorrt_gpu()

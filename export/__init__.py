@@ -7,8 +7,9 @@
 """
 
 from .api import DTYPES, ExportValidationError, export
-from .engine import BuildOptions, Limits, build_plan, engine_manifest, resolve_limits, synthesize_profiles
 from .engine import build as build_engine
+from .engine import build_plan, engine_manifest
+from .engine_plan import BuildOptions, Limits, resolve_limits, synthesize_profiles
 from .lint import lint
 from .onnx_export import DEFAULT_OPSET
 

@@ -28,9 +28,9 @@ from typing import Any
 import kvforge
 from kvforge.bundle import BATCH, SEQ, Bundle, IOSpec, TensorSpec, now_utc, staged_bundle, write_manifest
 from kvforge.errors import KvforgeError
-from kvforge.runtime.trt_backend import concrete_shape
+from kvforge.tensorrt_env import concrete_shape
 
-from .engine import POINTS, BuildOptions, Limits, check_graph, infer_profile_shapes, precision_summary, resolve_limits
+from .engine_plan import POINTS, BuildOptions, Limits, check_graph, compile_engine, infer_profile_shapes, precision_summary, resolve_limits
 from .lint import lint
 from .seq2seq_export import DEC_PAST, DEC_SEQ, DEC_TOTAL, ENC_SEQ
 
@@ -125,13 +125,12 @@ def multi_graph_text(plan: dict[str, Any]) -> list[str]:
 def build_graphs(trt, device, source: Bundle, plan: dict[str, Any], out, force: bool, options: BuildOptions,
                  started: float, progress) -> Bundle:
     """One engine per graph (TensorRT present); the engine bundle records each with its profiles."""
-    from .engine import _build_engine
 
     built = {}
     for i, g in enumerate(plan["graphs"]):
         progress("build", i, len(plan["graphs"]))
         t0 = time.time()
-        engine, _ = _build_engine(trt, source.path / g["graph"], g["profiles"], options, None)
+        engine, _ = compile_engine(trt, source.path / g["graph"], g["profiles"], options, None)
         built[g["role"]] = (g, engine, round(time.time() - t0, 2))
     progress("build", len(plan["graphs"]), len(plan["graphs"]))
     files = source.manifest.get("files", {})

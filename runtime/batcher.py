@@ -38,12 +38,12 @@ import numpy as np
 from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, finish_reason, left_padded
+from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, finish_reason, left_padded
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import KVCache
-    from .session import Session, TextStream
+    from .session import Session
 
 _END = object()  # the last item of a request's event queue
 
@@ -160,7 +160,6 @@ class Batcher:
     # -- the client's side --------------------------------------------------------------
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
         """Queue one prompt (text or token ids); returns at once. Refuses what could never run."""
-        from .session import TextStream
 
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self.session._prompts(prompt)

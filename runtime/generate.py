@@ -13,6 +13,8 @@ from kvforge.errors import KvforgeError
 from .sampling import SamplingConfig, select
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvforge.tokenizer import Tokenizer
+
     from .session import Session
 
 
@@ -234,3 +236,27 @@ def stop_ids(config: GenerationConfig, eos, vocab_size: int, tokenizer=None) -> 
     if not stop and tokenizer is not None and tokenizer.eos_token_id is not None:
         stop.add(tokenizer.eos_token_id)
     return stop | extra
+
+
+class TextStream:
+    """Incremental detokenization: text is released only once it decodes to complete UTF-8.
+
+    Byte-level tokenizers split a multi-byte character over several tokens;
+    decoding after each token would show U+FFFD until the rest arrives. The
+    held-back text is released with the token that completes it (or at the end).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int, last: bool = False) -> str:
+        self.tokens.append(token)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd") and not last:
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta

@@ -30,7 +30,7 @@ from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent, finish_reason, right_padded, stop_ids, token_rows
+from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, finish_reason, right_padded, stop_ids, token_rows
 from .sampling import select
 
 Pairs = list[tuple[np.ndarray, np.ndarray]]
@@ -263,8 +263,6 @@ class Seq2SeqSession:
 
     def stream(self, source, config: GenerationConfig | None = None, **kwargs) -> Iterator[TokenEvent]:
         """Yield each target token of one source with the text it completes."""
-        from .session import TextStream
-
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._sources(source)
         if not single:

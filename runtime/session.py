@@ -25,7 +25,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache
 from .encoder_session import EncoderSession
-from .generate import GenerationConfig, GenerationResult, TokenEvent, generate_tokens, stop_ids, token_rows
+from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
@@ -37,7 +37,7 @@ def available_backends() -> list[str]:
     found = []
     if importlib.util.find_spec("onnxruntime"):
         found.append("onnxruntime")
-    from .trt_backend import tensorrt_gpu_missing
+    from kvforge.tensorrt_env import tensorrt_gpu_missing
 
     if tensorrt_gpu_missing() is None:
         found.append("tensorrt")
@@ -65,7 +65,7 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     if backend not in ("auto", *BACKENDS):
         raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
     if Bundle.is_bundle(source):
-        from .trt_backend import is_engine_bundle
+        from kvforge.tensorrt_env import is_engine_bundle
 
         bundle = Bundle(source)
         bundle.verify()  # before any cache derived from its files is consulted (docs/bundle.md: integrity)
@@ -304,30 +304,6 @@ class Session:
         # thread that holds an open stream, or any other, may use the session meanwhile, and a stream left
         # unfinished holds nothing.
         yield from _stream_text(self, rows[0], config)
-
-
-class TextStream:
-    """Incremental detokenization: text is released only once it decodes to complete UTF-8.
-
-    Byte-level tokenizers split a multi-byte character over several tokens;
-    decoding after each token would show U+FFFD until the rest arrives. The
-    held-back text is released with the token that completes it (or at the end).
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.emitted = 0
-
-    def push(self, token: int, last: bool = False) -> str:
-        self.tokens.append(token)
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd") and not last:
-            return ""
-        delta, self.emitted = text[self.emitted:], len(text)
-        return delta
 
 
 def _stream_text(session: Session, prompt: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:

@@ -223,7 +223,7 @@ def hf_bundle(hf_checkpoint, tmp_path_factory):
 
 
 # -- GPU tier: TensorRT and an NVIDIA GPU ------------------------------------------------------
-from kvforge.runtime.trt_backend import tensorrt_gpu_missing  # noqa: E402
+from kvforge.tensorrt_env import tensorrt_gpu_missing  # noqa: E402
 
 # Only these two facts (the package, a CUDA GPU) decide a gpu test's skip; any other failure of a gpu test is a failure.
 _TRT_GPU_ABSENT = tensorrt_gpu_missing()

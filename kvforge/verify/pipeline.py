@@ -65,7 +65,7 @@ def recipes(precisions, source: str, calibration_data=None, random_data: bool = 
 
 def tensorrt_unavailable() -> str | None:
     """Why no engine can be built here, and how to fix it (None when TensorRT and a CUDA GPU are present)."""
-    from kvforge.runtime.trt_backend import INSTALL, tensorrt_gpu_missing
+    from kvforge.tensorrt_env import INSTALL, tensorrt_gpu_missing
 
     missing = tensorrt_gpu_missing()
     return f"{missing}. {INSTALL}" if missing else None

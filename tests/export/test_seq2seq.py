@@ -231,7 +231,7 @@ def test_build_dry_run_plans_one_engine_per_graph(micro_bundle):
 def test_seq2seq_engines_build_on_a_gpu(micro_bundle, tmp_path):
     from tests.conftest import requires_tensorrt_gpu  # noqa: F401 (the skip reason)
     from kvforge.export.engine import build
-    from kvforge.runtime.trt_backend import tensorrt_gpu_missing
+    from kvforge.tensorrt_env import tensorrt_gpu_missing
 
     if tensorrt_gpu_missing() is not None:
         pytest.skip(f"needs TensorRT and an NVIDIA GPU: {tensorrt_gpu_missing()}")

@@ -208,7 +208,7 @@ def test_stream_yields_the_same_tokens_and_text(tiny_bundle):
 
 def test_stream_never_splits_a_utf8_character():
     """Byte-level tokens: each multi-byte character arrives over several tokens; text waits for all of them."""
-    from kvforge.runtime.session import TextStream
+    from kvforge.runtime.generate import TextStream
     from kvforge.tokenizer import Tokenizer
 
     text = "naïve → 🙂 done"

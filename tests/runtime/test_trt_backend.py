@@ -28,6 +28,7 @@ from kvforge.export import export
 from kvforge.export.engine import BuildOptions, build, engine_manifest, resolve_limits, synthesize_profiles
 from kvforge.export.onnx_export import io_spec
 from kvforge.model_defs import ModelConfig
+from kvforge import tensorrt_env
 from kvforge.runtime import trt_backend
 from kvforge.runtime.trt_backend import BufferPool, check_compatibility, plan_step
 
@@ -174,7 +175,7 @@ def test_engine_bundles_load_on_the_tensorrt_backend(micro, tmp_path):
 
 def test_available_backends_lists_tensorrt_only_with_tensorrt_and_a_gpu():
     try:
-        trt_backend.cuda_device()
+        tensorrt_env.cuda_device()
         gpu = True
     except MissingDependencyError:
         gpu = False
@@ -188,9 +189,9 @@ def test_activation_without_tensorrt_names_what_is_missing(micro, tmp_path, no_t
         runtime.load(engine.path).activate()
 
     def no_gpu():
-        raise MissingDependencyError("an NVIDIA GPU (no CUDA driver, libcuda, was found)", trt_backend.INSTALL)
+        raise MissingDependencyError("an NVIDIA GPU (no CUDA driver, libcuda, was found)", tensorrt_env.INSTALL)
 
-    monkeypatch.setattr(trt_backend, "cuda_device", no_gpu)
+    monkeypatch.setattr(tensorrt_env, "cuda_device", no_gpu)
     with pytest.raises(MissingDependencyError, match="TensorRT .* is not available. Nor is an NVIDIA GPU .*install.sh --gpu"):
         runtime.load(engine.path).generate("def f(x):", max_new_tokens=2)
 
@@ -209,8 +210,8 @@ def test_damaged_engines_are_refused_before_tensorrt_reads_them(micro, tmp_path,
     m = json.loads((engine.path / "kvforge.json").read_text())
     del m["files"]["model.engine"]
     (engine.path / "kvforge.json").write_text(json.dumps(m))
-    with pytest.raises(KvforgeError, match="records no size or hash for its engine 'model.engine'"):
-        runtime.load(engine.path).activate()
+    with pytest.raises(KvforgeError, match="is damaged: 'graph' 'model.engine' is not one of the bundle's recorded files"):
+        runtime.load(engine.path).activate()  # the manifest schema (kvforge/manifest.py) refuses it on opening
 
 
 class _FakeTensorRT:
@@ -271,7 +272,7 @@ def standin(monkeypatch):
     def install(release, compute_capability="9.0"):
         trt, cuda = standin_tensorrt(release), HostCuda()
         device = {"name": "Stand-in GPU", "compute_capability": compute_capability, "count": 1}
-        monkeypatch.setattr(trt_backend._Log, "instance", None)  # one logger per process: this module's
+        monkeypatch.setattr(tensorrt_env.TrtLogger, "instance", None)  # one logger per process: this module's
         monkeypatch.setattr(trt_backend, "require_tensorrt_gpu", lambda: (trt, device))
         monkeypatch.setattr(engine_mod, "require_tensorrt_gpu", lambda: (trt, device))
         monkeypatch.setattr(trt_backend, "_polygraphy_cuda", lambda: cuda)
@@ -299,7 +300,7 @@ def test_the_api_descriptions_say_where_they_come_from():
 def test_the_stand_in_refuses_what_the_release_does_not_have(standin, release):
     """Deliberate misuse raises as TensorRT would: so kvforge code that did it would fail this suite."""
     trt, _ = standin(release)
-    log = trt_backend._Log.get(trt)
+    log = tensorrt_env.TrtLogger.get(trt)
     builder = trt.Builder(log)
     config = builder.create_builder_config()
     with pytest.raises(TypeError, match="set_timing_cache\\(\\): incompatible function arguments"):
@@ -329,12 +330,13 @@ def _misuse(monkeypatch, old: str, new: str) -> None:
     import textwrap
 
     from kvforge.export import engine as engine_mod
+    from kvforge.export import engine_plan
 
-    source = textwrap.dedent(inspect.getsource(engine_mod._build_engine))
+    source = textwrap.dedent(inspect.getsource(engine_plan.compile_engine))
     assert old in source
-    namespace = dict(engine_mod.__dict__)
-    exec(compile(source.replace(old, new), engine_mod.__file__, "exec"), namespace)
-    monkeypatch.setattr(engine_mod, "_build_engine", namespace["_build_engine"])
+    namespace = dict(engine_plan.__dict__)
+    exec(compile(source.replace(old, new), engine_plan.__file__, "exec"), namespace)
+    monkeypatch.setattr(engine_mod, "compile_engine", namespace["compile_engine"])
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -374,7 +376,7 @@ def test_build_settings_reach_tensorrt_as_each_release_takes_them(micro, standin
     again = build(micro.path, tmp_path / "e2", max_batch=2, max_context=64, options=options)
     assert again.manifest["engine"]["timing_cache"]["loaded_sha256"] == saved
     other = standin_tensorrt(next(r for r in RELEASES if r != release))
-    foreign = other.Builder(trt_backend._Log.get(trt)).create_builder_config().create_timing_cache(b"")
+    foreign = other.Builder(tensorrt_env.TrtLogger.get(trt)).create_builder_config().create_timing_cache(b"")
     cache.write_bytes(bytes(foreign.serialize()))
     with pytest.raises(KvforgeError, match="was written by another TensorRT version or GPU"):
         build(micro.path, tmp_path / "e3", max_batch=2, max_context=64, options=options)
@@ -515,7 +517,7 @@ def _options(**kw):
 
 
 def _cc() -> tuple[int, int]:
-    major, minor = trt_backend.cuda_device()["compute_capability"].split(".")
+    major, minor = tensorrt_env.cuda_device()["compute_capability"].split(".")
     return int(major), int(minor)
 
 
@@ -542,7 +544,7 @@ def test_engine_computes_what_onnxruntime_and_the_reference_compute(tiny_onnx, t
     tol = TOL[precision]
     engine = tiny_engines[precision]
     m = engine.manifest
-    assert m["engine"]["gpu"]["compute_capability"] == trt_backend.cuda_device()["compute_capability"]
+    assert m["engine"]["gpu"]["compute_capability"] == tensorrt_env.cuda_device()["compute_capability"]
     assert [p["name"] for p in m["engine"]["profiles"]] == ["prefill", "decode"] and m["io"]["max_context"] == MAX_CONTEXT
 
     with runtime.load(engine.path) as trt, runtime.load(tiny_onnx[precision].path, device="cpu") as ort, runtime.load("tiny", backend="torch") as ref:
