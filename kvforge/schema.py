@@ -46,20 +46,26 @@ class Opt:
     spec: Any
 
 
-@dataclass(frozen=True)
-class Union:
-    specs: tuple
+class Union(tuple):
+    """One of several specs: Union(str, int)."""
 
-    def __init__(self, *specs):
-        object.__setattr__(self, "specs", specs)
+    def __new__(cls, *specs):
+        return super().__new__(cls, specs)
+
+    @property
+    def specs(self) -> tuple:
+        return tuple(self)
 
 
-@dataclass(frozen=True)
-class Enum:
-    values: tuple
+class Enum(tuple):
+    """One of these values: Enum("a", "b")."""
 
-    def __init__(self, *values):
-        object.__setattr__(self, "values", values)
+    def __new__(cls, *values):
+        return super().__new__(cls, values)
+
+    @property
+    def values(self) -> tuple:
+        return tuple(self)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,7 @@ message naming the problem. Cases build what they break from shared, read-only f
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +15,11 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from kvforge import runtime
 from kvforge.bundle import MANIFEST, write_manifest
-from kvforge.cli import main
-from kvforge.errors import KvforgeError
+
+from .refusal import assert_refused, snapshot
 
 
 # -- helpers that break things ---------------------------------------------------------------------------
@@ -269,15 +266,6 @@ def _engine(ctx, data: bytes, record: bool) -> Path:
 
 
 # -- running a case ----------------------------------------------------------------------------------------
-def _snapshot(*roots: Path) -> dict[str, tuple[int, str]]:
-    out = {}
-    for root in roots:
-        for p in sorted(root.rglob("*")):
-            if p.is_file():
-                out[str(p)] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
-
-
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, micro_bundle, hf_checkpoint):
     root = tmp_path_factory.mktemp("bad-inputs")
@@ -308,23 +296,9 @@ def test_bad_input_is_refused_clearly_and_changes_nothing(case, shared, tmp_path
     _write(not_bundle / "precious.txt", "mine")
     ctx = Ctx(work, shared["micro"], shared["hf_llama"], shared["pickle_only"], existing, not_bundle)
     made = case.make(ctx)
-    before = _snapshot(work, shared["micro"], shared["hf_llama"])
-    if callable(made):  # the Python API
-        with pytest.raises(KvforgeError) as e:
-            made()
-        assert re.search(case.message, str(e.value)), str(e.value)
-    else:
-        result = CliRunner().invoke(main, made)
-        output = result.output
-        assert result.exit_code == case.status, output
-        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-        assert "Traceback" not in output, output
-        if case.status == 1:
-            errors = [line for line in output.splitlines() if line.startswith("error: ")]
-            assert len(errors) == 1 and re.search(case.message, errors[0]), output
-        else:
-            assert "Usage:" in output and re.search(case.message, output), output
-    assert _snapshot(work, shared["micro"], shared["hf_llama"]) == before  # nothing already on disk changed
+    before = snapshot(work, shared["micro"], shared["hf_llama"])
+    assert_refused(made, case.message, case.status)
+    assert snapshot(work, shared["micro"], shared["hf_llama"]) == before  # nothing already on disk changed
 
 
 def test_the_matrix_covers_at_least_forty_cases():

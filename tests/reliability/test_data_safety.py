@@ -12,7 +12,6 @@ is refused as damage (never a traceback, never a graph run).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,8 @@ from kvforge import runtime
 from kvforge.bundle import MANIFEST, Bundle, write_manifest
 from kvforge.cli import main
 from kvforge.errors import KvforgeError
+
+from .refusal import assert_refused, snapshot
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -85,15 +86,6 @@ def _nan_in(bundle: Path, suffix: str) -> Path:
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     onnx.save(model, str(bundle / "model.onnx"))
     return _resign(bundle)
-
-
-def _snapshot(*roots: Path) -> dict[str, tuple[int, str]]:
-    out = {}
-    for root in roots:
-        for p in sorted(root.rglob("*")):
-            if p.is_file() and not p.is_symlink():
-                out[str(p)] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-    return out
 
 
 @dataclass
@@ -279,23 +271,9 @@ def test_refused_clearly_and_nothing_on_disk_changes(case, shared, tmp_path, mon
     made = case.make(ctx)
     if case.id == "cache-is-a-file":
         monkeypatch.setenv("KVFORGE_CACHE", str(_write(work / "cachefile", "not a directory")))
-    before = _snapshot(work, shared["dec"], shared["s2s"], shared["other"].parent)
-    if callable(made):
-        with pytest.raises(KvforgeError) as e:
-            made()
-        assert re.search(case.message, str(e.value)), str(e.value)
-    else:
-        result = CliRunner().invoke(main, made)
-        output = result.output
-        assert result.exit_code == case.status, output
-        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-        assert "Traceback" not in output, output
-        if case.status == 1:
-            errors = [line for line in output.splitlines() if line.startswith("error: ")]
-            assert len(errors) == 1 and re.search(case.message, errors[0]), output
-        else:
-            assert "Usage:" in output and re.search(case.message, output), output
-    assert _snapshot(work, shared["dec"], shared["s2s"], shared["other"].parent) == before
+    before = snapshot(work, shared["dec"], shared["s2s"], shared["other"].parent)
+    assert_refused(made, case.message, case.status)
+    assert snapshot(work, shared["dec"], shared["s2s"], shared["other"].parent) == before
 
 
 # -- what --force does replace -------------------------------------------------------------------------------
@@ -325,12 +303,12 @@ def test_the_api_refuses_what_the_cli_refuses(shared, tmp_path):
     from kvforge.export import export
 
     user = _user_dir(tmp_path / "u")
-    before = _snapshot(user)
+    before = snapshot(user)
     with pytest.raises(KvforgeError, match="not a valid bundle manifest"):
         export("gpt2-micro", user, force=True)
     with pytest.raises(KvforgeError, match="not a valid bundle manifest"):
         calibrate(shared["dec"], user, "int8", random_data=True, force=True)
-    assert _snapshot(user) == before
+    assert snapshot(user) == before
 
 
 def test_valid_utf8_bytes_prompt_is_the_same_as_the_str(shared):
