@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"kvforge": "kvforge", "model_defs": "kvforge.model_defs", "export": "kvforge.export",
-            "calibration": "kvforge.calibration", "runtime": "kvforge.runtime", "serving": "kvforge.serving"}
+            "calibration": "kvforge.calibration", "runtime": "kvforge.runtime", "serving": "kvforge.serving",
+            "verify": "kvforge.verify"}
 ORDER = ["core", "model_defs", "export", "calibration", "runtime", "serving", "verify", "cli"]
 
 KNOWN_UPWARD: set[tuple[str, str]] = set()

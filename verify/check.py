@@ -56,7 +56,7 @@ REGRESSION_TOLERANCES: dict[str, tuple[float, float]] = {
     "kl_divergence_mean": (1e-4, 0.25),
     "logits_rel_l2": (1e-4, 0.25),
     "present_rel_l2": (1e-4, 0.25),
-    # encoders (kvforge/verify/compare_encoder.py)
+    # encoders (verify/compare_encoder.py)
     "embedding_cosine_min": (1e-4, 0.0),
     "hidden_rel_l2": (1e-4, 0.25),
 }
