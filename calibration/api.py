@@ -96,16 +96,16 @@ def calibrate(
         raise KvforgeError(f"precision {precision!r} is not one of {FORMATS}")
     if method not in METHODS:
         raise KvforgeError(f"method {method!r} is not one of {METHODS}")
-    if bundle.manifest["precision"].get("quantization"):
+    if bundle.quantization:
         raise KvforgeError(f"{bundle.path} is already quantized ({bundle.manifest['precision']['quantization']['format']}); calibrate a float bundle")
-    dtype = bundle.manifest["precision"]["dtype"]
+    dtype = bundle.dtype
     if dtype == "bfloat16":
         raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; calibrate a float32 or float16 bundle")
     if smoothquant is not None and (precision == "int4" or not 0.0 <= smoothquant <= 1.0):
         raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 (got {smoothquant} for {precision})")
     if kv_cache not in (None, "fp8"):
         raise KvforgeError(f"--kv-cache {kv_cache!r} is not supported; the choice is fp8")
-    decoder = bundle.model_config.get("architecture", "decoder") == "decoder"
+    decoder = bundle.architecture == "decoder"
     if kv_cache and not decoder:
         raise KvforgeError(f"--kv-cache: {bundle.path} is {kind_name(bundle.architecture)}, which has no KV cache")
     if accuracy_budget and not decoder:
@@ -140,7 +140,7 @@ def calibrate(
 
         held_out = budget_ids(bundle, budget_data, budget_tokens)
 
-    if bundle.model_config.get("architecture") == "encoder-decoder":
+    if bundle.architecture == "encoder-decoder":
         from .seq2seq import quantize_seq2seq
 
         models, quantization, record = quantize_seq2seq(
@@ -260,7 +260,7 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (bundle.path / name).is_file():
                 shutil.copy2(bundle.path / name, tmp / name)
-        precision_record = {"dtype": bundle.manifest["precision"]["dtype"], "quantization": quantization}
+        precision_record = {"dtype": bundle.dtype, "quantization": quantization}
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
         ecosystem = write_ecosystem_files(tmp, bundle.model_config, bundle.io, bundle.manifest["graph"], precision_record,
                                           tokenizer, from_bundle=bundle.path)

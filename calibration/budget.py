@@ -68,7 +68,7 @@ class _Evaluator:
         from kvforge.ort_session import make_session
 
         self.bundle = bundle
-        self.dtype = bundle.manifest["precision"]["dtype"]
+        self.dtype = bundle.dtype
         ids, self.data = held_out
         self.chunks = windows(ids, budget_window(bundle, seq_len))
         self.batch_size = batch_size

@@ -96,7 +96,7 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
     graphs = bundle.manifest["graphs"]
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
-    float_dtype = np.float16 if bundle.manifest["precision"]["dtype"] == "float16" else np.float32
+    float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
     found = {role: find_targets(m, list(exclude), quantize_lm_head, require_matches=False) for role, m in models.items()}
     names = [t.layer for targets, excluded in found.values() for t in targets] + [n for _, ex in found.values() for n in ex]
     unmatched = [p for p in exclude if not any(re.search(p, n) for n in names)]

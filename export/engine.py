@@ -90,14 +90,14 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
     b.verify(full=True)  # the plan is for the files the manifest records, not a truncated or altered copy
     options = options or BuildOptions()
     io = b.io
-    if b.model_config.get("architecture", "decoder") != "decoder":  # one engine per graph: export/engine_graphs.py
+    if b.architecture != "decoder":  # one engine per graph: export/engine_graphs.py
         from .engine_graphs import multi_graph_plan
 
         plan = multi_graph_plan(b, max_batch, max_context, opt_batch, opt_context, options)
         tc = options.timing_cache
         return {
             "bundle": str(b.path), "graph": b.manifest["graph"], "stage": b.manifest.get("stage"),
-            "opset": b.manifest.get("opset"), "architecture": b.model_config["architecture"], **plan,
+            "opset": b.manifest.get("opset"), "architecture": b.architecture, **plan,
             "bundle_max_context": io.max_context,
             "builder": {"strongly_typed": True, "tf32": options.tf32,
                         "builder_optimization_level": options.builder_optimization_level,
@@ -249,7 +249,7 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     trt, device = require_tensorrt_gpu()
     check_output_path(out, force, [plan["bundle"]])
     source = Bundle(plan["bundle"])  # build_plan verified its files against the manifest
-    check_precision_supported(source.manifest["precision"].get("quantization"), device["compute_capability"], device["name"])
+    check_precision_supported(source.quantization, device["compute_capability"], device["name"])
     if "graphs" in plan:
         from .engine_graphs import build_graphs
 

@@ -37,7 +37,7 @@ from .seq2seq_export import DEC_PAST, DEC_SEQ, DEC_TOTAL, ENC_SEQ
 
 def graph_specs(bundle: Bundle) -> list[tuple[str, str, IOSpec]]:
     """(role, graph file, IO spec) for each graph of an encoder or encoder-decoder bundle."""
-    if bundle.model_config.get("architecture") != "encoder-decoder":
+    if bundle.architecture != "encoder-decoder":
         return [("model", bundle.manifest["graph"], bundle.io)]
     enc = bundle.io.extra["encoder"]
     enc_io = IOSpec([TensorSpec.from_dict(t) for t in enc["inputs"]], [TensorSpec.from_dict(t) for t in enc["outputs"]],

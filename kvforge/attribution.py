@@ -81,9 +81,9 @@ def onnx_block_outputs(bundle: Bundle, batch: np.ndarray, inject: list[np.ndarra
     inject: the inputs of blocks 1..n-1 (the reference's outputs of blocks 0..n-2) to feed instead of
     the graph's own, so that each block's output error is its own.
     """
-    quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+    quant = bundle.quantization_format
     return graph_block_outputs(bundle.load_graph(), bundle.model_config, bundle.io,
-                               bundle.manifest["precision"]["dtype"], quant, batch, inject)
+                               bundle.dtype, quant, batch, inject)
 
 
 def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str | None, batch: np.ndarray,

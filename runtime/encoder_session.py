@@ -40,7 +40,7 @@ def _ort_runner(bundle: Bundle, device: str = "cpu", threads: int | None = None,
     if device not in ("cpu", "auto"):
         raise KvforgeError(f"encoder sessions run on device 'cpu' here, not {device!r}")
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
-    quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+    quant = bundle.quantization_format
     session = make_session(bundle.graph_file, quant, optimization=optimization, threads=threads)
     return lambda feeds: session.run(None, feeds)
 
@@ -68,14 +68,14 @@ def torch_runner(source, config: dict[str, Any], io: IOSpec, dtype: str = "float
 def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu", **unknown):
     if unknown:
         raise KvforgeError(f"unknown torch options for an encoder: {sorted(unknown)}")
-    quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+    quant = bundle.quantization_format
     if quant:
         raise KvforgeError(f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was "
                            "made from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
     source = source or bundle.recorded_source
     if source is None:
         raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-    return torch_runner(source, bundle.model_config, bundle.io, bundle.manifest["precision"]["dtype"], device)
+    return torch_runner(source, bundle.model_config, bundle.io, bundle.dtype, device)
 
 
 class EncoderSession:

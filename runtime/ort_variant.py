@@ -375,7 +375,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
-    if bundle.manifest["precision"]["dtype"] == "float32":
+    if bundle.dtype == "float32":
         from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 
         fuse_rms_norms(model)
@@ -385,7 +385,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
         fold_scales_into_norms(model)
     from .ort_moe import skip_unchosen_experts
 
-    skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.manifest["precision"]["dtype"], 1))
+    skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.dtype, 1))
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
     if attention and rewrite_attention(model, bundle):
         add_logits_rows(model)

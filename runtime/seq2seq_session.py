@@ -45,13 +45,13 @@ class _OrtModel:
         from .ort_backend import make_session
 
         bundle.load_graph(external_data=False)  # refuses external data outside the bundle
-        quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+        quant = bundle.quantization_format
         graphs = bundle.manifest["graphs"]
         self.encoder = make_session(bundle.path / graphs["encoder"], quant, optimization=optimization, threads=threads)
         self.decoder = make_session(bundle.path / graphs["decoder"], quant, optimization=optimization, threads=threads)
         self.dec_names = [i.name for i in self.decoder.get_inputs()]
-        self.dtype = np.float16 if bundle.manifest["precision"]["dtype"] == "float16" else np.float32
-        if bundle.manifest["precision"]["dtype"] == "bfloat16":
+        self.dtype = np.float16 if bundle.dtype == "float16" else np.float32
+        if bundle.dtype == "bfloat16":
             raise KvforgeError("ONNX Runtime's CPU provider has no bfloat16 kernels; run a float32 or float16 bundle")
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> Pairs:
@@ -77,13 +77,13 @@ class _TorchModel:
         from kvforge.model_defs import load
 
 
-        if (bundle.manifest["precision"].get("quantization") or {}).get("format") and not float_reference:
+        if bundle.quantization_format and not float_reference:
             raise KvforgeError(f"{bundle.path} is quantized; the torch backend would run the float model it was made "
                                "from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
         source = source or bundle.recorded_source
         if source is None:
             raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-        model, _ = load(source, dtype="float32" if float_reference else bundle.manifest["precision"]["dtype"])
+        model, _ = load(source, dtype="float32" if float_reference else bundle.dtype)
         if model.config.to_dict() != bundle.model_config:
             raise KvforgeError(f"the source {source!r} builds a model whose config differs from the bundle's")
         self.torch, self.model, self.device = torch, model.to(device), device

@@ -83,7 +83,7 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
             return EncoderSession(bundle, backend, **options)
         io, config = bundle.io, bundle.model_config
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
-        dtype = bundle.manifest["precision"]["dtype"]
+        dtype = bundle.dtype
         engine = is_engine_bundle(bundle.manifest)
         if backend == "auto":
             backend = "tensorrt" if engine else "onnxruntime"
@@ -101,7 +101,7 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
         else:
             from .torch_backend import TorchBackend
 
-            quant = (bundle.manifest["precision"].get("quantization") or {}).get("format")
+            quant = bundle.quantization_format
             if quant:
                 raise KvforgeError(
                     f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was made from, "

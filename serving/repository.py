@@ -78,7 +78,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
     if not Bundle.is_bundle(bundle):
         raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
     source = Bundle(bundle)
-    architecture = source.model_config.get("architecture", "decoder")
+    architecture = source.architecture
     if architecture != "decoder":
         raise KvforgeError(f"{bundle} is {kind_name(architecture)}; the Triton model serves decoder LMs (the generate "
                            "extension with continuous batching). Run encoders and encoder-decoders with "

@@ -97,13 +97,13 @@ def compare(
     if not Bundle.is_bundle(candidate):
         raise KvforgeError(f"{candidate} is not a bundle (no kvforge.json); compare runs a bundle against the reference")
     cand_bundle = Bundle(candidate)
-    if cand_bundle.model_config.get("architecture") == "encoder-decoder":
+    if cand_bundle.architecture == "encoder-decoder":
         from .compare_seq2seq import compare_seq2seq
 
         return compare_seq2seq(candidate, reference, data, backend, steps=steps, prompts=prompts, max_tokens=max_tokens,
                                seq_len=seq_len, batch_size=batch_size, tolerances=tolerances, random_data=random_data,
                                seed=seed, progress=progress, **backend_options)
-    if cand_bundle.model_config.get("architecture", "decoder") != "decoder":
+    if cand_bundle.architecture != "decoder":
         from .compare_encoder import compare_encoder
 
         return compare_encoder(candidate, reference, data, backend, max_tokens=max_tokens, seq_len=seq_len,
