@@ -269,11 +269,11 @@ def test_damaged_bundles_are_named(tmp_path, micro_bundle):
     damaged = [
         ("[]", "format 'list' is not"),
         (b"\xff{}", "not valid JSON"),
-        ({**good, "format_version": "2"}, "format_version '2' is not an integer"),
+        ({**good, "format_version": "2"}, "is damaged: 'format_version' is the string '2', expected an integer"),
         ({k: v for k, v in good.items() if k != "precision"}, "'precision' is missing"),
-        ({**good, "io": []}, "'io' is a list, not a dict"),
-        ({**good, "model": {k: v for k, v in good["model"].items() if k != "vocab_size"}}, "its model entry lacks \\['vocab_size'\\]"),
-        ({**good, "io": {"inputs": 3}}, "its io entry does not read"),
+        ({**good, "io": []}, "'io' is a list, expected a dict"),
+        ({**good, "model": {k: v for k, v in good["model"].items() if k != "vocab_size"}}, "is damaged: 'model.vocab_size' is missing"),
+        ({**good, "io": {"inputs": 3}}, "is damaged: 'io.outputs' is missing"),
     ]
     for content, message in damaged:
         if isinstance(content, bytes):

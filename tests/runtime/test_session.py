@@ -297,7 +297,7 @@ def test_generation_options_are_checked(mistral_bundle):
             (dict(top_k=2.5), "top_k must be an int"),
             (dict(max_new_tokens=2.5), "max_new_tokens must be an int"),
             (dict(max_new_tokens=None), "max_new_tokens must be an int"),
-            (dict(seed="x"), "seed must be an int or None"),
+            (dict(seed="x"), "seed must be an int >= 0 or None"),
             (dict(temperature="hot"), "temperature must be a number"),
             (dict(max_tokens=3), r"unknown generation option\(s\) \['max_tokens'\]"),
         ]:
