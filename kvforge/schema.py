@@ -10,7 +10,8 @@ accept keys they do not list (a newer kvforge may add some); they refuse listed 
 of the wrong shape, and missing required ones.
 
 `annotation_spec` turns a dataclass field's annotation ("int | None", "list[int] |
-None", "dict[str, Any]") into a spec, so configs are checked from their own fields.
+None", "dict[str, Any]") into a spec, so a manifest's model entry is checked against
+the model configs' own fields (kvforge/model_fields.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -112,13 +113,6 @@ class AnyJSON:
     """Any JSON value (for free-form records: a source's own options)."""
 
 
-@dataclass(frozen=True)
-class Lazy:
-    """A spec looked up when checked (for a record that refers to itself)."""
-
-    get: Any = field(compare=False)
-
-
 def path_problem(name: str, directories: bool = False) -> str | None:
     """Why `name` is not a safe relative path inside a directory, or None."""
     if not name or "\x00" in name or "\\" in name:
@@ -135,64 +129,63 @@ def path_problem(name: str, directories: bool = False) -> str | None:
 
 def check(value: Any, spec: Any, path: str) -> None:
     """Raise SchemaError for the first part of `value` that does not fit `spec`."""
-    if isinstance(spec, Lazy):
-        return check(value, spec.get(), path)
     if spec is None:
         if value is not None:
             raise SchemaError(path, f"is {describe(value)}, expected null")
-        return
-    if isinstance(spec, Opt):
+    elif isinstance(spec, Opt):
         if value is not None:
             check(value, spec.spec, path)
-        return
-    if isinstance(spec, Union):
-        problems = []
-        for option in spec.specs:
-            try:
-                check(value, option, path)
-                return
-            except SchemaError as e:
-                problems.append(e)
-        deepest = max(problems, key=lambda e: len(e.path))
-        if deepest.path != path:
-            raise deepest
-        raise SchemaError(path, f"is {describe(value)}, expected {' or '.join(expected(s) for s in spec.specs)}")
-    if spec is AnyJSON:
-        return
-    if spec is bool:
-        if not isinstance(value, bool):
-            raise SchemaError(path, f"is {describe(value)}, expected true or false")
-        return
-    if spec is int:
-        spec = Num(integer=True)
-    elif spec is float:
-        spec = Num()
+    elif isinstance(spec, Union):
+        _check_union(value, spec, path)
+    elif isinstance(spec, (ListOf, DictOf, Rec)):
+        _check_container(value, spec, path)
+    elif spec is not AnyJSON:
+        _check_scalar(value, spec, path)
+
+
+def _check_union(value: Any, spec: Union, path: str) -> None:
+    problems = []
+    for option in spec.specs:
+        try:
+            check(value, option, path)
+            return
+        except SchemaError as e:
+            problems.append(e)
+    deepest = max(problems, key=lambda e: len(e.path))  # the option that fitted furthest names the real problem
+    if deepest.path != path:
+        raise deepest
+    raise SchemaError(path, f"is {describe(value)}, expected {' or '.join(expected(s) for s in spec.specs)}")
+
+
+def _check_scalar(value: Any, spec: Any, path: str) -> None:
+    if spec in (int, float):
+        spec = Num(integer=spec is int)
     if isinstance(spec, Num):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (not spec.integer or isinstance(value, int))
         if not ok or (spec.finite and isinstance(value, float) and not math.isfinite(value)):
             raise SchemaError(path, f"is {describe(value)}, expected {expected(spec)}")
         if math.isfinite(value) and not spec.low <= value <= spec.high:
             raise SchemaError(path, f"is {value!r}, expected {expected(spec)}")
-        return
-    if spec is str:
-        if not isinstance(value, str):
-            raise SchemaError(path, f"is {describe(value)}, expected a string")
-        return
-    if isinstance(spec, Enum):
+    elif spec in (bool, str):
+        if not isinstance(value, spec):
+            raise SchemaError(path, f"is {describe(value)}, expected {expected(spec)}")
+    elif isinstance(spec, Enum):
         if isinstance(value, bool) or value not in spec.values:
             raise SchemaError(path, f"is {describe(value)}, expected one of {', '.join(map(repr, spec.values))}")
-        return
-    if isinstance(spec, Pattern):
+    elif isinstance(spec, Pattern):
         if not isinstance(value, str) or not re.fullmatch(spec.regex, value):
             raise SchemaError(path, f"is {describe(value)}, expected {spec.what}")
-        return
-    if isinstance(spec, RelPath):
+    elif isinstance(spec, RelPath):
         if not isinstance(value, str):
             raise SchemaError(path, f"is {describe(value)}, expected a file name")
         problem = path_problem(value, spec.directories)
         if problem:
             raise SchemaError(path, f"{value[:80]!r} {problem}")
-        return
+    else:
+        raise TypeError(f"not a schema spec: {spec!r}")  # a programming error, not the data's
+
+
+def _check_container(value: Any, spec: ListOf | DictOf | Rec, path: str) -> None:
     if isinstance(spec, ListOf):
         if not isinstance(value, list):
             raise SchemaError(path, f"is {describe(value)}, expected a list")
@@ -201,23 +194,18 @@ def check(value: Any, spec: Any, path: str) -> None:
         for i, item in enumerate(value):
             check(item, spec.spec, f"{path}[{i}]")
         return
+    if not isinstance(value, dict):
+        raise SchemaError(path, f"is {describe(value)}, expected a dict")
     if isinstance(spec, DictOf):
-        if not isinstance(value, dict):
-            raise SchemaError(path, f"is {describe(value)}, expected a dict")
         for key, item in value.items():
             check(item, spec.spec, f"{path}.{key}")
         return
-    if isinstance(spec, Rec):
-        if not isinstance(value, dict):
-            raise SchemaError(path, f"is {describe(value)}, expected a dict")
-        missing = [k for k in spec.required if k not in value]
-        if missing:
-            raise SchemaError(f"{path}.{missing[0]}", "is missing")
-        for key, item_spec in spec.fields.items():
-            if key in value:
-                check(value[key], item_spec, f"{path}.{key}")
-        return
-    raise TypeError(f"not a schema spec: {spec!r}")  # a programming error, not the data's
+    missing = [k for k in spec.required if k not in value]
+    if missing:
+        raise SchemaError(f"{path}.{missing[0]}", "is missing")
+    for key, item_spec in spec.fields.items():
+        if key in value:
+            check(value[key], item_spec, f"{path}.{key}")
 
 
 def expected(spec: Any) -> str:
