@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name, validation_summary
+from kvforge.manifest import kind_name, print_manifest, validation_summary
 
 
 class _Group(click.Group):
@@ -63,7 +63,7 @@ def main():
 def models(as_json):
     """List the model presets and the Hugging Face families kvforge imports."""
     from kvforge.model_defs import SUPPORTED_FAMILIES
-    from kvforge.model_defs.architectures import all_presets, preset_config
+    from kvforge.model_defs.architectures import all_presets, describe_design, preset_config
     from kvforge.model_defs.checkpoint import TRAINED
 
     rows = []
@@ -76,7 +76,7 @@ def models(as_json):
             "layers x dim": f"{cfg.n_layers} x {cfg.dim}",
             "heads q/kv": f"{cfg.n_heads}/{cfg.n_kv_heads}",
             "vocab": cfg.vocab_size,
-            "design": _design(cfg) if arch == "decoder" else _encoder_design(cfg),
+            "design": describe_design(cfg),
         })
     if as_json:
         click.echo(json.dumps({"presets": rows, "hf_families": list(SUPPORTED_FAMILIES)}))
@@ -92,39 +92,6 @@ def models(as_json):
     console = Console()
     console.print(table)
     console.print(f"Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}")
-
-
-def _design(cfg) -> str:
-    """One line naming a config's design choices (the defaults of a Llama-style decoder are left out)."""
-    parts = [cfg.position + (f" x{cfg.rotary_fraction:g}" if cfg.position == "rope" and cfg.rotary_fraction < 1 else ""),
-             f"{cfg.norm}-{cfg.norm_placement}", f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}"]
-    if cfg.block != "sequential":
-        parts.append(f"block={cfg.block}")
-    if cfg.kv_lora_rank:
-        parts.append(f"mla latent={cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}")
-    if cfg.qk_norm:
-        parts.append(f"qk-norm={cfg.qk_norm}")
-    if cfg.sliding_window:
-        layers = "" if cfg.sliding_window_layers is None else f" on {cfg.sliding_window_layers}"
-        parts.append(f"window={cfg.sliding_window}{layers}")
-    if cfg.n_experts:
-        shared = f"+shared {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
-        groups = f" in {cfg.router_topk_groups}/{cfg.router_groups} groups" if cfg.router_groups > 1 else ""
-        parts.append(f"moe={cfg.experts_per_token}/{cfg.n_experts}{groups}{shared}")
-    if cfg.attn_softcap or cfg.final_softcap:
-        parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
-    if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:
-        parts.append("scaled")
-    return " ".join(parts)
-
-
-def _encoder_design(cfg) -> str:
-    head = f"head={cfg.head}" if hasattr(cfg, "head") else f"{cfg.n_layers}+{cfg.n_decoder_layers} layers"
-    parts = [f"{cfg.position} positions", f"{cfg.norm}-{cfg.norm_placement}",
-             f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}", head]
-    if getattr(cfg, "n_latents", None):
-        parts.insert(0, f"{cfg.n_latents} latents")
-    return " ".join(parts)
 
 
 @main.command("eval")
@@ -232,52 +199,9 @@ def inspect(bundle, as_json):
         b.verify(full=True)  # a damaged bundle: the manifest is printed, then the error (exit 1)
         return
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    cfg = m["model"]
-    console.print(f"[bold]{b.path}[/]  stage {m.get('stage')}, graph {m.get('graph')}, opset {m.get('opset')}")
-    console.print(
-        f"model: {cfg['family']} {cfg['n_layers']} layers x {cfg['dim']}, heads {cfg['n_heads']}/{cfg['n_kv_heads']}, "
-        f"vocab {cfg['vocab_size']}; precision {m['precision']['dtype']}"
-        + (f", quantized {m['precision']['quantization']}" if m["precision"].get("quantization") else "")
-    )
-    io = m["io"]
-    table = Table(title=f"IO (max context {io.get('max_context')})")
-    for col in ("", "name", "dtype", "shape"):
-        table.add_column(col)
-    for kind in ("inputs", "outputs"):
-        for t in io[kind]:
-            table.add_row(kind[:-1], t["name"], t["dtype"], str(t["shape"]))
-    console.print(table)
-    files = Table(title="files")
-    files.add_column("file")
-    files.add_column("bytes", justify="right")
-    files.add_column("sha256")
-    for name, rec in m.get("files", {}).items():
-        files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16])
-    console.print(files)
-    if m.get("validation"):
-        console.print("validation: " + validation_summary(m["validation"]))
-    engine = m.get("engine")
-    if engine:
-        lim = engine["limits"]
-        console.print(
-            f"engine: TensorRT {engine['tensorrt_version']} for {engine['gpu']['name']} (compute capability "
-            f"{engine['gpu']['compute_capability']}), max batch {lim['max_batch']}, max context {lim['max_context']}, "
-            f"hardware compatibility {engine['hardware_compatibility']}, version compatible {engine['version_compatible']}"
-        )
-        for prof in engine["profiles"]:
-            shapes = ", ".join(f"{n} {b['min']}..{b['max']}" for n, b in prof["shapes"].items() if n in ("input_ids", "attention_mask"))
-            console.print(f"  profile {prof['index']} {prof['name']}: {shapes}")
-    lint_result = m.get("lint")
-    if lint_result:
-        console.print(f"lint (when written): {'passed' if lint_result['passed'] else 'FAILED'} "
-                      f"({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
-    for entry in m.get("lineage", []):
-        given = entry.get("input", {})
-        console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {given.get('source')} "
-                      f"({given.get('kind')}, sha256 {(given.get('sha256') or '-')[:16]}), options {entry.get('options', {})}")
+    print_manifest(b.path, m, console)
     b.verify(full=True)  # raises, naming each damaged file or non-finite weight (exit 1)
     console.print("files: intact (sizes and sha256 match the manifest; weights finite)")
 
@@ -547,14 +471,6 @@ def _wide_console():
     return Console(width=max(Console().width, 120))
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    return str(value)
-
-
 @main.command()
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False))
 @click.option("--reference", help="Bundle or model source run on Torch (default: the source CANDIDATE was exported from).")
@@ -573,38 +489,16 @@ def _fmt(value) -> str:
 def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
             json_file, quiet):
     """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
-    from rich.table import Table
-
-    from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS, parse_tolerances
+    from kvforge.metrics import parse_tolerances
     from kvforge.verify.compare import compare as run, write_report
+    from kvforge.verify.render import print_compare
 
     with _PhaseProgress(enabled=not quiet) as progress:
         report = run(candidate, reference, data, backend, steps, prompts, max_tokens=max_tokens, seq_len=seq_len,
                      tolerances=parse_tolerances(list(tolerances)), per_layer=per_layer, random_data=random_data,
                      progress=progress)
-    r = report.result
     console = _wide_console()
-    table = Table(title=f"{r['candidate']} ({r['precision']}, {r['candidate_backend']}) vs {r['reference']} ({r['reference_backend']})")
-    for col in ("metric", "value", "bound"):
-        table.add_column(col)
-    for key in r.get("metric_keys", REPORT_METRICS):
-        bound = r["tolerances"].get(key)
-        table.add_row(key, _fmt(r[key]), "" if bound is None else (">= " if key in HIGHER_IS_BETTER else "<= ") + _fmt(bound))
-    console.print(table)
-    if r.get("per_layer"):
-        layers = Table(title="per-layer error, ranked by contribution (a block's own rel L2, fed the reference's input)")
-        for col in ("rank", "layer", "accumulated rel L2", "contribution", "cosine", "max abs"):
-            layers.add_column(col)
-        for row in sorted(r["per_layer"], key=lambda x: x["rank"]):
-            layers.add_row(str(row["rank"]), row["layer"], _fmt(row["rel_l2"]), _fmt(row["contribution"]), _fmt(row["cosine"]), _fmt(row["max_abs"]))
-        console.print(layers)
-    if r.get("kind") == "encoder":
-        console.print(f"data: {r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens")
-    elif r.get("kind") == "encoder-decoder":
-        console.print(f"data: {r['data']}, {r['pairs']} source/target pairs, {r['tokens']} target tokens; "
-                      f"greedy: {r['prompts']} sources x {r['steps']} steps")
-    else:
-        console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
+    print_compare(report.result, console)
     if json_file:
         for path in write_report(report, json_file):
             console.print(f"wrote {path}")
@@ -623,23 +517,13 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def check(spec, update_baseline, workdir, report_file, quiet):
     """Run the accuracy regression check SPEC (TOML); exit 1 on a regression against its baseline."""
-    from rich.table import Table
-
     from kvforge.verify.check import check as run, write_check_report
+    from kvforge.verify.render import print_check
 
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
         result = run(spec, update_baseline, workdir, progress, log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
-    table = Table(title=f"check {spec}: against {result.spec.baseline.name}")
-    for col in ("artifact/backend", "metric", "baseline", "now", "limit", ""):
-        table.add_column(col)
-    for f in result.findings:
-        table.add_row(f.key, f.metric, _fmt(f.baseline), _fmt(f.current), _fmt(f.limit),
-                      "[green]ok[/]" if f.ok else f"[red]{f.note}[/]")
-    for o in result.outcomes:
-        if o.skipped:
-            table.add_row(o.key, "-", "", "", "", f"skipped: {o.skipped}")
-    console.print(table)
+    print_check(result, spec, console)
     if report_file:
         for path in write_check_report(result, report_file):
             console.print(f"wrote {path}")
@@ -665,41 +549,14 @@ def check(spec, update_baseline, workdir, report_file, quiet):
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def pipeline(source, workdir, precisions, calibration_data, random_data, force, quiet):
     """The main job: export, calibrate, build engines (where TensorRT runs), compare all, report."""
-    from rich.table import Table
-
-    from kvforge.verify.pipeline import DEFAULT_PRECISIONS, bundle_megabytes, pipeline as run
+    from kvforge.verify.pipeline import DEFAULT_PRECISIONS, pipeline as run
+    from kvforge.verify.render import print_pipeline
 
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
         result = run(source, workdir, precisions or DEFAULT_PRECISIONS, calibration_data, force, random_data, progress,
                      log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
-    table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
-    first = next((o.report for o in result.outcomes if o.report is not None), None)
-    encoder = first is not None and first.result.get("kind") == "encoder"
-    columns = (("embedding cos min", "hidden rel L2", "top-1") if encoder
-               else ("perplexity", "delta %", "top-1", "KL", "greedy"))
-    for col in ("artifact", "backend", "MB", *columns, "result"):
-        table.add_column(col)
-    for o in result.outcomes:
-        if o.report is None:
-            table.add_row(o.artifact, o.backend, "", *[""] * len(columns), f"skipped: {o.skipped}")
-            continue
-        r = o.report.result
-        if encoder:
-            values = [f"{r['embedding_cosine_min']:.5f}", _fmt(r["hidden_rel_l2"]), _fmt(r["top1_agreement"])]
-        else:
-            values = [f"{r['perplexity_candidate']:.3f}", f"{r['perplexity_delta_pct']:+.2f}", f"{r['top1_agreement']:.4f}",
-                      _fmt(r["kl_divergence_mean"]), f"{r['greedy_agreement']:.3f}"]
-        table.add_row(o.artifact, o.backend, f"{bundle_megabytes(o.bundle):.1f}", *values,
-                      "[green]pass[/]" if o.report.passed else "[red]FAIL: " + "; ".join(o.report.failures) + "[/]")
-    console.print(table)
-    if encoder:
-        console.print(f"reference: {first['reference']} on torch; {first['inputs']} right-padded inputs, "
-                      f"{first['tokens']} real tokens of {first['data']}")
-    elif first is not None:
-        console.print(f"reference: {first['reference']} on torch, perplexity {first['perplexity_reference']:.3f} over "
-                      f"{first['tokens']} tokens of {first['data']}; greedy = teacher-forced agreement over "
-                      f"{first['prompts']} x {first['steps']} decode steps")
+    print_pipeline(result, source, console)
     if result.engine_skipped:
         console.print(f"TensorRT engine build skipped: {result.engine_skipped}")
     if result.sample:

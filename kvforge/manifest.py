@@ -202,3 +202,53 @@ def validation_summary(v: dict[str, Any]) -> str:
     return (f"{'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes"
             + (f"; {shown}" if shown else "")
             + (f"; {lock['steps']}-step lockstep, greedy {lock['greedy_matching_steps']}/{lock['steps']}" if lock else ""))
+
+
+def print_manifest(path, m: dict[str, Any], console) -> None:
+    """A validated manifest for people (`kvforge inspect`): model, precision, IO, files, validation, engine, lint,
+    lineage."""
+    from rich.table import Table
+
+    cfg = m["model"]
+    console.print(f"[bold]{path}[/]  stage {m.get('stage')}, graph {m.get('graph')}, opset {m.get('opset')}")
+    console.print(
+        f"model: {cfg['family']} {cfg['n_layers']} layers x {cfg['dim']}, heads {cfg['n_heads']}/{cfg['n_kv_heads']}, "
+        f"vocab {cfg['vocab_size']}; precision {m['precision']['dtype']}"
+        + (f", quantized {m['precision']['quantization']}" if m["precision"].get("quantization") else "")
+    )
+    io = m["io"]
+    table = Table(title=f"IO (max context {io.get('max_context')})")
+    for col in ("", "name", "dtype", "shape"):
+        table.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for t in io[kind]:
+            table.add_row(kind[:-1], t["name"], t["dtype"], str(t["shape"]))
+    console.print(table)
+    files = Table(title="files")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("sha256")
+    for name, rec in m.get("files", {}).items():
+        files.add_row(name, f"{rec['bytes']:,}", rec["sha256"][:16])
+    console.print(files)
+    if m.get("validation"):
+        console.print("validation: " + validation_summary(m["validation"]))
+    engine = m.get("engine")
+    if engine:
+        lim = engine["limits"]
+        console.print(
+            f"engine: TensorRT {engine['tensorrt_version']} for {engine['gpu']['name']} (compute capability "
+            f"{engine['gpu']['compute_capability']}), max batch {lim['max_batch']}, max context {lim['max_context']}, "
+            f"hardware compatibility {engine['hardware_compatibility']}, version compatible {engine['version_compatible']}"
+        )
+        for prof in engine["profiles"]:
+            shapes = ", ".join(f"{n} {b['min']}..{b['max']}" for n, b in prof["shapes"].items() if n in ("input_ids", "attention_mask"))
+            console.print(f"  profile {prof['index']} {prof['name']}: {shapes}")
+    lint_result = m.get("lint")
+    if lint_result:
+        console.print(f"lint (when written): {'passed' if lint_result['passed'] else 'FAILED'} "
+                      f"({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
+    for entry in m.get("lineage", []):
+        given = entry.get("input", {})
+        console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {given.get('source')} "
+                      f"({given.get('kind')}, sha256 {(given.get('sha256') or '-')[:16]}), options {entry.get('options', {})}")

@@ -106,3 +106,41 @@ def tied_parameters(model) -> list[str]:
     if architecture_of(cfg) in ("decoder", "encoder-decoder"):
         return ["lm_head.weight"]
     return ["head.decoder.weight"] if getattr(cfg, "head", None) == "mlm" else []
+
+
+def describe_design(cfg) -> str:
+    """One line naming a config's design choices, for `kvforge models` (a Llama-style decoder's defaults left out)."""
+    return _decoder_design(cfg) if getattr(cfg, "architecture", "decoder") == "decoder" else _encoder_design(cfg)
+
+
+def _decoder_design(cfg) -> str:
+    """One line naming a config's design choices (the defaults of a Llama-style decoder are left out)."""
+    parts = [cfg.position + (f" x{cfg.rotary_fraction:g}" if cfg.position == "rope" and cfg.rotary_fraction < 1 else ""),
+             f"{cfg.norm}-{cfg.norm_placement}", f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}"]
+    if cfg.block != "sequential":
+        parts.append(f"block={cfg.block}")
+    if cfg.kv_lora_rank:
+        parts.append(f"mla latent={cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}")
+    if cfg.qk_norm:
+        parts.append(f"qk-norm={cfg.qk_norm}")
+    if cfg.sliding_window:
+        layers = "" if cfg.sliding_window_layers is None else f" on {cfg.sliding_window_layers}"
+        parts.append(f"window={cfg.sliding_window}{layers}")
+    if cfg.n_experts:
+        shared = f"+shared {cfg.shared_expert_ffn_dim}" if cfg.shared_expert_ffn_dim else ""
+        groups = f" in {cfg.router_topk_groups}/{cfg.router_groups} groups" if cfg.router_groups > 1 else ""
+        parts.append(f"moe={cfg.experts_per_token}/{cfg.n_experts}{groups}{shared}")
+    if cfg.attn_softcap or cfg.final_softcap:
+        parts.append(f"softcap={cfg.attn_softcap}/{cfg.final_softcap}")
+    if any(v != 1.0 for v in (cfg.embed_scale, cfg.residual_scale, cfg.logit_scale)) or cfg.attn_scale is not None:
+        parts.append("scaled")
+    return " ".join(parts)
+
+
+def _encoder_design(cfg) -> str:
+    head = f"head={cfg.head}" if hasattr(cfg, "head") else f"{cfg.n_layers}+{cfg.n_decoder_layers} layers"
+    parts = [f"{cfg.position} positions", f"{cfg.norm}-{cfg.norm_placement}",
+             f"{'gated-' if cfg.gated_ffn else ''}{cfg.activation}", head]
+    if getattr(cfg, "n_latents", None):
+        parts.insert(0, f"{cfg.n_latents} latents")
+    return " ".join(parts)
