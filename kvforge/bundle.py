@@ -30,6 +30,7 @@ from kvforge.cache import cache_root
 from kvforge.errors import KvforgeError
 from kvforge.manifest import validate_manifest
 from kvforge.schema import ListOf, RelPath, SchemaError, check
+from kvforge.tensorrt_env import is_engine_bundle
 
 MANIFEST = "kvforge.json"
 _FLOAT_TYPES = {1, 10, 11, 16}  # onnx TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
@@ -223,7 +224,8 @@ class Bundle:
 
     @property
     def is_engine(self) -> bool:
-        return self.manifest.get("engine") is not None or self.manifest.get("engines") is not None
+        """Written by `kvforge build`: its graph is a serialized TensorRT engine."""
+        return is_engine_bundle(self.manifest)
 
     @property
     def recorded_source(self) -> str | None:

@@ -65,13 +65,11 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     if backend not in ("auto", *BACKENDS):
         raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
     if Bundle.is_bundle(source):
-        from kvforge.tensorrt_env import is_engine_bundle
-
         bundle = Bundle(source)
         bundle.verify()  # before any cache derived from its files is consulted (docs/bundle.md: integrity)
         architecture = bundle.architecture
-        if architecture != "decoder" and is_engine_bundle(bundle.manifest):
-            raise KvforgeError(f"{bundle.path} holds TensorRT engines of an {architecture} "
+        if architecture != "decoder" and bundle.is_engine:
+            raise KvforgeError(f"{bundle.path} holds TensorRT engines of {kind_name(architecture)} "
                                f"({', '.join(sorted(bundle.manifest.get('engines', {})))}); kvforge's runtime runs "
                                "encoder and encoder-decoder bundles on onnxruntime or torch: load the ONNX bundle they "
                                "were built from")
@@ -84,7 +82,7 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
         io, config = bundle.io, bundle.model_config
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
         dtype = bundle.dtype
-        engine = is_engine_bundle(bundle.manifest)
+        engine = bundle.is_engine
         if backend == "auto":
             backend = "tensorrt" if engine else "onnxruntime"
         if backend == "onnxruntime" and engine:
