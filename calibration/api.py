@@ -14,7 +14,7 @@ import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name
+from kvforge.kinds import kind_name
 from kvforge.tokenizer import Tokenizer
 from kvforge.ort_session import prefill_feeds
 from kvforge.checks import is_number

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvforge.cache import cache_root
 from kvforge.errors import KvforgeError
+from kvforge.kinds import Kind, kind_of
 from kvforge.manifest import validate_manifest
 from kvforge.schema import ListOf, RelPath, SchemaError, check
 from kvforge.tensorrt_env import is_engine_bundle
@@ -201,7 +202,12 @@ class Bundle:
     # -- the typed face: what stages ask of a bundle, read from the validated manifest -----------------------
     @property
     def architecture(self) -> str:
-        return self.manifest["model"].get("architecture", "decoder")
+        return self.kind.name
+
+    @property
+    def kind(self) -> Kind:
+        """What this bundle's model kind can do (kvforge/kinds.py): stages ask it, never the kind's name."""
+        return kind_of(self.manifest["model"])
 
     @property
     def dtype(self) -> str:

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name, print_manifest, validation_summary
+from kvforge.kinds import KINDS, kind_name
+from kvforge.manifest import print_manifest, validation_summary
 
 
 class _Group(click.Group):
@@ -67,7 +68,7 @@ def models(as_json):
     from kvforge.model_defs.checkpoint import TRAINED
 
     rows = []
-    for name, arch in sorted(all_presets().items(), key=lambda item: (item[1] != "decoder", item[0])):
+    for name, arch in sorted(all_presets().items(), key=lambda item: (KINDS[item[1]].order, item[0])):
         cfg = preset_config(name)
         rows.append({
             "name": name,

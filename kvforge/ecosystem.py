@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.bundle import IOSpec
-from kvforge.manifest import kind_name
+from kvforge.kinds import kind_name, kind_of
 from kvforge.schema import read_json
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
                  tokenizer: Tokenizer | None) -> tuple[dict[str, Any] | None, str | None]:
     """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle). Special ids the
     model config does not name come from the tokenizer."""
-    if model.get("architecture", "decoder") != "decoder":
+    if not kind_of(model).ecosystem:
         return None, f"ONNX Runtime GenAI's config describes decoder LMs; this bundle is {kind_name(model['architecture'])}"
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
@@ -106,8 +106,8 @@ def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[
 
 def llama_config(model: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """A transformers LlamaConfig for a kvforge config a Llama expresses exactly, or (None, why not)."""
-    if model.get("architecture", "decoder") != "decoder":
-        return None, (f"an {model['architecture']} made from a kvforge preset or checkpoint has no Hugging Face config "
+    if not kind_of(model).ecosystem:
+        return None, (f"{kind_name(model['architecture'])} made from a kvforge preset or checkpoint has no Hugging Face config "
                       "to give Optimum (bundles of Hugging Face checkpoints carry theirs)")
     differs = []
     expect = {"position": "rope", "norm": "rmsnorm", "norm_placement": "pre", "block": "sequential", "activation": "silu",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge.errors import KvforgeError
+from kvforge.kinds import DEFAULT_KIND
 from kvforge.model_fields import MODEL_FIELDS
 from kvforge.schema import (
     AnyJSON, DictOf, Enum, ListOf, Num, Opt, Pattern, Rec, RelPath, SchemaError, Union, annotation_spec, check,
@@ -23,13 +24,6 @@ TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", 
                  "float8_e4m3fn")
 QUANT_FORMATS = ("int8", "fp8", "int4")
 ARCHITECTURES = tuple(MODEL_FIELDS)
-KIND_NAMES = {"decoder": "a decoder LM", "encoder": "an encoder", "perceiver": "a Perceiver encoder",
-              "encoder-decoder": "an encoder-decoder"}
-
-
-def kind_name(architecture: str) -> str:
-    """How messages name an architecture, article included ("an encoder-decoder", "a Perceiver encoder")."""
-    return KIND_NAMES.get(architecture, f"a {architecture!r} model")
 
 
 SHA256 = Pattern(r"[0-9a-f]{64}", "a sha256 hex digest")
@@ -143,7 +137,7 @@ def validate_manifest(manifest: Any, where: str) -> None:
     try:
         check(manifest, MANIFEST_SCHEMA, "manifest")
         model = manifest["model"]
-        architecture = model.get("architecture", "decoder")
+        architecture = model.get("architecture", DEFAULT_KIND)
         check(architecture, Enum(*ARCHITECTURES), "manifest.model.architecture")
         check(model, model_spec(architecture), "manifest.model")
         _check_paths(manifest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
+from kvforge.kinds import kind_of
 
 
 def import_onnxruntime():
@@ -69,7 +70,7 @@ def prefill_feeds(batch: np.ndarray, config: dict, io, dtype: str) -> dict[str, 
     """Feeds for a prefill of `batch` (B, T) from an empty cache (shaped as the IOSpec `io` says): what calibration
     and attribution runs use. An encoder's are its whole input: every token real, one segment."""
     b, t = batch.shape
-    if config.get("architecture", "decoder") != "decoder":
+    if not kind_of(config).kv_cache:
         feeds = {"input_ids": batch, "attention_mask": np.ones((b, t), np.int64)}
         if config.get("type_vocab_size", 0) > 1:
             feeds["token_type_ids"] = np.zeros((b, t), np.int64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from kvforge.errors import KvforgeError
+from kvforge.kinds import check_registry, kind_of
 
 from .config import PRESETS, ModelConfig
 from .encoder import EncoderConfig, build_encoder
@@ -25,6 +26,7 @@ class Architecture(NamedTuple):
     config: type
     build: Callable[[Any], Any]
     presets: dict[str, dict[str, Any]]
+    design: Callable[[Any], str]  # one line naming a config's design choices, for `kvforge models`
 
 
 # Random-weight presets of the other shapes (micro sizes for tests and examples), with the built-in byte-level
@@ -61,20 +63,9 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
                        forced_eos_token_id=257),
 }
 
-ARCHITECTURES: dict[str, Architecture] = {
-    "decoder": Architecture(ModelConfig, build_model, PRESETS),
-    "encoder": Architecture(EncoderConfig, build_encoder, ENCODER_PRESETS),
-    "perceiver": Architecture(PerceiverConfig, build_perceiver, PERCEIVER_PRESETS),
-    "encoder-decoder": Architecture(Seq2SeqConfig, build_seq2seq, SEQ2SEQ_PRESETS),
-}
-
-
 def architecture_of(config: Any) -> str:
     """The architecture of a config object or dict ("decoder" when it does not say)."""
-    value = config.get("architecture", "decoder") if isinstance(config, dict) else getattr(config, "architecture", "decoder")
-    if value not in ARCHITECTURES:
-        raise KvforgeError(f"unknown model architecture {value!r}; kvforge builds {list(ARCHITECTURES)}")
-    return value
+    return kind_of(config).name
 
 
 def config_from_dict(data: dict[str, Any]):
@@ -103,14 +94,15 @@ def tied_parameters(model) -> list[str]:
     cfg = model.config
     if not getattr(cfg, "tie_embeddings", False):
         return []
-    if architecture_of(cfg) in ("decoder", "encoder-decoder"):
-        return ["lm_head.weight"]
+    head = kind_of(cfg).tied_head
+    if head:
+        return [head]
     return ["head.decoder.weight"] if getattr(cfg, "head", None) == "mlm" else []
 
 
 def describe_design(cfg) -> str:
     """One line naming a config's design choices, for `kvforge models` (a Llama-style decoder's defaults left out)."""
-    return _decoder_design(cfg) if getattr(cfg, "architecture", "decoder") == "decoder" else _encoder_design(cfg)
+    return ARCHITECTURES[architecture_of(cfg)].design(cfg)
 
 
 def _decoder_design(cfg) -> str:
@@ -144,3 +136,12 @@ def _encoder_design(cfg) -> str:
     if getattr(cfg, "n_latents", None):
         parts.insert(0, f"{cfg.n_latents} latents")
     return " ".join(parts)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "decoder": Architecture(ModelConfig, build_model, PRESETS, _decoder_design),
+    "encoder": Architecture(EncoderConfig, build_encoder, ENCODER_PRESETS, _encoder_design),
+    "perceiver": Architecture(PerceiverConfig, build_perceiver, PERCEIVER_PRESETS, _encoder_design),
+    "encoder-decoder": Architecture(Seq2SeqConfig, build_seq2seq, SEQ2SEQ_PRESETS, _encoder_design),
+}
+check_registry("model_defs", ARCHITECTURES)

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name
+from kvforge.kinds import kind_name
 from kvforge.tokenizer import Tokenizer
 
 from .generate import right_padded

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name
+from kvforge.kinds import kind_name
 from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache
@@ -146,7 +146,7 @@ def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
 
 
 class Session:
-    architecture = "decoder"  # what kvforge.manifest.kind_name names in messages
+    architecture = "decoder"  # what kvforge.kinds.kind_name names in messages
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str,
                  model_id: str | None = None):

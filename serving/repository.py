@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvforge.bundle import Bundle, now_utc, staged_bundle
 from kvforge.errors import KvforgeError
-from kvforge.manifest import kind_name
+from kvforge.kinds import kind_name
 
 from .requests import INPUTS, OUTPUTS
 
