@@ -9,22 +9,24 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import onnx
+import onnxruntime
 import torch
 
 import kvforge
 from kvforge.bundle import Bundle, check_output_path, now_utc, sha256_tree, staged_bundle, write_manifest
+from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
+from kvforge.kinds import kind_of
+from kvforge.model_defs import DEFAULT_MODEL, load, source_kind
+from kvforge.model_defs.architectures import preset_config
+from kvforge.model_defs.checkpoint import TRAINED, trained_dir
 
-from .encoder_export import export_encoder_onnx, validate_encoder
-from .encoder_export import io_spec as encoder_io_spec
+from .kinds import EXPORTS
 from .lint import lint, merge_lint
-from .seq2seq_export import DECODER_GRAPH, ENCODER_GRAPH, export_seq2seq_onnx, validate_seq2seq
-from .seq2seq_export import io_spec as seq2seq_io_spec
-from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA, export_onnx, io_spec
-from .validate import validate
+from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA
 
 DTYPES = ("float32", "float16", "bfloat16")
-GRAPH_FILE = "model.onnx"
 
 # progress(phase, done, total): phases "load", "export", "lint", "validate", "write"
 Progress = Callable[[str, int, int], None]
@@ -42,10 +44,6 @@ class ExportValidationError(KvforgeError):
 
 def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
-    from kvforge.model_defs import source_kind
-    from kvforge.model_defs.architectures import preset_config
-    from kvforge.model_defs.checkpoint import TRAINED, trained_dir
-
     kind = source_kind(source)
     if kind == "preset" and str(source) in TRAINED:
         kind, path, name = "kvforge", trained_dir(str(source)), str(source)
@@ -74,8 +72,6 @@ def export(
     Validation against the FP32 Torch reference runs on every export; when it
     misses tolerance, ExportValidationError is raised and nothing is written.
     """
-    from kvforge.model_defs import DEFAULT_MODEL, load
-    from kvforge.model_defs.architectures import architecture_of
 
     if dtype not in DTYPES:
         raise KvforgeError(f"dtype {dtype!r} is not one of {DTYPES}")
@@ -89,60 +85,44 @@ def export(
     progress("load", 0, 1)
     reference, tokenizer = load(source)  # FP32: the reference every dtype is measured against
     cfg = reference.config
-    decoder = architecture_of(cfg) == "decoder"
-    longest = cfg.max_seq_len if decoder else cfg.max_input_len
+    kind = kind_of(cfg)
+    longest = getattr(cfg, kind.length_field)
     max_context = longest if max_context is None else max_context
     if max_context < 2:
         raise KvforgeError(f"max context {max_context} is too small (at least 2)")
-    if (not decoder or cfg.position == "learned") and max_context > longest:
+    # a KV-cache decoder with computed positions may run past the length it was configured with
+    if (not kind.kv_cache or cfg.position == "learned") and max_context > longest:
         learned = cfg.position in ("learned", "absolute", "padded")
         raise KvforgeError(f"max context {max_context} exceeds the {longest} "
                            + ("learned positions of this model" if learned else "positions this model takes"))
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
-    arch = architecture_of(cfg)
+    plan = EXPORTS[kind.name]
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
-        if arch == "encoder-decoder":
-            sharing = export_seq2seq_onnx(model, tmp, opset)
-            graphs = {"encoder": ENCODER_GRAPH, "decoder": DECODER_GRAPH}
-        else:
-            (export_onnx if decoder else export_encoder_onnx)(model, tmp / GRAPH_FILE, opset, external_data)
-            graphs, sharing = {"model": GRAPH_FILE}, None
-        main_graph = graphs.get("decoder", GRAPH_FILE)
+        graphs = plan.write(model, tmp, opset, external_data)
         export_seconds = time.time() - started
         progress("export", 1, 1)
         progress("lint", 0, 1)
-        lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.items()})
+        lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})
         progress("lint", 1, 1)
-        validator = {"decoder": validate, "encoder-decoder": validate_seq2seq}.get(arch, validate_encoder)
-        summary = validator(tmp if arch == "encoder-decoder" else tmp / GRAPH_FILE, reference, dtype, max_context,
-                            progress=lambda d, t: progress("validate", d, t))
+        summary = plan.validate(tmp, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
         if not summary["passed"]:
             raise ExportValidationError(summary)
         progress("write", 0, 1)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        import onnx
-        import onnxruntime
-
-        from kvforge.ecosystem import write_ecosystem_files
-        from kvforge.model_defs import source_kind
-
-        if arch == "encoder-decoder":
-            io = seq2seq_io_spec(cfg, model.dtype, max_context)
-        else:
-            io = io_spec(cfg, model.dtype, max_context) if decoder else encoder_io_spec(cfg, max_context)
+        io = plan.io_spec(cfg, model.dtype, max_context)
         precision = {"dtype": dtype, "quantization": None}
         ecosystem = write_ecosystem_files(
-            tmp, cfg.to_dict(), io, main_graph, precision, tokenizer,
+            tmp, cfg.to_dict(), io, graphs.main, precision, tokenizer,
             hf_source=Path(source) if source_kind(source) == "hf" else None,
         )
         manifest = {
             "stage": "export",
-            "graph": main_graph,
-            **({"graphs": graphs, "weight_sharing": sharing} if sharing is not None else {}),
+            "graph": graphs.main,
+            **({"graphs": graphs.files, "weight_sharing": graphs.weight_sharing} if graphs.weight_sharing is not None else {}),
             "external_data": EXTERNAL_DATA if (tmp / EXTERNAL_DATA).exists() else None,
             "model": cfg.to_dict(),
             "io": io.to_dict(),

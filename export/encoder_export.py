@@ -51,15 +51,20 @@ def output_names(cfg) -> list[str]:
     return ["last_hidden_state"] + ([head] if head else [])
 
 
+def _latents(cfg) -> int | None:
+    """A Perceiver's hidden states are its latents (a fixed count); an encoder's are one row per token."""
+    return getattr(cfg, "n_latents", None)
+
+
 def _per_token(cfg, name: str) -> bool:
     """Whether the output has one row per input token (and padded rows to ignore)."""
     if name == "last_hidden_state":
-        return cfg.architecture == "encoder"
+        return not _latents(cfg)
     return name == "logits" and cfg.head == "mlm"
 
 
 def io_spec(cfg, max_len: int) -> IOSpec:
-    hidden_len = SEQ if cfg.architecture == "encoder" else cfg.n_latents
+    hidden_len = _latents(cfg) or SEQ
     shapes = {
         "last_hidden_state": [BATCH, hidden_len, cfg.dim],
         "logits": [BATCH, SEQ, cfg.vocab_size] if cfg.head == "mlm" else [BATCH, cfg.num_labels],

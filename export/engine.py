@@ -69,6 +69,7 @@ from .engine_plan import (
     synthesize_profiles,
     write_atomic,
 )
+from .engine_graphs import build_graphs, multi_graph_plan, multi_graph_text
 from .lint import lint
 
 
@@ -90,9 +91,7 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
     b.verify(full=True)  # the plan is for the files the manifest records, not a truncated or altered copy
     options = options or BuildOptions()
     io = b.io
-    if b.architecture != "decoder":  # one engine per graph: export/engine_graphs.py
-        from .engine_graphs import multi_graph_plan
-
+    if not b.kind.kv_cache:  # no KV cache to profile prefill and decode over: one engine per graph (engine_graphs.py)
         plan = multi_graph_plan(b, max_batch, max_context, opt_batch, opt_context, options)
         tc = options.timing_cache
         return {
@@ -145,8 +144,6 @@ def plan_text(plan: dict[str, Any]) -> str:
         f"(opt {lim['opt_context']}; the bundle allows {plan['bundle_max_context']})",
     ]
     if "graphs" in plan:  # an encoder or encoder-decoder: one engine per graph
-        from .engine_graphs import multi_graph_text
-
         return "\n".join(lines + multi_graph_text(plan) + _builder_lines(plan))
     p = plan["precision"]
     for prof in plan["profiles"]:
@@ -251,8 +248,6 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     source = Bundle(plan["bundle"])  # build_plan verified its files against the manifest
     check_precision_supported(source.quantization, device["compute_capability"], device["name"])
     if "graphs" in plan:
-        from .engine_graphs import build_graphs
-
         return build_graphs(trt, device, source, plan, out, force, options, started, progress)
     tc_path = Path(options.timing_cache) if options.timing_cache else None
     tc_in = tc_path.read_bytes() if tc_path and tc_path.is_file() else None

@@ -37,7 +37,7 @@ from .seq2seq_export import DEC_PAST, DEC_SEQ, DEC_TOTAL, ENC_SEQ
 
 def graph_specs(bundle: Bundle) -> list[tuple[str, str, IOSpec]]:
     """(role, graph file, IO spec) for each graph of an encoder or encoder-decoder bundle."""
-    if bundle.architecture != "encoder-decoder":
+    if not bundle.kind.multi_graph:
         return [("model", bundle.manifest["graph"], bundle.io)]
     enc = bundle.io.extra["encoder"]
     enc_io = IOSpec([TensorSpec.from_dict(t) for t in enc["inputs"]], [TensorSpec.from_dict(t) for t in enc["outputs"]],
@@ -51,15 +51,26 @@ def _profile(index: int, name: str, used_for: str, io: IOSpec, dims: dict[str, d
 
 
 def graph_profiles(role: str, io: IOSpec, L: Limits) -> list[dict[str, Any]]:
-    """The optimization profiles of one graph; every corner consistent (total = past + new <= max context)."""
-    if role == "model":
-        return [_profile(0, "encode", "every call", io, {
-            "min": {BATCH: 1, SEQ: 1}, "opt": {BATCH: L.opt_batch, SEQ: L.opt_context},
-            "max": {BATCH: L.max_batch, SEQ: L.max_context}})]
-    if role == "encoder":
-        return [_profile(0, "encode", "once per source", io, {
-            "min": {BATCH: 1, ENC_SEQ: 1}, "opt": {BATCH: L.opt_batch, ENC_SEQ: L.opt_context},
-            "max": {BATCH: L.max_batch, ENC_SEQ: L.max_context}})]
+    """The optimization profiles of one graph (by its role in the bundle); every corner consistent."""
+    return _PROFILES[role](io, L)
+
+
+def _whole_input_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
+    """A one-graph encoder: every call takes the whole input."""
+    return [_profile(0, "encode", "every call", io, {
+        "min": {BATCH: 1, SEQ: 1}, "opt": {BATCH: L.opt_batch, SEQ: L.opt_context},
+        "max": {BATCH: L.max_batch, SEQ: L.max_context}})]
+
+
+def _source_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
+    """An encoder-decoder's encoder: once per source."""
+    return [_profile(0, "encode", "once per source", io, {
+        "min": {BATCH: 1, ENC_SEQ: 1}, "opt": {BATCH: L.opt_batch, ENC_SEQ: L.opt_context},
+        "max": {BATCH: L.max_batch, ENC_SEQ: L.max_context}})]
+
+
+def _step_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
+    """An encoder-decoder's decoder: the first step, then decode steps (total = past + new <= max context)."""
 
     def point(batch, source, seq, past):
         return {BATCH: batch, ENC_SEQ: source, DEC_SEQ: seq, DEC_PAST: past, DEC_TOTAL: past + seq}
@@ -72,6 +83,9 @@ def graph_profiles(role: str, io: IOSpec, L: Limits) -> list[dict[str, Any]]:
             "min": point(1, 1, 1, 0), "opt": point(L.opt_batch, L.opt_context, 1, min(L.opt_context, L.max_context - 1)),
             "max": point(L.max_batch, L.max_context, 1, L.max_context - 1)}),
     ]
+
+
+_PROFILES = {"model": _whole_input_profiles, "encoder": _source_profiles, "decoder": _step_profiles}
 
 
 def check_corners(profiles: list[dict[str, Any]], max_context: int) -> None:
@@ -143,7 +157,7 @@ def build_graphs(trt, device, source: Bundle, plan: dict[str, Any], out, force: 
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
         manifest = {k: v for k, v in source.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")}
-        main = built.get("decoder", built.get("model"))[0]["engine"]
+        main = next(g["engine"] for g, _, _ in built.values() if g["graph"] == source.manifest["graph"])
         manifest.update(
             stage="build", graph=main, external_data=None,
             graphs={role: g["engine"] for role, (g, _, _) in built.items()} if len(built) > 1 else None,

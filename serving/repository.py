@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kvforge.bundle import Bundle, now_utc, staged_bundle
 from kvforge.errors import KvforgeError
-from kvforge.kinds import kind_name
 
 from .requests import INPUTS, OUTPUTS
 
@@ -78,9 +77,8 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_na
     if not Bundle.is_bundle(bundle):
         raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
     source = Bundle(bundle)
-    architecture = source.architecture
-    if architecture != "decoder":
-        raise KvforgeError(f"{bundle} is {kind_name(architecture)}; the Triton model serves decoder LMs (the generate "
+    if not source.kind.servable:
+        raise KvforgeError(f"{bundle} is {source.kind.article}; the Triton model serves decoder LMs (the generate "
                            "extension with continuous batching). Run encoders and encoder-decoders with "
                            "kvforge.runtime (embed, classify, generate)")
     source.verify(full=True)  # a damaged bundle is refused here, not when the server loads it

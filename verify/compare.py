@@ -1,70 +1,23 @@
 """`compare(candidate, reference)`: docs/design.md's verification metrics for one artifact against the Torch reference.
 
-Three measurements, all seeded and on real text (or random tokens when asked):
-- windows: perplexity of candidate and reference over non-overlapping
-  windows of a held-out corpus, and the logits metrics over every position
-  (max abs, rel L2, cosine, top-1 agreement, KL of candidate from reference);
-- lockstep decode: from several prompts, both models decode `steps` tokens
-  through their KV caches, fed the reference's greedy tokens (teacher
-  forcing); per step: logits rel L2, KL, argmax agreement (the drift curve),
-  and at the end the present tensors;
-- free running: the candidate's own greedy continuation against the
-  reference's, as the fraction of steps before they first differ.
-
-The report's keys are stable (docs/verification.md). A tolerance names a
-metric and a bound: a floor for agreements and cosines, a ceiling for
-errors; `perplexity_delta_pct` is bounded in absolute value.
+The candidate's kind picks its comparer (verify/kinds.py): a decoder's windows, lockstep decode and free
+running (verify/compare_decoder.py), an encoder's embeddings and heads (compare_encoder.py), an
+encoder-decoder's teacher-forced and greedy targets (compare_seq2seq.py). The report's keys are stable
+(docs/verification.md). A tolerance names a metric and a bound: a floor for agreements and cosines, a
+ceiling for errors; `perplexity_delta_pct` is bounded in absolute value.
 """
 
 from __future__ import annotations
 
-import time
+import json
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from kvforge import metrics
-from kvforge.calibration.data import eval_ids
-from kvforge.metrics import WindowStats, check_tolerances
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
-from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
-
-def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[int], list[dict[str, float]], dict]:
-    """Decode `steps` tokens in both sessions, both fed the reference's greedy token.
-
-    Returns the reference's tokens, per-step logits metrics (step 0 is the
-    prefill's last position) and the metrics of the final present tensors.
-    """
-    ids = np.asarray([prompt], np.int64)
-    lc, cache_c = candidate.forward(ids, last_logits_only=True)
-    lr, cache_r = reference.forward(ids, last_logits_only=True)
-    tokens, per_step = [], []
-    for step in range(steps):
-        c, r = lc[0, -1], lr[0, -1]
-        token = int(r.argmax())
-        per_step.append({
-            "logits_rel_l2": metrics.rel_l2(c, r),
-            "kl_divergence": float(metrics.kl_divergence(c, r)),
-            "top1_agreement": float(int(c.argmax()) == token),
-        })
-        tokens.append(token)
-        if step + 1 < steps:
-            nxt = np.asarray([[token]], np.int64)
-            lc, cache_c = candidate.forward(nxt, cache=cache_c, last_logits_only=True)
-            lr, cache_r = reference.forward(nxt, cache=cache_r, last_logits_only=True)
-    pc, pr = candidate.backend.cache_arrays(cache_c), reference.backend.cache_arrays(cache_r)
-    present = metrics.worst([metrics.tensor_metrics(c, r) for c, r in zip(pc, pr)])
-    return tokens, per_step, present
-
-
-def _reference_session(candidate: Bundle, reference):
-    from kvforge import runtime
-
-    reference = reference_source(candidate, reference)
-    return runtime.load(reference, backend="torch"), str(reference)
+from .kinds import COMPARERS
+from .plots import drift_png, layers_png
+from .report import Report
 
 
 def compare(
@@ -88,112 +41,23 @@ def compare(
     """Compare a bundle run on `backend` with the Torch reference (REF: a bundle or a model source;
     default: the source the candidate was exported from). Returns a Report; report.passed applies
     the precision's default tolerances, updated with `tolerances`."""
-    from kvforge import runtime
-
-    progress = progress or (lambda phase, done, total: None)
-    started = time.time()
     if steps < 1 or prompts < 1 or prompt_len < 1:
         raise KvforgeError(f"steps, prompts and prompt_len must be >= 1, got {steps}, {prompts}, {prompt_len}")
     if not Bundle.is_bundle(candidate):
         raise KvforgeError(f"{candidate} is not a bundle (no kvforge.json); compare runs a bundle against the reference")
     cand_bundle = Bundle(candidate)
-    if cand_bundle.architecture == "encoder-decoder":
-        from .compare_seq2seq import compare_seq2seq
-
-        return compare_seq2seq(candidate, reference, data, backend, steps=steps, prompts=prompts, max_tokens=max_tokens,
-                               seq_len=seq_len, batch_size=batch_size, tolerances=tolerances, random_data=random_data,
-                               seed=seed, progress=progress, **backend_options)
-    if cand_bundle.architecture != "decoder":
-        from .compare_encoder import compare_encoder
-
-        return compare_encoder(candidate, reference, data, backend, max_tokens=max_tokens, seq_len=seq_len,
-                               batch_size=batch_size, tolerances=tolerances, random_data=random_data, seed=seed,
-                               progress=progress, **backend_options)
-    precision = precision_of(cand_bundle)
-    bounds = {**DEFAULT_TOLERANCES.get(precision, {}), **(tolerances or {})}
-    cand = runtime.load(candidate, backend=backend, **backend_options)
-    ref, ref_name = _reference_session(cand_bundle, reference)
-    with cand, ref:
-        if cand.vocab_size != ref.vocab_size:
-            raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
-        shape = lambda s: {k: s.config.get(k) for k in ("n_layers", "n_kv_heads", "head_dim", "kv_lora_rank",  # noqa: E731
-                                                          "qk_rope_head_dim")}
-        if shape(cand) != shape(ref):
-            raise KvforgeError(f"the candidate's KV cache {shape(cand)} differs from the reference's {shape(ref)}: "
-                               "they are not the same model")
-        max_context = min(cand.max_context, ref.max_context)
-        seq_len = min(seq_len, max_context)
-        if random_data:
-            rng = np.random.default_rng(seed)
-            ids, data_name = rng.integers(0, cand.vocab_size, max_tokens + 1).tolist(), f"random tokens (seed {seed})"
-        else:
-            ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens, cand.vocab_size)
-        chunks = metrics.windows(ids, seq_len)
-        stats = WindowStats()
-        n_batches = -(-len(chunks) // batch_size)
-        for i in range(0, len(chunks), batch_size):
-            batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])
-            lc, _ = cand.forward(batch)
-            lr, _ = ref.forward(batch)
-            stats.add(lc, lr, chunks[i : i + batch_size, 1:])
-            progress("windows", i // batch_size + 1, n_batches)
-        result: dict[str, Any] = {
-            "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
-            "reference": ref_name, "reference_backend": ref.backend_name,
-            "data": data_name, "tokens": int(chunks[:, :-1].size), "seq_len": seq_len,
-            **stats.result(),
-        }
-
-        # lockstep decode from prompts spread over the corpus
-        prompt_len = min(prompt_len, len(ids) - 1, max_context - 1)
-        steps = min(steps, max_context - prompt_len)
-        starts = np.linspace(0, len(ids) - prompt_len - 1, prompts).astype(int)
-        drift = np.zeros((steps, 3))
-        agree = prefix = 0.0
-        presents = []
-        for n, s in enumerate(starts):
-            prompt = [int(t) for t in ids[s : s + prompt_len]]
-            tokens, per_step, present = lockstep(cand, ref, prompt, steps)
-            drift += [[p["logits_rel_l2"], p["kl_divergence"], p["top1_agreement"]] for p in per_step]
-            agree += sum(p["top1_agreement"] for p in per_step) / steps
-            free = cand.generate(prompt, max_new_tokens=steps, ignore_eos=True).tokens
-            matched = next((k for k, (a, b) in enumerate(zip(free, tokens)) if a != b), min(len(free), len(tokens)))
-            prefix += matched / steps
-            presents.append(present)
-            progress("decode", n + 1, prompts)
-        drift /= prompts
-        present = metrics.worst(presents)
-        result.update({
-            "greedy_agreement": agree / prompts,
-            "greedy_prefix_match": prefix / prompts,
-            "present_max_abs": present["max_abs"], "present_rel_l2": present["rel_l2"], "present_cosine": present["cosine"],
-            "steps": steps, "prompts": prompts, "prompt_len": prompt_len,
-            "drift": [{"step": k, "logits_rel_l2": d[0], "kl_divergence": d[1], "top1_agreement": d[2]} for k, d in enumerate(drift)],
-        })
-
-        result["per_layer"] = None
-        if per_layer:
-            from kvforge.attribution import compare_blocks, onnx_block_outputs, torch_block_outputs
-
-            if cand.backend_name != "onnxruntime":
-                raise KvforgeError(f"--per-layer reads intermediate tensors from the ONNX graph; run the candidate on onnxruntime, not {cand.backend_name}")
-            sample = np.ascontiguousarray(chunks[: min(2, len(chunks)), :-1])
-            result["per_layer"] = compare_blocks(lambda inject: onnx_block_outputs(cand_bundle, sample, inject),
-                                                 torch_block_outputs(ref, sample))
-            progress("per-layer", 1, 1)
-
-    failures = check_tolerances(result, bounds)
-    result.update({"tolerances": bounds, "failures": failures, "passed": not failures,
-                   "seconds": round(time.time() - started, 2)})
-    return Report(result)
+    comparer = COMPARERS[cand_bundle.kind.name]
+    options = {"steps": steps, "prompts": prompts, "prompt_len": prompt_len, "max_tokens": max_tokens, "seq_len": seq_len,
+               "batch_size": batch_size, "tolerances": tolerances, "per_layer": per_layer, "random_data": random_data,
+               "seed": seed}
+    if per_layer and "per_layer" not in comparer.options:
+        raise KvforgeError(f"--per-layer attributes a decoder's error to its blocks; {candidate} is {cand_bundle.kind.article}")
+    return comparer.run(candidate, reference, data, backend, progress=progress, **{k: options[k] for k in comparer.options},
+                        **backend_options)
 
 
 def write_report(report: Report, json_path: str | Path) -> list[Path]:
     """The report as JSON, with its pictures beside it: <stem>-drift.png and, with per-layer data, <stem>-layers.png."""
-    import json
-
-    from .plots import drift_png, layers_png
-
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report.result, indent=2) + "\n")

@@ -69,6 +69,11 @@ class _Sums:
         return np.concatenate(self.values[key]) if key in self.values else np.zeros(0)
 
 
+def data_line(r: dict[str, Any]) -> str:
+    """What an encoder's report measured on, for people."""
+    return f"{r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens"
+
+
 def compare_encoder(
     candidate: str | Path,
     reference: str | Path | None = None,

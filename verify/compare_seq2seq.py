@@ -53,6 +53,12 @@ def _pairs(cand, data, max_tokens: int, seq_len: int, samples: int, random_data:
     return [(w[:seq_len].tolist(), w[seq_len:].tolist()) for w in windows], name
 
 
+def data_line(r: dict[str, Any]) -> str:
+    """What an encoder-decoder's report measured on, for people."""
+    return (f"{r['data']}, {r['pairs']} source/target pairs, {r['tokens']} target tokens; "
+            f"greedy: {r['prompts']} sources x {r['steps']} steps")
+
+
 def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, data: str | Path | None = None,
                     backend: str = "auto", steps: int = 16, prompts: int = 4, max_tokens: int = 8192, seq_len: int = 64,
                     samples: int = 32, batch_size: int = 4, tolerances: dict[str, float] | None = None,

@@ -8,6 +8,8 @@ from rich.table import Table
 
 from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS
 
+from .kinds import comparer_of
+
 
 def fmt(value) -> str:
     if value is None:
@@ -33,13 +35,7 @@ def print_compare(r: dict[str, Any], console) -> None:
         for row in sorted(r["per_layer"], key=lambda x: x["rank"]):
             layers.add_row(str(row["rank"]), row["layer"], fmt(row["rel_l2"]), fmt(row["contribution"]), fmt(row["cosine"]), fmt(row["max_abs"]))
         console.print(layers)
-    if r.get("kind") == "encoder":
-        console.print(f"data: {r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens")
-    elif r.get("kind") == "encoder-decoder":
-        console.print(f"data: {r['data']}, {r['pairs']} source/target pairs, {r['tokens']} target tokens; "
-                      f"greedy: {r['prompts']} sources x {r['steps']} steps")
-    else:
-        console.print(f"data: {r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps")
+    console.print(f"data: {comparer_of(r).data_line(r)}")
 
 
 def print_check(result, spec, console) -> None:
@@ -62,7 +58,7 @@ def print_pipeline(result, source, console) -> None:
 
     table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
     first = next((o.report for o in result.outcomes if o.report is not None), None)
-    encoder = first is not None and first.result.get("kind") == "encoder"
+    encoder = first is not None and "embedding_cosine_min" in first.result  # an encoder's report: no perplexity
     columns = (("embedding cos min", "hidden rel L2", "top-1") if encoder
                else ("perplexity", "delta %", "top-1", "KL", "greedy"))
     for col in ("artifact", "backend", "MB", *columns, "result"):
