@@ -31,6 +31,10 @@ import torch
 from kvforge import metrics
 from kvforge.bundle import BATCH, SEQ, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
+from kvforge.model_defs.encoder import head_output
+
+from .onnx_export import save_program, trace
+from .validate import OrtRunner
 
 TOLERANCES: dict[str, dict[str, float]] = {
     "float32": {"max_abs": 1e-4, "max_abs_of_magnitude": 2e-6},
@@ -45,8 +49,6 @@ def input_names(cfg) -> list[str]:
 
 
 def output_names(cfg) -> list[str]:
-    from kvforge.model_defs.encoder import head_output
-
     head = head_output(cfg)
     return ["last_hidden_state"] + ([head] if head else [])
 
@@ -128,8 +130,6 @@ def _rename_dims(graph) -> None:
 def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | None = None) -> Path:
     """Export an encoder (in its target dtype, eval mode) to `path`."""
 
-    from .onnx_export import save_program, trace
-
     cfg = model.config
     flat = FlatEncoder(model).eval()
     # distinct example sizes that are neither 0 nor 1 (nor a Perceiver's latent count), so none is specialized
@@ -198,7 +198,6 @@ def failures_of(result: dict[str, dict], tol: dict[str, float], where: str = "")
 def validate_encoder(path: Path, reference, dtype: str, max_len: int, fuzz: int = 6, seed: int = 0,
                      progress=None) -> dict[str, Any]:
     """Every check; the metrics per output (worst case) and a list of failures (empty = passed)."""
-    from .validate import OrtRunner
 
     cfg = reference.config
     tol = TOLERANCES[dtype]

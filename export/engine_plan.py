@@ -27,6 +27,7 @@ from kvforge.tensorrt_env import (
     DECODE,
     HARDWARE_COMPATIBILITY,
     PREFILL,
+    TrtLogger,
     concrete_shape,
 )
 
@@ -287,7 +288,6 @@ def compile_engine(trt, graph: Path, profiles: list[dict[str, Any]], options: Bu
     Direct TensorRT calls rather than Polygraphy's loaders, so that TensorRT's
     own error messages end up in the one KvforgeError a failed build raises.
     """
-    from kvforge.tensorrt_env import TrtLogger
 
     log = TrtLogger.get(trt)
     log.errors.clear()

@@ -47,8 +47,9 @@ from kvforge import metrics
 from kvforge.bundle import BATCH, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
-from .encoder_export import failures_of
+from .encoder_export import example_inputs, failures_of, validation_cases
 from .onnx_export import save_program, trace
+from .validate import OrtRunner
 
 ENCODER_GRAPH, DECODER_GRAPH, SHARED_DATA = "encoder_model.onnx", "decoder_model.onnx", "model.onnx.data"
 ENC_SEQ, DEC_SEQ = "encoder_sequence_length", "decoder_sequence_length"
@@ -130,7 +131,6 @@ class FlatDecoder(torch.nn.Module):
 
 def source_inputs(cfg, batch: int, length: int, lengths: list[int] | None = None, seed: int = 0):
     """Seeded source ids (never the pad id where real), right-padded to `lengths`."""
-    from .encoder_export import example_inputs
 
     return example_inputs(cfg, batch, length, lengths, seed)[:2]
 
@@ -257,9 +257,6 @@ def _group(results: list[dict[str, dict]], key: str) -> list[dict[str, float]]:
 @torch.no_grad()
 def validate_seq2seq(directory: Path, reference, dtype: str, max_len: int, fuzz: int = 4, seed: int = 0,
                      progress=None) -> dict[str, Any]:
-    from .encoder_export import validation_cases
-    from .validate import OrtRunner
-
     cfg = reference.config
     tol = TOLERANCES[dtype]
     enc_run, dec_run = OrtRunner(directory / ENCODER_GRAPH, dtype), OrtRunner(directory / DECODER_GRAPH, dtype)

@@ -40,6 +40,7 @@ import torch
 from kvforge import metrics
 from kvforge.errors import KvforgeError
 
+from .bf16 import emulate_bfloat16
 from .onnx_export import FlatKVModel, example_inputs, input_names, output_names
 
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -73,8 +74,6 @@ class OrtRunner:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if dtype == "bfloat16":
-            from .bf16 import emulate_bfloat16
-
             model = emulate_bfloat16(path)
             self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         else:

@@ -27,6 +27,7 @@ import numpy as np
 from kvforge import metrics
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
+from kvforge.ort_session import make_session, prefill_feeds
 
 _BLOCK = re.compile(r"(?:model\.)?layers\.(\d+)")
 
@@ -90,8 +91,6 @@ def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str |
                         inject: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """As onnx_block_outputs, for an in-memory graph (left unchanged) of the bundle format `quant`."""
     from onnx import TensorProto, helper
-
-    from kvforge.ort_session import make_session, prefill_feeds
 
     names = block_outputs(model, cfg["n_layers"])
     probe = type(model)()

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvforge.errors import KvforgeError
+
 
 class SchemaError(ValueError):
     def __init__(self, path: str, problem: str):
@@ -284,8 +286,6 @@ def read_json(path, what: str = "", kind: type | None = dict) -> Any:
     """A JSON file's value, or one KvforgeError naming the file and what is wrong (unreadable, not UTF-8, not
     JSON, or not of `kind`: an object by default)."""
     from pathlib import Path
-
-    from kvforge.errors import KvforgeError
 
     path = Path(path)
     label = f"{what} {path}".strip()

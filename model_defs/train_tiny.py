@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvforge.tokenizer import Tokenizer
+
 from .checkpoint import TINY_DIR, TRAINED, load, save_checkpoint
 from .config import ModelConfig
 from .evaluate import greedy_continuation, perplexity
@@ -78,7 +80,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tk.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
     )
-    from kvforge.tokenizer import Tokenizer
 
     return Tokenizer(tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "tiny":
         tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
     else:  # the same tokenizer as tiny's, so that perplexities compare
-        from kvforge.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_file(TINY_DIR / "tokenizer.json")
     assert [tokenizer.backend.token_to_id(t) for t in SPECIALS] == [cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id]

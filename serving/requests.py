@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvforge.errors import KvforgeError
+from kvforge.runtime import GenerationConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvforge.runtime import Session
@@ -65,7 +66,6 @@ def _scalar(inputs: dict, name: str, kind, default):
 
 def parse(inputs: dict, session: Session) -> Job:
     """The request's inputs (name -> numpy array; absent ones missing) -> a Job, or BadRequest naming the field."""
-    from kvforge.runtime import GenerationConfig
 
     try:
         text = _scalar(inputs, "text_input", str, None)

@@ -9,6 +9,7 @@ from rich.table import Table
 from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS
 
 from .kinds import comparer_of
+from .pipeline import bundle_megabytes
 
 
 def fmt(value) -> str:
@@ -54,7 +55,6 @@ def print_check(result, spec, console) -> None:
 
 def print_pipeline(result, source, console) -> None:
     """The pipeline's one table: every artifact on every backend, and what the reference was."""
-    from .pipeline import bundle_megabytes
 
     table = Table(title=f"kvforge pipeline: {source or 'tiny'} -> {result.workdir} ({result.seconds:.0f} s)")
     first = next((o.report for o in result.outcomes if o.report is not None), None)
