@@ -52,6 +52,16 @@ def log_softmax(logits) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def target_nll(logp: np.ndarray, targets: np.ndarray) -> float:
+    """The summed negative log-likelihood of `targets` (...) under log-probabilities `logp` (..., V)."""
+    return -float(np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1).sum())
+
+
+def perplexity(nll: float, count: int) -> float:
+    """exp(mean negative log-likelihood per token): every perplexity kvforge reports is computed here."""
+    return math.exp(nll / count)
+
+
 def top1_agreement(candidate, reference) -> float:
     """Fraction of positions whose argmax token agrees."""
     c, r = np.asarray(candidate), np.asarray(reference)
@@ -164,9 +174,8 @@ class WindowStats:
 
     def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
         lc, lr = log_softmax(cand), log_softmax(ref)
-        t = targets[..., None]
-        self.nll_c -= float(np.take_along_axis(lc, t, -1).sum())
-        self.nll_r -= float(np.take_along_axis(lr, t, -1).sum())
+        self.nll_c += target_nll(lc, targets)
+        self.nll_r += target_nll(lr, targets)
         self.kl += float((np.exp(lr) * (lr - lc)).sum())
         self.count += targets.size
         self.agree += int((cand.argmax(-1) == ref.argmax(-1)).sum())
@@ -178,7 +187,7 @@ class WindowStats:
         self.dot += float((c * r).sum())
 
     def result(self) -> dict[str, float]:
-        ppl_c, ppl_r = math.exp(self.nll_c / self.count), math.exp(self.nll_r / self.count)
+        ppl_c, ppl_r = perplexity(self.nll_c, self.count), perplexity(self.nll_r, self.count)
         return {
             "perplexity_reference": ppl_r,
             "perplexity_candidate": ppl_c,

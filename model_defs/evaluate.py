@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from kvforge.errors import KvforgeError
+from kvforge import metrics
 from kvforge.metrics import windows
 from kvforge.tokenizer import Tokenizer
 
@@ -31,10 +31,9 @@ def perplexity(model: Transformer, ids: Sequence[int], seq_len: int = 256, batch
     for i in range(0, len(chunks), batch_size):
         batch = torch.from_numpy(chunks[i : i + batch_size])
         logits, _ = model(batch[:, :-1])
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total += nll.item()
+        total += metrics.target_nll(metrics.log_softmax(logits.float().numpy()), batch[:, 1:].numpy())
         count += batch[:, 1:].numel()
-    return math.exp(total / count)
+    return metrics.perplexity(total, count)
 
 
 def text_perplexity(model: Transformer, tokenizer: Tokenizer, text: str, seq_len: int = 256) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
@@ -25,7 +24,6 @@ def perplexity(session: Session, ids: Sequence[int], seq_len: int = 256, batch_s
     """exp(mean next-token cross-entropy) over non-overlapping windows."""
     total, count = 0.0, 0
     for logits, targets in window_logits(session, windows(ids, seq_len), batch_size):
-        logp = metrics.log_softmax(logits)
-        total -= float(np.take_along_axis(logp, targets[..., None], axis=-1).sum())
+        total += metrics.target_nll(metrics.log_softmax(logits), targets)
         count += targets.size
-    return math.exp(total / count)
+    return metrics.perplexity(total, count)

@@ -85,9 +85,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
         raise KvforgeError(f"{data_name} gives no source/target pair to compare on")
     pad = cand.config.get("pad_token_id") or 0
     start = cand.config["decoder_start_token_id"]
-    nll_c = nll_r = 0.0
-    n_tokens = 0
-    top1, kl, err2, ref2, max_abs = [], [], 0.0, 0.0, 0.0
+    stats = metrics.WindowStats()  # over the real target positions
     with cand, ref:
         n_batches = -(-len(pairs) // batch_size)
         for b in range(0, len(pairs), batch_size):
@@ -102,16 +100,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
                 labels[i, :len(t)] = t
             lc, lr = cand.forward(src, mask, inputs), ref.forward(src, mask, inputs)
             real = labels >= 0
-            lpc, lpr = metrics.log_softmax(lc[real]), metrics.log_softmax(lr[real])
-            idx = labels[real]
-            nll_c -= float(lpc[np.arange(len(idx)), idx].sum())
-            nll_r -= float(lpr[np.arange(len(idx)), idx].sum())
-            n_tokens += len(idx)
-            top1.append(lc[real].argmax(-1) == lr[real].argmax(-1))
-            kl.append(metrics.kl_divergence(lc[real], lr[real]))
-            err2 += float(((lc[real].astype(np.float64) - lr[real]) ** 2).sum())
-            ref2 += float((lr[real].astype(np.float64) ** 2).sum())
-            max_abs = max(max_abs, float(np.abs(lc[real].astype(np.float64) - lr[real]).max()))
+            stats.add(lc[real], lr[real], labels[real])
             progress("teacher-forced", b // batch_size + 1, n_batches)
 
         # greedy: the reference's tokens, the candidate fed them, and the candidate on its own
@@ -130,16 +119,14 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
                                 for o, r in zip(own, ref_tokens)]))
         progress("greedy", 1, 1)
 
-    ppl_c, ppl_r = float(np.exp(nll_c / n_tokens)), float(np.exp(nll_r / n_tokens))
+    teacher = stats.result()
     result: dict[str, Any] = {
         "kind": "encoder-decoder", "metric_keys": list(SEQ2SEQ_METRICS),
         "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
         "reference": ref_source, "reference_backend": "torch", "data": data_name, "pairs": len(pairs),
-        "tokens": n_tokens, "seq_len": seq_len,
-        "perplexity_reference": ppl_r, "perplexity_candidate": ppl_c,
-        "perplexity_delta_pct": 100.0 * (ppl_c - ppl_r) / ppl_r,
-        "top1_agreement": float(np.concatenate(top1).mean()), "kl_divergence_mean": float(np.concatenate(kl).mean()),
-        "logits_max_abs": max_abs, "logits_rel_l2": float(np.sqrt(err2 / ref2)) if ref2 else 0.0,
+        "tokens": stats.count, "seq_len": seq_len,
+        **{k: teacher[k] for k in ("perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement",
+                                   "kl_divergence_mean", "logits_max_abs", "logits_rel_l2")},
         "greedy_agreement": agree, "greedy_prefix_match": prefix, "steps": steps, "prompts": len(chosen),
     }
     failures = check_tolerances(result, bounds)
