@@ -23,6 +23,7 @@ from kvforge.bundle import (
     window_dims,
 )
 from kvforge.errors import KvforgeError
+from kvforge.onnx_graph import TYPE_NAMES, value_types
 from kvforge.tensorrt_env import (
     DECODE,
     HARDWARE_COMPATIBILITY,
@@ -31,7 +32,6 @@ from kvforge.tensorrt_env import (
     concrete_shape,
 )
 
-from .lint import _TYPE_NAMES, _value_types
 
 DEFAULT_MAX_BATCH = 8  # runtime.evaluate scores windows in batches of 8
 DEFAULT_OPT_BATCH = 1
@@ -259,13 +259,13 @@ def infer_profile_shapes(model, io: IOSpec, profiles: list[dict[str, Any]]) -> i
 # -- precision -----------------------------------------------------------------------------
 def precision_summary(model, manifest: dict[str, Any]) -> dict[str, Any]:
     """What the strongly typed build will compute in: the graph's float dtype, its Q/DQ by dtype, the recipe."""
-    types = _value_types(_shape_skeleton(model))
+    types = value_types(_shape_skeleton(model))
     qdq: dict[str, collections.Counter] = {"QuantizeLinear": collections.Counter(), "DequantizeLinear": collections.Counter()}
     ops = collections.Counter(n.op_type for n in model.graph.node)
     for node in model.graph.node:
         if node.op_type in qdq:
             tensor = node.output[0] if node.op_type == "QuantizeLinear" else node.input[0]
-            qdq[node.op_type][_TYPE_NAMES.get(types.get(tensor, 0), "?")] += 1
+            qdq[node.op_type][TYPE_NAMES.get(types.get(tensor, 0), "?")] += 1
     q = manifest.get("precision", {}).get("quantization") or {}
     return {
         "dtype": manifest.get("precision", {}).get("dtype"),

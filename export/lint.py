@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.errors import KvforgeError
+from kvforge.onnx_graph import TYPE_NAMES, constant, value_types
 
 from .trt_ops import SUPPORTED_OPS, UNSUPPORTED_OPS
 
@@ -39,11 +40,6 @@ TARGETS = {"TensorRT 10.15": (9, 24), "TensorRT 11": (9, 25)}
 EXTRA_OPS_BY_TARGET = {"TensorRT 11": {"Swish": ("FP32", "FP16", "BF16")}}
 CONTROL_FLOW = {"If", "Loop", "Scan"}
 
-_TYPE_NAMES = {
-    1: "FP32", 10: "FP16", 16: "BF16", 6: "INT32", 7: "INT64", 9: "BOOL", 3: "INT8", 2: "UINT8",
-    17: "FP8", 18: "FP8", 19: "FP8", 20: "FP8", 22: "INT4", 21: "UINT4", 23: "FP4", 11: "DOUBLE",
-    5: "INT16", 4: "UINT16", 12: "UINT32", 13: "UINT64", 8: "STRING",
-}
 _FLOATS = {1, 10, 16}
 # Which input carries the data whose type the parser's table constrains.
 _DATA_INPUT = {"Where": 1}
@@ -97,27 +93,6 @@ def _load_qdq_parameters(model, directory: Path) -> None:
             init.data_location = 0  # DEFAULT: the values are inline now
 
 
-def _value_types(model) -> dict[str, int]:
-    import onnx
-
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # inference is best-effort here: fall back to declared types
-        inferred = model
-    g = inferred.graph
-    types = {}
-    for v in list(g.value_info) + list(g.input) + list(g.output):
-        types[v.name] = v.type.tensor_type.elem_type
-    for init in g.initializer:
-        types[init.name] = init.data_type
-    for node in g.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    types[node.output[0]] = a.t.data_type
-    return types
-
-
 def _output_path_nodes(graph) -> set[int]:
     """Indices of nodes from which a graph output can be reached."""
     producer = {out: i for i, n in enumerate(graph.node) for out in n.output}
@@ -132,20 +107,6 @@ def _output_path_nodes(graph) -> set[int]:
     return seen
 
 
-def _constant(graph, name: str):
-    from onnx import numpy_helper
-
-    for init in graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init) if not init.external_data else None
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            for a in node.attribute:
-                if a.name == "value":
-                    return numpy_helper.to_array(a.t)
-    return None
-
-
 def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
     findings = []
     consumers: dict[str, list] = {}
@@ -157,7 +118,7 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
             continue
         name, op = node.name or node.output[0], node.op_type
         q_tensor = node.output[0] if op == "QuantizeLinear" else node.input[0]
-        q_type = _TYPE_NAMES.get(types.get(q_tensor, 0), "?")
+        q_type = TYPE_NAMES.get(types.get(q_tensor, 0), "?")
         if q_type == "FP8" and opset < 19:
             findings.append(Finding("error", "qdq", f"FP8 Q/DQ needs opset >= 19, the graph has {opset}", name, op))
         block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
@@ -174,12 +135,12 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
                     f"blocked axis has {dims[axis]} elements, not a multiple of block_size {block}: TensorRT reads the "
                     f"block size as that length over the scale's, so the last block must be padded whole", name, op))
         if len(node.input) > 2 and node.input[2]:
-            zp = _constant(graph, node.input[2])
+            zp = constant(graph, node.input[2])
             if zp is None:
                 findings.append(Finding("error", "qdq", "zero point must be a constant (and zero)", name, op))
             elif np.any(zp.astype(np.float32) != 0):
                 findings.append(Finding("error", "qdq", "zero point must be zero (symmetric quantization)", name, op))
-        scale = _constant(graph, node.input[1])
+        scale = constant(graph, node.input[1])
         if scale is None:
             findings.append(Finding("error", "qdq", "scale must be a constant", name, op))
         elif not np.all(scale.astype(np.float32) > 0):
@@ -188,7 +149,7 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
         if op == "QuantizeLinear":
             f_type = types.get(node.input[0])
             if s_type and f_type and s_type != f_type:
-                findings.append(Finding("error", "qdq", f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the quantized tensor's {_TYPE_NAMES.get(f_type)}", name, op))
+                findings.append(Finding("error", "qdq", f"scale dtype {TYPE_NAMES.get(s_type)} differs from the quantized tensor's {TYPE_NAMES.get(f_type)}", name, op))
             continue
         # A DequantizeLinear outputs the scale's dtype; it must be the dtype of the
         # float tensors it is combined with (the model dtype).
@@ -198,7 +159,7 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
                 if other != node.output[0] and o_type in _FLOATS and s_type and o_type != s_type:
                     findings.append(Finding(
                         "error", "qdq",
-                        f"scale dtype {_TYPE_NAMES.get(s_type)} differs from the {_TYPE_NAMES.get(o_type)} tensor {other!r} it meets in {consumer.op_type}",
+                        f"scale dtype {TYPE_NAMES.get(s_type)} differs from the {TYPE_NAMES.get(o_type)} tensor {other!r} it meets in {consumer.op_type}",
                         name, op,
                     ))
     return findings
@@ -222,7 +183,7 @@ def _attribute_findings(graph) -> list[Finding]:
         for rule_op, index, what in _CONSTANT_INPUTS:
             if op != rule_op or len(node.input) <= index or not node.input[index]:
                 continue
-            value = _constant(graph, node.input[index])
+            value = constant(graph, node.input[index])
             if value is None:
                 findings.append(Finding("error", "constant-input", f"{op}'s {what} ({node.input[index]!r}) must be a "
                                         "constant (an initializer or a Constant node) for TensorRT's parser", name, op))
@@ -319,7 +280,7 @@ def lint(model_or_path) -> dict[str, Any]:
         if not ok:
             findings.append(Finding("error", "opset", f"opset {opset} is outside {target}'s range {lo}..{hi}"))
 
-    types = _value_types(model)
+    types = value_types(model)
     on_output_path = _output_path_nodes(graph)
     for i, node in enumerate(graph.node):
         name, op = node.name or (node.output[0] if node.output else f"#{i}"), node.op_type
@@ -339,7 +300,7 @@ def lint(model_or_path) -> dict[str, Any]:
         else:
             idx = _DATA_INPUT.get(op, 0)
             t = types.get(node.input[idx]) if len(node.input) > idx and node.input[idx] else None
-        tname = _TYPE_NAMES.get(t) if t else None
+        tname = TYPE_NAMES.get(t) if t else None
         if tname == "DOUBLE":
             findings.append(Finding("warning", "dtype", "float64 tensor: TensorRT narrows it to float32", name, op))
         elif tname and tname not in allowed:
