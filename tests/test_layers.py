@@ -142,3 +142,28 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     hidden = tmp_path / "hidden.py"
     hidden.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvforge.runtime.session import Session\n")
     assert imports({"kvforge.hidden": hidden, "kvforge.runtime.session": ROOT / "runtime" / "session.py"}) == {}
+
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from <a kvforge module> import _name`: a private name taken from another module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("kvforge")):
+            found += [f"{path}:{node.lineno}: {node.module or '.'} {a.name}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name():
+    """What two modules share is public in the one that owns it (or moved down to where both can import it);
+    the tests use public names too."""
+    paths = list(modules().values()) + sorted((ROOT / "tests").rglob("*.py"))
+    offenders = [hit for path in paths for hit in private_imports(path)]
+    assert offenders == []
+
+
+def test_the_private_import_check_can_fail(tmp_path):
+    probe = tmp_path / "m.py"
+    probe.write_text("from kvforge.export.lint import _helper, public\nfrom .sibling import _x, __version__\nfrom os import _exit\n")
+    assert [h.rsplit(" ", 1)[-1] for h in private_imports(probe)] == ["_helper", "_x"]
