@@ -57,6 +57,21 @@ def source_digest(source) -> dict[str, Any]:
     return {"source": name, "kind": kind, "sha256": sha256_tree(files, path)}
 
 
+def resolve_max_context(cfg, max_context: int | None) -> int:
+    """The context the bundle is exported for: the model's own bound unless asked, checked against it."""
+    kind = kind_of(cfg)
+    longest = getattr(cfg, kind.length_field)
+    max_context = longest if max_context is None else max_context
+    if max_context < 2:
+        raise KvforgeError(f"max context {max_context} is too small (at least 2)")
+    # a KV-cache decoder with computed positions may run past the length it was configured with
+    if (not kind.kv_cache or cfg.position == "learned") and max_context > longest:
+        learned = cfg.position in ("learned", "absolute", "padded")
+        raise KvforgeError(f"max context {max_context} exceeds the {longest} "
+                           + ("learned positions of this model" if learned else "positions this model takes"))
+    return max_context
+
+
 def export(
     source=None,
     out: str | Path = "bundle",
@@ -85,20 +100,11 @@ def export(
     progress("load", 0, 1)
     reference, tokenizer = load(source)  # FP32: the reference every dtype is measured against
     cfg = reference.config
-    kind = kind_of(cfg)
-    longest = getattr(cfg, kind.length_field)
-    max_context = longest if max_context is None else max_context
-    if max_context < 2:
-        raise KvforgeError(f"max context {max_context} is too small (at least 2)")
-    # a KV-cache decoder with computed positions may run past the length it was configured with
-    if (not kind.kv_cache or cfg.position == "learned") and max_context > longest:
-        learned = cfg.position in ("learned", "absolute", "padded")
-        raise KvforgeError(f"max context {max_context} exceeds the {longest} "
-                           + ("learned positions of this model" if learned else "positions this model takes"))
+    max_context = resolve_max_context(cfg, max_context)
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
-    plan = EXPORTS[kind.name]
+    plan = EXPORTS[kind_of(cfg).name]
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
         graphs = plan.write(model, tmp, opset, external_data)
@@ -119,6 +125,15 @@ def export(
             tmp, cfg.to_dict(), io, graphs.main, precision, tokenizer,
             hf_source=Path(source) if source_kind(source) == "hf" else None,
         )
+        lineage = {
+            "stage": "export",
+            "tool": f"kvforge {kvforge.__version__}",
+            "time": now_utc(),
+            "input": source_digest(source),
+            "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data},
+            "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+            "seconds": {"export": round(export_seconds, 2), "total": round(time.time() - started, 2)},
+        }
         manifest = {
             "stage": "export",
             "graph": graphs.main,
@@ -128,15 +143,7 @@ def export(
             "io": io.to_dict(),
             "precision": precision,
             "opset": opset,
-            "lineage": [{
-                "stage": "export",
-                "tool": f"kvforge {kvforge.__version__}",
-                "time": now_utc(),
-                "input": source_digest(source),
-                "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data},
-                "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
-                "seconds": {"export": round(export_seconds, 2), "total": round(time.time() - started, 2)},
-            }],
+            "lineage": [lineage],
             "validation": summary,
             "lint": lint_result,
             "ecosystem": ecosystem,

@@ -72,6 +72,56 @@ def data_line(r: dict[str, Any]) -> str:
     return f"{r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps"
 
 
+def _check_same_model(cand, ref) -> None:
+    if cand.vocab_size != ref.vocab_size:
+        raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
+    shape = lambda s: {k: s.config.get(k) for k in ("n_layers", "n_kv_heads", "head_dim", "kv_lora_rank",  # noqa: E731
+                                                      "qk_rope_head_dim")}
+    if shape(cand) != shape(ref):
+        raise KvforgeError(f"the candidate's KV cache {shape(cand)} differs from the reference's {shape(ref)}: "
+                           "they are not the same model")
+
+
+def _windows(cand, ref, chunks: np.ndarray, batch_size: int, progress) -> dict[str, float]:
+    """Perplexity and the logits metrics over every position of the held-out windows."""
+    stats = WindowStats()
+    n_batches = -(-len(chunks) // batch_size)
+    for i in range(0, len(chunks), batch_size):
+        batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])
+        lc, _ = cand.forward(batch)
+        lr, _ = ref.forward(batch)
+        stats.add(lc, lr, chunks[i : i + batch_size, 1:])
+        progress("windows", i // batch_size + 1, n_batches)
+    return stats.result()
+
+
+def _decode(cand, ref, ids: list[int], prompts: int, prompt_len: int, steps: int, progress) -> dict[str, Any]:
+    """Lockstep decode (the drift curve) and free running, from prompts spread over the corpus."""
+    starts = np.linspace(0, len(ids) - prompt_len - 1, prompts).astype(int)
+    drift = np.zeros((steps, 3))
+    agree = prefix = 0.0
+    presents = []
+    for n, s in enumerate(starts):
+        prompt = [int(t) for t in ids[s : s + prompt_len]]
+        tokens, per_step, present = lockstep(cand, ref, prompt, steps)
+        drift += [[p["logits_rel_l2"], p["kl_divergence"], p["top1_agreement"]] for p in per_step]
+        agree += sum(p["top1_agreement"] for p in per_step) / steps
+        free = cand.generate(prompt, max_new_tokens=steps, ignore_eos=True).tokens
+        matched = next((k for k, (a, b) in enumerate(zip(free, tokens)) if a != b), min(len(free), len(tokens)))
+        prefix += matched / steps
+        presents.append(present)
+        progress("decode", n + 1, prompts)
+    drift /= prompts
+    present = metrics.worst(presents)
+    return {
+        "greedy_agreement": agree / prompts,
+        "greedy_prefix_match": prefix / prompts,
+        "present_max_abs": present["max_abs"], "present_rel_l2": present["rel_l2"], "present_cosine": present["cosine"],
+        "steps": steps, "prompts": prompts, "prompt_len": prompt_len,
+        "drift": [{"step": k, "logits_rel_l2": d[0], "kl_divergence": d[1], "top1_agreement": d[2]} for k, d in enumerate(drift)],
+    }
+
+
 def compare_decoder(
     candidate: str | Path,
     reference: str | Path | None = None,
@@ -100,13 +150,7 @@ def compare_decoder(
     cand = runtime.load(candidate, backend=backend, **backend_options)
     ref, ref_name = _reference_session(cand_bundle, reference)
     with cand, ref:
-        if cand.vocab_size != ref.vocab_size:
-            raise KvforgeError(f"candidate vocabulary {cand.vocab_size} differs from the reference's {ref.vocab_size}")
-        shape = lambda s: {k: s.config.get(k) for k in ("n_layers", "n_kv_heads", "head_dim", "kv_lora_rank",  # noqa: E731
-                                                          "qk_rope_head_dim")}
-        if shape(cand) != shape(ref):
-            raise KvforgeError(f"the candidate's KV cache {shape(cand)} differs from the reference's {shape(ref)}: "
-                               "they are not the same model")
+        _check_same_model(cand, ref)
         max_context = min(cand.max_context, ref.max_context)
         seq_len = min(seq_len, max_context)
         if random_data:
@@ -115,48 +159,14 @@ def compare_decoder(
         else:
             ids, data_name = eval_ids(cand.tokenizer or ref.tokenizer, data, max_tokens, cand.vocab_size)
         chunks = metrics.windows(ids, seq_len)
-        stats = WindowStats()
-        n_batches = -(-len(chunks) // batch_size)
-        for i in range(0, len(chunks), batch_size):
-            batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])
-            lc, _ = cand.forward(batch)
-            lr, _ = ref.forward(batch)
-            stats.add(lc, lr, chunks[i : i + batch_size, 1:])
-            progress("windows", i // batch_size + 1, n_batches)
         result: dict[str, Any] = {
             "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
             "reference": ref_name, "reference_backend": ref.backend_name,
             "data": data_name, "tokens": int(chunks[:, :-1].size), "seq_len": seq_len,
-            **stats.result(),
+            **_windows(cand, ref, chunks, batch_size, progress),
         }
-
-        # lockstep decode from prompts spread over the corpus
         prompt_len = min(prompt_len, len(ids) - 1, max_context - 1)
-        steps = min(steps, max_context - prompt_len)
-        starts = np.linspace(0, len(ids) - prompt_len - 1, prompts).astype(int)
-        drift = np.zeros((steps, 3))
-        agree = prefix = 0.0
-        presents = []
-        for n, s in enumerate(starts):
-            prompt = [int(t) for t in ids[s : s + prompt_len]]
-            tokens, per_step, present = lockstep(cand, ref, prompt, steps)
-            drift += [[p["logits_rel_l2"], p["kl_divergence"], p["top1_agreement"]] for p in per_step]
-            agree += sum(p["top1_agreement"] for p in per_step) / steps
-            free = cand.generate(prompt, max_new_tokens=steps, ignore_eos=True).tokens
-            matched = next((k for k, (a, b) in enumerate(zip(free, tokens)) if a != b), min(len(free), len(tokens)))
-            prefix += matched / steps
-            presents.append(present)
-            progress("decode", n + 1, prompts)
-        drift /= prompts
-        present = metrics.worst(presents)
-        result.update({
-            "greedy_agreement": agree / prompts,
-            "greedy_prefix_match": prefix / prompts,
-            "present_max_abs": present["max_abs"], "present_rel_l2": present["rel_l2"], "present_cosine": present["cosine"],
-            "steps": steps, "prompts": prompts, "prompt_len": prompt_len,
-            "drift": [{"step": k, "logits_rel_l2": d[0], "kl_divergence": d[1], "top1_agreement": d[2]} for k, d in enumerate(drift)],
-        })
-
+        result.update(_decode(cand, ref, ids, prompts, prompt_len, min(steps, max_context - prompt_len), progress))
         result["per_layer"] = None
         if per_layer:
             if cand.backend_name != "onnxruntime":
