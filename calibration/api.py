@@ -11,10 +11,11 @@ from typing import Any, Sequence
 import numpy as np
 
 import kvforge
-from kvforge.bundle import Bundle, check_output_path, now_utc, staged_bundle, write_manifest
+from kvforge.bundle import Bundle, now_utc, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_name
+from kvforge.outputs import check_output_path, staged_bundle
 from kvforge.tokenizer import Tokenizer
 from kvforge.ort_session import prefill_feeds
 from kvforge.checks import is_number

@@ -14,13 +14,14 @@ import onnxruntime
 import torch
 
 import kvforge
-from kvforge.bundle import Bundle, check_output_path, now_utc, sha256_tree, staged_bundle, write_manifest
+from kvforge.bundle import Bundle, now_utc, sha256_tree, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, load, source_kind
 from kvforge.model_defs.architectures import preset_config
 from kvforge.model_defs.checkpoint import TRAINED, trained_dir
+from kvforge.outputs import check_output_path, staged_bundle
 
 from .kinds import EXPORTS
 from .lint import lint, merge_lint

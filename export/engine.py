@@ -38,15 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import kvforge
-from kvforge.bundle import (
-    Bundle,
-    check_output_path,
-    now_utc,
-    sha256_file,
-    staged_bundle,
-    write_manifest,
-)
+from kvforge.bundle import Bundle, now_utc, sha256_file, write_manifest
 from kvforge.errors import KvforgeError
+from kvforge.outputs import check_output_path, staged_bundle
 from kvforge.tensorrt_env import (
     ENGINE_FILE,
     INSTALL,

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import kvforge
-from kvforge.bundle import BATCH, SEQ, Bundle, IOSpec, TensorSpec, now_utc, staged_bundle, write_manifest
+from kvforge.bundle import BATCH, SEQ, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
 from kvforge.errors import KvforgeError
+from kvforge.outputs import staged_bundle
 from kvforge.tensorrt_env import concrete_shape
 
 from .engine_plan import POINTS, BuildOptions, Limits, check_graph, compile_engine, infer_profile_shapes, precision_summary, resolve_limits

@@ -20,8 +20,9 @@ import re
 import shutil
 from pathlib import Path
 
-from kvforge.bundle import Bundle, now_utc, staged_bundle
+from kvforge.bundle import Bundle, now_utc
 from kvforge.errors import KvforgeError
+from kvforge.outputs import staged_bundle
 
 from .requests import INPUTS, OUTPUTS
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvforge
-from kvforge.bundle import MANIFEST, now_utc, owned_entries
+from kvforge.bundle import MANIFEST, now_utc
 from kvforge.errors import KvforgeError
+from kvforge.outputs import owned_entries
 from kvforge.schema import ListOf, RelPath, check
 
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce

@@ -33,20 +33,22 @@ CHILD = textwrap.dedent("""
             return result
         return wrapped
 
-    import kvforge.bundle as bundle
+    import kvforge.outputs as outputs
     import kvforge.export.api as export_api
     import kvforge.calibration.api as calibrate_api
     if point == "graph-written":  # export: the graph is in the staging directory, the manifest is not
-        export_api.export_onnx = after(export_api.export_onnx)
+        import kvforge.export.kinds as export_kinds
+        decoder = export_kinds.EXPORTS["decoder"]
+        export_kinds.EXPORTS["decoder"] = decoder._replace(write=after(decoder.write))
     elif point == "before-manifest":
         export_api.write_manifest = calibrate_api.write_manifest = lambda *a, **k: die()
     elif point == "staged-whole":  # the staging directory is complete, not yet renamed into place
         export_api.write_manifest = after(export_api.write_manifest)
         calibrate_api.write_manifest = after(calibrate_api.write_manifest)
     elif point == "at-swap":  # --force: right before the new bundle takes the old one's place
-        bundle._exchange = lambda *a, **k: die()
+        outputs._exchange = lambda *a, **k: die()
     elif point == "after-swap":  # --force: swapped, the previous bundle not yet deleted
-        bundle._exchange = after(bundle._exchange)
+        outputs._exchange = after(outputs._exchange)
     elif point == "calibrate-graph-written":  # calibrate: the quantized graph saved, nothing else
         import importlib
         importlib.import_module("kvforge.export.lint").lint = lambda *a, **k: die()
