@@ -1,4 +1,9 @@
-"""The `kvforge` command line: each command is a few lines over the Python API."""
+"""The `kvforge` command line: each command is a few lines over the Python API.
+
+The commands that build models (models, evaluate, export, lint, build) and the verification commands import
+their stage inside the command: those stages import torch (and onnx), which `kvforge --help`, `generate` on an
+ONNX bundle and `serve` of a bundle do not need.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,13 @@ from pathlib import Path
 
 import click
 
+from kvforge import runtime, serving
+from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
+from kvforge.runtime.bench import benchmark
+from kvforge.serving import repository_model, write_repository
 
 
 class _Group(click.Group):
@@ -168,7 +177,6 @@ def export(source, out, dtype, opset, max_context, external_data, force, quiet):
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def lint(target, as_json):
     """Check a bundle (or .onnx file) against TensorRT's ONNX rules; exit 1 on errors."""
-    from kvforge.bundle import Bundle
     from kvforge.export import lint as lint_graph
 
     path = Bundle(target).graph_file if Path(target).is_dir() else Path(target)
@@ -191,7 +199,6 @@ def lint(target, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(bundle, as_json):
     """Print a bundle's IO spec, dtypes, opset, sizes, precision, validation and lineage."""
-    from kvforge.bundle import Bundle
 
     b = Bundle(bundle)
     m = b.manifest
@@ -338,7 +345,6 @@ def _backend_option(f):
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
-    from kvforge import runtime
 
     session = runtime.load(source, backend=backend)
     tokens, text = [], []
@@ -366,7 +372,6 @@ def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the vectors (and classes).")
 def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as_json):
     """Print one embedding vector per --text from an encoder BUNDLE (BERT, RoBERTa, Perceiver)."""
-    from kvforge import runtime
 
     session = runtime.load(bundle, backend=backend)
     if not isinstance(session, runtime.EncoderSession):
@@ -412,7 +417,6 @@ def _serve_options(f):
 @click.option("--force", is_flag=True, help="Replace a repository kvforge wrote there before.")
 def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
-    from kvforge.serving import repository_model, write_repository
 
     repo = write_repository(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
@@ -428,7 +432,6 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, back
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(0, 65535))
 def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port):
     """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM."""
-    from kvforge import serving
 
     code = serving.serve(source, model_name, host, http_port, grpc_port, metrics_port, instances, max_batch,
                          max_cache_tokens, backend, echo=click.echo)
@@ -446,8 +449,6 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, h
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
 def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json):
     """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS."""
-    from kvforge import runtime
-    from kvforge.runtime.bench import benchmark
 
     with runtime.load(bundle, backend=backend) as session:
         if not isinstance(session, runtime.Session):

@@ -12,7 +12,7 @@ from kvforge import metrics
 from kvforge.metrics import windows
 from kvforge.tokenizer import Tokenizer
 
-from .checkpoint import TINY_DIR
+from .checkpoint import DEFAULT_MODEL, TINY_DIR, load
 from .model import Transformer
 
 HELDOUT_FILE = TINY_DIR / "heldout.txt"
@@ -76,8 +76,6 @@ def evaluate(
 
     Without `data` the corpus is `tiny`'s held-out text (Python source code).
     """
-    from .checkpoint import DEFAULT_MODEL, load
-
     source = DEFAULT_MODEL if source is None else source
     model, tokenizer = load(source, dtype=dtype)
     if tokenizer is None:

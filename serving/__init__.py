@@ -8,6 +8,8 @@ The model (triton_model.py) runs kvforge's runtime with its continuous batcher
 (requests.py); server.py starts and stops the server.
 """
 
+from kvforge.bundle import Bundle
+
 from .preflight import check_python_backend
 from .repository import repository_model, write_repository
 from .server import TritonServer, triton_distribution
@@ -23,14 +25,12 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
     import tempfile
     from pathlib import Path
 
-    from kvforge.bundle import Bundle
-
     triton_distribution()  # a missing server is reported before any export
     check_python_backend()  # and a Triton whose Python backend cannot take this NumPy, before a server that hangs
     with tempfile.TemporaryDirectory(prefix="kvforge-serve-") as work:
         bundle = Path(source)
         if not Bundle.is_bundle(source):
-            from kvforge.export import export
+            from kvforge.export import export  # torch: only when a model source must be exported first
 
             echo(f"{source} is not a bundle: exporting it (FP32) first")
             bundle = export(source, Path(work) / "bundle").path

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge import runtime
 from kvforge.errors import KvforgeError
 
 from .requests import INPUTS, StopText, parse
@@ -36,8 +37,6 @@ SWITCH_S = 0.0005
 class TritonPythonModel:
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
-
-        from kvforge import runtime
 
         self.pb = pb_utils
         sys.setswitchinterval(SWITCH_S)

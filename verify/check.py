@@ -39,11 +39,13 @@ from typing import Any, Callable
 
 import kvforge
 from kvforge.bundle import now_utc
-from kvforge.errors import KvforgeError
-from kvforge.schema import read_json
+from kvforge.calibration.observers import METHODS
 from kvforge.checks import positive_int_or_none
-
+from kvforge.errors import KvforgeError
 from kvforge.metrics import HIGHER_IS_BETTER, REPORT_METRICS
+from kvforge.schema import read_json
+
+from .plots import drift_png
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
 
 # How far a metric may move in its bad direction before it counts as a regression: (absolute, relative).
@@ -77,7 +79,6 @@ class Spec:
 
 
 def _tolerance(key: str, value) -> tuple[float, float]:
-
     if key not in REPORT_METRICS:
         raise KvforgeError(f"[tolerances]: unknown metric {key!r}; choose from {list(REPORT_METRICS)}")
     if isinstance(value, bool):
@@ -136,7 +137,6 @@ def load_spec(path: str | Path) -> Spec:
 
 def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
     """What can be checked before any work: names, bases, bundle paths, calibration options' values."""
-    from kvforge.calibration.observers import METHODS
 
     names = [a.name for a in artifacts]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -278,7 +278,6 @@ def check(spec_path: str | Path, update_baseline: bool = False, workdir: str | P
 
 def write_check_report(result: CheckResult, json_path: str | Path) -> list[Path]:
     """The check's JSON report and a drift picture of every artifact beside it."""
-    from .plots import drift_png
 
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvforge
-from kvforge.bundle import MANIFEST, now_utc
+from kvforge import runtime
+from kvforge.bundle import MANIFEST, Bundle, now_utc
 from kvforge.errors import KvforgeError
 from kvforge.outputs import owned_entries
 from kvforge.schema import ListOf, RelPath, check
+from kvforge.tensorrt_env import INSTALL, tensorrt_gpu_missing
 
+from .plots import drift_png, layers_png
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
@@ -53,7 +56,7 @@ def recipe(precision: str) -> Artifact:
 def recipes(precisions, source: str, calibration_data=None, random_data: bool = False) -> list[Artifact]:
     """The artifacts for these precisions, adapted to the data there is."""
     artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
-    from kvforge.model_defs.checkpoint import TRAINED
+    from kvforge.model_defs.checkpoint import TRAINED  # imports torch: `kvforge pipeline --help` and check runs without it
 
     real_text = calibration_data is not None or (source in TRAINED and not random_data)
     for a in artifacts:
@@ -66,7 +69,6 @@ def recipes(precisions, source: str, calibration_data=None, random_data: bool = 
 
 def tensorrt_unavailable() -> str | None:
     """Why no engine can be built here, and how to fix it (None when TensorRT and a CUDA GPU are present)."""
-    from kvforge.tensorrt_env import INSTALL, tensorrt_gpu_missing
 
     missing = tensorrt_gpu_missing()
     return f"{missing}. {INSTALL}" if missing else None
@@ -93,7 +95,7 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise KvforgeError(f"precisions {list(bad or precisions)} must be a non-empty choice from {PRECISIONS}")
-    from kvforge.model_defs.checkpoint import TRAINED
+    from kvforge.model_defs.checkpoint import TRAINED  # imports torch: `kvforge pipeline --help` and check runs without it
 
     if source not in TRAINED and calibration_data is None and not random_data and {"int8", "fp8"} & set(precisions):
         raise KvforgeError(
@@ -116,7 +118,6 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_
     sample = None
     runs = [o for o in outcomes if o.report is not None and o.backend == "onnxruntime"]
     if sample_prompt and runs:  # a taste of the most compressed artifact (int8 when there is one)
-        from kvforge import runtime
 
         quantized = [o for o in runs if o.report["precision"] in ("int8", "fp8", "int4")]
         chosen = next((o for o in quantized if o.report["precision"] == "int8"), None) or (quantized or runs)[-1]
@@ -179,8 +180,6 @@ def claim_workdir(workdir: Path, force: bool, artifacts: list[str]) -> None:
 
 
 def write_pipeline_report(result: PipelineResult, source) -> list[Path]:
-    from .plots import drift_png, layers_png
-
     w = result.workdir
     report: dict[str, Any] = {
         "source": str(source), "tool": f"kvforge {kvforge.__version__}", "written": now_utc(),
@@ -202,7 +201,6 @@ def write_pipeline_report(result: PipelineResult, source) -> list[Path]:
 def bundle_megabytes(path: str | None) -> float | None:
     if path is None:
         return None
-    from kvforge.bundle import Bundle
 
     files = Bundle(path).manifest.get("files", {})
     return sum(f["bytes"] for f in files.values()) / 1e6

@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 def kvforge_compare():
     """compare(candidate, reference=None, **options) -> Report; fails the test unless every bound holds
     (pass require_pass=False to get the report either way)."""
-    from kvforge.verify.compare import compare
+    from kvforge.verify.compare import compare  # pytest loads the plugin in every session: kvforge loads when used
 
     def run(candidate, reference=None, require_pass: bool = True, **options):
         report = compare(candidate, reference, **options)
@@ -41,7 +41,7 @@ def kvforge_compare():
 @pytest.fixture
 def kvforge_check(request, tmp_path_factory):
     """check(spec) -> CheckResult; fails the test on a regression against the spec's baseline."""
-    from kvforge.verify.check import check
+    from kvforge.verify.check import check  # as above: only when the fixture is used
 
     update = request.config.getoption("--kvforge-update-baseline")
 

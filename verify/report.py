@@ -60,7 +60,7 @@ def reference_source(candidate: Bundle, reference, float_model: str | None = Non
         reference = candidate.recorded_source
         if reference is None:
             raise KvforgeError(f"{candidate.path} records no source model; pass --reference")
-        from kvforge.export.api import source_digest
+        from kvforge.export.api import source_digest  # torch: only when the reference must be rebuilt
 
         now = source_digest(reference)["sha256"]
         if recorded.get("sha256") and now != recorded["sha256"]:

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvforge.calibration import calibrate
 from kvforge.errors import KvforgeError, MissingDependencyError
+from kvforge.metrics import parse_tolerances
+from kvforge.runtime.session import BACKENDS
 
 from .compare import compare
 from .report import Report
@@ -56,12 +59,10 @@ class Artifact:
             raise KvforgeError(f"artifact {name!r}: {sorted(calib)} apply to calibrated artifacts (set precision)")
         if art.bundle is not None and root is not None:
             art.bundle = str((root / art.bundle).resolve())
-        from kvforge.metrics import parse_tolerances
 
         art.tolerances = parse_tolerances(art.tolerances)
         if isinstance(art.backends, str):
             art.backends = [art.backends]
-        from kvforge.runtime.session import BACKENDS
 
         bad = [b for b in art.backends if b not in BACKENDS]
         if bad or not art.backends:
@@ -95,8 +96,7 @@ Progress = Callable[[str, int, int], None]
 def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=None, progress: Progress | None = None,
             log: Callable[[str], None] = print) -> dict[str, Path]:
     """Make every artifact's bundle under workdir (name -> path), float exports first."""
-    from kvforge.calibration import calibrate
-    from kvforge.export import export
+    from kvforge.export import export  # torch: only when an artifact is made, not when a check reads a baseline
 
     names = [a.name for a in artifacts]
     dupes = {n for n in names if names.count(n) > 1}
@@ -137,7 +137,7 @@ def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path
         for backend in a.backends:
             bundle = paths[a.name]
             if backend == "tensorrt":
-                from kvforge.export.engine import build
+                from kvforge.export.engine import build  # torch and TensorRT: only for engine artifacts
 
                 try:  # an engine bundle beside the ONNX one (MissingDependencyError without TensorRT or a GPU)
                     bundle = build(bundle, workdir / f"{bundle.name}-engine", force=True).path
