@@ -14,13 +14,13 @@ import onnxruntime
 import torch
 
 import kvforge
-from kvforge.bundle import Bundle, now_utc, sha256_tree, write_manifest
+from kvforge.bundle import Bundle, now_utc, sha256_file, sha256_tree, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, load, source_kind
 from kvforge.model_defs.architectures import preset_config
-from kvforge.model_defs.checkpoint import TRAINED, trained_dir
+from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, trained_dir
 from kvforge.outputs import check_output_path, staged_bundle
 
 from .kinds import EXPORTS
@@ -46,6 +46,10 @@ class ExportValidationError(KvforgeError):
 def source_digest(source) -> dict[str, Any]:
     """What the export was made from, with a hash that changes when its inputs do."""
     kind = source_kind(source)
+    if kind == "gguf":  # one file; a packaged model keeps its name, so the bundle's source works on any machine
+        file = gguf_path(source)
+        name = str(source) if str(source) in PACKAGED else str(file.resolve())
+        return {"source": name, "kind": "gguf", "sha256": sha256_file(file)}
     if kind == "preset" and str(source) in TRAINED:
         kind, path, name = "kvforge", trained_dir(str(source)), str(source)
     elif kind == "preset":

