@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvforge.bundle import MANIFEST, Bundle
 from kvforge.errors import KvforgeError
 from kvforge.export import ExportValidationError, export
-from kvforge.export import api as export_api
+from kvforge.export import kinds as export_kinds
 from kvforge.export.onnx_export import FlatKVModel, example_inputs, input_names
 from kvforge.model_defs import PRESETS, load
 
@@ -164,20 +164,30 @@ def test_sliding_window_is_in_the_graph(micro_bundle):
     assert full is type(no_window)
 
 
-def test_a_wrong_graph_fails_the_export_and_writes_nothing(tmp_path, monkeypatch):
-    real = export_api.export_onnx
+def _with_decoder_writer(monkeypatch, wrap) -> None:
+    """Swap the decoder kind's graph writer for `wrap(real writer)` for this test (export/kinds.py EXPORTS)."""
+    decoder = export_kinds.EXPORTS["decoder"]
+    monkeypatch.setitem(export_kinds.EXPORTS, "decoder", decoder._replace(write=wrap(decoder.write)))
 
-    def corrupt(model, path, *a, **k):
-        real(model, path, *a, **k)
+
+def test_a_wrong_graph_fails_the_export_and_writes_nothing(tmp_path, monkeypatch):
+    def corrupting(real):
+        def write(model, directory, *a):
+            graphs = real(model, directory, *a)
+            _corrupt(directory / graphs.main)
+            return graphs
+
+        return write
+
+    def _corrupt(path):
         m = onnx.load(str(path))
         biggest = max(m.graph.initializer, key=lambda t: np.prod(t.dims))
         arr = onnx.numpy_helper.to_array(biggest).copy()
         arr.flat[0] += 0.5  # one weight off
         biggest.CopyFrom(onnx.numpy_helper.from_array(arr, biggest.name))
         onnx.save(m, str(path))
-        return path
 
-    monkeypatch.setattr(export_api, "export_onnx", corrupt)
+    _with_decoder_writer(monkeypatch, corrupting)
     out = tmp_path / "bad"
     with pytest.raises(ExportValidationError, match=r"(?s)logits_max_abs .* > 0.0001.*no bundle was written") as err:
         export("gpt2-micro", out)
@@ -190,10 +200,13 @@ def test_force_replaces_only_after_success(tmp_path, monkeypatch):
     first = export("reglu-micro", out)
     first_hash = first.manifest["files"]["model.onnx"]["sha256"]
 
-    def boom(*a, **k):
-        raise KvforgeError("simulated failure during export")
+    def failing(real):
+        def boom(*a, **k):
+            raise KvforgeError("simulated failure during export")
 
-    monkeypatch.setattr(export_api, "export_onnx", boom)
+        return boom
+
+    _with_decoder_writer(monkeypatch, failing)
     with pytest.raises(KvforgeError, match="simulated"):
         export("gpt2-micro", out, force=True)
     assert Bundle(out).manifest["files"]["model.onnx"]["sha256"] == first_hash  # the old bundle survived
@@ -208,19 +221,19 @@ def test_an_interrupted_replace_puts_the_previous_bundle_back(tmp_path, monkeypa
     them, the previous bundle goes back (on Linux the swap is one step: tests/reliability kills it mid-way)."""
     import os
 
-    from kvforge import bundle as bundle_mod
+    from kvforge import outputs as outputs_mod
 
     out = tmp_path / "b"
     first = export("reglu-micro", out)
     real = os.replace
-    monkeypatch.setattr(bundle_mod, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(outputs_mod, "_exchange", lambda a, b: False)
 
     def interrupted(src, dst):
         if str(src).startswith(str(tmp_path / ".b.tmp-")):  # the new bundle's rename: as if Ctrl-C landed here
             raise KeyboardInterrupt
         return real(src, dst)
 
-    monkeypatch.setattr(bundle_mod.os, "replace", interrupted)
+    monkeypatch.setattr(outputs_mod.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         export("gpt2-micro", out, force=True)
     monkeypatch.undo()
