@@ -22,8 +22,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvforge.attribution import compare_blocks, graph_block_outputs
 from kvforge.errors import KvforgeError
 from kvforge.metrics import WindowStats, check_tolerances, parse_tolerances, split_tolerance
+from kvforge.metrics import windows
+from kvforge.ort_session import make_session, prefill_feeds
+from kvforge.tokenizer import Tokenizer
+
+from .data import eval_ids
 
 BUDGET_METRICS = ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean", "logits_rel_l2")
 BUDGET_SEQ_LEN = 256  # tokens per held-out window (fewer where the model's context is shorter)
@@ -43,9 +49,6 @@ def budget_window(bundle, seq_len: int = BUDGET_SEQ_LEN) -> int:
 
 def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tuple[list[int], str]:
     """The budget's held-out token stream, checked before any calibration work: enough for one window, in vocabulary."""
-    from kvforge.tokenizer import Tokenizer
-
-    from .data import eval_ids
 
     if bundle.tokenizer_file is None:
         raise KvforgeError(f"--accuracy-budget measures on text, and {bundle.path} has no tokenizer")
@@ -64,9 +67,6 @@ class _Evaluator:
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
                  batch_size: int = 4):
         """held_out: budget_ids()'s token stream and its name."""
-        from kvforge.metrics import windows
-        from kvforge.ort_session import make_session
-
         self.bundle = bundle
         self.dtype = bundle.dtype
         ids, self.data = held_out
@@ -76,13 +76,9 @@ class _Evaluator:
         self.reference = make_session(float_model.SerializeToString())
 
     def feeds(self, batch):
-        from kvforge.ort_session import prefill_feeds
-
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
 
     def metrics(self, model, quant: str) -> dict[str, float]:
-        from kvforge.ort_session import make_session
-
         cand = make_session(model.SerializeToString(), quant)
         stats = WindowStats()
         for i in range(0, len(self.chunks), self.batch_size):
@@ -93,8 +89,6 @@ class _Evaluator:
         return stats.result()
 
     def ranking(self, model, quant: str) -> list[dict[str, Any]]:
-        from kvforge.attribution import compare_blocks, graph_block_outputs
-
         sample = np.ascontiguousarray(self.chunks[:2, :-1])
         cfg, io = self.bundle.model_config, self.bundle.io
         return compare_blocks(lambda inject: graph_block_outputs(model, cfg, io, self.dtype, quant, sample, inject),
@@ -102,8 +96,6 @@ class _Evaluator:
 
     def decode_tokens_per_s(self, model, quant: str | None, past: int = 128, runs: int = 15) -> float:
         """Median single-token decode steps per second over a past of `past` tokens (batch 1)."""
-        from kvforge.ort_session import make_session
-
         sess = make_session(model.SerializeToString(), quant)
         io = self.bundle.io
         rng = np.random.default_rng(0)

@@ -83,7 +83,7 @@ def check_vocab(ids, vocab_size: int, source: str) -> None:
 
 def _is_builtin_tiny(bundle: Bundle) -> bool:
     """A bundle of a trained preset (tiny, tiny-moe: one corpus and tokenizer)."""
-    from kvforge.model_defs import ModelConfig
+    from kvforge.model_defs import ModelConfig  # model_defs imports torch: only for a bundle of tiny
     from kvforge.model_defs.checkpoint import TRAINED
 
     source = bundle.recorded_source
@@ -93,7 +93,7 @@ def _is_builtin_tiny(bundle: Bundle) -> bool:
 def load_calibration_set(
     bundle: Bundle,
     data: str | Path | None = None,
-    samples: int = 128,
+    *, samples: int = 128,
     seq_len: int = 256,
     random_data: bool = False,
     seed: int = 0,
@@ -119,7 +119,7 @@ def load_calibration_set(
                 "with text like what the model will see; only the built-in tiny model has a built-in corpus. "
                 "--random-data calibrates on random tokens instead (scales then rarely fit real inputs)"
             )
-        from kvforge.model_defs.checkpoint import TINY_DIR
+        from kvforge.model_defs.checkpoint import TINY_DIR  # torch: only when tiny's own text is the default
 
         texts, source = [(TINY_DIR / BUILTIN_TINY_CORPUS).read_text(encoding="utf-8")], "built-in tiny corpus"
     else:
@@ -144,7 +144,7 @@ def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: in
     if tokenizer is None:
         raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
     if data is None:
-        from kvforge.model_defs.evaluate import heldout_text
+        from kvforge.model_defs.evaluate import heldout_text  # torch: only when no data file is given
 
         texts, name = [heldout_text()], "built-in held-out text"
     else:

@@ -26,6 +26,8 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
+from .qdq import layer_name
+
 EXPERT = re.compile(r"^(?P<moe>layers\.\d+\.ffn)\.experts\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 STARVED = ("all-tokens", "float")
 KEEP_ROWS = 4096  # rows of each MoE layer's input kept to compute starved experts' down-projection inputs
@@ -59,8 +61,6 @@ def find_experts(targets) -> list[Expert]:
 
 def router_inputs(model, moes: set[str]) -> dict[str, str]:
     """Each MoE layer's input as its router reads it (every token): moe prefix -> activation name."""
-    from .qdq import layer_name
-
     out = {}
     for node in model.graph.node:
         if node.op_type in ("MatMul", "Gemm"):
@@ -76,8 +76,6 @@ def router_inputs(model, moes: set[str]) -> dict[str, str]:
 def router_choices(model) -> dict[str, str]:
     """Each MoE layer's routing decision: moe prefix ("layers.1.ffn") -> the (tokens, k) expert indices tensor
     (the last TopK under its router: a group-limited router picks groups first)."""
-    from .qdq import layer_name
-
     out = {}
     for node in model.graph.node:
         name = layer_name(node)

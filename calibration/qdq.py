@@ -129,6 +129,19 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
 
 
 # --- primitives (numpy) ----------------------------------------------------------
+def check_weights_finite(model, targets: list[Target]) -> None:
+    """A NaN or inf weight would quietly become a scale of 1 or inf (or NaN codes); name the layer instead."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    for t in targets:
+        w = numpy_helper.to_array(inits[t.weight])
+        bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+        if bad:
+            raise KvforgeError(f"layer {t.layer}'s weight holds {bad} NaN or infinite values: the float bundle is broken; "
+                               "re-export it from a sound checkpoint")
+
+
 def stored_scale(scale, dtype=np.float32) -> np.ndarray:
     """A scale as the graph stores it: in the model dtype, and at least that dtype's smallest normal number.
 
@@ -197,101 +210,129 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
     round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
     and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)).
     """
-    from onnx import TensorProto, helper, numpy_helper
-
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
-    new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
-    index = {id(n): i for i, n in enumerate(g.node)}
-    record = {"weights": {}, "activations": {}}
-    shared: dict[str, str] = {}  # activation -> the tensor its consumers now read
-    padded: dict[str, str] = {}  # int4: activation -> its copy padded to whole blocks along K
-
+    edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype)
     for t in targets:
-        w = numpy_helper.to_array(inits[t.weight]).astype(np.float32)
-        if smooth and t.activation in smooth:
-            w = w * smooth[t.activation][:, None]  # W' = diag(s) W
+        edit.weight(t, round_weight)
+        if act_amax is not None:  # W8A8; weight-only formats stop at the weight
+            edit.activation(t, act_amax[t.activation])
+    edit.splice()
+    inits = edit.inits
+    tied = [(t, inits[t.weight].doc_string[len(TIED_FROM):]) for t in targets
+            if inits[t.weight].doc_string.startswith(TIED_FROM)]
+    for t, embedding in tied:
+        share_tied_head(model, t, embedding, fmt, block_size, smooth.get(t.activation) if smooth else None)
+        edit.record["weights"][t.layer]["shared_with_embedding"] = embedding
+    return edit.record
+
+
+class _QdqEdit:
+    """One Q/DQ rewrite of a graph in progress: new initializers go in at once, new nodes are collected per
+    target node and spliced in before it at the end (so node indices stay valid while targets are visited)."""
+
+    def __init__(self, model, fmt: str, block_size: int | None, smooth: dict[str, np.ndarray] | None, float_dtype):
+        from onnx import TensorProto
+
+        self.g = model.graph
+        self.inits = {i.name: i for i in self.g.initializer}
+        self.fmt, self.block_size, self.smooth, self.float_dtype = fmt, block_size, smooth, float_dtype
+        self.q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
+        self.new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
+        self.index = {id(n): i for i, n in enumerate(self.g.node)}
+        self.record = {"weights": {}, "activations": {}}
+        self.shared: dict[str, tuple[str, str]] = {}  # activation -> (its scale's prefix, the tensor consumers read)
+        self.padded: dict[str, str] = {}  # int4: activation -> its copy padded to whole blocks along K
+
+    def before(self, t: Target, *nodes) -> None:
+        self.new_nodes.setdefault(self.index[id(t.node)], []).extend(nodes)
+
+    def weight(self, t: Target, round_weight) -> None:
+        """The target's weight stored quantized behind a DequantizeLinear (int4: K padded to whole blocks)."""
+        from onnx import helper, numpy_helper
+
+        g, fmt, block_size = self.g, self.fmt, self.block_size
+        w = numpy_helper.to_array(self.inits[t.weight]).astype(np.float32)
+        if self.smooth and t.activation in self.smooth:
+            w = w * self.smooth[t.activation][:, None]  # W' = diag(s) W
         if round_weight is not None:
             q, scale = round_weight(t, w)
         else:
-            scale = weight_scales(w, fmt, block_size, float_dtype)
+            scale = weight_scales(w, fmt, block_size, self.float_dtype)
             q = quantize(w, scale, fmt, block_size)
         k_padding = -w.shape[0] % block_size if fmt == "int4" else 0
         if k_padding:
             # TensorRT reads the block size as K / scale rows, so every block must be whole: the codes
             # get zero rows up to the last block's end, and the activation as many zero columns.
             q = np.concatenate([q, np.zeros((k_padding, q.shape[1]), q.dtype)])
-            if t.activation not in padded:
+            if t.activation not in self.padded:
                 pads = f"{t.layer}.input_pads"
                 g.initializer.append(numpy_helper.from_array(np.array([0, k_padding], np.int64), pads))
-                if not padded:  # the first padded activation adds the axes initializer they all share
+                if not self.padded:  # the first padded activation adds the axes initializer they all share
                     g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), "input_pad_axes"))
-                padded[t.activation] = f"{t.layer}.input_padded"
-                new_nodes.setdefault(index[id(t.node)], []).append(helper.make_node(
-                    "Pad", [t.activation, pads, "", "input_pad_axes"], [padded[t.activation]], name=f"{t.layer}.input_pad"))
-            t.node.input[0] = padded[t.activation]
+                self.padded[t.activation] = f"{t.layer}.input_padded"
+                self.before(t, helper.make_node("Pad", [t.activation, pads, "", "input_pad_axes"],
+                                                [self.padded[t.activation]], name=f"{t.layer}.input_pad"))
+            t.node.input[0] = self.padded[t.activation]
         base = f"{t.layer}.weight"
         q_name, s_name, z_name = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
-        g.initializer.remove(inits[t.weight])
+        g.initializer.remove(self.inits[t.weight])
         g.initializer.append(numpy_helper.from_array(q, q_name))
-        g.initializer.append(numpy_helper.from_array(scale.astype(float_dtype), s_name))
+        g.initializer.append(numpy_helper.from_array(scale.astype(self.float_dtype), s_name))
         dq_inputs = [q_name, s_name]
         attrs = {"axis": 0, "block_size": block_size} if fmt == "int4" else {"axis": 1}
         if fmt != "int4":
             zp = np.zeros(scale.shape, np.int8) if fmt == "int8" else None
             g.initializer.append(
                 numpy_helper.from_array(zp, z_name) if zp is not None
-                else helper.make_tensor(z_name, q_type, list(scale.shape), [0.0] * scale.size)
+                else helper.make_tensor(z_name, self.q_type, list(scale.shape), [0.0] * scale.size)
             )
             dq_inputs.append(z_name)
-        dq = helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq", **attrs)
-        new_nodes.setdefault(index[id(t.node)], []).append(dq)
+        self.before(t, helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq",
+                                        **attrs))
         t.node.input[1] = f"{base}_dequantized"
-        record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
-                                      **({"k_padding": k_padding} if k_padding else {})}
+        self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
+                                           **({"k_padding": k_padding} if k_padding else {})}
 
-        if act_amax is None:  # weight-only
-            continue
-        if t.activation not in shared:  # one scale (and smoothing) per activation, shared by its consumers
+    def activation(self, t: Target, amax: float) -> None:
+        """A QuantizeLinear -> DequantizeLinear pair on the target's input, its scale shared per activation."""
+        from onnx import helper, numpy_helper
+
+        g = self.g
+        if t.activation not in self.shared:  # one scale (and smoothing) per activation, shared by its consumers
             act = t.activation
             prefix = f"{t.layer}.input"
-            if smooth and act in smooth:
-                g.initializer.append(numpy_helper.from_array((1.0 / smooth[act]).astype(float_dtype), f"{prefix}_smooth"))
-                new_nodes.setdefault(index[id(t.node)], []).append(
-                    helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"], name=f"{prefix}_smooth"))
+            if self.smooth and act in self.smooth:
+                g.initializer.append(numpy_helper.from_array((1.0 / self.smooth[act]).astype(self.float_dtype),
+                                                             f"{prefix}_smooth"))
+                self.before(t, helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"],
+                                                name=f"{prefix}_smooth"))
                 act = f"{prefix}_smoothed"
-            a_scale = stored_scale(max(act_amax[t.activation], 1e-8) / QMAX[fmt], float_dtype)
+            a_scale = stored_scale(max(amax, 1e-8) / QMAX[self.fmt], self.float_dtype)
             g.initializer.append(numpy_helper.from_array(a_scale, f"{prefix}_scale"))
             g.initializer.append(
-                numpy_helper.from_array(np.array(0, np.int8), f"{prefix}_zero_point") if fmt == "int8"
-                else helper.make_tensor(f"{prefix}_zero_point", q_type, [], [0.0])
+                numpy_helper.from_array(np.array(0, np.int8), f"{prefix}_zero_point") if self.fmt == "int8"
+                else helper.make_tensor(f"{prefix}_zero_point", self.q_type, [], [0.0])
             )
-            shared[t.activation] = (prefix, act)
-            record["activations"][t.layer + ".input"] = {"tensor": t.activation, "amax": float(act_amax[t.activation]),
-                                                         "scale": float(a_scale)}
+            self.shared[t.activation] = (prefix, act)
+            self.record["activations"][t.layer + ".input"] = {"tensor": t.activation, "amax": float(amax),
+                                                              "scale": float(a_scale)}
         # ... and a QuantizeLinear -> DequantizeLinear pair per consumer: ONNX Runtime fuses a
         # Q/DQ/MatMul group into an integer kernel only when the pair feeds that one MatMul.
-        prefix, act = shared[t.activation]
+        prefix, act = self.shared[t.activation]
         scale, zp, mine = f"{prefix}_scale", f"{prefix}_zero_point", f"{t.layer}.input"
-        new_nodes.setdefault(index[id(t.node)], []).extend([
-            helper.make_node("QuantizeLinear", [act, scale, zp], [f"{mine}_quantized"], name=f"{mine}_q"),
-            helper.make_node("DequantizeLinear", [f"{mine}_quantized", scale, zp], [f"{mine}_dequantized"], name=f"{mine}_dq"),
-        ])
+        self.before(t,
+                    helper.make_node("QuantizeLinear", [act, scale, zp], [f"{mine}_quantized"], name=f"{mine}_q"),
+                    helper.make_node("DequantizeLinear", [f"{mine}_quantized", scale, zp], [f"{mine}_dequantized"],
+                                     name=f"{mine}_dq"))
         t.node.input[0] = f"{mine}_dequantized"
 
-    nodes = []
-    for i, n in enumerate(g.node):
-        nodes += new_nodes.get(i, [])
-        nodes.append(n)
-    del g.node[:]
-    g.node.extend(nodes)
-    tied = [(t, inits[t.weight].doc_string[len(TIED_FROM):]) for t in targets
-            if inits[t.weight].doc_string.startswith(TIED_FROM)]
-    for t, embedding in tied:
-        share_tied_head(model, t, embedding, fmt, block_size, smooth.get(t.activation) if smooth else None)
-        record["weights"][t.layer]["shared_with_embedding"] = embedding
-    return record
+    def splice(self) -> None:
+        """Every collected node in, before the node it feeds."""
+        nodes = []
+        for i, n in enumerate(self.g.node):
+            nodes += self.new_nodes.get(i, [])
+            nodes.append(n)
+        del self.g.node[:]
+        self.g.node.extend(nodes)
 
 
 def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: int | None,
@@ -302,7 +343,7 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     DequantizeLinear (without the zero rows INT4 pads K with), so the embedding takes the head's
     quantization too. SmoothQuant folded diag(s) into the head's rows of K; the embedding's rows are
     divided by s after the Gather. ONNX Runtime's variant gives each its fast form again at load
-    (runtime/ort_variant.py); the bundle holds one tensor.
+    (runtime/ort/variant.py); the bundle holds one tensor.
     """
     from onnx import helper, numpy_helper
 

@@ -22,16 +22,18 @@ import numpy as np
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.ort_session import make_session
+from kvforge.tokenizer import Tokenizer
 
-from .data import load_calibration_set
-from .qdq import find_targets, rewrite
+from .data import jsonl_items, load_calibration_set, read_text_file
+from .gptq import HessianAccumulator, gptq_rounder
+from .passes import activation_scales, observe
+from .qdq import check_weights_finite, find_targets, rewrite
+from .recipe import Quantized, Recipe
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, str]] | None:
     """The (source, target) pairs of a .jsonl file whose lines are {"source", "target"} objects; None for any other
     data (a file whose first item is no such object)."""
-    from .data import jsonl_items, read_text_file
-
     path = Path(path)
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         return None
@@ -53,8 +55,6 @@ def _bad(path, n):
 
 def calibration_items(bundle: Bundle, data, samples: int, seq_len: int, random_data: bool, batch_size: int):
     """(batches of (source ids, source mask, target input ids), a record of the data)."""
-    from kvforge.tokenizer import Tokenizer
-
     cfg = bundle.model_config
     start = cfg["decoder_start_token_id"]
     pairs = read_pairs(data) if data is not None and not random_data else None
@@ -72,7 +72,7 @@ def calibration_items(bundle: Bundle, data, samples: int, seq_len: int, random_d
         if not items:
             raise KvforgeError(f"{data} holds no pair with a non-empty source")
         return items, {"data": str(data), "pairs": len(items), "random_data": False, "seq_len": seq_len}
-    cset = load_calibration_set(bundle, data, samples, seq_len, random_data)
+    cset = load_calibration_set(bundle, data, samples=samples, seq_len=seq_len, random_data=random_data)
     items = []
     for batch in cset.batches(batch_size):
         target = np.concatenate([np.full((len(batch), 1), start, np.int64), batch[:, :-1]], axis=1)
@@ -82,34 +82,59 @@ def calibration_items(bundle: Bundle, data, samples: int, seq_len: int, random_d
                    "target": "the source windows, teacher-forced"}
 
 
-def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: float, data, samples: int, seq_len: int,
-                     smoothquant: float | None, exclude: list[str], block_size: int | None, random_data: bool,
-                     batch_size: int, quantize_lm_head: bool, progress: Callable, check_weights,
-                     gptq: bool = False) -> tuple[dict, dict, dict]:
-    """Both graphs quantized: ({file: ModelProto}, the quantization record, the calibration record)."""
+def quantize_seq2seq(bundle: Bundle, recipe: Recipe, held_out, progress: Callable) -> Quantized:
+    """Both graphs quantized by the recipe (an encoder-decoder fits no accuracy budget: held_out is None)."""
     import onnx
 
-    from .passes import activation_scales, observe
-    from .gptq import DAMP, HessianAccumulator, gptq_rounder
-
-    cfg = bundle.model_config
     graphs = bundle.manifest["graphs"]
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
-    found = {role: find_targets(m, list(exclude), quantize_lm_head, require_matches=False) for role, m in models.items()}
+    exclude = list(recipe.exclude)
+    found = {role: find_targets(m, exclude, recipe.quantize_lm_head, require_matches=False) for role, m in models.items()}
     names = [t.layer for targets, excluded in found.values() for t in targets] + [n for _, ex in found.values() for n in ex]
     unmatched = [p for p in exclude if not any(re.search(p, n) for n in names)]
     if unmatched:
         raise KvforgeError(f"--exclude {unmatched} matches no linear layer of either graph; their names look like {names[:3]}")
     for role, (targets, _) in found.items():
-        check_weights(models[role], targets)
+        check_weights_finite(models[role], targets)
 
-    items, record = (None, {"data": None}) if precision == "int4" and not gptq else calibration_items(
-        bundle, data, samples, seq_len, random_data, batch_size)
-    encoder_float = make_session(bundle.path / graphs["encoder"]) if items else None
+    items, record = calibration_items(bundle, recipe.data, recipe.samples, recipe.seq_len, recipe.random_data,
+                                      recipe.batch_size) if recipe.needs_data else (None, {"data": None})
+    encoder_feeds, decoder_feeds = _feeds(bundle, models["decoder"], float_dtype) if items else (None, None)
+    out, scales, layers, excluded_all = {}, {}, [], []
+    for role, feeds in (("encoder", encoder_feeds), ("decoder", decoder_feeds)):
+        model = models[role]
+        targets, excluded = found[role]
+        act_amax = smooth = hessians = round_weight = None
+        report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
+        if items is not None:
+            activations = list(dict.fromkeys(t.activation for t in targets))
+            hessians = HessianAccumulator(activations) if recipe.gptq else None
+            observers, channel_amax, run = observe(model, activations, lambda: iter(items), len(items), feeds,
+                                                    recipe.smoothquant is not None, float_dtype, report, hessians)
+        if not recipe.weight_only:
+            act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
+                                                 len(items), recipe.precision, recipe.method, recipe.percentile,
+                                                 recipe.smoothquant, report)
+        if recipe.gptq:
+            round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, report,
+                                        len(targets))
+        scales[role] = rewrite(model, targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype,
+                               round_weight)
+        out[graphs[role]] = model
+        layers += [t.layer for t in targets]
+        excluded_all += excluded
+    quantization = {**recipe.quantization_record(layers, excluded_all), "graphs": list(graphs)}
+    return Quantized(out, quantization, {**record, "scales": scales, "accuracy_budget": None})
+
+
+def _feeds(bundle: Bundle, decoder, float_dtype):
+    """(encoder feeds, decoder feeds) for a calibration item: the decoder reads the float encoder's cross K/V."""
+    cfg = bundle.model_config
+    encoder_float = make_session(bundle.path / bundle.manifest["graphs"]["encoder"])
     n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["decoder_head_dim"]
-    dec_inputs = [i.name for i in models["decoder"].graph.input]
+    dec_inputs = [i.name for i in decoder.graph.input]
 
     def encoder_feeds(item):
         return {"input_ids": item[0], "attention_mask": item[1]}
@@ -122,32 +147,4 @@ def quantize_seq2seq(bundle: Bundle, precision: str, method: str, percentile: fl
             feeds += [empty, empty, cross[2 * i], cross[2 * i + 1]]
         return dict(zip(dec_inputs, feeds))
 
-    out, scales, layers, excluded_all = {}, {}, [], []
-    for role, feeds in (("encoder", encoder_feeds), ("decoder", decoder_feeds)):
-        model = models[role]
-        targets, excluded = found[role]
-        act_amax = smooth = hessians = round_weight = None
-        report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
-        if items is not None:
-            activations = list(dict.fromkeys(t.activation for t in targets))
-            hessians = HessianAccumulator(activations) if gptq else None
-            observers, channel_amax, run = observe(model, activations, lambda: iter(items), len(items), feeds,
-                                                    smoothquant is not None, float_dtype, report, hessians)
-        if precision != "int4":
-            act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
-                                                 len(items), precision, method, percentile, smoothquant, report)
-        if gptq:
-            round_weight = gptq_rounder(hessians, smooth, precision, block_size, float_dtype, report, len(targets))
-        scales[role] = rewrite(model, targets, precision, act_amax, block_size, smooth, float_dtype, round_weight)
-        out[graphs[role]] = model
-        layers += [t.layer for t in targets]
-        excluded_all += excluded
-    quantization = {
-        "format": precision, "weights": "block-wise" if precision == "int4" else "per-channel",
-        "weight_rounding": "gptq" if gptq else "nearest", "gptq_damp": DAMP if gptq else None, "activations": None if precision == "int4" else "per-tensor static",
-        "method": None if precision == "int4" else method,
-        "percentile": percentile if method == "percentile" and precision != "int4" else None,
-        "smoothquant_alpha": smoothquant, "block_size": block_size, "kv_cache": None,
-        "quantized_layers": layers, "excluded_layers": excluded_all, "graphs": list(graphs),
-    }
-    return out, quantization, {**record, "scales": scales, "accuracy_budget": None}
+    return encoder_feeds, decoder_feeds

@@ -1,0 +1,98 @@
+"""Calibration of a one-graph bundle (a decoder LM, an encoder, a Perceiver): observe, fit scales, rewrite.
+
+The graph is run on the calibration set (prefill feeds: token ids, mask, empty caches where it has them), each
+linear layer's input is observed, and the Q/DQ rewrite is applied to a copy of the float graph. A mixture's
+experts that too few calibration tokens reach are covered (calibration/experts.py); an accuracy budget keeps the
+layers that cost most in float (calibration/budget.py); an FP8 KV cache is quantized with its observed max.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.ort_session import prefill_feeds
+
+from .budget import fit_budget
+from .data import load_calibration_set
+from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
+from .gptq import HessianAccumulator, gptq_rounder
+from .passes import Progress, activation_scales, observe
+from .qdq import add_kv_cache_qdq, check_weights_finite, find_targets, rewrite
+from .recipe import Quantized, Recipe
+
+
+def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progress) -> Quantized:
+    """The bundle's graph quantized by the recipe; held_out: the accuracy budget's token stream (or None)."""
+    model = bundle.load_graph()  # a damage the manifest did not catch is named, not raised by protobuf
+    targets, _ = find_targets(model, list(recipe.exclude), recipe.quantize_lm_head)
+    check_weights_finite(model, targets)
+    activations = list(dict.fromkeys(t.activation for t in targets))
+    presents = [n for layer in bundle.io.present for n in layer] if recipe.kv_cache else []
+    float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
+    experts = find_experts(targets)  # a mixture's experts: each one's tokens are counted, the starved covered
+    routers = router_inputs(model, {e.moe for e in experts}) if experts else {}
+    extra = [n for n in dict.fromkeys(routers.values()) if n not in activations]
+
+    act_amax, smooth, calibration, hessians = None, None, {"data": None}, None
+    if recipe.needs_data:
+        cset = load_calibration_set(bundle, recipe.data, samples=recipe.samples, seq_len=recipe.seq_len,
+                                    random_data=recipe.random_data)
+        hessians = HessianAccumulator(activations) if recipe.gptq else None
+        n_batches = -(-len(cset.samples) // recipe.batch_size)
+        items = lambda: cset.batches(recipe.batch_size)  # noqa: E731
+        observers, channel_amax, run = observe(
+            model, activations + presents + extra, items, n_batches,
+            lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype),
+            recipe.smoothquant is not None, float_dtype, progress, hessians, {n: KEEP_ROWS for n in routers.values()},
+        )
+        calibration = {
+            "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
+            "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": recipe.batch_size,
+        }
+    expert_record, starved_float = None, []
+    if not recipe.weight_only:
+        act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches,
+                                             recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
+                                             progress)
+        if experts:
+            expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
+                                                                  act_amax, recipe)
+
+    # the budget's rewrites reuse each weight's GPTQ rounding
+    round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, progress,
+                                len(targets)) if recipe.gptq else None
+
+    def quantize(extra_exclude: list[str]):
+        """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
+        q = type(model)()
+        q.CopyFrom(model)
+        q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head)
+        rec = rewrite(q, q_targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype, round_weight)
+        if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
+            rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
+                                               float_dtype)
+        return q, q_targets, q_excluded, rec
+
+    progress("quantize", 0, 1)
+    budget_report = None
+    if recipe.accuracy_budget:
+        (model, targets, excluded, record), budget_report = fit_budget(
+            bundle, model, quantize, recipe.precision, recipe.accuracy_budget, held_out, progress)
+    else:
+        model, targets, excluded, record = quantize([f"^{re.escape(name)}$" for name in starved_float])
+    progress("quantize", 1, 1)
+    return Quantized({bundle.manifest["graph"]: model}, recipe.quantization_record([t.layer for t in targets], excluded),
+                     {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record})
+
+
+def _cover_starved_experts(bundle: Bundle, model, experts, observers, routers, act_amax, recipe: Recipe):
+    """(the experts' record, the layers kept in float): experts too few calibration tokens reached, covered."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    weights = {w: numpy_helper.to_array(inits[w]).astype(np.float32) for e in experts for w in (e.gate_weight, e.up_weight)}
+    return cover_starved(experts, observers, routers, weights, act_amax, recipe.min_expert_tokens,
+                         recipe.starved_experts, bundle.model_config["activation"], bundle.model_config["dim"])

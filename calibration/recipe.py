@@ -1,0 +1,138 @@
+"""A calibration recipe: every option of `calibrate()` in one value, checked once against the bundle.
+
+Each kind's quantizer (calibration/kinds.py) reads the recipe it is given; the checks that depend on the kind ask
+the Kind (a KV cache to quantize) or the quantizer (an accuracy budget to fit), never the kind's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvforge.bundle import Bundle
+from kvforge.checks import is_number, positive_int_or_none
+from kvforge.errors import KvforgeError
+
+from .budget import parse_budget
+from .experts import STARVED
+from .gptq import DAMP
+from .observers import METHODS
+from .qdq import FORMATS
+
+MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
+# TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings
+DEFAULT_BLOCK_SIZE = 128
+
+
+class Quantized(NamedTuple):
+    """What a kind's quantizer returns: the graphs to write and the manifest's records."""
+    models: dict[str, Any]  # file name -> quantized ModelProto
+    quantization: dict[str, Any]  # precision.quantization
+    calibration: dict[str, Any]  # the calibration entry: data, scales, budget, experts
+
+
+@dataclass(frozen=True)
+class Recipe:
+    precision: str = "int8"
+    method: str = "max"
+    percentile: float = 99.99
+    data: str | Path | None = None
+    samples: int = 128
+    seq_len: int = 256
+    smoothquant: float | None = None  # SmoothQuant's alpha (int8 and fp8)
+    exclude: tuple[str, ...] = ()  # regular expressions over layer names kept in float
+    block_size: int | None = None  # int4's block; DEFAULT_BLOCK_SIZE once checked
+    random_data: bool = False
+    batch_size: int = 8
+    quantize_lm_head: bool = False
+    kv_cache: str | None = None  # "fp8": the KV cache quantized too
+    accuracy_budget: dict[str, float] | None = None
+    budget_data: str | Path | None = None
+    budget_tokens: int = 4096
+    gptq: bool = False
+    min_expert_tokens: int = 16
+    starved_experts: str = "all-tokens"
+
+    @property
+    def weight_only(self) -> bool:
+        return self.precision == "int4"
+
+    @property
+    def needs_data(self) -> bool:
+        """Weight-only INT4 rounded to nearest reads no calibration data; everything else observes activations."""
+        return not self.weight_only or self.gptq
+
+    def checked(self, bundle: Bundle, fits_budget: bool) -> "Recipe":
+        """The recipe with its defaults resolved, or a KvforgeError naming the first option that cannot apply to
+        this bundle. fits_budget: the bundle's quantizer can fit an accuracy budget (calibration/kinds.py)."""
+        exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)  # one pattern, not its characters
+        budget = parse_budget(self.accuracy_budget) if self.accuracy_budget else None
+        if self.precision not in FORMATS:
+            raise KvforgeError(f"precision {self.precision!r} is not one of {FORMATS}")
+        if self.method not in METHODS:
+            raise KvforgeError(f"method {self.method!r} is not one of {METHODS}")
+        if bundle.quantization:
+            raise KvforgeError(f"{bundle.path} is already quantized ({bundle.quantization_format}); calibrate a float bundle")
+        if bundle.dtype == "bfloat16":
+            raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; "
+                               "calibrate a float32 or float16 bundle")
+        if self.smoothquant is not None and (self.weight_only or not 0.0 <= self.smoothquant <= 1.0):
+            raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 "
+                               f"(got {self.smoothquant} for {self.precision})")
+        if self.kv_cache not in (None, "fp8"):
+            raise KvforgeError(f"--kv-cache {self.kv_cache!r} is not supported; the choice is fp8")
+        if self.kv_cache and not bundle.kind.kv_cache:
+            raise KvforgeError(f"--kv-cache: {bundle.path} is {bundle.kind.article}, which has no KV cache")
+        if budget and not fits_budget:
+            raise KvforgeError("--accuracy-budget measures a decoder's perplexity; for an encoder, calibrate and then "
+                               "measure with `kvforge compare` (embedding cosine, top-1 agreement)")
+        if self.kv_cache and self.weight_only:
+            raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with int8 or fp8, not weight-only int4")
+        if self.kv_cache and bundle.manifest.get("opset", 0) < 19:
+            raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
+        if self.block_size is not None and not self.weight_only:
+            raise KvforgeError(f"--block-size applies to int4's block-wise weights; {self.precision} weights are per channel")
+        block_size = (DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size) if self.weight_only else None
+        for name, value in dict(samples=self.samples, seq_len=self.seq_len, batch_size=self.batch_size,
+                                block_size=block_size, budget_tokens=self.budget_tokens).items():
+            if not positive_int_or_none(value):
+                raise KvforgeError(f"{name} must be a positive integer, got {value!r}")
+        if self.method == "percentile" and not self.weight_only and not (
+                is_number(self.percentile) and 0.0 < self.percentile <= 100.0):
+            raise KvforgeError(f"--percentile must be a number in (0, 100], got {self.percentile!r}")
+        if self.starved_experts not in STARVED:
+            raise KvforgeError(f"--starved-experts {self.starved_experts!r} is not one of {STARVED}")
+        if not isinstance(self.min_expert_tokens, int) or isinstance(self.min_expert_tokens, bool) or self.min_expert_tokens < 0:
+            raise KvforgeError(f"--min-expert-tokens must be an integer >= 0, got {self.min_expert_tokens!r}")
+        if self.data is not None and self.random_data:
+            raise KvforgeError("--data and --random-data name two different calibration sets; pass one of them")
+        if bundle.manifest.get("opset", 0) < MIN_OPSET[self.precision]:
+            raise KvforgeError(f"{self.precision} Q/DQ needs opset >= {MIN_OPSET[self.precision]}; "
+                               f"re-export with --opset {max(21, MIN_OPSET[self.precision])}")
+        return dataclasses.replace(self, exclude=exclude, accuracy_budget=budget, block_size=block_size)
+
+    def quantization_record(self, layers: list[str], excluded: list[str]) -> dict[str, Any]:
+        """The manifest's precision.quantization entry for the layers quantized and those kept in float."""
+        return {
+            "format": self.precision,
+            "weights": "block-wise" if self.weight_only else "per-channel",
+            "weight_rounding": "gptq" if self.gptq else "nearest",
+            "gptq_damp": DAMP if self.gptq else None,
+            "activations": None if self.weight_only else "per-tensor static",
+            "method": None if self.weight_only else self.method,
+            "percentile": self.percentile if self.method == "percentile" and not self.weight_only else None,
+            "smoothquant_alpha": self.smoothquant,
+            "block_size": self.block_size,
+            "kv_cache": self.kv_cache,
+            "quantized_layers": layers,
+            "excluded_layers": excluded,
+        }
+
+    def lineage_options(self, data_read: bool) -> dict[str, Any]:
+        """The options as the lineage records them (random data only where data was read at all)."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if f.name not in ("data", "batch_size", "budget_data", "budget_tokens")}
+        options.update(exclude=list(self.exclude), random_data=bool(self.random_data and data_read))
+        return options
