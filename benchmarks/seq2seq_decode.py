@@ -57,7 +57,7 @@ def make_checkpoint(directory: Path) -> dict:
 def timed_decode(session, source: np.ndarray, new_tokens: int) -> dict:
     """Greedy decode of new_tokens + 1 target tokens: the first step (with the encoder) and the rest, per token."""
     mask = np.ones_like(source)
-    model = session.activate()._model
+    model = session.activate().backend
     cfg = session.config
     t0 = time.perf_counter()
     cross = model.encode(source, mask)

@@ -14,7 +14,8 @@ from .batcher import Batcher, Request
 from .encoder_session import EncoderSession
 from .generate import GenerationConfig, GenerationResult, TokenEvent
 from .sampling import SamplingConfig
-from .session import BACKENDS, Session, available_backends, load
+from .loading import load
+from .session import BACKENDS, Session, available_backends
 
 __all__ = [
     "BACKENDS",

@@ -31,18 +31,18 @@ class KVCache:
     layout: Any = None  # backend-private state of a cache not laid out as the mask (ONNX Runtime's packed rows)
 
 
-class Backend:
-    """One interface over the runtimes; subclasses implement the `_impl` hooks."""
+class Runner:
+    """What every backend shares, whatever it runs: its name, the options it takes (a misspelt one is refused, not
+    ignored), and a lifecycle (public activate/deactivate around `*_impl` hooks). `Backend` below runs a decoder's
+    KV-cache step; the encoder and encoder-decoder backends (runtime/graph_backends.py) run their graphs."""
 
     name = "base"
     option_names: tuple[str, ...] = ()  # what load(..., **options) may pass this backend (for the error message)
 
-    def __init__(self, config: dict[str, Any], io, **options):
+    def __init__(self, **options):
         if options:  # a misspelt option must not be ignored silently
             known = ", ".join(self.option_names) or "none"
             raise KvforgeError(f"unknown {self.name} backend option(s) {sorted(options)}; it takes: {known}")
-        self.config = config
-        self.io = io
         self.active = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -56,14 +56,47 @@ class Backend:
             self.deactivate_impl()
             self.active = False
 
+    def check_active(self) -> None:
+        if not self.active:
+            raise KvforgeError(f"the {self.name} backend is not active; use the Session as a context manager or call activate()")
+
+    def activate_impl(self) -> None:
+        raise NotImplementedError
+
+    def deactivate_impl(self) -> None:
+        pass
+
+
+def torch_source(bundle, source: str | None = None, float_reference: bool = False) -> str:
+    """The model source the torch backend rebuilds a bundle from: `source`, else the one the bundle's lineage records.
+    A quantized bundle is refused (the torch model is its float origin) unless float_reference asks for exactly that
+    (what `kvforge compare` measures against)."""
+    quant = bundle.quantization_format
+    if quant and not float_reference:
+        raise KvforgeError(
+            f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was made from, not "
+            "this bundle. Run it on onnxruntime (or tensorrt); `kvforge compare` measures it against that float reference")
+    source = source or bundle.recorded_source
+    if source is None:
+        raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
+    return source
+
+
+class Backend(Runner):
+    """One interface over the runtimes for a decoder's KV-cache step; subclasses implement the `_impl` hooks."""
+
+    def __init__(self, config: dict[str, Any], io, **options):
+        super().__init__(**options)
+        self.config = config
+        self.io = io
+
     # -- inference -------------------------------------------------------------
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache,
         last_only: bool = False,
     ) -> tuple[np.ndarray, KVCache]:
         """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T."""
-        if not self.active:
-            raise KvforgeError(f"the {self.name} backend is not active; use the Session as a context manager or call activate()")
+        self.check_active()
         if cache.backend != self.name:
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
         return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only)
@@ -113,12 +146,6 @@ class Backend:
         return [self.to_numpy(v) for v in cache.values]
 
     # -- hooks -----------------------------------------------------------------
-    def activate_impl(self) -> None:
-        raise NotImplementedError
-
-    def deactivate_impl(self) -> None:
-        pass
-
     def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only) -> tuple[np.ndarray, KVCache]:
         raise NotImplementedError
 

@@ -16,114 +16,33 @@ calls from several threads with a lock.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from kvforge.bundle import Bundle, IOSpec
+from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.kinds import kind_name
-from kvforge.tokenizer import Tokenizer
 
 from .generate import right_padded
+from .graph_backends import ENCODER_BACKENDS
+from .graph_session import GraphSession
 
 POOLINGS = ("mean", "cls")
 
 
-def _ort_runner(bundle: Bundle, device: str = "cpu", threads: int | None = None, optimization: str = "all",
-                **unknown) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
-    if unknown:
-        raise KvforgeError(f"unknown onnxruntime options for an encoder: {sorted(unknown)}")
-    from .ort_backend import make_session
+class EncoderSession(GraphSession):
+    backends = ENCODER_BACKENDS
 
-    if device not in ("cpu", "auto"):
-        raise KvforgeError(f"encoder sessions run on device 'cpu' here, not {device!r}")
-    bundle.load_graph(external_data=False)  # refuses external data outside the bundle
-    quant = bundle.quantization_format
-    session = make_session(bundle.graph_file, quant, optimization=optimization, threads=threads)
-    return lambda feeds: session.run(None, feeds)
-
-
-def torch_runner(source, config: dict[str, Any], io: IOSpec, dtype: str = "float32", device: str = "cpu"):
-    """run(feeds) -> outputs in IO order, on the Torch reference built from `source` (a preset, checkpoint or
-    Hugging Face directory), which must build the model `config` describes."""
-    import torch
-
-    from kvforge.model_defs import load
-
-    model, _ = load(source, dtype=dtype)
-    if model.config.to_dict() != config:
-        raise KvforgeError(f"the source {source!r} builds a model whose config differs from the bundle's")
-    model = model.to(device)
-    names = [t.name for t in io.outputs]
-
-    @torch.no_grad()
-    def run(feeds):
-        out = model(*(torch.from_numpy(feeds[t.name]).to(device) for t in io.inputs))
-        return [out[n].float().cpu().numpy() for n in names]
-    return run
-
-
-def _torch_runner(bundle: Bundle, source: str | None = None, device: str = "cpu", **unknown):
-    if unknown:
-        raise KvforgeError(f"unknown torch options for an encoder: {sorted(unknown)}")
-    quant = bundle.quantization_format
-    if quant:
-        raise KvforgeError(f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was "
-                           "made from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
-    source = source or bundle.recorded_source
-    if source is None:
-        raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-    return torch_runner(source, bundle.model_config, bundle.io, bundle.dtype, device)
-
-
-class EncoderSession:
-    def __init__(self, bundle: Bundle, backend: str = "auto", runner: Callable | None = None, **options):
-        """backend: onnxruntime (the bundle's graph) or torch (its source model); `runner` (run(feeds) ->
-        outputs in IO order) replaces both, for callers that hold the model already (compare's reference)."""
-        if backend not in ("auto", "onnxruntime", "torch"):
-            raise KvforgeError(f"encoder bundles run on the onnxruntime or torch backend, not {backend!r}")
-        self.bundle = bundle
-        self.source = str(bundle.path)
-        self.config: dict[str, Any] = bundle.model_config
-        self.io: IOSpec = bundle.io
-        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+    def __init__(self, bundle: Bundle, backend: str = "auto", **options):
+        """backend: onnxruntime (the bundle's graph) or torch (its source model; float_reference=True: the float
+        model a quantized bundle was made from, what compare measures against)."""
+        super().__init__(bundle, backend, **options)
         self.max_length = self.io.max_context or self.config["max_seq_len"]
-        self.backend_name = "onnxruntime" if backend == "auto" else backend
-        self._options = options
-        self._given = runner
-        self._run: Callable | None = None
-        self._lock = threading.Lock()
         self.input_names = [t.name for t in self.io.inputs]
         self.output_names = [t.name for t in self.io.outputs]
 
-    # -- lifecycle -----------------------------------------------------------------
-    def activate(self) -> EncoderSession:
-        with self._lock:
-            if self._run is None and self._given is not None:
-                self._run = self._given
-            elif self._run is None:
-                make = _ort_runner if self.backend_name == "onnxruntime" else _torch_runner
-                self._run = make(self.bundle, **self._options)
-        return self
-
-    def deactivate(self) -> None:
-        with self._lock:
-            self._run = None
-
-    def __enter__(self) -> EncoderSession:
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
-
     def __repr__(self) -> str:
         return f"EncoderSession({self.source!r}, backend={self.backend_name!r}, outputs={self.output_names})"
-
-    @property
-    def architecture(self) -> str:
-        return self.config.get("architecture", "encoder")
 
     # -- the graph's contract --------------------------------------------------------
     def check_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -171,9 +90,7 @@ class EncoderSession:
         feeds = self.check_feeds(feeds)
         self.activate()
         with self._lock:
-            if self._run is None:
-                raise KvforgeError("the session was closed")
-            outputs = self._run(feeds)
+            outputs = self.backend.run("model", feeds)
         return dict(zip(self.output_names, (np.asarray(o, np.float32) for o in outputs)))
 
     # -- text --------------------------------------------------------------------------
@@ -218,14 +135,14 @@ class EncoderSession:
                 results.append({n: (v[i, :len(r)] if n in per_token else v[i]) for n, v in out.items()})
         return results
 
-    def embed(self, texts: str | Sequence[str], pooling: str = "mean", normalize: bool = False,
+    def embed(self, texts: str | Sequence[str], pooling: str = "mean", *, normalize: bool = False,
               batch_size: int = 32, truncate: bool = False) -> np.ndarray:
         """One vector per text, (n, dim): the mean of its tokens' last hidden states (a Perceiver: of its
         latents), or the first token's ("cls"); L2-normalized when asked."""
         if pooling not in POOLINGS:
             raise KvforgeError(f"pooling {pooling!r} is not one of {POOLINGS}")
-        if pooling == "cls" and self.architecture != "encoder":
-            raise KvforgeError(f"a {self.architecture}'s outputs are latents, not tokens: there is no CLS token; "
+        if pooling == "cls" and not self.bundle.kind.cls_pooling:
+            raise KvforgeError(f"{self.bundle.kind.article}'s outputs are latents, not tokens: there is no CLS token; "
                                "use pooling='mean'")
         hidden = [r["last_hidden_state"] for r in self.encode(texts, batch_size, truncate)]
         vectors = np.stack([h.mean(axis=0) if pooling == "mean" else h[0] for h in hidden]).astype(np.float32)
@@ -248,7 +165,7 @@ class EncoderSession:
         return out
 
     def generate(self, *args, **kwargs):
-        raise KvforgeError(f"{self.source} is {kind_name(self.architecture)}: it does not generate text; use embed() or classify() "
+        raise KvforgeError(f"{self.source} is {self.bundle.kind.article}: it does not generate text; use embed() or classify() "
                            "(`kvforge embed` on the command line)")
 
     stream = generate

@@ -21,131 +21,28 @@ rebuilt from the bundle's source). Calls are serialized by a lock.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.tokenizer import Tokenizer
 
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, finish_reason, right_padded, stop_ids, token_rows
+from .graph_backends import SEQ2SEQ_BACKENDS
+from .graph_session import GraphSession
 from .sampling import select
 
-Pairs = list[tuple[np.ndarray, np.ndarray]]
 
-
-class _OrtModel:
-    def __init__(self, bundle: Bundle, threads: int | None = None, optimization: str = "all", device: str = "cpu", **unknown):
-        if unknown:
-            raise KvforgeError(f"unknown onnxruntime options for an encoder-decoder: {sorted(unknown)}")
-        if device not in ("cpu", "auto"):
-            raise KvforgeError(f"encoder-decoder sessions run on device 'cpu' here, not {device!r}")
-        from .ort_backend import make_session
-
-        bundle.load_graph(external_data=False)  # refuses external data outside the bundle
-        quant = bundle.quantization_format
-        graphs = bundle.manifest["graphs"]
-        self.encoder = make_session(bundle.path / graphs["encoder"], quant, optimization=optimization, threads=threads)
-        self.decoder = make_session(bundle.path / graphs["decoder"], quant, optimization=optimization, threads=threads)
-        self.dec_names = [i.name for i in self.decoder.get_inputs()]
-        self.dtype = np.float16 if bundle.dtype == "float16" else np.float32
-        if bundle.dtype == "bfloat16":
-            raise KvforgeError("ONNX Runtime's CPU provider has no bfloat16 kernels; run a float32 or float16 bundle")
-
-    def encode(self, ids: np.ndarray, mask: np.ndarray) -> Pairs:
-        out = self.encoder.run(None, {"input_ids": ids, "attention_mask": mask})
-        return [(out[1 + 2 * i], out[2 + 2 * i]) for i in range((len(out) - 1) // 2)]
-
-    def decode(self, ids: np.ndarray, mask: np.ndarray, past: Pairs, cross: Pairs) -> tuple[np.ndarray, Pairs]:
-        feeds = [ids, mask]
-        for (pk, pv), (ck, cv) in zip(past, cross):
-            feeds += [pk, pv, ck, cv]
-        out = self.decoder.run(None, dict(zip(self.dec_names, feeds)))
-        return out[0], [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(len(past))]
-
-
-class _TorchModel:
-    def __init__(self, bundle: Bundle, source: str | None = None, device: str = "cpu", float_reference: bool = False,
-                 **unknown):
-        """float_reference: run the float model a quantized bundle was made from (what compare measures against)."""
-        if unknown:
-            raise KvforgeError(f"unknown torch options for an encoder-decoder: {sorted(unknown)}")
-        import torch
-
-        from kvforge.model_defs import load
-
-
-        if bundle.quantization_format and not float_reference:
-            raise KvforgeError(f"{bundle.path} is quantized; the torch backend would run the float model it was made "
-                               "from. Run it on onnxruntime; `kvforge compare` measures it against that reference")
-        source = source or bundle.recorded_source
-        if source is None:
-            raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-        model, _ = load(source, dtype="float32" if float_reference else bundle.dtype)
-        if model.config.to_dict() != bundle.model_config:
-            raise KvforgeError(f"the source {source!r} builds a model whose config differs from the bundle's")
-        self.torch, self.model, self.device = torch, model.to(device), device
-        self.dtype = np.float32
-
-    def _t(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-    def encode(self, ids, mask) -> Pairs:
-        with self.torch.no_grad():
-            _, cross = self.model.encode(self._t(ids), self._t(mask))
-        return [(k, v) for k, v in cross]  # kept as tensors between steps
-
-    def decode(self, ids, mask, past, cross):
-        with self.torch.no_grad():
-            past = None if past[0][0].shape[2] == 0 else past
-            logits, present = self.model.decode(self._t(ids), self._t(mask), past, cross)
-        return logits.float().cpu().numpy(), list(present)
-
-    def empty(self, batch, heads, dim):
-        z = self.torch.zeros(batch, heads, 0, dim, dtype=self.model.dtype, device=self.device)
-        return z
-
-
-class Seq2SeqSession:
-    architecture = "encoder-decoder"
+class Seq2SeqSession(GraphSession):
+    backends = SEQ2SEQ_BACKENDS
 
     def __init__(self, bundle: Bundle, backend: str = "auto", **options):
-        if backend not in ("auto", "onnxruntime", "torch"):
-            raise KvforgeError(f"encoder-decoder bundles run on the onnxruntime or torch backend, not {backend!r}")
-        self.bundle = bundle
-        self.source = str(bundle.path)
-        self.config: dict[str, Any] = bundle.model_config
-        self.io = bundle.io
-        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+        """backend: onnxruntime (the bundle's two graphs) or torch (its source model; float_reference=True: the
+        float model a quantized bundle was made from, what compare measures against)."""
+        super().__init__(bundle, backend, **options)
         self.max_context = self.io.max_context or self.config["max_seq_len"]
         self.vocab_size = self.config["vocab_size"]
-        self.backend_name = "onnxruntime" if backend == "auto" else backend
-        self._options = options
-        self._model = None
-        self._lock = threading.RLock()
-
-    # -- lifecycle ---------------------------------------------------------------------
-    def activate(self) -> Seq2SeqSession:
-        with self._lock:
-            if self._model is None:
-                make = _OrtModel if self.backend_name == "onnxruntime" else _TorchModel
-                self._model = make(self.bundle, **self._options)
-        return self
-
-    def deactivate(self) -> None:
-        with self._lock:
-            self._model = None
-
-    def __enter__(self) -> Seq2SeqSession:
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
-
-    def __repr__(self) -> str:
-        return f"Seq2SeqSession({self.source!r}, backend={self.backend_name!r})"
 
     # -- inputs ------------------------------------------------------------------------------
     def _sources(self, source) -> tuple[list[list[int]], bool]:
@@ -183,11 +80,11 @@ class Seq2SeqSession:
             yield tokens, finish
             return
         self.activate()
-        model = self._model
+        model = self.backend
         with self._lock:
             cross = model.encode(ids, mask)
         heads, dim = cfg["decoder_heads"], cfg["decoder_head_dim"]
-        past = [(self._empty(model, B, heads, dim), self._empty(model, B, heads, dim)) for _ in cross]
+        past = [(model.empty(B, heads, dim), model.empty(B, heads, dim)) for _ in cross]
         nxt = np.full((B, 1), cfg["decoder_start_token_id"], np.int64)
         seen = [np.zeros(0, np.int64) for _ in rows]
         rngs = [np.random.default_rng(config.seed) for _ in rows]
@@ -221,12 +118,6 @@ class Seq2SeqSession:
             return cfg["forced_eos_token_id"]
         return None
 
-    @staticmethod
-    def _empty(model, batch, heads, dim):
-        if isinstance(model, _TorchModel):
-            return model.empty(batch, heads, dim)
-        return np.zeros((batch, heads, 0, dim), model.dtype)
-
     # -- public -------------------------------------------------------------------------------
     def forward(self, source_ids: np.ndarray, source_mask: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
         """Teacher-forced float32 logits (B, T, vocab) of target_ids (decoder inputs, the start token first)
@@ -240,12 +131,12 @@ class Seq2SeqSession:
         if target_ids.shape[1] > self.max_context or target_ids.min() < 0 or target_ids.max() >= self.vocab_size:
             raise KvforgeError(f"target ids must lie in 0..{self.vocab_size - 1}, at most {self.max_context} per row")
         self.activate()
-        model = self._model
+        model = self.backend
         cfg = self.config
         with self._lock:
             cross = model.encode(source_ids, source_mask)
             B = source_ids.shape[0]
-            past = [(self._empty(model, B, cfg["decoder_heads"], cfg["decoder_head_dim"]),) * 2 for _ in cross]
+            past = [(model.empty(B, cfg["decoder_heads"], cfg["decoder_head_dim"]),) * 2 for _ in cross]
             logits, _ = model.decode(target_ids, source_mask, past, cross)
         return np.asarray(logits, np.float32)
 

@@ -1,4 +1,5 @@
-"""`kvforge.runtime.load(bundle, backend="auto") -> Session`: one interface over the backends.
+"""A decoder LM's Session (what `kvforge.runtime.load` opens for one, runtime/loading.py): one interface over the
+backends.
 
 A Session validates every input against the bundle's IO spec, owns a
 backend, and generates text. It is a context manager (activate on enter,
@@ -12,7 +13,6 @@ lock for each token's step only, never between tokens.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Iterator
 
@@ -20,12 +20,14 @@ import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
-from kvforge.kinds import kind_name
+from kvforge.tensorrt_env import tensorrt_gpu_missing
 from kvforge.tokenizer import Tokenizer
 
-from .backend import Backend, KVCache
-from .encoder_session import EncoderSession
+from .backend import Backend, KVCache, torch_source
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
+from .ort_backend import OnnxRuntimeBackend
+from .torch_backend import TorchBackend
+from .trt_backend import TensorRTBackend
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
@@ -37,7 +39,6 @@ def available_backends() -> list[str]:
     found = []
     if importlib.util.find_spec("onnxruntime"):
         found.append("onnxruntime")
-    from kvforge.tensorrt_env import tensorrt_gpu_missing
 
     if tensorrt_gpu_missing() is None:
         found.append("tensorrt")
@@ -46,103 +47,27 @@ def available_backends() -> list[str]:
     return found
 
 
-def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Session | EncoderSession:
-    """Open a bundle (or, with the torch backend, any model source) as a Session.
-
-    backend: "auto" (tensorrt for engine bundles, onnxruntime for ONNX bundles;
-    torch for model sources), "onnxruntime", "tensorrt" or "torch". options go
-    to the backend: onnxruntime takes device ("auto", "cpu", "cuda"), threads,
-    optimization ("all", "extended", "basic", "none"), variant (True: the
-    faster ORT-specific variant of the graph, see runtime/ort_variant.py;
-    False: the bundle's graph exactly); tensorrt runs engine bundles (`kvforge
-    build`), and an ONNX bundle through an engine built once with the default
-    limits and cached (runtime/trt_backend.py); torch takes device and source
-    (the model to rebuild the reference from; default: the one recorded in the
-    bundle's lineage). An encoder bundle (BERT, RoBERTa, Perceiver) opens as an
-    EncoderSession (embed, classify), an encoder-decoder bundle (T5, BART) as a
-    Seq2SeqSession (generate, stream), on onnxruntime or torch.
-    """
-    if backend not in ("auto", *BACKENDS):
-        raise KvforgeError(f"unknown backend {backend!r}; choose from {('auto', *BACKENDS)}")
-    if Bundle.is_bundle(source):
-        bundle = Bundle(source)
-        bundle.verify()  # before any cache derived from its files is consulted (docs/bundle.md: integrity)
-        architecture = bundle.architecture
-        if architecture != "decoder" and bundle.is_engine:
-            raise KvforgeError(f"{bundle.path} holds TensorRT engines of {kind_name(architecture)} "
-                               f"({', '.join(sorted(bundle.manifest.get('engines', {})))}); kvforge's runtime runs "
-                               "encoder and encoder-decoder bundles on onnxruntime or torch: load the ONNX bundle they "
-                               "were built from")
-        if architecture == "encoder-decoder":
-            from .seq2seq_session import Seq2SeqSession
-
-            return Seq2SeqSession(bundle, backend, **options)
-        if architecture != "decoder":
-            return EncoderSession(bundle, backend, **options)
-        io, config = bundle.io, bundle.model_config
-        tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
-        dtype = bundle.dtype
-        engine = bundle.is_engine
-        if backend == "auto":
-            backend = "tensorrt" if engine else "onnxruntime"
-        if backend == "onnxruntime" and engine:
-            raise KvforgeError(f"{bundle.path} holds a TensorRT engine ({bundle.manifest['graph']}); it runs on the tensorrt "
-                               "backend (or torch, for the reference), not onnxruntime")
-        if backend == "onnxruntime":
-            from .ort_backend import OnnxRuntimeBackend
-
-            impl: Backend = OnnxRuntimeBackend(config, io, bundle, **options)
-        elif backend == "tensorrt":
-            from .trt_backend import TensorRTBackend
-
-            impl = TensorRTBackend(config, io, bundle, **options)
-        else:
-            from .torch_backend import TorchBackend
-
-            quant = bundle.quantization_format
-            if quant:
-                raise KvforgeError(
-                    f"{bundle.path} is quantized ({quant}); the torch backend would run the float model it was made from, "
-                    "not this bundle. Run it on onnxruntime (or tensorrt); `kvforge compare` measures it against that float reference"
-                )
-            src = options.pop("source", None) or bundle.recorded_source
-            if src is None:
-                raise KvforgeError(f"{bundle.path} records no source model; pass source=... for the torch backend")
-            impl = TorchBackend(config, io, src, dtype=dtype, **options)
-        graph_record = bundle.manifest.get("files", {}).get(bundle.manifest.get("graph"), {})
-        model_id = graph_record.get("sha256") or str(bundle.path.resolve())  # caches pass between sessions of one model only
-        return Session(impl, tokenizer, config, io, str(source), model_id)
+def open_decoder(bundle: Bundle, backend: str, **options) -> "Session":
+    """A decoder LM bundle's Session on its backend ("auto": tensorrt for engines, else onnxruntime)."""
+    io, config = bundle.io, bundle.model_config
+    tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+    dtype = bundle.dtype
+    engine = bundle.is_engine
+    if backend == "auto":
+        backend = "tensorrt" if engine else "onnxruntime"
+    if backend == "onnxruntime" and engine:
+        raise KvforgeError(f"{bundle.path} holds a TensorRT engine ({bundle.manifest['graph']}); it runs on the tensorrt "
+                           "backend (or torch, for the reference), not onnxruntime")
     if backend == "onnxruntime":
-        raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`) to run it on ONNX Runtime")
-    if backend == "tensorrt":
-        raise KvforgeError(f"{source} is not a bundle; export it first (`kvforge export {source} -o OUT`, then optionally "
-                           "`kvforge build OUT -o ENGINE`) to run it on TensorRT")
-    return _torch_session(source, **options)
-
-
-def _torch_session(source, dtype: str = "float32", **options) -> Session:
-    """A Session over the Torch reference built from a model source (no bundle needed)."""
-    from kvforge.model_defs import load as load_model
-
-    from .torch_backend import TorchBackend
-
-    model, tokenizer = load_model(source, dtype=dtype)
-    cfg = model.config.to_dict()
-    if cfg.get("architecture", "decoder") != "decoder":
-        raise KvforgeError(f"{source} is {kind_name(cfg['architecture'])}; its sessions open from a bundle: export it first "
-                           f"(`kvforge export {source} -o OUT`), then load OUT (backend='torch' runs the reference)")
-    io = _io_from_config(cfg, dtype)
-    impl = TorchBackend(cfg, io, source, dtype=dtype, **options)
-    return Session(impl, tokenizer, cfg, io, str(source), f"{source}:{dtype}")
-
-
-def _io_from_config(cfg: dict[str, Any], dtype: str) -> IOSpec:
-    from kvforge.export.onnx_export import io_spec
-    from kvforge.model_defs import ModelConfig
-
-    import torch
-
-    return io_spec(ModelConfig.from_dict(cfg), getattr(torch, dtype), cfg["max_seq_len"])
+        impl: Backend = OnnxRuntimeBackend(config, io, bundle, **options)
+    elif backend == "tensorrt":
+        impl = TensorRTBackend(config, io, bundle, **options)
+    else:
+        src = torch_source(bundle, options.pop("source", None))
+        impl = TorchBackend(config, io, src, dtype=dtype, **options)
+    graph_record = bundle.manifest.get("files", {}).get(bundle.manifest.get("graph"), {})
+    model_id = graph_record.get("sha256") or str(bundle.path.resolve())  # caches pass between sessions of one model only
+    return Session(impl, tokenizer, config, io, str(bundle.path), model_id)
 
 
 class Session:
@@ -195,6 +120,7 @@ class Session:
         self,
         input_ids: np.ndarray,
         attention_mask: np.ndarray | None = None,
+        *,
         position_ids: np.ndarray | None = None,
         cache: KVCache | None = None,
         last_logits_only: bool = False,

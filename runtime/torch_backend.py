@@ -29,7 +29,7 @@ class TorchBackend(Backend):
             import torch
         except ImportError as e:
             raise MissingDependencyError("PyTorch (for the torch backend)", "Install it with `bash scripts/install.sh`.") from e
-        from kvforge.model_defs import load
+        from kvforge.model_defs import load  # torch: imported on activation only (module docstring)
 
         if self.device != "cpu" and not torch.cuda.is_available():
             raise KvforgeError(f"torch device {self.device!r}: this PyTorch build sees no CUDA device; use device='cpu'")

@@ -419,7 +419,7 @@ def engine_for(bundle: Bundle) -> Bundle:
     target = cache_dir("trt-engines") / engine_cache_key(bundle, trt.__version__, device["compute_capability"])
     if Bundle.is_bundle(target):
         return Bundle(target)
-    from kvforge.export.engine import build
+    from kvforge.export.engine import build  # torch and onnx: only when an engine must be built
 
     print(f"kvforge: building a TensorRT engine for {bundle.path} (cached in {target}) ...", file=sys.stderr)
     try:

@@ -17,6 +17,8 @@ from .test_layers import modules
 REGISTRIES = {
     "model_defs": ("kvforge.model_defs.architectures", "ARCHITECTURES"),
     "export": ("kvforge.export.kinds", "EXPORTS"),
+    "calibration": ("kvforge.calibration.kinds", "QUANTIZERS"),
+    "runtime": ("kvforge.runtime.kinds", "SESSIONS"),
     "verify": ("kvforge.verify.kinds", "COMPARERS"),
 }
 

@@ -23,9 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from kvforge import metrics
+from kvforge import metrics, runtime
 from kvforge.bundle import Bundle
-from kvforge.metrics import ENCODER_METRICS
+from kvforge.calibration.data import eval_ids
+from kvforge.metrics import ENCODER_METRICS, check_tolerances
+from kvforge.runtime.encoder_session import EncoderSession
+
+from .report import Report, precision_of, reference_source
 
 # Default bounds per precision. Float exports are bounded on what export validation already holds them to;
 # the quantized ones on what users feel (the embedding's direction and the prediction), measured on the
@@ -74,6 +78,56 @@ def data_line(r: dict[str, Any]) -> str:
     return f"{r['data']}, {r['inputs']} right-padded inputs, {r['tokens']} real tokens"
 
 
+def _add_batch(sums: _Sums, oc: dict[str, np.ndarray], orf: dict[str, np.ndarray], real: np.ndarray,
+               per_token: set[str], head: str | None) -> None:
+    """One batch's candidate (oc) and reference (orf) outputs into the sums; `real`: the tokens that are not padding."""
+    hc, hr = oc["last_hidden_state"], orf["last_hidden_state"]
+    if "last_hidden_state" in per_token:
+        pooled_c = (hc * real[..., None]).sum(1) / real.sum(1, keepdims=True)
+        pooled_r = (hr * real[..., None]).sum(1) / real.sum(1, keepdims=True)
+        hc, hr = hc[real], hr[real]
+    else:
+        pooled_c, pooled_r = hc.mean(1), hr.mean(1)
+        hc, hr = hc.reshape(-1, hc.shape[-1]), hr.reshape(-1, hr.shape[-1])
+    sums.add("embedding_cosine", _cosines(pooled_c, pooled_r))
+    sums.add("hidden_cosine", _cosines(hc, hr))
+    sums.add("hidden_err2", ((hc.astype(np.float64) - hr) ** 2).sum())
+    sums.add("hidden_ref2", (hr.astype(np.float64) ** 2).sum())
+    sums.add("hidden_max_abs", np.abs(hc.astype(np.float64) - hr).max())
+    if head in ("mlm", "classification"):
+        lc, lr = oc["logits"], orf["logits"]
+        if "logits" in per_token:
+            lc, lr = lc[real], lr[real]
+        sums.add("top1", lc.argmax(-1) == lr.argmax(-1))
+        sums.add("kl", metrics.kl_divergence(lc, lr))
+        sums.add("logits_err2", ((lc.astype(np.float64) - lr) ** 2).sum())
+        sums.add("logits_ref2", (lr.astype(np.float64) ** 2).sum())
+        sums.add("logits_max_abs", np.abs(lc.astype(np.float64) - lr).max())
+    if head == "pooler":
+        sums.add("pooler_cosine", _cosines(oc["pooler_output"], orf["pooler_output"]))
+
+
+def _metrics(sums: _Sums) -> dict[str, Any]:
+    """The comparison's metrics from the sums over every batch (a head's metrics None where there is no head)."""
+
+    def rel(err: str, ref_key: str) -> float:
+        den = sums.all(ref_key).sum()
+        return float(np.sqrt(sums.all(err).sum() / den)) if den > 0 else 0.0
+
+    emb = sums.all("embedding_cosine")
+    return {
+        "embedding_cosine_mean": float(emb.mean()), "embedding_cosine_min": float(emb.min()),
+        "hidden_cosine_min": float(sums.all("hidden_cosine").min()),
+        "hidden_max_abs": float(sums.all("hidden_max_abs").max()),
+        "hidden_rel_l2": rel("hidden_err2", "hidden_ref2"),
+        "top1_agreement": float(sums.all("top1").mean()) if "top1" in sums.values else None,
+        "kl_divergence_mean": float(sums.all("kl").mean()) if "kl" in sums.values else None,
+        "logits_max_abs": float(sums.all("logits_max_abs").max()) if "top1" in sums.values else None,
+        "logits_rel_l2": rel("logits_err2", "logits_ref2") if "top1" in sums.values else None,
+        "pooler_cosine_min": float(sums.all("pooler_cosine").min()) if "pooler_cosine" in sums.values else None,
+    }
+
+
 def compare_encoder(
     candidate: str | Path,
     reference: str | Path | None = None,
@@ -90,14 +144,6 @@ def compare_encoder(
     **backend_options,
 ):
     """Compare an encoder bundle on `backend` with the Torch reference; returns a compare.Report."""
-    from kvforge import runtime
-    from kvforge.runtime.encoder_session import EncoderSession, torch_runner
-
-    from kvforge.calibration.data import eval_ids
-    from kvforge.metrics import check_tolerances
-
-    from .report import Report, precision_of, reference_source
-
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(candidate)
@@ -105,7 +151,7 @@ def compare_encoder(
     bounds = {**ENCODER_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
     ref_source = reference_source(bundle, reference, "encoder")
-    ref = EncoderSession(bundle, "torch", runner=torch_runner(ref_source, bundle.model_config, bundle.io))
+    ref = EncoderSession(bundle, "torch", source=ref_source, float_reference=True)
     cfg = bundle.model_config
     seq_len = min(seq_len, cand.max_length)
     rng = np.random.default_rng(seed)
@@ -124,52 +170,15 @@ def compare_encoder(
             rows = [r[m == 1].tolist() for r, m in zip(input_ids[i:i + batch_size], mask[i:i + batch_size])]
             feeds = cand.feeds(rows)
             oc, orf = cand.run(feeds), ref.run(feeds)
-            real = feeds["attention_mask"].astype(bool)
-            hc, hr = oc["last_hidden_state"], orf["last_hidden_state"]
-            if "last_hidden_state" in per_token:
-                pooled_c = (hc * real[..., None]).sum(1) / real.sum(1, keepdims=True)
-                pooled_r = (hr * real[..., None]).sum(1) / real.sum(1, keepdims=True)
-                hc, hr = hc[real], hr[real]
-            else:
-                pooled_c, pooled_r = hc.mean(1), hr.mean(1)
-                hc, hr = hc.reshape(-1, hc.shape[-1]), hr.reshape(-1, hr.shape[-1])
-            sums.add("embedding_cosine", _cosines(pooled_c, pooled_r))
-            sums.add("hidden_cosine", _cosines(hc, hr))
-            sums.add("hidden_err2", ((hc.astype(np.float64) - hr) ** 2).sum())
-            sums.add("hidden_ref2", (hr.astype(np.float64) ** 2).sum())
-            sums.add("hidden_max_abs", np.abs(hc.astype(np.float64) - hr).max())
-            if head in ("mlm", "classification"):
-                lc, lr = oc["logits"], orf["logits"]
-                if "logits" in per_token:
-                    lc, lr = lc[real], lr[real]
-                sums.add("top1", lc.argmax(-1) == lr.argmax(-1))
-                sums.add("kl", metrics.kl_divergence(lc, lr))
-                sums.add("logits_err2", ((lc.astype(np.float64) - lr) ** 2).sum())
-                sums.add("logits_ref2", (lr.astype(np.float64) ** 2).sum())
-                sums.add("logits_max_abs", np.abs(lc.astype(np.float64) - lr).max())
-            if head == "pooler":
-                sums.add("pooler_cosine", _cosines(oc["pooler_output"], orf["pooler_output"]))
+            _add_batch(sums, oc, orf, feeds["attention_mask"].astype(bool), per_token, head)
             progress("encode", i // batch_size + 1, n_batches)
 
-    def rel(err: str, ref_key: str) -> float:
-        den = sums.all(ref_key).sum()
-        return float(np.sqrt(sums.all(err).sum() / den)) if den > 0 else 0.0
-
-    emb = sums.all("embedding_cosine")
     result: dict[str, Any] = {
         "kind": "encoder", "metric_keys": list(ENCODER_METRICS),
         "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
         "reference": ref_source, "reference_backend": "torch", "architecture": cfg.get("architecture"), "head": head,
         "data": data_name, "inputs": int(len(input_ids)), "tokens": int(mask.sum()), "seq_len": seq_len,
-        "embedding_cosine_mean": float(emb.mean()), "embedding_cosine_min": float(emb.min()),
-        "hidden_cosine_min": float(sums.all("hidden_cosine").min()),
-        "hidden_max_abs": float(sums.all("hidden_max_abs").max()),
-        "hidden_rel_l2": rel("hidden_err2", "hidden_ref2"),
-        "top1_agreement": float(sums.all("top1").mean()) if "top1" in sums.values else None,
-        "kl_divergence_mean": float(sums.all("kl").mean()) if "kl" in sums.values else None,
-        "logits_max_abs": float(sums.all("logits_max_abs").max()) if "top1" in sums.values else None,
-        "logits_rel_l2": rel("logits_err2", "logits_ref2") if "top1" in sums.values else None,
-        "pooler_cosine_min": float(sums.all("pooler_cosine").min()) if "pooler_cosine" in sums.values else None,
+        **_metrics(sums),
     }
     if result["top1_agreement"] is None:  # no prediction head: its bound does not apply
         bounds.pop("top1_agreement", None)
