@@ -6,7 +6,12 @@ plan, calibration's Q/DQ rewrite and the runtime's ONNX Runtime rewrites (docs/d
 
 from __future__ import annotations
 
+import collections
 from typing import Any
+
+import numpy as np
+
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators
 
 # TensorProto element types by their names in TensorRT's tables (FP8 covers every 8-bit float).
 TYPE_NAMES = {
@@ -51,3 +56,117 @@ def constant(graph, name: str) -> Any:
                 if a.name == "value":
                     return numpy_helper.to_array(a.t)
     return None
+
+
+class GraphIndex:
+    """Producer/consumer maps and constant lookup over an ONNX graph."""
+
+    def __init__(self, graph):
+        from onnx import numpy_helper
+
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.consumers = collections.defaultdict(list)
+        for n in graph.node:
+            for i in n.input:
+                self.consumers[i].append(n)
+        self.outputs = {o.name for o in graph.output}
+        self._inits = {i.name: i for i in graph.initializer}
+        self._to_array = numpy_helper.to_array
+        self._shapes = {v.name: v.type.tensor_type for v in (*graph.input, *graph.value_info)}
+
+    def dims(self, name: str) -> list | None:
+        """The shape recorded for `name` (ints and symbols), or None where the graph records none."""
+        t = self._shapes.get(name)
+        if t is None or not t.HasField("shape"):
+            return None
+        return [d.dim_param or d.dim_value for d in t.shape.dim]
+
+    def axes(self, node) -> np.ndarray | None:
+        """A Reduce/Unsqueeze node's axes: its second input (opset >= 13/18) or its `axes` attribute."""
+        return self.const(node.input[1]) if len(node.input) > 1 else np.array(node_attribute(node, "axes", []))
+
+    def const(self, name: str) -> np.ndarray | None:
+        if name in self._inits:
+            return self._to_array(self._inits[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            return self._to_array(node.attribute[0].t)
+        return None
+
+    def only_consumer(self, name: str, op_type: str):
+        """The single consumer of `name` if it has op_type and `name` is not a graph output."""
+        users = self.consumers.get(name, [])
+        if len(users) == 1 and users[0].op_type == op_type and name not in self.outputs:
+            return users[0]
+        return None
+
+    def other_input(self, node, name: str) -> str | None:
+        ins = list(node.input)
+        if len(ins) != 2 or name not in ins:
+            return None
+        return ins[1] if ins[0] == name else ins[0]
+
+
+def node_attribute(node, name, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def scalar_value(value: np.ndarray | None) -> float | None:
+    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+
+def replace_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
+    """Drop nodes whose id is in `removed`; put added[id] where that node stood."""
+    nodes = []
+    for n in graph.node:
+        nodes += added.get(id(n), [])
+        if id(n) not in removed:
+            nodes.append(n)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def use_ms_domain(model) -> None:
+    """Declare the com.microsoft opset (ONNX Runtime's contrib ops) if the model does not yet."""
+    from onnx import helper
+
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def node_reads(node) -> list[str]:
+    """What a node reads: its inputs and, for If / Loop / Scan, every name its subgraphs read."""
+    names = [i for i in node.input if i]
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            for n in sub.node:
+                names += node_reads(n)
+    return names
+
+
+def drop_dead_nodes(model) -> int:
+    """Remove nodes none of whose outputs reach a graph output (left behind by the fusions); returns how many."""
+    g = model.graph
+    needed = {o.name for o in g.output}
+    kept = []
+    for n in reversed(g.node):
+        if any(o in needed for o in n.output):
+            kept.append(n)
+            needed.update(node_reads(n))
+    dropped = len(g.node) - len(kept)
+    if dropped:
+        del g.node[:]
+        g.node.extend(reversed(kept))
+        used = [i for i in g.initializer if i.name in needed]
+        del g.initializer[:]
+        g.initializer.extend(used)
+        produced = {o for n in kept for o in n.output}
+        infos = [v for v in g.value_info if v.name in produced]
+        del g.value_info[:]
+        g.value_info.extend(infos)
+    return dropped

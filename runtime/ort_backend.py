@@ -13,10 +13,10 @@ from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
 from kvforge.ort_session import make_session
 
-from . import ort_packed_cache as packed
 from .backend import Backend, KVCache
-from .ort_attention import LOGITS_ROWS, SEQLENS, TOTAL
-from .ort_variant import KEEP_INPUT
+from .ort import packed_cache as packed
+from .ort.attention import LOGITS_ROWS, SEQLENS, TOTAL
+from .ort.variant import KEEP_INPUT, variant_path
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
 
@@ -42,9 +42,9 @@ class OnnxRuntimeBackend(Backend):
             raise KvforgeError(f"threads must be a positive int (or None for ONNX Runtime's default), got {threads!r}")
         self.bundle = bundle
         self.graph_path = bundle.graph_file
-        self.variant = variant  # run the ORT-specific variant of the graph (see ort_variant.py)
+        self.variant = variant  # run the ORT-specific variant of the graph (see ort/variant.py)
         self.attention = attention
-        self.packed = False  # the variant runs GroupQueryAttention over packed caches (ort_packed_cache.py)
+        self.packed = False  # the variant runs GroupQueryAttention over packed caches (ort/packed_cache.py)
         self.max_context = io.max_context or config["max_seq_len"]
         self.device = device
         self.threads = threads
@@ -77,8 +77,6 @@ class OnnxRuntimeBackend(Backend):
                 "with the torch backend, or export float16/float32 for the CPU"
             )
         if self.variant:
-            from .ort_variant import variant_path
-
             self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"])
         else:
             self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here

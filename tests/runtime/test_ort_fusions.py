@@ -13,8 +13,9 @@ from onnx import TensorProto, helper, numpy_helper
 from kvforge import runtime
 from kvforge.bundle import Bundle
 from kvforge.export import export
-from kvforge.runtime.ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
-from kvforge.runtime.ort_variant import variant_path
+from kvforge.onnx_graph import drop_dead_nodes
+from kvforge.runtime.ort.fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
+from kvforge.runtime.ort.variant import variant_path
 
 
 def _ops(path) -> collections.Counter:
@@ -54,19 +55,19 @@ def _assert_variant_equals_graph(path, steps: int = 3, packed: bool | None = Non
         assert not fused.backend.packed
         if packed is not None:
             assert fast.backend.packed == packed
-        a, ca = plain.forward(ids, mask, pos)
+        a, ca = plain.forward(ids, mask, position_ids=pos)
         caches = []
         for s in (fused, fast):
-            b, cb = s.forward(ids, mask, pos)
+            b, cb = s.forward(ids, mask, position_ids=pos)
             np.testing.assert_allclose(b[mask == 1], a[mask == 1], atol=atol, rtol=0)
             caches.append(cb)
         for step in range(steps):
             token = rng.integers(0, 259, (2, 1), dtype=np.int64)
             mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
             pos = pos[:, -1:] + 1
-            a, ca = plain.forward(token, mask, pos, ca)
+            a, ca = plain.forward(token, mask, position_ids=pos, cache=ca)
             for i, s in enumerate((fused, fast)):
-                b, caches[i] = s.forward(token, mask, pos, caches[i])
+                b, caches[i] = s.forward(token, mask, position_ids=pos, cache=caches[i])
                 np.testing.assert_allclose(b, a, atol=atol, rtol=0)
         real = mask[:, None, :, None] == 1
         for s, cb in zip((fused, fast), caches):
@@ -112,7 +113,7 @@ def test_quantized_sibling_matmuls_fuse(micro_bundle, tmp_path, precision, optio
     from kvforge.calibration import calibrate
 
     fp32 = micro_bundle("llama3-micro")
-    q = calibrate(fp32.path, tmp_path / precision, precision, random_data=True, samples=8, seq_len=32, **options)
+    q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=8, seq_len=32, **options)
     layers = q.model_config["n_layers"]
     before, after = _ops(q.graph_file), _ops(variant_path(Bundle(q.path), attention=True))
     assert before["MatMul"] - after["MatMul"] >= 3 * layers  # q/k/v: 3 -> 1, gate/up: 2 -> 1 per layer
@@ -170,7 +171,7 @@ def _run(model, x):
 def test_per_channel_scales_after_a_norm_fold_into_it():
     """SmoothQuant's 1/s Mul after a norm becomes part of the norm's scale (and bias); a Mul whose input another
     node also reads, or whose constant is not per channel, stays."""
-    from kvforge.runtime.ort_variant import fold_scales_into_norms
+    from kvforge.runtime.ort.variant import fold_scales_into_norms
 
     f = TensorProto.FLOAT
     rng = np.random.default_rng(2)

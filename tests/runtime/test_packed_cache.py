@@ -17,7 +17,7 @@ from kvforge import runtime
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.export import export
-from kvforge.runtime.ort_variant import variant_path
+from kvforge.runtime.ort.variant import variant_path
 
 ATOL = 2e-5  # float32 rounding of another summation order (tests/runtime/test_ort_fusions.py's tolerance)
 
@@ -39,8 +39,8 @@ def sessions(micro_bundle):
 
 def _step(sessions, caches, ids, mask, pos, last_only=False):
     (plain, fast), (ca, cb) = sessions, caches
-    a, ca = plain.forward(ids, mask, pos, ca, last_logits_only=last_only)
-    b, cb = fast.forward(ids, mask, pos, cb, last_logits_only=last_only)
+    a, ca = plain.forward(ids, mask, position_ids=pos, cache=ca, last_logits_only=last_only)
+    b, cb = fast.forward(ids, mask, position_ids=pos, cache=cb, last_logits_only=last_only)
     new_real = mask[:, -ids.shape[1]:] == 1
     if last_only:
         np.testing.assert_allclose(b, a, atol=ATOL, rtol=0)

@@ -1,4 +1,4 @@
-"""The packed cache of the ONNX Runtime backend's GroupQueryAttention variant (see ort_attention.py).
+"""The packed cache of the ONNX Runtime backend's GroupQueryAttention variant (see attention.py).
 
 The session's IO contract lays a cache out as its attention mask does: a
 left-padded batch's rows hold padding columns, and each step's `present`

@@ -11,10 +11,10 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
   the hidden states before the vocabulary projection, so a prefill that only
   needs the last position's logits does not compute the other positions';
 - in float32 graphs, RMSNorm and RoPE chains become ONNX Runtime's fused
-  kernels (see ort_fusions.py);
+  kernels (see fusions.py);
 - in a mixture of experts, each expert's dispatch runs under an `If` on
   whether any token chose it, so a decode step skips the unchosen experts'
-  kernels (ort_moe.py). (ONNX Runtime's own MoE kernel computes
+  kernels (moe.py). (ONNX Runtime's own MoE kernel computes
   softmax-routed experts too, but measured slower on the CPU at batch 1.)
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
@@ -34,8 +34,11 @@ import numpy as np
 
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
+from kvforge.onnx_graph import drop_dead_nodes, node_reads, replace_nodes
 
-from .ort_attention import LOGITS_ROWS
+from .attention import LOGITS_ROWS, use_group_query_attention
+from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
+from .moe import skip_unchosen_experts
 
 VARIANT_VERSION = 12
 KEEP_INPUT = "num_logits_to_keep"
@@ -43,13 +46,9 @@ _EXTERNAL_THRESHOLD = 1 << 30
 
 
 def _rewrite_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
-    """Drop the nodes whose id is in `removed`, put added[id] where that node stood (ort_fusions._replace), then
+    """Drop the nodes whose id is in `removed`, put added[id] where that node stood (onnx_graph.replace_nodes), then
     the initializers no node reads any more."""
-    from .ort_fusions import _replace
-
-    _replace(graph, removed, added)
-    from .ort_fusions import node_reads
-
+    replace_nodes(graph, removed, added)
     used = {x for n in graph.node for x in node_reads(n)}
     kept = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
@@ -339,8 +338,6 @@ def unshare_tied_head(model) -> int:
 
 def rewrite_attention(model, bundle) -> int:
     """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match)."""
-    from .ort_attention import use_group_query_attention
-
     io, cfg = bundle.io, bundle.model_config
     if any(w is not None for w in io.windows):  # capped caches roll: not the packed layout
         return 0
@@ -351,7 +348,7 @@ def variant_path(bundle, attention: bool = False) -> Path:
     """Build (once) and return the cached ORT variant of `bundle`'s graph.
 
     attention: also rewrite the attention as GroupQueryAttention over a packed shared-buffer cache
-    (ort_attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
+    (attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
     then LOGITS_ROWS, else KEEP_INPUT."""
     files = bundle.manifest.get("files", {})
     graph = bundle.manifest["graph"]
@@ -376,15 +373,11 @@ def variant_path(bundle, attention: bool = False) -> Path:
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
     if bundle.dtype == "float32":
-        from .ort_fusions import drop_dead_nodes, fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
-
         fuse_rms_norms(model)
         fuse_skip_rms_norms(model)
         fuse_rotary(model)
         drop_dead_nodes(model)
         fold_scales_into_norms(model)
-    from .ort_moe import skip_unchosen_experts
-
     skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.dtype, 1))
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
     if attention and rewrite_attention(model, bundle):

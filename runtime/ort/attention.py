@@ -12,7 +12,7 @@ The cache it reads is laid out differently from the graph's: each row's
 positions are packed from index 0 (no padding columns) and each row has its
 own length (`seqlens_k`, the row's length after the step minus one). The
 ONNX Runtime backend keeps caches in that layout and turns the session's
-left-padded inputs into it (ort_packed_cache.py).
+left-padded inputs into it (packed_cache.py).
 
 Per layer, the rewrite matches, from the cache's Concats:
 
@@ -33,28 +33,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ort_fusions import MS_DOMAIN, _attr, _Graph, _replace, _scalar, _use_ms_domain, drop_dead_nodes, node_reads
+from kvforge.onnx_graph import (MS_DOMAIN, GraphIndex, drop_dead_nodes, node_attribute, node_reads, replace_nodes,
+                                 scalar_value, use_ms_domain)
 
 SEQLENS = "kvforge_seqlens_k"  # int32 (B,): each row's valid cache length after this step, minus one
 TOTAL = "kvforge_total_length"  # int32 [1]: the longest row's length after this step
 LOGITS_ROWS = "kvforge_logits_rows"  # int64 (B, K): flat (batch * T + position) rows whose logits are computed
 
 
-def _next(g: _Graph, name: str):
+def _next(g: GraphIndex, name: str):
     """The one node reading `name`, whatever its op (None where several or none do)."""
     users = g.consumers.get(name, [])
     return users[0] if len(users) == 1 else None
 
 
 def _perm(node) -> list[int]:
-    return list(_attr(node, "perm", []))
+    return list(node_attribute(node, "perm", []))
 
 
-def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v: str):
+def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, present_v: str):
     """The nodes and tensors of one layer's attention, or None where it is not the plain pattern."""
     cat_k, cat_v = g.producer.get(present_k), g.producer.get(present_v)
     for cat, past in ((cat_k, past_k), (cat_v, past_v)):
-        if cat is None or cat.op_type != "Concat" or _attr(cat, "axis") not in (2, -2) or len(cat.input) != 2 or cat.input[0] != past:
+        if cat is None or cat.op_type != "Concat" or node_attribute(cat, "axis") not in (2, -2) or len(cat.input) != 2 or cat.input[0] != past:
             return None
     users_k, users_v = g.consumers[present_k], g.consumers[present_v]
     if len(users_k) != 1 or len(users_v) != 1 or users_k[0].op_type != "Unsqueeze" or users_v[0].op_type != "Unsqueeze":
@@ -71,7 +72,7 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
     scaled = g.producer.get(grouped.input[0]) if grouped is not None and grouped.op_type == "Reshape" else None
     if scaled is None or scaled.op_type != "Mul" or g.only_consumer(scaled.output[0], "Reshape") is not grouped:
         return None
-    scale = next((_scalar(g.const(x)) for x in scaled.input if g.const(x) is not None), None)
+    scale = next((scalar_value(g.const(x)) for x in scaled.input if g.const(x) is not None), None)
     q = next((x for x in scaled.input if g.const(x) is None), None)
     if scale is None or q is None or scale <= 0:
         return None
@@ -82,10 +83,10 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
         x = nxt.output[0]
         nxt = _next(g, x)
     if nxt is not None and nxt.op_type == "Div":
-        cap = _scalar(g.const(nxt.input[1]))
+        cap = scalar_value(g.const(nxt.input[1]))
         tanh = g.only_consumer(nxt.output[0], "Tanh")
         mul = g.only_consumer(tanh.output[0], "Mul") if tanh is not None else None
-        if cap is None or mul is None or _scalar(g.const(g.other_input(mul, tanh.output[0]) or "")) != cap or nxt.input[0] != x:
+        if cap is None or mul is None or scalar_value(g.const(g.other_input(mul, tanh.output[0]) or "")) != cap or nxt.input[0] != x:
             return None
         softcap, x = cap, mul.output[0]
         nxt = _next(g, x)
@@ -93,7 +94,7 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
         return None
     where = nxt
     softmax = g.only_consumer(nxt.output[0], "Softmax")
-    if softmax is None or _attr(softmax, "axis", -1) not in (-1, 4):
+    if softmax is None or node_attribute(softmax, "axis", -1) not in (-1, 4):
         return None
     x = softmax.output[0]
     nxt = _next(g, x)
@@ -111,7 +112,7 @@ def _match_layer(g: _Graph, past_k: str, past_v: str, present_k: str, present_v:
             "out": r2.output[0], "replace": r2, "concats": (cat_k, cat_v), "where": where}
 
 
-def _mask_only_masks(g: _Graph, wheres: set[int]) -> bool:
+def _mask_only_masks(g: GraphIndex, wheres: set[int]) -> bool:
     """Whether `attention_mask` reaches no graph output except through the matched Wheres (then the packed
     layout, which drops the mask, loses nothing the graph computes from it)."""
     seen, todo = set(), ["attention_mask"]
@@ -126,7 +127,7 @@ def _mask_only_masks(g: _Graph, wheres: set[int]) -> bool:
     return True
 
 
-def _split_heads_source(g: _Graph, x: str, heads: int, head_dim: int) -> str | None:
+def _split_heads_source(g: GraphIndex, x: str, heads: int, head_dim: int) -> str | None:
     """s for x = Transpose(Reshape(s -> (B, T, heads, head_dim)), perm 0 2 1 3) with s (B, T, heads * head_dim)."""
     t = g.producer.get(x)
     r = g.producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" and _perm(t) == [0, 2, 1, 3] else None
@@ -139,7 +140,7 @@ def _split_heads_source(g: _Graph, x: str, heads: int, head_dim: int) -> str | N
     return r.input[0]
 
 
-def _as_bsd(g: _Graph, x: str, heads: int, head_dim: int, name: str) -> tuple[list, str]:
+def _as_bsd(g: GraphIndex, x: str, heads: int, head_dim: int, name: str) -> tuple[list, str]:
     """Nodes giving x (B, heads, T, D) as (B, T, heads * D), and that tensor. Where x is the exporter's split into
     heads (through a fused RotaryEmbedding, which also takes the (B, T, hidden) layout), the split is skipped."""
     from onnx import helper
@@ -167,7 +168,7 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
 
     if head_dim % 8 or n_heads % n_kv_heads or any(len(p) != 2 for p in past):
         return 0
-    g = _Graph(model.graph)
+    g = GraphIndex(model.graph)
     layers = [_match_layer(g, pk, pv, ck, cv) for (pk, pv), (ck, cv) in zip(past, present)]
     if not layers or any(m is None for m in layers) or not _mask_only_masks(g, {id(m["where"]) for m in layers}):
         return 0
@@ -191,10 +192,10 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
             [m["out"], cat_k.output[0], cat_v.output[0]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
         removed |= {id(m["replace"]), id(cat_k), id(cat_v)}
         added[id(m["replace"])] = nodes
-    _replace(graph, removed, added)
+    replace_nodes(graph, removed, added)
     graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
                         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [1])])
-    _use_ms_domain(model)
+    use_ms_domain(model)
     drop_dead_nodes(model)
     # The cache buffers are longer than the graph's past/total dims say: let their length be any.
     for v in [*graph.input, *graph.output]:

@@ -23,104 +23,30 @@ slice) is left as it is. Same arithmetic, fewer kernels.
 
 from __future__ import annotations
 
-import collections
 
 import numpy as np
 
-MS_DOMAIN = "com.microsoft"
-
-
-class _Graph:
-    """Producer/consumer maps and constant lookup over an ONNX graph."""
-
-    def __init__(self, graph):
-        from onnx import numpy_helper
-
-        self.producer = {o: n for n in graph.node for o in n.output}
-        self.consumers = collections.defaultdict(list)
-        for n in graph.node:
-            for i in n.input:
-                self.consumers[i].append(n)
-        self.outputs = {o.name for o in graph.output}
-        self._inits = {i.name: i for i in graph.initializer}
-        self._to_array = numpy_helper.to_array
-        self._shapes = {v.name: v.type.tensor_type for v in (*graph.input, *graph.value_info)}
-
-    def dims(self, name: str) -> list | None:
-        """The shape recorded for `name` (ints and symbols), or None where the graph records none."""
-        t = self._shapes.get(name)
-        if t is None or not t.HasField("shape"):
-            return None
-        return [d.dim_param or d.dim_value for d in t.shape.dim]
-
-    def axes(self, node) -> np.ndarray | None:
-        """A Reduce/Unsqueeze node's axes: its second input (opset >= 13/18) or its `axes` attribute."""
-        return self.const(node.input[1]) if len(node.input) > 1 else np.array(_attr(node, "axes", []))
-
-    def const(self, name: str) -> np.ndarray | None:
-        if name in self._inits:
-            return self._to_array(self._inits[name])
-        node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            return self._to_array(node.attribute[0].t)
-        return None
-
-    def only_consumer(self, name: str, op_type: str):
-        """The single consumer of `name` if it has op_type and `name` is not a graph output."""
-        users = self.consumers.get(name, [])
-        if len(users) == 1 and users[0].op_type == op_type and name not in self.outputs:
-            return users[0]
-        return None
-
-    def other_input(self, node, name: str) -> str | None:
-        ins = list(node.input)
-        if len(ins) != 2 or name not in ins:
-            return None
-        return ins[1] if ins[0] == name else ins[0]
-
-
-def _attr(node, name, default=None):
-    from onnx import helper
-
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _scalar(value: np.ndarray | None) -> float | None:
-    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
-
-
-def _replace(graph, removed: set[int], added: dict[int, list]) -> None:
-    """Drop nodes whose id is in `removed`; put added[id] where that node stood."""
-    nodes = []
-    for n in graph.node:
-        nodes += added.get(id(n), [])
-        if id(n) not in removed:
-            nodes.append(n)
-    del graph.node[:]
-    graph.node.extend(nodes)
+from kvforge.onnx_graph import MS_DOMAIN, GraphIndex, node_attribute, replace_nodes, scalar_value, use_ms_domain
 
 
 def fuse_rms_norms(model) -> int:
     """Rewrite float32 RMSNorm chains as SimplifiedLayerNormalization; returns how many."""
     from onnx import helper
 
-    g = _Graph(model.graph)
+    g = GraphIndex(model.graph)
     removed, added, count = set(), {}, 0
     for pow_ in list(model.graph.node):
-        if pow_.op_type != "Pow" or _scalar(g.const(pow_.input[1])) != 2.0:
+        if pow_.op_type != "Pow" or scalar_value(g.const(pow_.input[1])) != 2.0:
             continue
         x = pow_.input[0]
         mean = g.only_consumer(pow_.output[0], "ReduceMean")
-        if mean is None or _attr(mean, "keepdims", 1) != 1:
+        if mean is None or node_attribute(mean, "keepdims", 1) != 1:
             continue
         axes = g.axes(mean)
         if axes is None or axes.tolist() != [-1]:
             continue
         add = g.only_consumer(mean.output[0], "Add")
-        eps = _scalar(g.const(g.other_input(add, mean.output[0]) or "")) if add is not None else None
+        eps = scalar_value(g.const(g.other_input(add, mean.output[0]) or "")) if add is not None else None
         sqrt = g.only_consumer(add.output[0], "Sqrt") if eps is not None else None
         recip = g.only_consumer(sqrt.output[0], "Reciprocal") if sqrt is not None else None
         scaled = g.only_consumer(recip.output[0], "Mul") if recip is not None else None
@@ -138,7 +64,7 @@ def fuse_rms_norms(model) -> int:
             name=f"{pow_.name or weighted.output[0]}_rmsnorm", axis=-1, epsilon=eps, stash_type=1,
         )]
         count += 1
-    _replace(model.graph, removed, added)
+    replace_nodes(model.graph, removed, added)
     return count
 
 
@@ -150,7 +76,7 @@ def fuse_skip_rms_norms(model) -> int:
     """
     from onnx import helper
 
-    g = _Graph(model.graph)
+    g = GraphIndex(model.graph)
     removed, added, count = set(), {}, 0
     for norm in list(model.graph.node):
         if norm.op_type != "SimplifiedLayerNormalization" or len(norm.output) != 1:
@@ -165,23 +91,16 @@ def fuse_skip_rms_norms(model) -> int:
         added[id(norm)] = [helper.make_node(
             "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
             [norm.output[0], "", "", add.output[0]], domain=MS_DOMAIN, name=f"{norm.name}_skip",
-            epsilon=_attr(norm, "epsilon", 1e-5),
+            epsilon=node_attribute(norm, "epsilon", 1e-5),
         )]
         count += 1
     if count:
-        _use_ms_domain(model)
-        _replace(model.graph, removed, added)
+        use_ms_domain(model)
+        replace_nodes(model.graph, removed, added)
     return count
 
 
-def _use_ms_domain(model) -> None:
-    from onnx import helper
-
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-
-
-def _slice_bounds(g: _Graph, node) -> tuple[int, int] | None:
+def _slice_bounds(g: GraphIndex, node) -> tuple[int, int] | None:
     """(start, end) of a Slice on the last axis with step 1, else None."""
     if node.op_type != "Slice" or len(node.input) < 3:
         return None
@@ -197,7 +116,7 @@ def _slice_bounds(g: _Graph, node) -> tuple[int, int] | None:
     return int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
 
 
-def _angle_source(g: _Graph, table: str, op: str) -> str | None:
+def _angle_source(g: GraphIndex, table: str, op: str) -> str | None:
     """f for table = Unsqueeze(op(Concat(f, f)), [1]), else None."""
     unsq = g.producer.get(table)
     if unsq is None or unsq.op_type != "Unsqueeze":
@@ -207,7 +126,7 @@ def _angle_source(g: _Graph, table: str, op: str) -> str | None:
     if axes is None or axes.tolist() != [1] or trig is None or trig.op_type != op:
         return None
     cat = g.producer.get(trig.input[0])
-    if cat is None or cat.op_type != "Concat" or _attr(cat, "axis") != -1 or len(cat.input) != 2 or cat.input[0] != cat.input[1]:
+    if cat is None or cat.op_type != "Concat" or node_attribute(cat, "axis") != -1 or len(cat.input) != 2 or cat.input[0] != cat.input[1]:
         return None
     return cat.input[0]
 
@@ -216,10 +135,10 @@ def fuse_rotary(model) -> int:
     """Rewrite float32 rotate-half RoPE chains as com.microsoft RotaryEmbedding; returns how many."""
     from onnx import helper, numpy_helper
 
-    g = _Graph(model.graph)
+    g = GraphIndex(model.graph)
     removed, added, tables, count = set(), {}, {}, 0
     for cat in list(model.graph.node):
-        if cat.op_type != "Concat" or _attr(cat, "axis") != -1 or len(cat.input) != 2:
+        if cat.op_type != "Concat" or node_attribute(cat, "axis") != -1 or len(cat.input) != 2:
             continue
         neg, low = g.producer.get(cat.input[0]), g.producer.get(cat.input[1])
         if neg is None or neg.op_type != "Neg" or low is None or g.only_consumer(neg.output[0], "Concat") is not cat:
@@ -264,8 +183,8 @@ def fuse_rotary(model) -> int:
             numpy_helper.from_array(np.array(0, np.int64), "kvforge_rope_start"),
             numpy_helper.from_array(np.array(1, np.int64), "kvforge_rope_step"),
         ])
-        _use_ms_domain(model)
-        _replace(model.graph, removed, added)
+        use_ms_domain(model)
+        replace_nodes(model.graph, removed, added)
     return count
 
 
@@ -288,36 +207,3 @@ def _half_tables(f: str, half: int, index: int):
     nodes.insert(0, helper.make_node("Constant", [], [f"{p}_table_shape"], value=helper.make_tensor(
         f"{p}_table_shape_value", 7, [2], [-1, half])))
     return (f"{p}_cos_cache", f"{p}_sin_cache", f"{p}_ids"), nodes
-
-
-def node_reads(node) -> list[str]:
-    """What a node reads: its inputs and, for If / Loop / Scan, every name its subgraphs read."""
-    names = [i for i in node.input if i]
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            for n in sub.node:
-                names += node_reads(n)
-    return names
-
-
-def drop_dead_nodes(model) -> int:
-    """Remove nodes none of whose outputs reach a graph output (left behind by the fusions); returns how many."""
-    g = model.graph
-    needed = {o.name for o in g.output}
-    kept = []
-    for n in reversed(g.node):
-        if any(o in needed for o in n.output):
-            kept.append(n)
-            needed.update(node_reads(n))
-    dropped = len(g.node) - len(kept)
-    if dropped:
-        del g.node[:]
-        g.node.extend(reversed(kept))
-        used = [i for i in g.initializer if i.name in needed]
-        del g.initializer[:]
-        g.initializer.extend(used)
-        produced = {o for n in kept for o in n.output}
-        infos = [v for v in g.value_info if v.name in produced]
-        del g.value_info[:]
-        g.value_info.extend(infos)
-    return dropped
