@@ -6,6 +6,8 @@ says; prefill_feeds builds a prefill from an empty cache as the IO spec shapes i
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
@@ -33,11 +35,57 @@ def import_onnxruntime():
 # - fp8 also needs ReluQuantRewrite off: it deletes a Relu that feeds a QuantizeLinear whose zero
 #   point is the format's minimum, and takes FP8's zero point 0 for that (a ReLU FFN then sees
 #   negative values: top-1 fell to ~0.2 on classic-micro).
+# - int8's integer kernels are exact only where the CPU multiplies 8-bit pairs into 32 bits (VNNI, AMX, ARM's
+#   dot products). On x86 CPUs with AVX2 alone, ORT's kernels sum pairs of products in 16 bits
+#   (VPMADDUBSW), which saturates: on such a CPU (an AMD EPYC with AVX2 here) bert-micro's INT8 top-1
+#   fell from 0.93 to 0.84 and tiny's perplexity delta doubled. `int8_kernels_exact()` probes this once;
+#   where it fails, int8 runs like fp8 (Q/DQ kept, weights dequantized): the graph's function, slower.
 QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"], "fp8": ["ReluQuantRewrite"]}
 QUANT_SESSION_CONFIG = {
     "fp8": {"session.disable_quant_qdq": "1"},
     "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
 }
+EXACT_QDQ = {"session.disable_quant_qdq": "1"}  # Q/DQ computed as written, no integer kernels
+
+
+@functools.lru_cache(maxsize=None)
+def int8_kernels_exact() -> bool:
+    """Whether ONNX Runtime's CPU integer kernels compute a W8A8 MatMul exactly here: a one-row Q/DQ MatMul whose
+    activations and weights sit at the int8 extremes (where a 16-bit pairwise sum saturates), run fused and as
+    written. Probed once per process (a few milliseconds)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    ort = import_onnxruntime()
+    k, n = 64, 8
+    w = np.full((k, n), 127, np.int8)
+    w[:, 1::2] = -127
+    x = np.full((1, k), 127.0, np.float32)
+    x[0, ::3] = -128.0
+    inits = [numpy_helper.from_array(w, "w_q"), numpy_helper.from_array(np.ones(n, np.float32), "w_s"),
+             numpy_helper.from_array(np.zeros(n, np.int8), "w_z"), numpy_helper.from_array(np.array(1.0, np.float32), "x_s"),
+             numpy_helper.from_array(np.array(0, np.int8), "x_z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_z"], ["x_q"]),
+             helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_z"], ["x_dq"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], axis=1),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"])]
+    graph = helper.make_graph(nodes, "int8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    fused = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    return bool(np.array_equal(fused.run(None, {"x": x})[0].astype(np.float64), exact))
+
+
+def session_config(quant_format: str | None, providers: list[str] | None = None) -> dict[str, str]:
+    """The session config entries a Q/DQ format needs on these providers (the CPU's, by default)."""
+    config = dict(QUANT_SESSION_CONFIG.get(quant_format, {}))
+    on_cpu = not providers or list(providers) == ["CPUExecutionProvider"]
+    if quant_format == "int8" and on_cpu and not int8_kernels_exact():
+        config.update(EXACT_QDQ)
+    return config
 
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
@@ -54,7 +102,7 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     }[optimization]
     if threads:
         opts.intra_op_num_threads = threads
-    for key, value in QUANT_SESSION_CONFIG.get(quant_format, {}).items():
+    for key, value in session_config(quant_format, providers).items():
         opts.add_session_config_entry(key, value)
     try:
         return ort.InferenceSession(

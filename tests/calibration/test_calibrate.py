@@ -171,7 +171,7 @@ def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
     from kvforge.ort_session import make_session, prefill_feeds
 
     b = export("classic-micro", tmp_path / "fp32")
-    q = calibrate(b.path, tmp_path / "fp8", "fp8", random_data=True, samples=8, seq_len=32)
+    q = calibrate(b.path, tmp_path / "fp8", precision="fp8", random_data=True, samples=8, seq_len=32)
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 16))
     feeds = prefill_feeds(ids, q.model_config, q.io, "float32")
     (plain,) = make_session(str(q.graph_file), optimization="none").run(["logits"], feeds)
@@ -179,6 +179,24 @@ def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
     np.testing.assert_allclose(ours, plain, rtol=0, atol=1e-4)
     with runtime.load(q.path) as s:
         np.testing.assert_allclose(s.forward(ids)[0], plain, rtol=0, atol=1e-4)
+
+
+def test_int8_computes_what_the_graph_says_on_this_cpu(tmp_path, fp32):
+    """Where this CPU's integer kernels saturate (x86 with AVX2 alone), the runtime runs INT8 as written instead;
+    either way its logits equal the graph's Q/DQ function, computed here without any fusion."""
+    from kvforge.ort_session import EXACT_QDQ, int8_kernels_exact, make_session, prefill_feeds, session_config
+
+    q = calibrate(fp32.path, tmp_path / "int8", precision="int8", samples=8, seq_len=64)
+    assert (session_config("int8") == EXACT_QDQ) == (not int8_kernels_exact())
+    assert session_config("int8", ["CUDAExecutionProvider", "CPUExecutionProvider"]) == {}  # a CPU probe only
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 24))
+    feeds = prefill_feeds(ids, q.model_config, q.io, "float32")
+    (plain,) = make_session(str(q.graph_file), optimization="none").run(["logits"], feeds)
+    (ours,) = make_session(str(q.graph_file), "int8").run(["logits"], feeds)
+    # Not bit-equal: a last-bit difference before a QuantizeLinear can move a value one step. Measured on tiny:
+    # as written, relative L2 7.6e-4 and top-1 1.0; the saturating AVX2 kernels, 2.9e-2 and 0.979.
+    assert np.linalg.norm(ours - plain) / np.linalg.norm(plain) < 5e-3
+    assert (ours.argmax(-1) == plain.argmax(-1)).mean() >= 0.99
 
 
 def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
@@ -238,19 +256,19 @@ def test_token_ids_beyond_the_vocabulary_are_named(fp32, tmp_path):
 
 
 def test_non_finite_weights_are_named(fp32):
-    from kvforge.calibration.api import _check_weights_finite
+    from kvforge.calibration.qdq import check_weights_finite
     from kvforge.calibration.qdq import find_targets
 
     model = onnx.load(str(fp32.graph_file))
     targets, _ = find_targets(model)
-    _check_weights_finite(model, targets)  # the sound graph passes; the broken one below must not
+    check_weights_finite(model, targets)  # the sound graph passes; the broken one below must not
     t = next(t for t in targets if t.layer == "layers.3.ffn.down_proj")
     init = next(i for i in model.graph.initializer if i.name == t.weight)
     w = numpy_helper.to_array(init).copy()
     w[3, 5], w[0, 0] = np.nan, np.inf
     init.CopyFrom(numpy_helper.from_array(w, t.weight))
     with pytest.raises(KvforgeError, match="layer layers.3.ffn.down_proj's weight holds 2 NaN or infinite values"):
-        _check_weights_finite(model, targets)
+        check_weights_finite(model, targets)
 
 
 def test_other_models_need_data_or_an_explicit_random_flag(tmp_path):
@@ -320,7 +338,7 @@ def test_a_quantized_lm_head_runs_and_matches_the_exact_graph(tmp_path):
     from kvforge import runtime
 
     fp32 = export("mistral-micro", tmp_path / "fp32")
-    q = calibrate(fp32.path, tmp_path / "q", "int8", random_data=True, samples=8, seq_len=32, quantize_lm_head=True)
+    q = calibrate(fp32.path, tmp_path / "q", precision="int8", random_data=True, samples=8, seq_len=32, quantize_lm_head=True)
     assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
     with runtime.load(q.path) as fast, runtime.load(q.path, variant=False) as exact:
@@ -337,7 +355,7 @@ def test_a_tied_lm_head_is_quantized_and_stored_once(fp32, heldout, tmp_path, pr
     Transpose of its DequantizeLinear, the embedding Gather through the same DequantizeLinear (INT4 block 48 pads
     K=256 to 288: the Gather reads the unpadded columns). No float copy of the table is left in the bundle; the ORT
     variant computes what the graph says."""
-    q = calibrate(fp32.path, tmp_path / "q", precision, samples=16, seq_len=128, quantize_lm_head=True,
+    q = calibrate(fp32.path, tmp_path / "q", precision=precision, samples=16, seq_len=128, quantize_lm_head=True,
                   **({"block_size": block} if block else {}), **({"smoothquant": smoothquant} if smoothquant else {}))
     assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
     assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"] == "model.lm_head.weight"
