@@ -117,35 +117,23 @@ class BalanceLoss:
         return torch.stack(terms).mean() if terms else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(TRAINED), default="tiny")
-    ap.add_argument("--out", type=Path, default=None, help="default: the preset's shipped directory")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args(argv)
-    args.out = args.out or TRAINED[args.preset]
-    torch.manual_seed(args.seed)
-    start = time.time()
+def calibration_text(train_texts: list[str], seed: int) -> str:
+    """About CALIBRATION_BYTES of training text (files in a seeded order, 8000 characters of each at most)."""
+    calib_gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(train_texts), generator=calib_gen).tolist()
+    calib, size = [], 0
+    for i in order:
+        if size >= CALIBRATION_BYTES:
+            break
+        piece = train_texts[i][:8000]
+        calib.append(piece)
+        size += len(piece)
+    return "\n".join(calib)
 
-    cfg = ModelConfig.from_name(args.preset)
-    train_texts, held_texts = split_corpus(stdlib_files())
-    if args.preset == "tiny":
-        tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
-    else:  # the same tokenizer as tiny's, so that perplexities compare
 
-        tokenizer = Tokenizer.from_file(TINY_DIR / "tokenizer.json")
-    assert [tokenizer.backend.token_to_id(t) for t in SPECIALS] == [cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id]
-    stream: list[int] = []
-    for text in train_texts:
-        stream += tokenizer.encode(text) + [cfg.eos_token_id]
-    data = torch.tensor(stream, dtype=torch.int64)
-    print(f"corpus: {len(train_texts)} training files, {len(data)} tokens; {len(held_texts)} held out", flush=True)
-
-    model = build_model(cfg).train()
+def train(model, data: torch.Tensor, cfg: ModelConfig, args, start: float) -> list[float]:
+    """AdamW with warmup and cosine decay on random windows of the token stream (plus the experts' balance loss
+    for a mixture); returns each step's loss."""
     init_for_training(model, cfg.n_layers, args.seed)
     balance = BalanceLoss(model)
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
@@ -180,6 +168,39 @@ def main(argv: list[str] | None = None) -> int:
             balance_note = f"  balance {aux.item():.3f}" if aux is not None else ""
             print(f"step {step:5d}  loss {loss.item():.4f}{balance_note}  lr {lr_at(step):.2e}  {time.time() - start:7.1f}s",
                   flush=True)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(TRAINED), default="tiny")
+    ap.add_argument("--out", type=Path, default=None, help="default: the preset's shipped directory")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args(argv)
+    args.out = args.out or TRAINED[args.preset]
+    torch.manual_seed(args.seed)
+    start = time.time()
+
+    cfg = ModelConfig.from_name(args.preset)
+    train_texts, held_texts = split_corpus(stdlib_files())
+    if args.preset == "tiny":
+        tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+    else:  # the same tokenizer as tiny's, so that perplexities compare
+
+        tokenizer = Tokenizer.from_file(TINY_DIR / "tokenizer.json")
+    assert [tokenizer.backend.token_to_id(t) for t in SPECIALS] == [cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id]
+    stream: list[int] = []
+    for text in train_texts:
+        stream += tokenizer.encode(text) + [cfg.eos_token_id]
+    data = torch.tensor(stream, dtype=torch.int64)
+    print(f"corpus: {len(train_texts)} training files, {len(data)} tokens; {len(held_texts)} held out", flush=True)
+
+    model = build_model(cfg).train()
+    losses = train(model, data, cfg, args, start)
     train_seconds = time.time() - start
 
     # Write the checkpoint, then measure what was written (FP16-stored weights).
@@ -189,16 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     held = "".join(held_texts)
     if args.preset == "tiny":  # the held-out and calibration corpora: tiny's, which tiny-moe shares
         (tmp_out / "heldout.txt").write_text(held[:HELDOUT_BYTES], encoding="utf-8")
-        calib_gen = torch.Generator().manual_seed(args.seed + 1)
-        order = torch.randperm(len(train_texts), generator=calib_gen).tolist()
-        calib, size = [], 0
-        for i in order:
-            if size >= CALIBRATION_BYTES:
-                break
-            piece = train_texts[i][:8000]
-            calib.append(piece)
-            size += len(piece)
-        (tmp_out / "calibration.txt").write_text("\n".join(calib), encoding="utf-8")
+        (tmp_out / "calibration.txt").write_text(calibration_text(train_texts, args.seed + 1), encoding="utf-8")
 
     shipped, tok = load(tmp_out)
     held_ids = tok.encode(held[:HELDOUT_BYTES], add_special_tokens=False)
