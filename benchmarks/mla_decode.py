@@ -54,13 +54,13 @@ def decode_ms(session, context: int, steps: int, seed: int) -> list[float]:
     for start in range(0, context, CHUNK):
         chunk = ids[:, start:start + CHUNK]
         mask = np.ones((1, start + chunk.shape[1]), np.int64)
-        logits, cache = session.forward(chunk, mask, None, cache, last_logits_only=True)
+        logits, cache = session.forward(chunk, mask, cache=cache, last_logits_only=True)
     token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
     times = []
     for step in range(steps):
         mask = np.ones((1, context + step + 1), np.int64)
         t = time.perf_counter()
-        logits, cache = session.forward(token, mask, None, cache, last_logits_only=True)
+        logits, cache = session.forward(token, mask, cache=cache, last_logits_only=True)
         token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
         times.append((time.perf_counter() - t) * 1e3)
     return times

@@ -111,7 +111,7 @@ def context_ms(path: Path, blocks: int = 3, steps: int = 12) -> dict:
                     for i in range(steps):
                         mask = np.ones((1, ctx + i + 1), np.int64)
                         t = time.perf_counter()
-                        _, cache = s.forward(np.array([[7]], np.int64), mask, None, cache, last_logits_only=True)
+                        _, cache = s.forward(np.array([[7]], np.int64), mask, cache=cache, last_logits_only=True)
                         times[a].append(time.perf_counter() - t)
         for a in sessions:
             out[a][str(ctx)] = 1000 * statistics.median(times[a])

@@ -135,7 +135,7 @@ class Kvforge:
         for i in range(steps):
             mask = np.ones((1, context + i + 1), np.int64)
             t = time.perf_counter()
-            _, cache = s.forward(token, mask, None, cache, last_logits_only=True)
+            _, cache = s.forward(token, mask, cache=cache, last_logits_only=True)
             times.append(time.perf_counter() - t)
         return 1000 * statistics.median(times)
 

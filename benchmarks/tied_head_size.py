@@ -41,11 +41,11 @@ def main() -> int:
             if not cfg.tie_embeddings:
                 continue
             kw = dict(random_data=True, samples=4, seq_len=64)
-            rows[f"{preset} int8, head float"] = {"mb": bundle_mb(calibrate(fp32.path, tmp / "h", "int8", **kw))}
-            shared = calibrate(fp32.path, tmp / "s", "int8", quantize_lm_head=True, **kw)
+            rows[f"{preset} int8, head float"] = {"mb": bundle_mb(calibrate(fp32.path, tmp / "h", precision="int8", **kw))}
+            shared = calibrate(fp32.path, tmp / "s", precision="int8", quantize_lm_head=True, **kw)
             rows[f"{preset} int8, head quantized, stored once"] = {"mb": bundle_mb(shared)}
             with mock.patch.object(qdq, "share_tied_head", lambda *a, **k: None):  # the layout before: a second table
-                copied = calibrate(fp32.path, tmp / "c", "int8", quantize_lm_head=True, **kw)
+                copied = calibrate(fp32.path, tmp / "c", precision="int8", quantize_lm_head=True, **kw)
             rows[f"{preset} int8, head quantized, own copy (before)"] = {"mb": bundle_mb(copied)}
     result = {"benchmark": "tied_head_size", "bundles": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(__file__).parent / "results" / "tied_head_size.json"

@@ -71,7 +71,7 @@ def fill(session, context: int):
     for start in range(0, context, CHUNK):
         ids = rng.integers(3, SHAPE["vocab_size"], (1, min(CHUNK, context - start)), dtype=np.int64)
         mask = np.ones((1, start + ids.shape[1]), np.int64)
-        _, cache = session.forward(ids, mask, None, cache, last_logits_only=True)
+        _, cache = session.forward(ids, mask, cache=cache, last_logits_only=True)
     return cache
 
 
@@ -81,7 +81,7 @@ def decode_ms(session, cache, steps: int) -> float:
     for i in range(steps + 2):
         mask = np.ones((1, cache.length + 1), np.int64)
         t = time.perf_counter()
-        _, cache = session.forward(token, mask, None, cache, last_logits_only=True)
+        _, cache = session.forward(token, mask, cache=cache, last_logits_only=True)
         if i >= 2:  # two warm-up steps
             times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)

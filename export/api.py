@@ -80,7 +80,7 @@ def resolve_max_context(cfg, max_context: int | None) -> int:
 def export(
     source=None,
     out: str | Path = "bundle",
-    dtype: str = "float32",
+    *, dtype: str = "float32",
     opset: int = DEFAULT_OPSET,
     max_context: int | None = None,
     external_data: bool | None = None,

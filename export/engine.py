@@ -78,7 +78,7 @@ def _load_graph(bundle: Bundle):
     return bundle.load_graph(external_data=False)
 
 
-def build_plan(bundle, max_batch: int | None = None, max_context: int | None = None, opt_batch: int | None = None,
+def build_plan(bundle, max_batch: int | None = None, *, max_context: int | None = None, opt_batch: int | None = None,
                opt_context: int | None = None, options: BuildOptions | None = None) -> dict[str, Any]:
     """Everything a build would do, checked on the CPU: limits, profiles, shape inference, precision, lint."""
     b = _source_bundle(bundle)
@@ -99,7 +99,7 @@ def build_plan(bundle, max_batch: int | None = None, max_context: int | None = N
                         "timing_cache": None if tc is None else {"path": str(tc), "exists": Path(tc).is_file()}},
             "tensorrt": {"installed": tensorrt_version() is not None, "version": tensorrt_version()},
         }
-    limits = resolve_limits(io, max_batch, max_context, opt_batch, opt_context)
+    limits = resolve_limits(io, max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context)
     profiles = synthesize_profiles(io, limits)
     check_profiles(io, profiles, limits.max_context)
     model = _load_graph(b)
@@ -221,7 +221,7 @@ def engine_manifest(source: dict[str, Any], *, source_path: str, tensorrt_versio
 
 
 # -- the build -----------------------------------------------------------------------------
-def build(bundle, out, max_batch: int | None = None, max_context: int | None = None, opt_batch: int | None = None,
+def build(bundle, out, *, max_batch: int | None = None, max_context: int | None = None, opt_batch: int | None = None,
           opt_context: int | None = None, options: BuildOptions | None = None, force: bool = False,
           progress: Progress | None = None) -> Bundle:
     """Build a TensorRT engine bundle at OUT from the ONNX bundle BUNDLE (see the module docstring).
@@ -235,7 +235,8 @@ def build(bundle, out, max_batch: int | None = None, max_context: int | None = N
     options = options or BuildOptions()
     started = time.time()
     progress("check", 0, 1)
-    plan = build_plan(bundle, max_batch, max_context, opt_batch, opt_context, options)
+    plan = build_plan(bundle, max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context,
+                      options=options)
     progress("check", 1, 1)
     trt, device = require_tensorrt_gpu()
     check_output_path(out, force, [plan["bundle"]])

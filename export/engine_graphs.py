@@ -104,7 +104,7 @@ def multi_graph_plan(b: Bundle, max_batch, max_context, opt_batch, opt_context, 
     """The dry-run plan of an encoder or encoder-decoder bundle: per graph, its profiles and checks."""
     import onnx
 
-    limits = resolve_limits(b.io, max_batch, max_context, opt_batch, opt_context)
+    limits = resolve_limits(b.io, max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context)
     b.load_graph(external_data=False)  # refuses external data outside the bundle
     graphs = []
     for role, name, io in graph_specs(b):

@@ -54,7 +54,7 @@ class Limits:
     opt_context: int
 
 
-def resolve_limits(io: IOSpec, max_batch: int | None = None, max_context: int | None = None,
+def resolve_limits(io: IOSpec, max_batch: int | None = None, *, max_context: int | None = None,
                    opt_batch: int | None = None, opt_context: int | None = None) -> Limits:
     """Fill the defaults and refuse limits that no engine could honour, before any work."""
     bundle_max = io.max_context

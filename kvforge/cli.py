@@ -1,8 +1,8 @@
 """The `kvforge` command line: each command is a few lines over the Python API.
 
-The commands that build models (models, evaluate, export, lint, build) and the verification commands import
-their stage inside the command: those stages import torch (and onnx), which `kvforge --help`, `generate` on an
-ONNX bundle and `serve` of a bundle do not need.
+The commands that build models (models, evaluate, export, lint, build) import their stage inside the command:
+model_defs and export import torch (and onnx), which `kvforge --help`, `generate` on an ONNX bundle and `serve`
+of a bundle do not need. Calibration, verification, the runtime and serving import neither at module level.
 """
 
 from __future__ import annotations
@@ -15,11 +15,20 @@ import click
 
 from kvforge import runtime, serving
 from kvforge.bundle import Bundle
+from kvforge.calibration import calibrate as calibrate_bundle
 from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
+from kvforge.metrics import parse_tolerances
 from kvforge.runtime.bench import benchmark
 from kvforge.serving import repository_model, write_repository
+from kvforge.verify.check import check as run_check
+from kvforge.verify.check import write_check_report
+from kvforge.verify.compare import compare as compare_artifacts
+from kvforge.verify.compare import write_report
+from kvforge.verify.pipeline import DEFAULT_PRECISIONS
+from kvforge.verify.pipeline import pipeline as run_pipeline
+from kvforge.verify.render import print_check, print_compare, print_pipeline
 
 
 class _Group(click.Group):
@@ -166,7 +175,8 @@ def export(source, out, dtype, opset, max_context, external_data, force, quiet):
     from kvforge.export import export as export_bundle
 
     with _PhaseProgress(enabled=not quiet) as progress:
-        bundle = export_bundle(source, out, dtype, opset, max_context, external_data, force, progress)
+        bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
+                               force=force, progress=progress)
     lint_result = bundle.manifest["lint"]
     click.echo(f"wrote {bundle.path} ({bundle.architecture}): {dtype}, opset {opset}; "
                f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}")
@@ -248,12 +258,14 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
               random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
-    from kvforge.calibration import calibrate as run
-
     with _PhaseProgress(enabled=not quiet) as progress:
-        b = run(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, list(exclude), block_size,
-                random_data, batch_size, quantize_lm_head, force, progress, kv_cache, list(budget) or None,
-                budget_data, budget_tokens, gptq, min_expert_tokens, starved_experts)
+        b = calibrate_bundle(
+            bundle, out, precision=precision, method=method, percentile=percentile, data=data, samples=samples,
+            seq_len=seq_len, smoothquant=smoothquant, exclude=list(exclude), block_size=block_size,
+            random_data=random_data, batch_size=batch_size, quantize_lm_head=quantize_lm_head, force=force,
+            progress=progress, kv_cache=kv_cache, accuracy_budget=list(budget) or None, budget_data=budget_data,
+            budget_tokens=budget_tokens, gptq=gptq, min_expert_tokens=min_expert_tokens,
+            starved_experts=starved_experts)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
@@ -306,13 +318,15 @@ def build(bundle, out, max_batch, max_context, opt_batch, opt_context, timing_ca
 
     options = BuildOptions(builder_optimization_level, hardware_compatibility, version_compatible, tf32, timing_cache)
     if dry_run:
-        plan = build_plan(bundle, max_batch, max_context, opt_batch, opt_context, options)
+        plan = build_plan(bundle, max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context,
+                          options=options)
         click.echo(json.dumps(plan) if as_json else plan_text(plan))
         return
     if out is None:
         raise click.UsageError("missing option -o / --out (only --dry-run needs none)")
     with _PhaseProgress(enabled=not quiet) as progress:
-        b = run(bundle, out, max_batch, max_context, opt_batch, opt_context, options, force, progress)
+        b = run(bundle, out, max_batch=max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context,
+                options=options, force=force, progress=progress)
     e = b.manifest["engine"]
     lim = e["limits"]
     size = b.manifest["files"]["model.engine"]["bytes"] / 2**20
@@ -418,7 +432,8 @@ def _serve_options(f):
 def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
 
-    repo = write_repository(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force)
+    repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
+                            max_cache_tokens=max_cache_tokens, backend=backend, force=force)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
                f"run it with `tritonserver --model-repository {repo}` where kvforge is installed")
 
@@ -433,8 +448,9 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, back
 def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port):
     """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM."""
 
-    code = serving.serve(source, model_name, host, http_port, grpc_port, metrics_port, instances, max_batch,
-                         max_cache_tokens, backend, echo=click.echo)
+    code = serving.serve(source, model_name, host=host, http_port=http_port, grpc_port=grpc_port,
+                         metrics_port=metrics_port, instances=instances, max_batch=max_batch,
+                         max_cache_tokens=max_cache_tokens, backend=backend, echo=click.echo)
     sys.exit(code)
 
 
@@ -491,14 +507,10 @@ def _wide_console():
 def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
             json_file, quiet):
     """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
-    from kvforge.metrics import parse_tolerances
-    from kvforge.verify.compare import compare as run, write_report
-    from kvforge.verify.render import print_compare
-
     with _PhaseProgress(enabled=not quiet) as progress:
-        report = run(candidate, reference, data, backend, steps, prompts, max_tokens=max_tokens, seq_len=seq_len,
-                     tolerances=parse_tolerances(list(tolerances)), per_layer=per_layer, random_data=random_data,
-                     progress=progress)
+        report = compare_artifacts(candidate, reference, data=data, backend=backend, steps=steps, prompts=prompts,
+                                   max_tokens=max_tokens, seq_len=seq_len, tolerances=parse_tolerances(list(tolerances)),
+                                   per_layer=per_layer, random_data=random_data, progress=progress)
     console = _wide_console()
     print_compare(report.result, console)
     if json_file:
@@ -519,12 +531,10 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def check(spec, update_baseline, workdir, report_file, quiet):
     """Run the accuracy regression check SPEC (TOML); exit 1 on a regression against its baseline."""
-    from kvforge.verify.check import check as run, write_check_report
-    from kvforge.verify.render import print_check
-
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
-        result = run(spec, update_baseline, workdir, progress, log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
+        result = run_check(spec, update_baseline, workdir=workdir, progress=progress,
+                           log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     print_check(result, spec, console)
     if report_file:
         for path in write_check_report(result, report_file):
@@ -551,13 +561,11 @@ def check(spec, update_baseline, workdir, report_file, quiet):
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def pipeline(source, workdir, precisions, calibration_data, random_data, force, quiet):
     """The main job: export, calibrate, build engines (where TensorRT runs), compare all, report."""
-    from kvforge.verify.pipeline import DEFAULT_PRECISIONS, pipeline as run
-    from kvforge.verify.render import print_pipeline
-
     console = _wide_console()
     with _PhaseProgress(enabled=not quiet) as progress:
-        result = run(source, workdir, precisions or DEFAULT_PRECISIONS, calibration_data, force, random_data, progress,
-                     log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
+        result = run_pipeline(source, workdir, precisions=precisions or DEFAULT_PRECISIONS,
+                              calibration_data=calibration_data, force=force, random_data=random_data, progress=progress,
+                              log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     print_pipeline(result, source, console)
     if result.engine_skipped:
         console.print(f"TensorRT engine build skipped: {result.engine_skipped}")

@@ -292,7 +292,7 @@ class Batcher:
         if not batch.rows:
             return
         nxt = np.array([[row.request.tokens[-1]] for row in batch.rows], np.int64)
-        logits, batch.cache = self.session.forward(nxt, batch.mask, None, batch.cache, last_logits_only=True)
+        logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
         for row, lg in zip(batch.rows, logits[:, -1]):
             row.logits = lg
         batch.mask = _pending(batch.mask)

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from kvforge.errors import KvforgeError
+
 from .session import Session
 
 
@@ -30,7 +32,7 @@ def timed_greedy(session: Session, ids: np.ndarray, new_tokens: int) -> dict:
     tokens = [token[:, 0]]
     for _ in range(new_tokens - 1):
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-        logits, cache = session.forward(token, mask, None, cache, last_logits_only=True)
+        logits, cache = session.forward(token, mask, cache=cache, last_logits_only=True)
         token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
         tokens.append(token[:, 0])
     t2 = time.perf_counter()
@@ -44,8 +46,6 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
     TTFT is the prefill plus the choice of the first token. Decode tokens/s
     counts batch x (new_tokens - 1) tokens over the decode steps alone.
     """
-    from kvforge.errors import KvforgeError
-
     if prompt_len < 1 or new_tokens < 1 or batch < 1 or runs < 1:
         raise KvforgeError(f"batch, prompt length, new tokens and runs must be >= 1, got {batch}, {prompt_len}, {new_tokens}, {runs}")
     if prompt_len + new_tokens - 1 > session.max_context:  # the last new token is chosen, never fed back

@@ -197,7 +197,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
         # Finished rows keep a slot in the batch; what they are fed is ignored.
         nxt = np.array([[r.tokens[-1]] for r in rows], np.int64)
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
-        logits, cache = session.forward(nxt, mask, None, cache, last_logits_only=True)
+        logits, cache = session.forward(nxt, mask, cache=cache, last_logits_only=True)
         last = logits[:, -1]
 
 

@@ -17,7 +17,7 @@ from .server import TritonServer, triton_distribution
 __all__ = ["TritonServer", "check_python_backend", "repository_model", "serve", "triton_distribution", "write_repository"]
 
 
-def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+def serve(source, model_name: str | None = None, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
           backend: str = "auto", echo=print) -> int:
     """Serve a bundle (or a model source, exported to FP32 first) until SIGTERM or Ctrl-C; returns the exit code."""
@@ -34,9 +34,10 @@ def serve(source, model_name: str | None = None, host: str = "127.0.0.1", http_p
 
             echo(f"{source} is not a bundle: exporting it (FP32) first")
             bundle = export(source, Path(work) / "bundle").path
-        repo = write_repository(bundle, Path(work) / "repository", model_name, instances, max_batch, max_cache_tokens, backend)
+        repo = write_repository(bundle, Path(work) / "repository", model_name=model_name, instances=instances,
+                                max_batch=max_batch, max_cache_tokens=max_cache_tokens, backend=backend)
         name = repository_model(repo)
-        server = TritonServer(repo, host, http_port, grpc_port, metrics_port)
+        server = TritonServer(repo, host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
 
         def on_signal(signum, frame):  # SIGTERM stops the server as Ctrl-C does
             raise KeyboardInterrupt

@@ -71,7 +71,7 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, model_name: str | None = None,
+def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model_name: str | None = None,
                      instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
                      backend: str = "auto", force: bool = False) -> Path:
     """Write the repository (all or nothing: a failure leaves `out` as it was); returns its path."""

@@ -59,7 +59,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class TritonServer:
     """A tritonserver process over a model repository; a context manager that waits until it is ready."""
 
-    def __init__(self, repository: str | os.PathLike, host: str = "127.0.0.1", http_port: int = 8000,
+    def __init__(self, repository: str | os.PathLike, host: str = "127.0.0.1", *, http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, exit_timeout_s: int = 10, log_file: str | None = None,
                  verbose: bool = False, dist: Path | None = None, watchdog: bool = True):
         self.repository = Path(repository).resolve()

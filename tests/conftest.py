@@ -256,4 +256,4 @@ def tiny_int8(tiny_fp32, tmp_path_factory):
     """tiny calibrated to INT8 (max, built-in corpus, 32 samples of 128 tokens: quick)."""
     from kvforge.calibration import calibrate
 
-    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("shared") / "tiny-int8", "int8", samples=32, seq_len=128)
+    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("shared") / "tiny-int8", precision="int8", samples=32, seq_len=128)

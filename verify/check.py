@@ -245,7 +245,7 @@ def baseline_record(outcomes: list[Outcome], spec: Spec) -> dict[str, Any]:
     }
 
 
-def check(spec_path: str | Path, update_baseline: bool = False, workdir: str | Path | None = None,
+def check(spec_path: str | Path, update_baseline: bool = False, *, workdir: str | Path | None = None,
           progress=None, log: Callable[[str], None] = print) -> CheckResult:
     """Run a spec: produce, compare with the reference, then with the baseline (or rewrite it)."""
     spec = load_spec(spec_path)

@@ -23,7 +23,7 @@ from .report import Report
 def compare(
     candidate: str | Path,
     reference: str | Path | None = None,
-    data: str | Path | None = None,
+    *, data: str | Path | None = None,
     backend: str = "auto",
     steps: int = 32,
     prompts: int = 4,

@@ -87,7 +87,7 @@ class PipelineResult:
         return all(o.report.passed for o in self.outcomes if o.report is not None)
 
 
-def pipeline(source=None, workdir: str | Path = "runs/tiny", precisions=DEFAULT_PRECISIONS, calibration_data=None,
+def pipeline(source=None, workdir: str | Path = "runs/tiny", *, precisions=DEFAULT_PRECISIONS, calibration_data=None,
              force: bool = False, random_data: bool = False, progress=None, log: Callable[[str], None] = print,
              sample_prompt: str | None = "def fibonacci(n):") -> PipelineResult:
     started = time.time()

@@ -124,7 +124,7 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
         log(f"calibrate {a.name}: {a.precision} from {base}")
         options = {"data": calibration_data, **a.calibrate}
         options["exclude"] = list(options.get("exclude") or [])
-        paths[a.name] = calibrate(paths[base], workdir / a.name, a.precision, force=True, progress=progress, **options).path
+        paths[a.name] = calibrate(paths[base], workdir / a.name, precision=a.precision, force=True, progress=progress, **options).path
     return paths
 
 

@@ -11,14 +11,14 @@ QUICK = dict(samples=32, seq_len=128, budget_tokens=1024)
 
 
 def test_a_met_budget_keeps_nothing_and_a_tighter_one_keeps_the_top_ranked_blocks(tiny_fp32, tmp_path):
-    loose = calibrate(tiny_fp32.path, tmp_path / "loose", "int8", accuracy_budget={"top1_agreement": 0.5}, **QUICK)
+    loose = calibrate(tiny_fp32.path, tmp_path / "loose", precision="int8", accuracy_budget={"top1_agreement": 0.5}, **QUICK)
     fit = loose.manifest["calibration"]["accuracy_budget"]
     assert fit["kept_in_float"] == [] and fit["ranking"] is None and len(fit["iterations"]) == 1
     full_top1 = fit["iterations"][0]["top1_agreement"]
     assert 0.8 < full_top1 < 1.0
 
     target = min(full_top1 + 0.01, 0.995)
-    tight = calibrate(tiny_fp32.path, tmp_path / "tight", "int8", accuracy_budget={"top1_agreement": target}, **QUICK)
+    tight = calibrate(tiny_fp32.path, tmp_path / "tight", precision="int8", accuracy_budget={"top1_agreement": target}, **QUICK)
     fit = tight.manifest["calibration"]["accuracy_budget"]
     ranked = [r["layer"] for r in sorted(fit["ranking"], key=lambda r: r["rank"])]
     kept = fit["kept_in_float"]
@@ -36,17 +36,17 @@ def test_a_met_budget_keeps_nothing_and_a_tighter_one_keeps_the_top_ranked_block
 
 def test_an_unreachable_budget_writes_nothing(tiny_fp32, tmp_path):
     with pytest.raises(KvforgeError, match="accuracy budget cannot be met"):
-        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"kl_divergence_mean": 0.0}, **QUICK)
+        calibrate(tiny_fp32.path, tmp_path / "out", precision="int8", accuracy_budget={"kl_divergence_mean": 0.0}, **QUICK)
     # refused before any work
     for budget, message in [({"top1_agreement": 1.01}, "an agreement bound lies in"), ({"top1_agreement": -0.5}, "an agreement bound lies in"),
                             ({"greedy_agreement": 0.9}, "greedy_agreement.. is not among them"),
                             (["greedy_agreement=0.9"], "greedy_agreement.. is not among them")]:  # the CLI's form
         with pytest.raises(KvforgeError, match=message):
-            calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget=budget, **QUICK)
+            calibrate(tiny_fp32.path, tmp_path / "out", precision="int8", accuracy_budget=budget, **QUICK)
     with pytest.raises(KvforgeError, match="--budget-tokens must be at least the budget's window of 256 tokens, got 100"):
-        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 0.9}, **{**QUICK, "budget_tokens": 100})
+        calibrate(tiny_fp32.path, tmp_path / "out", precision="int8", accuracy_budget={"top1_agreement": 0.9}, **{**QUICK, "budget_tokens": 100})
     (tmp_path / "short.txt").write_text("def f(x):\n    return x\n")
     with pytest.raises(KvforgeError, match="needs more than 256 tokens of held-out text; .*short.txt gives"):
-        calibrate(tiny_fp32.path, tmp_path / "out", "int8", accuracy_budget={"top1_agreement": 0.9},
+        calibrate(tiny_fp32.path, tmp_path / "out", precision="int8", accuracy_budget={"top1_agreement": 0.9},
                   budget_data=tmp_path / "short.txt", **QUICK)
     assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ def _tokens_per_layer(record) -> dict[str, int]:
 def test_every_expert_is_counted_and_the_starved_are_covered(micro_bundle, tmp_path):
     fp32 = micro_bundle("mixtral-micro")
     samples, seq_len = 4, 16  # 64 tokens, 2 experts each: 128 routings over 8 experts per layer
-    b = calibrate(fp32.path, tmp_path / "int8", "int8", random_data=True, samples=samples, seq_len=seq_len,
+    b = calibrate(fp32.path, tmp_path / "int8", precision="int8", random_data=True, samples=samples, seq_len=seq_len,
                   min_expert_tokens=20)
     record = b.manifest["calibration"]["experts"]
     assert set(record) == {"layers.0.ffn", "layers.1.ffn"} and all(len(e) == 8 for e in record.values())
@@ -34,7 +34,7 @@ def test_every_expert_is_counted_and_the_starved_are_covered(micro_bundle, tmp_p
     assert gate["amax"] >= acts[f"{moe}.experts.experts.{busiest}.gate_proj.input"]["amax"]
     assert b.manifest["lineage"][-1]["options"]["starved_experts"] == "all-tokens"
 
-    kept = calibrate(fp32.path, tmp_path / "int8-float", "int8", random_data=True, samples=samples, seq_len=seq_len,
+    kept = calibrate(fp32.path, tmp_path / "int8-float", precision="int8", random_data=True, samples=samples, seq_len=seq_len,
                      min_expert_tokens=20, starved_experts="float")
     kq = kept.manifest["precision"]["quantization"]
     for moe, e in starved:
@@ -42,7 +42,7 @@ def test_every_expert_is_counted_and_the_starved_are_covered(micro_bundle, tmp_p
         assert layer in kq["excluded_layers"] and layer not in kq["quantized_layers"]
         assert kept.manifest["calibration"]["experts"][moe][e]["calibrated"] == "float"
     with pytest.raises(KvforgeError, match="starved-experts"):
-        calibrate(fp32.path, tmp_path / "x", "int8", random_data=True, starved_experts="drop")
+        calibrate(fp32.path, tmp_path / "x", precision="int8", random_data=True, starved_experts="drop")
 
 
 # cosine bounds on random weights: FP8 is close; 4-bit codes of random 16-wide blocks are coarse
@@ -57,7 +57,7 @@ def test_latent_attention_and_grouped_routing_quantize(micro_bundle, tmp_path, p
     from kvforge import runtime
 
     fp32 = micro_bundle("deepseek-micro")
-    q = calibrate(fp32.path, tmp_path / precision, precision, **options)
+    q = calibrate(fp32.path, tmp_path / precision, precision=precision, **options)
     layers = set(q.manifest["precision"]["quantization"]["quantized_layers"])
     for proj in ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
         assert f"layers.0.attn.{proj}" in layers

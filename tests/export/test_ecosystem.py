@@ -30,7 +30,7 @@ OPTIMUM_REQUIREMENTS = ["transformers>=4.45,<4.58", "optimum-onnx[onnxruntime]==
 
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_fp32, tmp_path_factory):
-    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("eco") / "int4", "int4", block_size=128)
+    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("eco") / "int4", precision="int4", block_size=128)
 
 
 def _kvforge_greedy(path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
@@ -71,7 +71,7 @@ def test_genai_config_settings_that_keep_its_numbers_right(micro_bundle, tmp_pat
     windowed = micro_bundle("gemma-micro")
     assert not (windowed.path / GENAI_CONFIG).exists()
     assert "capped caches" in windowed.manifest["ecosystem"]["onnxruntime_genai"]["reason"]
-    fp8 = calibrate(micro_bundle("classic-micro").path, tmp_path / "fp8", "fp8", random_data=True, samples=8, seq_len=32)
+    fp8 = calibrate(micro_bundle("classic-micro").path, tmp_path / "fp8", precision="fp8", random_data=True, samples=8, seq_len=32)
     config = json.loads((fp8.path / GENAI_CONFIG).read_text())
     assert config["model"]["decoder"]["session_options"]["graph_optimization_level"] == "ORT_ENABLE_BASIC"
     prompt = [5, 77, 123, 9, 250, 31]

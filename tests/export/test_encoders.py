@@ -179,8 +179,8 @@ def test_int8_encoder_calibrates_and_compares(micro_bundle, corpus, tmp_path):
 
     fp32 = micro_bundle("bert-micro")
     with pytest.raises(KvforgeError, match="no KV cache"):
-        calibrate(fp32.path, tmp_path / "x", "int8", data=corpus, kv_cache="fp8")
-    int8 = calibrate(fp32.path, tmp_path / "bert-int8", "int8", data=corpus, samples=16, seq_len=64)
+        calibrate(fp32.path, tmp_path / "x", precision="int8", data=corpus, kv_cache="fp8")
+    int8 = calibrate(fp32.path, tmp_path / "bert-int8", precision="int8", data=corpus, samples=16, seq_len=64)
     q = int8.manifest["precision"]["quantization"]
     # 2 x 6 linears + the MLM head's transform; its vocabulary projection (tied to the embeddings) stays float
     assert len(q["quantized_layers"]) == 13 and "head.dense" in q["quantized_layers"]

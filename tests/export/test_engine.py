@@ -262,7 +262,7 @@ def _engine_manifest(source: Bundle, **overrides):
     io = source.io
     kwargs = dict(
         source_path=str(source.path), **FACTS,
-        profiles=synthesize_profiles(io, resolve_limits(io, 4, 128, 1, 64)), limits=limits,
+        profiles=synthesize_profiles(io, resolve_limits(io, 4, max_context=128, opt_batch=1, opt_context=64)), limits=limits,
         options={"builder_optimization_level": 3, "hardware_compatibility": "none", "version_compatible": False, "tf32": False},
         timing_cache={"path": "/tmp/tc.bin", "loaded_sha256": None, "saved_sha256": "ab" * 32},
         lint_result=source.manifest["lint"], seconds={"build": 12.5, "total": 14.0},

@@ -174,8 +174,8 @@ def test_int8_calibrates_both_graphs_and_compares(micro_bundle, corpus, tmp_path
 
     fp32 = micro_bundle("t5-micro")
     with pytest.raises(KvforgeError, match="matches no linear layer of either graph"):
-        calibrate(fp32.path, tmp_path / "x", "int8", data=corpus, exclude=["no_such_layer"])
-    int8 = calibrate(fp32.path, tmp_path / "t5-int8", "int8", data=corpus, samples=16, seq_len=48,
+        calibrate(fp32.path, tmp_path / "x", precision="int8", data=corpus, exclude=["no_such_layer"])
+    int8 = calibrate(fp32.path, tmp_path / "t5-int8", precision="int8", data=corpus, samples=16, seq_len=48,
                      exclude=["decoder_layers\\.2\\.ffn"])
     q = int8.manifest["precision"]["quantization"]
     layers = q["quantized_layers"]
@@ -196,7 +196,7 @@ def test_int8_calibrates_both_graphs_and_compares(micro_bundle, corpus, tmp_path
     # pairs: the decoder is observed on real targets
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(json.dumps({"source": f"source {i} text", "target": f"target number {i}"}) for i in range(6)))
-    paired = calibrate(fp32.path, tmp_path / "t5-int8-pairs", "int8", data=pairs)
+    paired = calibrate(fp32.path, tmp_path / "t5-int8-pairs", precision="int8", data=pairs)
     assert paired.manifest["calibration"]["pairs"] == 6
     assert paired.manifest["calibration"]["scales"]["decoder"] != int8.manifest["calibration"]["scales"]["decoder"]
 

@@ -253,7 +253,7 @@ def _engine(ctx, data: bytes, record: bool) -> Path:
     out = ctx.work / "engine"
     out.mkdir()
     (out / "model.engine").write_bytes(b"\x00" * len(data))
-    limits = resolve_limits(source.io, 2, 64, 1, 32)
+    limits = resolve_limits(source.io, 2, max_context=64, opt_batch=1, opt_context=32)
     write_manifest(out, engine_manifest(
         source.manifest, source_path=str(source.path), tensorrt_version="10.16.0.72", gpu_name="GPU", compute_capability="9.0",
         profiles=synthesize_profiles(source.io, limits), limits=limits.__dict__, timing_cache=None, lint_result=source.manifest["lint"],

@@ -307,7 +307,7 @@ def test_the_api_refuses_what_the_cli_refuses(shared, tmp_path):
     with pytest.raises(KvforgeError, match="not a valid bundle manifest"):
         export("gpt2-micro", user, force=True)
     with pytest.raises(KvforgeError, match="not a valid bundle manifest"):
-        calibrate(shared["dec"], user, "int8", random_data=True, force=True)
+        calibrate(shared["dec"], user, precision="int8", random_data=True, force=True)
     assert snapshot(user) == before
 
 
@@ -395,7 +395,7 @@ def manifests(micro_bundle, tmp_path_factory):
     root = tmp_path_factory.mktemp("manifests")
     dec = micro_bundle("gpt2-micro").path
     bundles = {"decoder": dec, "encoder": micro_bundle("bert-micro").path, "encoder-decoder": micro_bundle("t5-micro").path,
-               "int4": calibrate(dec, root / "int4", "int4", random_data=True, samples=4, seq_len=32).path}
+               "int4": calibrate(dec, root / "int4", precision="int4", random_data=True, samples=4, seq_len=32).path}
     return _Manifests({kind: (path, [p for p in _leaves(_manifest(path)) if not _free_form(p)]) for kind, path in bundles.items()})
 
 

@@ -80,7 +80,7 @@ def test_forward_answers_as_the_reference_or_refuses(sessions, batch, seq, past,
     answers = []
     for s, cache in zip((ort, ref), caches):
         try:
-            answers.append(_bounded(lambda: s.forward(ids, m, pos, cache)))
+            answers.append(_bounded(lambda: s.forward(ids, m, position_ids=pos, cache=cache)))
         except KvforgeError as e:
             answers.append(e)
     (a, b) = answers

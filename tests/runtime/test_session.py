@@ -370,7 +370,7 @@ def test_ort_variant_is_exact_and_slices_logits(tiny_bundle):
     import onnx
 
     from kvforge.bundle import Bundle
-    from kvforge.runtime.ort_variant import KEEP_INPUT, variant_path
+    from kvforge.runtime.ort.variant import KEEP_INPUT, variant_path
 
     path = variant_path(Bundle(tiny_bundle))
     graph = onnx.load(str(path), load_external_data=False).graph

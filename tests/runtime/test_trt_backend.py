@@ -138,7 +138,7 @@ def micro(tmp_path_factory):
 def _engine_bundle(source: Bundle, out, engine_bytes: bytes = b"\x00plan" * 40, **facts) -> Bundle:
     """An engine bundle whose manifest is what `kvforge build` writes, around bytes that are not a real engine."""
     io = source.io
-    limits = resolve_limits(io, 4, 128, 1, 64)
+    limits = resolve_limits(io, 4, max_context=128, opt_batch=1, opt_context=64)
     out.mkdir(parents=True)
     (out / "model.engine").write_bytes(engine_bytes)
     shutil.copy2(source.path / "tokenizer.json", out / "tokenizer.json")
@@ -238,8 +238,8 @@ def test_incompatible_engines_are_refused_before_deserialization(micro, tmp_path
 def test_fp8_builds_are_refused_below_compute_capability_8_9(micro, tmp_path, monkeypatch):
     from kvforge.export import engine as engine_mod
 
-    fp8 = calibrate(micro.path, tmp_path / "fp8", "fp8", random_data=True, samples=2, seq_len=16)
-    int8 = calibrate(micro.path, tmp_path / "int8", "int8", random_data=True, samples=2, seq_len=16, kv_cache="fp8")
+    fp8 = calibrate(micro.path, tmp_path / "fp8", precision="fp8", random_data=True, samples=2, seq_len=16)
+    int8 = calibrate(micro.path, tmp_path / "int8", precision="int8", random_data=True, samples=2, seq_len=16, kv_cache="fp8")
     monkeypatch.setattr(engine_mod, "require_tensorrt_gpu",
                         lambda: (_FakeTensorRT("10.13.0.35"), {"name": "NVIDIA A100", "compute_capability": "8.0", "count": 1}))
     for bundle in (fp8, int8):  # FP8 weights/activations, or only an FP8 KV cache

@@ -75,7 +75,7 @@ def test_stop_strings_hold_back_only_what_could_match(deltas, stops, released, s
 
 
 def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
-    repo = write_repository(tiny_fp32.path, tmp_path / "repo", "tiny-llm", instances=2, max_batch=4, max_cache_tokens=4096)
+    repo = write_repository(tiny_fp32.path, tmp_path / "repo", model_name="tiny-llm", instances=2, max_batch=4, max_cache_tokens=4096)
     config = (repo / "tiny-llm" / "config.pbtxt").read_text()
     assert 'name: "tiny-llm"' in config and "decoupled: true" in config and "count: 2" in config
     for name in ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "text_output"):
@@ -91,7 +91,7 @@ def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
     # an existing repository is kept unless --force; --force replaces it; a foreign directory is never replaced
     with pytest.raises(KvforgeError, match="already exists"):
         write_repository(tiny_fp32.path, repo)
-    write_repository(tiny_fp32.path, repo, "other", force=True)
+    write_repository(tiny_fp32.path, repo, model_name="other", force=True)
     assert sorted(p.name for p in repo.iterdir()) == ["kvforge-triton.json", "other"]
     foreign = tmp_path / "mine"
     (foreign / "x").mkdir(parents=True)

@@ -41,7 +41,7 @@ PROMPTS = ["def add(a, b):", "class Stack", "import os\nimport", "x = 1", "for i
 
 @pytest.fixture(scope="module")
 def server(tiny_fp32, tmp_path_factory):
-    repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", MODEL, max_batch=8)
+    repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", model_name=MODEL, max_batch=8)
     srv = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0)
     srv.start(timeout_s=90)  # a server that is not ready by then fails here with its log tail
     yield srv

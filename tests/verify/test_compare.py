@@ -85,7 +85,7 @@ def test_per_layer_ranks_the_only_quantized_block_first(tiny_fp32, tmp_path):
     """A planted cause: only block 2 is quantized, so attribution must name it."""
     from kvforge.calibration import calibrate
 
-    only2 = calibrate(tiny_fp32.path, tmp_path / "only2", "int8", samples=16, seq_len=128,
+    only2 = calibrate(tiny_fp32.path, tmp_path / "only2", precision="int8", samples=16, seq_len=128,
                       exclude=[r"layers\.[013]\."])
     report = compare(only2.path, per_layer=True, max_tokens=512, steps=2, prompts=1)
     rows = {row["layer"]: row for row in report["per_layer"]}

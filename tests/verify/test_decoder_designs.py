@@ -28,7 +28,7 @@ def test_calibrate_compare_and_plan_every_design(micro_bundle, tmp_path, preset)
     fp32 = micro_bundle(preset)
     cfg = fp32.model_config
     for precision in ("int8", "fp8", "int4"):
-        q = calibrate(fp32.path, tmp_path / precision, precision, random_data=True, samples=8, seq_len=32)
+        q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=8, seq_len=32)
         # every linear layer of every block was found and quantized, whatever the block's shape
         assert len(q.manifest["calibration"]["scales"]["weights"]) == cfg["n_layers"] * _linears_per_layer(cfg)
         assert q.manifest["lint"]["passed"], q.manifest["lint"]["findings"]
