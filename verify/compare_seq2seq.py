@@ -24,7 +24,14 @@ import numpy as np
 
 from kvforge import metrics
 from kvforge.bundle import Bundle
+from kvforge.calibration.data import eval_ids
+from kvforge.calibration.seq2seq import read_pairs
 from kvforge.errors import KvforgeError
+from kvforge.metrics import check_tolerances
+from kvforge.runtime.generate import right_padded
+from kvforge.runtime.seq2seq_session import Seq2SeqSession
+
+from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
 SEQ2SEQ_METRICS = (
     "perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
@@ -33,9 +40,6 @@ SEQ2SEQ_METRICS = (
 
 
 def _pairs(cand, data, max_tokens: int, seq_len: int, samples: int, random_data: bool, seed: int):
-    from kvforge.calibration.seq2seq import read_pairs
-
-    from kvforge.calibration.data import eval_ids
 
     vocab = cand.vocab_size
     pairs = read_pairs(data) if data is not None and not random_data else None
@@ -63,12 +67,7 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
                     backend: str = "auto", steps: int = 16, prompts: int = 4, max_tokens: int = 8192, seq_len: int = 64,
                     samples: int = 32, batch_size: int = 4, tolerances: dict[str, float] | None = None,
                     random_data: bool = False, seed: int = 0, progress=None, **backend_options):
-    from kvforge.runtime.generate import right_padded
-    from kvforge.runtime.seq2seq_session import Seq2SeqSession
 
-    from kvforge.metrics import check_tolerances
-
-    from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
