@@ -67,6 +67,28 @@ class Runner:
         pass
 
 
+class SessionLifecycle:
+    """What every session does with its backend (`self.backend`, a Runner): a context manager that activates it
+    on enter (and on first use) and releases it on exit; `self._lock` serializes the session's calls."""
+
+    backend: Runner
+
+    def activate(self):
+        with self._lock:
+            self.backend.activate()
+        return self
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self.backend.deactivate()
+
+    def __enter__(self):
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+
 def torch_source(bundle, source: str | None = None, float_reference: bool = False) -> str:
     """The model source the torch backend rebuilds a bundle from: `source`, else the one the bundle's lineage records.
     A quantized bundle is refused (the torch model is its float origin) unless float_reference asks for exactly that

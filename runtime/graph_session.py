@@ -1,6 +1,6 @@
 """What the encoder and encoder-decoder sessions share: their bundle, tokenizer and backend (a Runner from
-runtime/graph_backends.py, picked by name from the session's table), the lifecycle (a context manager that
-also activates on first use) and one lock that serializes calls from several threads."""
+runtime/graph_backends.py, picked by name from the session's table), the lifecycle every session has
+(runtime/backend.py SessionLifecycle) and one lock that serializes calls from several threads."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.tokenizer import Tokenizer
 
-from .backend import Runner
+from .backend import Runner, SessionLifecycle
 
 
-class GraphSession:
+class GraphSession(SessionLifecycle):
     backends: dict[str, type[Runner]] = {}  # backend name -> its class; the first is what "auto" picks
 
     def __init__(self, bundle: Bundle, backend: str = "auto", **options):
@@ -33,22 +33,6 @@ class GraphSession:
     @property
     def architecture(self) -> str:
         return self.bundle.kind.name
-
-    # -- lifecycle ---------------------------------------------------------------------
-    def activate(self):
-        with self._lock:
-            self.backend.activate()
-        return self
-
-    def deactivate(self) -> None:
-        with self._lock:
-            self.backend.deactivate()
-
-    def __enter__(self):
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source!r}, backend={self.backend_name!r})"
