@@ -346,31 +346,101 @@ def _backend_option(f):
     )(f)
 
 
+def _sampling_options(f):
+    """The generation options generate and chat share (GenerationConfig's)."""
+    for option in reversed([
+        click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(0)),
+        _backend_option,
+        click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = no limit."),
+        click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True)),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True)),
+        click.option("--seed", type=click.IntRange(0), help="Seed for sampling (an integer >= 0)."),
+    ]):
+        f = option(f)
+    return f
+
+
 @main.command()
 @click.argument("source")
 @click.option("--prompt", required=True, help="Prompt text.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(0))
-@_backend_option
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = no limit.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True))
-@click.option("--seed", type=click.IntRange(0), help="Seed for sampling (an integer >= 0).")
+@click.option("--chat", "as_chat", is_flag=True,
+              help="Send the prompt as a user message through the model's chat template.")
+@_sampling_options
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
-def generate(source, prompt, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed, as_json):
+def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
+             as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
     session = runtime.load(source, backend=backend)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   repetition_penalty=repetition_penalty, seed=seed)
     tokens, text = [], []
     with session:
-        for event in session.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                    top_p=top_p, repetition_penalty=repetition_penalty, seed=seed):
+        events = (session.stream_chat([{"role": "user", "content": prompt}], **options) if as_chat
+                  else session.stream(prompt, **options))
+        for event in events:
             tokens.append(event.token)
             text.append(event.text)
             click.echo(event.text, nl=False)
     click.echo()
     if as_json:
         click.echo(json.dumps({"tokens": tokens, "text": "".join(text), "backend": session.backend_name}))
+
+
+@main.command()
+@click.argument("source")
+@click.option("--system", help="A system message that opens the conversation (where the template takes one).")
+@_sampling_options
+def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed):
+    """Talk with SOURCE (a bundle or model source with a chat template): each line you type is a user message,
+    the reply streams back. /reset starts over, /exit (or Ctrl-D) quits; Ctrl-C stops a reply, not the chat."""
+    session = runtime.load(source, backend=backend)
+    if not getattr(session, "chat", None):
+        raise KvforgeError(f"{source} is {kind_name(session.architecture)}; `kvforge chat` talks with a decoder LM")
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   repetition_penalty=repetition_penalty, seed=seed)
+    opening = [{"role": "system", "content": system}] if system else []
+    with session:
+        session.chat_ids(opening + [{"role": "user", "content": "hello"}])  # no template: refused before the loop
+        click.echo(f"chatting with {source} ({session.backend_name}); /reset starts over, /exit quits")
+        run_chat(session, opening, options)
+
+
+def run_chat(session, opening: list[dict], options: dict) -> None:
+    """The chat loop over stdin (bounded by its input: it ends at EOF or /exit)."""
+    messages = list(opening)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:  # at the prompt: a fresh line, the conversation kept
+            click.echo()
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(opening)
+            click.echo("(conversation reset)")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for event in session.stream_chat(messages, **options):
+                reply.append(event.text)
+                click.echo(event.text, nl=False)
+        except KeyboardInterrupt:
+            click.echo(" [stopped]", nl=False)
+        except KvforgeError as e:  # a conversation past the context: say so, keep the program
+            messages.pop()
+            click.echo(f"error: {one_line(e)} (/reset starts over)")
+            continue
+        click.echo()
+        messages.append({"role": "assistant", "content": "".join(reply)})
 
 
 @main.command()

@@ -13,10 +13,12 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from kvforge.chat import render, template_from_config
 from kvforge.errors import KvforgeError, MissingDependencyError
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIALS_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _SPECIAL_ROLES = ("bos", "eos", "pad")
 
 
@@ -59,9 +61,11 @@ class Tokenizer:
     `add_special_tokens=True`.
     """
 
-    def __init__(self, backend, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None):
+    def __init__(self, backend, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
+                 chat_template: str | None = None):
         self.backend = backend
         self.special_tokens = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
+        self.chat_template = chat_template  # the checkpoint's Jinja chat template (kvforge/chat.py), if it has one
         for role, token in self.special_tokens.items():
             if token is not None and backend.token_to_id(token) is None:
                 raise KvforgeError(f"{role} token {token!r} is not in the tokenizer's vocabulary")
@@ -84,14 +88,14 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, data: dict, bos_token: str | None = None, eos_token: str | None = None,
-                  pad_token: str | None = None) -> Tokenizer:
+                  pad_token: str | None = None, chat_template: str | None = None) -> Tokenizer:
         """A tokenizer from tokenizer.json's content (built in memory, as from a GGUF file's vocabulary)."""
         tk = _import_tokenizers()
         try:
             backend = tk.Tokenizer.from_str(json.dumps(data))
         except Exception as e:  # tokenizers raises plain Exception subclasses on a bad description
             raise KvforgeError(f"the tokenizer description does not load: {e}") from e
-        return cls(backend, bos_token, eos_token, pad_token)
+        return cls(backend, bos_token, eos_token, pad_token, chat_template)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -107,6 +111,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
             raise KvforgeError(f"{path} is not a valid tokenizer.json: {e}") from e
         specials: dict[str, str | None] = {}
+        template = None
         cfg_path = path.parent / SPECIALS_FILE
         if cfg_path.is_file():
             try:
@@ -123,13 +128,33 @@ class Tokenizer:
                 if isinstance(value, dict):  # {"content": "<s>", ...} in older files
                     value = value.get("content")
                 specials[role] = value if isinstance(value, str) else None
-        return cls(backend, specials.get("bos"), specials.get("eos"), specials.get("pad"))
+            template = template_from_config(cfg, str(cfg_path))
+        jinja_path = path.parent / CHAT_TEMPLATE_FILE
+        if template is None and jinja_path.is_file():  # transformers' newer layout: the template in its own file
+            template = jinja_path.read_text(encoding="utf-8")
+        return cls(backend, specials.get("bos"), specials.get("eos"), specials.get("pad"), template)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         self.backend.save(str(directory / TOKENIZER_FILE))
-        cfg = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        cfg: dict[str, str] = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
         (directory / SPECIALS_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    # -- chat ------------------------------------------------------------------
+    def render_chat(self, messages, add_generation_prompt: bool = True, **variables) -> str:
+        """The conversation as the checkpoint's chat template writes it (kvforge/chat.py)."""
+        if self.chat_template is None:
+            raise KvforgeError("this tokenizer has no chat template (tokenizer_config.json's chat_template, "
+                               "chat_template.jinja or a GGUF file's tokenizer.chat_template); use generate with a prompt")
+        return render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                      special_tokens=self.special_tokens, **variables)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
+        """The token ids of the rendered conversation: the template writes the special tokens, so the tokenizer
+        adds none of its own (as transformers' apply_chat_template)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **variables), add_special_tokens=False)
 
     # -- special tokens --------------------------------------------------------
     def _special_id(self, role: str) -> int | None:

@@ -105,6 +105,12 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     return hf, tensors, _tokenizer_record(reader, tokens)
 
 
+def read_gguf_tokenizer(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's tokenizer record alone (vocabulary, merges, special ids, chat template): no tensor is read."""
+    reader = _reader(Path(path))
+    return _tokenizer_record(reader, _field(reader, "tokenizer.ggml.tokens") or [])
+
+
 def _hf_name(name: str, path: Path) -> str:
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
@@ -176,4 +182,4 @@ def gguf_tokenizer(record: dict[str, Any]) -> Tokenizer:
     tokens, ids = record["tokens"], record["ids"]
     named = {role: tokens[int(ids[role])] if ids.get(role) is not None and 0 <= int(ids[role]) < len(tokens) else None
              for role in ("bos", "eos", "pad")}
-    return Tokenizer.from_json(tokenizer_json(record), named["bos"], named["eos"], named["pad"])
+    return Tokenizer.from_json(tokenizer_json(record), named["bos"], named["eos"], named["pad"], record.get("chat_template"))

@@ -23,7 +23,7 @@ from kvforge.errors import KvforgeError
 from kvforge.tensorrt_env import tensorrt_gpu_missing
 from kvforge.tokenizer import Tokenizer
 
-from .backend import Backend, KVCache, torch_source
+from .backend import Backend, KVCache, SessionLifecycle, torch_source
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .torch_backend import TorchBackend
@@ -70,7 +70,7 @@ def open_decoder(bundle: Bundle, backend: str, **options) -> "Session":
     return Session(impl, tokenizer, config, io, str(bundle.path), model_id)
 
 
-class Session:
+class Session(SessionLifecycle):
     architecture = "decoder"  # what kvforge.kinds.kind_name names in messages
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None, config: dict[str, Any], io: IOSpec, source: str,
@@ -89,21 +89,6 @@ class Session:
     @property
     def backend_name(self) -> str:
         return self.backend.name
-
-    def activate(self) -> Session:
-        with self._lock:
-            self.backend.activate()
-        return self
-
-    def deactivate(self) -> None:
-        with self._lock:
-            self.backend.deactivate()
-
-    def __enter__(self) -> Session:
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
 
     def __repr__(self) -> str:
         return f"Session({self.source!r}, backend={self.backend.name!r}, active={self.backend.active})"
@@ -228,6 +213,20 @@ class Session:
         # thread that holds an open stream, or any other, may use the session meanwhile, and a stream left
         # unfinished holds nothing.
         yield from _stream_text(self, rows[0], config)
+
+    # -- chat ------------------------------------------------------------------
+    def chat_ids(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
+        """The conversation's prompt ids, as the model's chat template writes them (kvforge/chat.py)."""
+        return self._require_tokenizer().apply_chat_template(messages, add_generation_prompt, **variables)
+
+    def chat(self, messages, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
+        """The assistant's next reply to a conversation ([{"role": "user", "content": ...}, ...]); kwargs are
+        generation options (GenerationConfig)."""
+        return self.generate(self.chat_ids(messages), config, **kwargs)
+
+    def stream_chat(self, messages, config: GenerationConfig | None = None, **kwargs) -> Iterator[TokenEvent]:
+        """The assistant's next reply, token by token with its text (as stream())."""
+        return self.stream(self.chat_ids(messages), config, **kwargs)
 
 
 def _stream_text(session: Session, prompt: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:

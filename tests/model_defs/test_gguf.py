@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvforge import runtime
 from kvforge.errors import KvforgeError
 from kvforge.model_defs import load, source_kind
 
@@ -154,3 +155,15 @@ def test_smollm2_is_transformers_smollm2():
     # FP32 both; the two differ only in summation order (transformers' own FP32-vs-FP64 gap is ~6e-5 here)
     assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    # chat: the GGUF's template gives transformers' prompt ids, and a greedy reply of 32 tokens is transformers'
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    prompt = tokenizer.apply_chat_template(messages)
+    assert prompt == list(oracle_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
+    with torch.no_grad():
+        reference = oracle.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
+    with runtime.load("smollm2", backend="torch") as session:
+        reply = session.chat(messages, max_new_tokens=32)
+    stop = reply.tokens if reply.finish_reason == "length" else reply.tokens[:-1]
+    assert reference.tolist()[:len(reply.tokens)] == reply.tokens and len(stop) > 4
+    assert "Paris" in reply.text
