@@ -19,6 +19,7 @@ REFUSE_GENERATE = r"does not generate text; use embed\(\) or classify\(\)"
 REFUSE_EMBED = r"`kvforge embed` runs encoder bundles .*use `kvforge generate`"
 REFUSE_BENCH = r"`kvforge bench` measures a decoder LM's prefill and decode"
 REFUSE_TRITON = r"the Triton model serves decoder LMs"
+REFUSE_CHAT = r"`kvforge chat` talks with a decoder LM"
 
 # command -> (argv after the command, given the bundle and a scratch directory; kind -> None (ok) or a refusal)
 COMMANDS = {
@@ -28,6 +29,9 @@ COMMANDS = {
                                 "--quiet"], {}),
     "compare": (lambda b, w: [b, "--random-data", "--steps", "2", "--prompts", "1", "--quiet"], {}),
     "generate": (lambda b, w: [b, "--prompt", "hello", "--max-new-tokens", "3"], {"encoder": REFUSE_GENERATE, "perceiver": REFUSE_GENERATE}),
+    # the micro decoders have no chat template: tests/test_chat.py runs a chat on a checkpoint that has one
+    "chat": (lambda b, w: [b, "--max-new-tokens", "2"], {"decoder": r"has no chat template",
+                                                         **{k: REFUSE_CHAT for k in ("encoder", "encoder-decoder", "perceiver")}}),
     "embed": (lambda b, w: [b, "--text", "hello"], {"decoder": REFUSE_EMBED, "encoder-decoder": REFUSE_EMBED}),
     "bench": (lambda b, w: [b, "--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "2"],
               {k: REFUSE_BENCH for k in ("encoder", "encoder-decoder", "perceiver")}),
