@@ -28,7 +28,8 @@ from kvforge.verify.compare import compare as compare_artifacts
 from kvforge.verify.compare import write_report
 from kvforge.verify.pipeline import DEFAULT_PRECISIONS
 from kvforge.verify.pipeline import pipeline as run_pipeline
-from kvforge.verify.render import print_check, print_compare, print_pipeline
+from kvforge.runtime.chat_loop import run_chat
+from kvforge.verify.render import PhaseProgress, print_check, print_compare, print_pipeline
 
 
 class _Group(click.Group):
@@ -135,32 +136,6 @@ def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
     click.echo(f"greedy      {result['prompt'] + result['continuation']!r}")
 
 
-class _PhaseProgress:
-    """A rich progress display on stderr: one bar per phase of a long job."""
-
-    def __init__(self, enabled: bool = True):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=Console(stderr=True), disable=not enabled, transient=False,
-        )
-        self.tasks: dict[str, int] = {}
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if phase not in self.tasks:
-            self.tasks[phase] = self.progress.add_task(phase, total=total)
-        self.progress.update(self.tasks[phase], completed=done, total=total)
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.progress.__exit__(*exc)
-
-
 @main.command()
 @click.argument("source", required=False)
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write.")
@@ -174,7 +149,7 @@ def export(source, out, dtype, opset, max_context, external_data, force, quiet):
     """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""
     from kvforge.export import export as export_bundle
 
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
                                force=force, progress=progress)
     lint_result = bundle.manifest["lint"]
@@ -258,7 +233,7 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
               random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         b = calibrate_bundle(
             bundle, out, precision=precision, method=method, percentile=percentile, data=data, samples=samples,
             seq_len=seq_len, smoothquant=smoothquant, exclude=list(exclude), block_size=block_size,
@@ -324,7 +299,7 @@ def build(bundle, out, max_batch, max_context, opt_batch, opt_context, timing_ca
         return
     if out is None:
         raise click.UsageError("missing option -o / --out (only --dry-run needs none)")
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         b = run(bundle, out, max_batch=max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context,
                 options=options, force=force, progress=progress)
     e = b.manifest["engine"]
@@ -405,42 +380,6 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
         session.chat_ids(opening + [{"role": "user", "content": "hello"}])  # no template: refused before the loop
         click.echo(f"chatting with {source} ({session.backend_name}); /reset starts over, /exit quits")
         run_chat(session, opening, options)
-
-
-def run_chat(session, opening: list[dict], options: dict) -> None:
-    """The chat loop over stdin (bounded by its input: it ends at EOF or /exit)."""
-    messages = list(opening)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            click.echo()
-            return
-        except KeyboardInterrupt:  # at the prompt: a fresh line, the conversation kept
-            click.echo()
-            continue
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            messages = list(opening)
-            click.echo("(conversation reset)")
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = []
-        try:
-            for event in session.stream_chat(messages, **options):
-                reply.append(event.text)
-                click.echo(event.text, nl=False)
-        except KeyboardInterrupt:
-            click.echo(" [stopped]", nl=False)
-        except KvforgeError as e:  # a conversation past the context: say so, keep the program
-            messages.pop()
-            click.echo(f"error: {one_line(e)} (/reset starts over)")
-            continue
-        click.echo()
-        messages.append({"role": "assistant", "content": "".join(reply)})
 
 
 @main.command()
@@ -577,7 +516,7 @@ def _wide_console():
 def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
             json_file, quiet):
     """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         report = compare_artifacts(candidate, reference, data=data, backend=backend, steps=steps, prompts=prompts,
                                    max_tokens=max_tokens, seq_len=seq_len, tolerances=parse_tolerances(list(tolerances)),
                                    per_layer=per_layer, random_data=random_data, progress=progress)
@@ -602,7 +541,7 @@ def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq
 def check(spec, update_baseline, workdir, report_file, quiet):
     """Run the accuracy regression check SPEC (TOML); exit 1 on a regression against its baseline."""
     console = _wide_console()
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         result = run_check(spec, update_baseline, workdir=workdir, progress=progress,
                            log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))
     print_check(result, spec, console)
@@ -632,7 +571,7 @@ def check(spec, update_baseline, workdir, report_file, quiet):
 def pipeline(source, workdir, precisions, calibration_data, random_data, force, quiet):
     """The main job: export, calibrate, build engines (where TensorRT runs), compare all, report."""
     console = _wide_console()
-    with _PhaseProgress(enabled=not quiet) as progress:
+    with PhaseProgress(enabled=not quiet) as progress:
         result = run_pipeline(source, workdir, precisions=precisions or DEFAULT_PRECISIONS,
                               calibration_data=calibration_data, force=force, random_data=random_data, progress=progress,
                               log=(lambda m: None) if quiet else (lambda m: console.print(m, style="dim")))

@@ -83,3 +83,29 @@ def print_pipeline(result, source, console) -> None:
         console.print(f"reference: {first['reference']} on torch, perplexity {first['perplexity_reference']:.3f} over "
                       f"{first['tokens']} tokens of {first['data']}; greedy = teacher-forced agreement over "
                       f"{first['prompts']} x {first['steps']} decode steps")
+
+
+class PhaseProgress:
+    """A rich progress display on stderr: one bar per phase of a long job (the CLI's progress= callback)."""
+
+    def __init__(self, enabled: bool = True):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), disable=not enabled, transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.progress.add_task(phase, total=total)
+        self.progress.update(self.tasks[phase], completed=done, total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
