@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from kvforge.chat import render, template_from_config
 from kvforge.errors import KvforgeError, MissingDependencyError
@@ -137,10 +137,23 @@ class Tokenizer:
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         self.backend.save(str(directory / TOKENIZER_FILE))
-        cfg: dict[str, str] = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        cfg: dict[str, Any] = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
+        # How encode() adds special tokens, said the way every reader of these files understands it: transformers
+        # (a fast tokenizer over tokenizer.json) and ONNX Runtime GenAI (onnxruntime-extensions reads the class and
+        # add_*_token; a Llama class would make it split text differently).
+        cfg.update(tokenizer_class="PreTrainedTokenizerFast", **self.adds_special_tokens())
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (directory / SPECIALS_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    def adds_special_tokens(self) -> dict[str, bool]:
+        """{"add_bos_token", "add_eos_token"}: whether encode() puts the BOS first and the EOS last (what the
+        tokenizer.json post-processor does), found by encoding a probe text with and without special tokens."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        bos, eos = self.bos_token_id, self.eos_token_id
+        return {"add_bos_token": bos is not None and full[:1] == [bos] and plain[:1] != [bos],
+                "add_eos_token": eos is not None and full[-1:] == [eos] and plain[-1:] != [eos]}
 
     # -- chat ------------------------------------------------------------------
     def render_chat(self, messages, add_generation_prompt: bool = True, **variables) -> str:

@@ -65,6 +65,24 @@ def test_genai_generates_what_kvforge_generates(tiny_fp32, tiny_int4, hf_bundle,
     assert _genai_greedy(bundle.path, prompt) == ours and len(set(ours)) > 3
 
 
+@pytest.mark.parametrize("which", ["tiny-fp32", "tiny-int4"])
+def test_every_runtime_tokenizes_the_bundle_as_kvforge_does(tiny_fp32, tiny_int4, which):
+    """The bundle's tokenizer files say that encoding adds the BOS (tokenizer_config.json's add_bos_token and a
+    fast-tokenizer class, beside tokenizer.json's post-processor): transformers' AutoTokenizer and GenAI's
+    tokenizer read the same ids kvforge does."""
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (the test extra has it)")
+    transformers = pytest.importorskip("transformers")
+    bundle = tiny_fp32 if which == "tiny-fp32" else tiny_int4
+    with runtime.load(bundle.path) as s:
+        ours, plain, bos = s.encode(PROMPT), s.tokenizer.encode(PROMPT, add_special_tokens=False), s.tokenizer.bos_token_id
+    assert ours == [bos] + plain  # tiny's tokenizer puts the BOS first
+    assert transformers.AutoTokenizer.from_pretrained(str(bundle.path))(PROMPT)["input_ids"] == ours
+    tokenizer = og.Tokenizer(og.Model(str(bundle.path)))
+    assert list(tokenizer.encode(PROMPT)) == plain  # GenAI's default adds none (its chat templates write them)
+    tokenizer.update_options(add_special_tokens="true")
+    assert list(tokenizer.encode(PROMPT)) == ours and tokenizer.decode(ours) == PROMPT
+
+
 def test_genai_config_settings_that_keep_its_numbers_right(micro_bundle, tmp_path):
     """A capped (windowed) cache GenAI cannot feed: no config, and the manifest says why. FP8 asks GenAI for basic
     optimizations: at the extended level ONNX Runtime deletes a ReLU before an FP8 QuantizeLinear."""
