@@ -57,7 +57,6 @@ def _torch_session(source, dtype: str = "float32", **options) -> Session:
     """A Session over the Torch reference built from a model source (no bundle needed)."""
     from kvforge.model_defs import load as load_model  # torch: only for a Session over a model source
 
-
     model, tokenizer = load_model(source, dtype=dtype)
     cfg = model.config.to_dict()
     kind = kind_of(cfg)

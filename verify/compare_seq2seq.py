@@ -67,8 +67,8 @@ def compare_seq2seq(candidate: str | Path, reference: str | Path | None = None, 
                     backend: str = "auto", steps: int = 16, prompts: int = 4, max_tokens: int = 8192, seq_len: int = 64,
                     samples: int = 32, batch_size: int = 4, tolerances: dict[str, float] | None = None,
                     random_data: bool = False, seed: int = 0, progress=None, **backend_options):
-
-
+    """Compare an encoder-decoder bundle on `backend` with the Torch reference: target perplexity given the
+    source, top-1, KL and greedy agreement; returns a compare.Report."""
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(candidate)
