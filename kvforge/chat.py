@@ -13,6 +13,7 @@ templates of which "default" is used), a `chat_template.jinja` file beside it, o
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from typing import Any, Sequence
@@ -26,6 +27,7 @@ class TemplateError(KvforgeError):
     """The chat template refused the conversation (its raise_exception) or could not be rendered."""
 
 
+@functools.lru_cache(maxsize=None)
 def _environment():
     try:
         from jinja2.ext import loopcontrols
@@ -44,6 +46,12 @@ def _environment():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """A template compiled once (a chat renders the same template every turn)."""
+    return _environment().from_string(template)
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -66,8 +74,7 @@ def render(template: str, messages: Sequence[dict[str, Any]], *, add_generation_
     messages = check_messages(messages)
     specials = {f"{role}_token": token for role, token in (special_tokens or {}).items() if token is not None}
     try:
-        compiled = _environment().from_string(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                **specials, **variables)
     except TemplateError:
         raise
