@@ -1,10 +1,12 @@
 """Calibration data: text or JSONL files tokenized with the bundle's tokenizer.
 
 Without a file, `tiny` calibrates on its built-in corpus (text from its
-training split); any other model is refused with instructions, because
-calibrating on random tokens silently gives scales that do not fit real
-activations. Random tokens are used only when asked for explicitly, and the
-manifest says so.
+training split) and any other model with a tokenizer on the built-in English
+prose (kvforge/texts.py); a model without a tokenizer is refused with
+instructions, because calibrating on random tokens silently gives scales that
+do not fit real activations. Random tokens are used only when asked for
+explicitly, and the manifest says so. Evaluation text follows the same rule
+(tiny's held-out text for tiny's tokenizer, held-out prose for any other).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
+from kvforge.texts import builtin_prose
 from kvforge.tokenizer import Tokenizer
 
 BUILTIN_TINY_CORPUS = "calibration.txt"
@@ -29,6 +32,7 @@ class CalibrationSet:
     source: str  # the file, "built-in tiny corpus" or "random tokens"
     sha256: str  # of the token ids
     random: bool = False
+    held_out: list[int] | None = None  # ids after the last sample's window, kept out of calibration (hold_out)
 
     def batches(self, batch_size: int):
         for i in range(0, len(self.samples), batch_size):
@@ -97,8 +101,12 @@ def load_calibration_set(
     seq_len: int = 256,
     random_data: bool = False,
     seed: int = 0,
+    hold_out: int = 0,
 ) -> CalibrationSet:
-    """Up to `samples` windows of `seq_len` tokens, spread evenly over the corpus."""
+    """Up to `samples` windows of `seq_len` tokens, spread evenly over the corpus.
+
+    hold_out: up to this many tokens at the corpus's end (at most a fifth of it) are kept out of the samples
+    and returned as `held_out`, for measuring what the calibration chose on text it did not see."""
     if samples < 1 or seq_len < 1:
         raise KvforgeError(f"need samples >= 1 and seq_len >= 1, got {samples} and {seq_len}")
     max_context = bundle.io.max_context or bundle.model_config["max_seq_len"]
@@ -112,22 +120,28 @@ def load_calibration_set(
         except MemoryError as e:
             raise KvforgeError(f"{samples} random samples of {seq_len} tokens do not fit in memory; ask for fewer") from e
         return CalibrationSet(ids, "random tokens", hashlib.sha256(ids.tobytes()).hexdigest(), random=True)
-    if data is None:
-        if not _is_builtin_tiny(bundle):
-            raise KvforgeError(
-                "no calibration data: pass --data FILE (a UTF-8 text file, or JSONL with one text per line) "
-                "with text like what the model will see; only the built-in tiny model has a built-in corpus. "
-                "--random-data calibrates on random tokens instead (scales then rarely fit real inputs)"
-            )
+    if data is None and _is_builtin_tiny(bundle):
         from kvforge.model_defs.checkpoint import TINY_DIR  # torch: only when tiny's own text is the default
 
         texts, source = [(TINY_DIR / BUILTIN_TINY_CORPUS).read_text(encoding="utf-8")], "built-in tiny corpus"
+    elif data is None:
+        if bundle.tokenizer_file is None:
+            raise KvforgeError(
+                f"no calibration data: {bundle.path} has no tokenizer to read the built-in English text with; pass "
+                "--data FILE (a UTF-8 text file, or JSONL with one text per line) with text like what the model will "
+                "see, or --random-data to calibrate on random tokens (scales then rarely fit real inputs)"
+            )
+        texts, source = builtin_prose("calibration")
     else:
         texts, source = read_texts(data), str(data)
     if bundle.tokenizer_file is None:
         raise KvforgeError(f"bundle {bundle.path} has no tokenizer to tokenize calibration text with")
     tok = Tokenizer.from_file(bundle.tokenizer_file)
     stream = np.concatenate([np.asarray(tok.encode(text), np.int64) for text in texts])
+    held_out = None
+    if hold_out and len(stream) >= 2 * seq_len:
+        keep = min(hold_out, len(stream) // 5)
+        stream, held_out = stream[:-keep], stream[-keep:].tolist()
     if len(stream) < seq_len:
         raise KvforgeError(f"calibration data has {len(stream)} tokens; one sample needs seq_len={seq_len}")
     windows = len(stream) // seq_len
@@ -135,18 +149,28 @@ def load_calibration_set(
     starts = np.linspace(0, (windows - 1) * seq_len, n).astype(np.int64) // seq_len * seq_len
     ids = np.stack([stream[s : s + seq_len] for s in starts])
     check_vocab(ids, vocab, f"calibration data {source}")
-    return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest())
+    return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest(), held_out=held_out)
+
+
+def is_tiny_tokenizer(tokenizer) -> bool:
+    """The tokenizer the trained presets (tiny, tiny-moe) share: their own text is the default for it."""
+    from kvforge.model_defs.checkpoint import TINY_DIR  # model_defs imports torch
+
+    path = TINY_DIR / "tokenizer.json"
+    return path.is_file() and tokenizer.backend.get_vocab() == Tokenizer.from_file(path).backend.get_vocab()
 
 
 def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: int | None = None) -> tuple[list[int], str]:
-    """The evaluation token stream: `data` (text or JSONL) or tiny's held-out text, at most max_tokens + 1 ids
+    """The evaluation token stream: `data` (text or JSONL), tiny's held-out text or the held-out prose, at most max_tokens + 1 ids
     (checked against the model's vocabulary where given)."""
     if tokenizer is None:
         raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
-    if data is None:
-        from kvforge.model_defs.evaluate import heldout_text  # torch: only when no data file is given
+    if data is None and is_tiny_tokenizer(tokenizer):
+        from kvforge.model_defs.evaluate import heldout_text  # torch: only when tiny's own text is the default
 
         texts, name = [heldout_text()], "built-in held-out text"
+    elif data is None:
+        texts, name = builtin_prose("evaluation")
     else:
         texts, name = read_texts(data, what="evaluation data"), str(data)
     ids: list[int] = []
