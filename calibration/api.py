@@ -22,8 +22,8 @@ def calibrate(
     bundle_path: str | Path,
     out: str | Path,
     *, precision: str = "int8",
-    method: str = "max",
-    percentile: float = 99.99,
+    method: str | None = None,
+    percentile: float | None = None,
     data: str | Path | None = None,
     samples: int = 128,
     seq_len: int = 256,
@@ -39,11 +39,17 @@ def calibrate(
     accuracy_budget: dict[str, float] | None = None,
     budget_data: str | Path | None = None,
     budget_tokens: int = 4096,
-    gptq: bool = False,
+    gptq: bool | None = None,
     min_expert_tokens: int = 16,
     starved_experts: str = "all-tokens",
+    recipe: str | None = None,
 ) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only.
+
+    recipe: "auto" (the default when none of method, percentile, smoothquant, block_size, gptq and
+    accuracy_budget is given) chooses smoothing, clipping, layers kept in float and INT4's block size and
+    rounding by measurement on the calibration text (calibration/auto.py); "fixed" takes the options as given,
+    with max ranges, no smoothing, block 128 and rounding to nearest where they are not.
 
     gptq: round weights with GPTQ (error-compensating, from the calibration activations) instead of
     to nearest; INT4 then needs calibration data too. A mixture's expert that fewer than min_expert_tokens
@@ -60,7 +66,7 @@ def calibrate(
         smoothquant=smoothquant, exclude=exclude, block_size=block_size, random_data=random_data,
         batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache, accuracy_budget=accuracy_budget,
         budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq, min_expert_tokens=min_expert_tokens,
-        starved_experts=starved_experts,
+        starved_experts=starved_experts, recipe=recipe,
     ).checked(bundle, quantizer.fits_budget)
     check_output_path(out, force, [bundle.path])
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration

@@ -38,6 +38,7 @@ class TensorObserver:
         self.hist: np.ndarray | None = None
         self.keep_rows = keep_rows  # keep the first rows (last axis = features) seen, up to this many
         self.rows: list[np.ndarray] = []
+        self.sampled: list[np.ndarray] = []  # rows drawn from every batch (passes.observe's sample_rows)
 
     def observe_range(self, x: np.ndarray) -> None:
         if x.size == 0:

@@ -17,6 +17,7 @@ from kvforge.ort_session import prefill_feeds
 
 from .budget import fit_budget
 from .data import load_calibration_set
+from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, choose_activations, search
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
 from .passes import Progress, activation_scales, observe
@@ -36,56 +37,76 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     routers = router_inputs(model, {e.moe for e in experts}) if experts else {}
     extra = [n for n in dict.fromkeys(routers.values()) if n not in activations]
 
-    act_amax, smooth, calibration, hessians = None, None, {"data": None}, None
+    act_amax, smooth, calibration, hessians, cset, chosen = None, None, {"data": None}, None, None, None
     if recipe.needs_data:
         cset = load_calibration_set(bundle, recipe.data, samples=recipe.samples, seq_len=recipe.seq_len,
-                                    random_data=recipe.random_data)
-        hessians = HessianAccumulator(activations) if recipe.gptq else None
+                                    random_data=recipe.random_data, hold_out=HOLD_OUT_TOKENS if recipe.auto else 0)
+        hessians = HessianAccumulator(activations) if recipe.gptq or (recipe.auto and recipe.weight_only) else None
         n_batches = -(-len(cset.samples) // recipe.batch_size)
         items = lambda: cset.batches(recipe.batch_size)  # noqa: E731
+        searching = recipe.auto and not recipe.weight_only
         observers, channel_amax, run = observe(
             model, activations + presents + extra, items, n_batches,
             lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype),
-            recipe.smoothquant is not None, float_dtype, progress, hessians, {n: KEEP_ROWS for n in routers.values()},
+            recipe.smoothquant is not None or searching, float_dtype, progress, hessians,
+            {n: KEEP_ROWS for n in routers.values()}, sample_rows=SAMPLE_ROWS if searching else 0,
         )
         calibration = {
             "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": recipe.batch_size,
         }
     expert_record, starved_float = None, []
-    if not recipe.weight_only:
+    if not recipe.weight_only and recipe.auto:
+        # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
+        plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
+        act_amax, smooth, chosen = choose_activations(targets, _weights(model, targets), observers, channel_amax,
+                                                      recipe.precision, float_dtype, progress, plain)
+    elif not recipe.weight_only:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
                                              progress)
-        if experts:
-            expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
+    if not recipe.weight_only and experts:
+        expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
                                                                   act_amax, recipe)
 
     # the budget's rewrites reuse each weight's GPTQ rounding
     round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, progress,
                                 len(targets)) if recipe.gptq else None
 
-    def quantize(extra_exclude: list[str]):
+    def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head)
-        rec = rewrite(q, q_targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype, round_weight)
+        rec = rewrite(q, q_targets, recipe.precision, act_amax, block_size, smooth, float_dtype, rounder)
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)
         return q, q_targets, q_excluded, rec
 
     progress("quantize", 0, 1)
-    budget_report = None
+    budget_report, recipe_record = None, None
+    starved = [f"^{re.escape(name)}$" for name in starved_float]
     if recipe.accuracy_budget:
         (model, targets, excluded, record), budget_report = fit_budget(
             bundle, model, quantize, recipe.precision, recipe.accuracy_budget, held_out, progress)
+    elif recipe.auto:
+        (model, targets, excluded, record), recipe, recipe_record = search(
+            bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,
+            lambda b: gptq_rounder(hessians, None, recipe.precision, b, float_dtype, progress, len(targets)), progress)
     else:
-        model, targets, excluded, record = quantize([f"^{re.escape(name)}$" for name in starved_float])
+        model, targets, excluded, record = quantize(starved)
     progress("quantize", 1, 1)
     return Quantized({bundle.manifest["graph"]: model}, recipe.quantization_record([t.layer for t in targets], excluded),
-                     {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record})
+                     {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record,
+                      "recipe": recipe_record})
+
+
+def _weights(model, targets) -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    return {t.weight: numpy_helper.to_array(inits[t.weight]).astype(np.float32) for t in targets}
 
 
 def _cover_starved_experts(bundle: Bundle, model, experts, observers, routers, act_amax, recipe: Recipe):

@@ -18,12 +18,14 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 def observe(model, activations: list[str], items: Callable[[], Any], n_batches: int, feeds: Callable[[Any], dict],
-            smooth_needed: bool, float_dtype, progress: Progress, hessians=None, keep_rows: dict[str, int] | None = None):
+            smooth_needed: bool, float_dtype, progress: Progress, hessians=None, keep_rows: dict[str, int] | None = None,
+            sample_rows: int = 0):
     """Pass 1 over the calibration set: the float graph with the activations exposed as outputs.
 
     items() iterates the calibration batches, feeds(item) makes a batch's graph inputs. Returns the
     observers (amax recorded), per-channel amax (for SmoothQuant) and the batch runner (item ->
-    activations, for pass 2's histograms); fills `hessians` (GPTQ's X^T X) when given.
+    activations, for pass 2's histograms); fills `hessians` (GPTQ's X^T X) when given. sample_rows: about this
+    many rows of each activation, evenly spaced within every batch, are kept in its observer's `sampled`.
     """
     from onnx import TensorProto, helper
 
@@ -47,6 +49,10 @@ def observe(model, activations: list[str], items: Callable[[], Any], n_batches: 
             observers[name].observe_range(x)
             if hessians is not None:
                 hessians.add(name, x)
+            if sample_rows:
+                flat = x.reshape(-1, x.shape[-1])
+                picks = np.linspace(0, len(flat) - 1, min(len(flat), -(-sample_rows // n_batches))).astype(np.int64)
+                observers[name].sampled.append(flat[picks])
             if smooth_needed:
                 m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)
                 channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)

@@ -36,8 +36,8 @@ class Quantized(NamedTuple):
 @dataclass(frozen=True)
 class Recipe:
     precision: str = "int8"
-    method: str = "max"
-    percentile: float = 99.99
+    method: str | None = None  # None: "max" in a fixed recipe, chosen per activation in an automatic one
+    percentile: float | None = None  # None: 99.99
     data: str | Path | None = None
     samples: int = 128
     seq_len: int = 256
@@ -51,9 +51,20 @@ class Recipe:
     accuracy_budget: dict[str, float] | None = None
     budget_data: str | Path | None = None
     budget_tokens: int = 4096
-    gptq: bool = False
+    gptq: bool | None = None  # None: False in a fixed recipe, chosen in an automatic one
     min_expert_tokens: int = 16
     starved_experts: str = "all-tokens"
+    recipe: str | None = None  # "auto" | "fixed"; None: auto unless a tuning option is given (calibration/auto.py)
+
+    @property
+    def auto(self) -> bool:
+        return self.recipe == "auto"
+
+    def tuning_options(self) -> list[str]:
+        """The options that fix what an automatic recipe would choose."""
+        given = dict(method=self.method, percentile=self.percentile, smoothquant=self.smoothquant,
+                     block_size=self.block_size, gptq=self.gptq, accuracy_budget=self.accuracy_budget)
+        return [name for name, value in given.items() if value is not None]
 
     @property
     def weight_only(self) -> bool:
@@ -61,8 +72,21 @@ class Recipe:
 
     @property
     def needs_data(self) -> bool:
-        """Weight-only INT4 rounded to nearest reads no calibration data; everything else observes activations."""
-        return not self.weight_only or self.gptq
+        """Weight-only INT4 rounded to nearest reads no calibration data; everything else observes activations
+        (an automatic INT4 recipe measures its candidates on the calibration text)."""
+        return not self.weight_only or bool(self.gptq) or self.auto
+
+    def _mode(self, bundle: Bundle) -> str:
+        tuning = self.tuning_options()
+        if self.recipe not in (None, "auto", "fixed"):
+            raise KvforgeError(f"--recipe {self.recipe!r} is not one of ('auto', 'fixed')")
+        if self.recipe == "auto" and tuning:
+            raise KvforgeError(f"--recipe auto chooses {', '.join(tuning)} itself; drop them, or ask for --recipe fixed")
+        if self.recipe is not None:
+            return self.recipe
+        # INT4 rounded to nearest needs no data: without text to measure on, it stays the fixed recipe
+        no_text = self.data is None and not self.random_data and bundle.tokenizer_file is None
+        return "fixed" if tuning or (self.weight_only and no_text) else "auto"
 
     def checked(self, bundle: Bundle, fits_budget: bool) -> "Recipe":
         """The recipe with its defaults resolved, or a KvforgeError naming the first option that cannot apply to
@@ -71,6 +95,10 @@ class Recipe:
         budget = parse_budget(self.accuracy_budget) if self.accuracy_budget else None
         if self.precision not in FORMATS:
             raise KvforgeError(f"precision {self.precision!r} is not one of {FORMATS}")
+        mode = self._mode(bundle)
+        method = self.method if self.method is not None else "max"
+        percentile = 99.99 if self.percentile is None else self.percentile
+        self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq))
         if self.method not in METHODS:
             raise KvforgeError(f"method {self.method!r} is not one of {METHODS}")
         if bundle.quantization:
@@ -117,11 +145,13 @@ class Recipe:
         """The manifest's precision.quantization entry for the layers quantized and those kept in float."""
         return {
             "format": self.precision,
+            "recipe": self.recipe,
             "weights": "block-wise" if self.weight_only else "per-channel",
             "weight_rounding": "gptq" if self.gptq else "nearest",
             "gptq_damp": DAMP if self.gptq else None,
             "activations": None if self.weight_only else "per-tensor static",
-            "method": None if self.weight_only else self.method,
+            # an automatic recipe clips and smooths each activation on its own (calibration.recipe.chosen)
+            "method": None if self.weight_only else ("per-activation search" if self.auto else self.method),
             "percentile": self.percentile if self.method == "percentile" and not self.weight_only else None,
             "smoothquant_alpha": self.smoothquant,
             "block_size": self.block_size,

@@ -16,6 +16,7 @@ import click
 from kvforge import runtime, serving
 from kvforge.bundle import Bundle
 from kvforge.calibration import calibrate as calibrate_bundle
+from kvforge.calibration.auto import recipe_summary
 from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
@@ -116,7 +117,7 @@ def models(as_json):
 
 @main.command("eval")
 @click.argument("source", required=False)
-@click.option("--data", type=click.Path(dir_okay=False), help="UTF-8 text corpus (default: tiny's held-out text).")
+@click.option("--data", type=click.Path(dir_okay=False), help="UTF-8 text corpus (default: tiny's held-out text for tiny's tokenizer, else the built-in English prose).")
 @click.option("--prompt", default="def fibonacci(n):\n    if n", show_default=True, help="Prompt for a greedy continuation.")
 @click.option("--max-new-tokens", default=48, show_default=True, type=click.IntRange(0))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1), help="Perplexity window.")
@@ -203,9 +204,13 @@ def inspect(bundle, as_json):
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write.")
 @click.option("--precision", required=True, type=click.Choice(["int8", "fp8", "int4"]))
-@click.option("--method", default="max", show_default=True, type=click.Choice(["max", "percentile", "entropy", "mse"]),
-              help="How activation ranges are chosen from the statistics.")
-@click.option("--percentile", default=99.99, show_default=True, type=float, help="For --method percentile.")
+@click.option("--recipe", type=click.Choice(["auto", "fixed"]),
+              help="auto (the default unless a tuning option below is given): smoothing, clipping, layers kept in "
+                   "float, INT4 block size and rounding chosen by measurement on held-out calibration text; fixed: "
+                   "the options as given (max, no smoothing, block 128, nearest where not given).")
+@click.option("--method", type=click.Choice(["max", "percentile", "entropy", "mse"]),
+              help="How activation ranges are chosen from the statistics (a fixed recipe; default max).")
+@click.option("--percentile", type=float, help="For --method percentile (default 99.99).")
 @click.option("--data", type=click.Path(dir_okay=False), help="Calibration text: a UTF-8 file, or .jsonl with one text per line.")
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
@@ -219,9 +224,9 @@ def inspect(bundle, as_json):
 @click.option("--accuracy-budget", "budget", multiple=True, metavar="METRIC=VALUE",
               help="Keep the most sensitive blocks in float until this holds against the float graph "
                    "(perplexity_delta_pct, top1_agreement, kl_divergence_mean, logits_rel_l2); repeatable.")
-@click.option("--budget-data", type=click.Path(dir_okay=False), help="Held-out text for the budget (default: tiny's held-out text).")
+@click.option("--budget-data", type=click.Path(dir_okay=False), help="Held-out text for the budget (default: tiny's held-out text for tiny's tokenizer, else the built-in English prose).")
 @click.option("--budget-tokens", default=4096, show_default=True, type=click.IntRange(2), help="Tokens the budget is measured on.")
-@click.option("--gptq", is_flag=True, help="Round weights with GPTQ (compensates each rounding error using the calibration "
+@click.option("--gptq", is_flag=True, default=None, help="Round weights with GPTQ (compensates each rounding error using the calibration "
                                            "activations) instead of to nearest; INT4 then needs calibration data too.")
 @click.option("--min-expert-tokens", default=16, show_default=True, type=click.IntRange(0),
               help="A mixture's expert that fewer calibration tokens reach is starved (see --starved-experts).")
@@ -229,7 +234,7 @@ def inspect(bundle, as_json):
               help="all-tokens: calibrate a starved expert on every calibration token (statistics only); float: keep it in float.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
+def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
               random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
@@ -240,7 +245,7 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
             random_data=random_data, batch_size=batch_size, quantize_lm_head=quantize_lm_head, force=force,
             progress=progress, kv_cache=kv_cache, accuracy_budget=list(budget) or None, budget_data=budget_data,
             budget_tokens=budget_tokens, gptq=gptq, min_expert_tokens=min_expert_tokens,
-            starved_experts=starved_experts)
+            starved_experts=starved_experts, recipe=recipe)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     click.echo(
@@ -251,6 +256,8 @@ def calibrate(bundle, out, precision, method, percentile, data, samples, seq_len
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
         f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
     )
+    if c.get("recipe"):
+        click.echo(recipe_summary(c["recipe"]))
     if c.get("experts"):
         rows = [(moe, e, r) for moe, experts in c["experts"].items() for e, r in experts.items()]
         starved = [f"{moe}.{e} ({r['tokens']} tokens: {r['calibrated']})" for moe, e, r in rows if r["calibrated"] != "routed"]
@@ -501,7 +508,7 @@ def _wide_console():
 @main.command()
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False))
 @click.option("--reference", help="Bundle or model source run on Torch (default: the source CANDIDATE was exported from).")
-@click.option("--data", type=click.Path(dir_okay=False), help="Held-out text (UTF-8, or JSONL; default: tiny's held-out text).")
+@click.option("--data", type=click.Path(dir_okay=False), help="Held-out text (UTF-8, or JSONL; default: tiny's held-out text for tiny's tokenizer, else the built-in English prose).")
 @_backend_option
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(1), help="Decode steps per prompt.")
 @click.option("--prompts", default=4, show_default=True, type=click.IntRange(1), help="Prompts for the decode comparison.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -171,7 +172,8 @@ def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
     from kvforge.ort_session import make_session, prefill_feeds
 
     b = export("classic-micro", tmp_path / "fp32")
-    q = calibrate(b.path, tmp_path / "fp8", precision="fp8", random_data=True, samples=8, seq_len=32)
+    # the fixed recipe: the runtime's variant folds a SmoothQuant Mul into the norm (equal up to float rounding)
+    q = calibrate(b.path, tmp_path / "fp8", precision="fp8", random_data=True, samples=8, seq_len=32, recipe="fixed")
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 16))
     feeds = prefill_feeds(ids, q.model_config, q.io, "float32")
     (plain,) = make_session(str(q.graph_file), optimization="none").run(["logits"], feeds)
@@ -271,12 +273,24 @@ def test_non_finite_weights_are_named(fp32):
         check_weights_finite(model, targets)
 
 
-def test_other_models_need_data_or_an_explicit_random_flag(tmp_path):
+def test_other_models_calibrate_on_the_built_in_prose_or_an_explicit_random_flag(tmp_path):
+    """A model with its own tokenizer reads the shipped English prose by default (recorded); random tokens only
+    when asked; a bundle without a tokenizer has nothing to read text with, and says so."""
     b = export("llama3-micro", tmp_path / "micro")
-    with pytest.raises(KvforgeError, match="no calibration data: pass --data FILE"):
-        calibrate(b.path, tmp_path / "q", precision="int8")
-    q = calibrate(b.path, tmp_path / "q", precision="int8", random_data=True, samples=4, seq_len=32)
+    assert b.tokenizer_file is not None
+    q = calibrate(b.path, tmp_path / "q", precision="int8", samples=4, seq_len=32)
+    assert q.manifest["calibration"]["data"] == "built-in English prose (botchan.txt, us_constitution.txt)"
+    assert q.manifest["calibration"]["random_data"] is False
+    q = calibrate(b.path, tmp_path / "q", precision="int8", random_data=True, samples=4, seq_len=32, force=True)
     assert q.manifest["calibration"]["random_data"] is True and q.manifest["calibration"]["data"] == "random tokens"
+    no_tokenizer = tmp_path / "bare"
+    shutil.copytree(b.path, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    manifest = json.loads((no_tokenizer / "kvforge.json").read_text())
+    manifest["files"].pop("tokenizer.json")
+    (no_tokenizer / "kvforge.json").write_text(json.dumps(manifest))
+    with pytest.raises(KvforgeError, match="no calibration data: .* has no tokenizer"):
+        calibrate(no_tokenizer, tmp_path / "q2", precision="int8")
 
 
 def test_option_errors(tmp_path, fp32):
@@ -356,7 +370,8 @@ def test_a_tied_lm_head_is_quantized_and_stored_once(fp32, heldout, tmp_path, pr
     K=256 to 288: the Gather reads the unpadded columns). No float copy of the table is left in the bundle; the ORT
     variant computes what the graph says."""
     q = calibrate(fp32.path, tmp_path / "q", precision=precision, samples=16, seq_len=128, quantize_lm_head=True,
-                  **({"block_size": block} if block else {}), **({"smoothquant": smoothquant} if smoothquant else {}))
+                  **({"block_size": block} if block else {}),
+                  **({"smoothquant": smoothquant} if smoothquant else {"recipe": "fixed"}))
     assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
     assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"] == "model.lm_head.weight"
     g = onnx.load(str(q.graph_file)).graph

@@ -118,11 +118,10 @@ def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, p
     assert m["lineage"][-1]["options"]["gptq"] is True
 
 
-def test_gptq_int4_needs_data_for_other_models(tmp_path):
+def test_gptq_int4_reads_data_for_other_models(tmp_path):
     b = export("llama3-micro", tmp_path / "micro")
-    with pytest.raises(KvforgeError, match="no calibration data: pass --data FILE"):
-        calibrate(b.path, tmp_path / "q", precision="int4", gptq=True)
-    assert not (tmp_path / "q").exists()
+    q = calibrate(b.path, tmp_path / "prose", precision="int4", gptq=True, samples=4, seq_len=32, block_size=16)
+    assert q.manifest["calibration"]["data"].startswith("built-in English prose")
     q = calibrate(b.path, tmp_path / "q", precision="int4", gptq=True, random_data=True, samples=4, seq_len=32, block_size=16)
     assert q.manifest["calibration"]["random_data"] is True
     assert q.manifest["precision"]["quantization"]["weight_rounding"] == "gptq"

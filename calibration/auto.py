@@ -1,0 +1,247 @@
+"""The default recipe: what `kvforge calibrate --precision P` does when no tuning option is given.
+
+A real checkpoint's activations carry outlier channels (SmolLM2's layer-28 FFN input reaches 2386 where its
+bulk is under 10), and one per-tensor INT8 scale stretched over them rounds everything else to zero: the
+fixed defaults (max, no smoothing) cost SmolLM2 +131% perplexity. The recipe is therefore chosen by
+measurement on the calibration data, in three steps:
+
+1. Per activation (W8A8: int8, fp8). Each quantized activation (the input q/k/v share, the one gate/up share,
+   ...) gets the SmoothQuant alpha (none, or one of ALPHAS) and the clipping of its per-tensor range (CLIPS, a
+   fraction of the observed max after smoothing) that together minimize its layers' relative output error
+   ||Q(X / s) Q(diag(s) W) - X W||^2 / ||X W||^2 on SAMPLE_ROWS calibration rows drawn from every batch, the
+   weights rounded per output channel as the graph will store them. Both choices are plain Q/DQ (a Mul by
+   1/s before the QuantizeLinear, a scale): ONNX Runtime and TensorRT run them as any other.
+2. Whole graph (every precision). The quantized graph is measured against the float graph on held-out windows
+   of the calibration text (windows no calibration sample covers; never the evaluation text). INT4 tries
+   block 128 rounded to nearest, then GPTQ, then blocks 64 and 32 (GPTQ), and keeps the first that is within
+   the target (else the best): larger blocks are smaller and as fast.
+3. While perplexity misses the target, the linear layers with the largest local error (W8A8) are kept in
+   float, 1, 2, 4, ... of them, within FLOAT_BUDGET of the quantized weights.
+
+Everything tried, measured and chosen is recorded in the manifest (`calibration.recipe`), and the search stops
+trying new candidates once `time_bound` seconds have passed (what was measured by then decides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from kvforge.errors import KvforgeError
+
+from .budget import BUDGET_METRICS, _Evaluator
+from .qdq import QMAX, dequantize, quantize, smoothquant_factors, stored_scale, weight_scales
+
+ALPHAS = (None, 0.5, 0.65, 0.8)  # None: no smoothing
+CLIPS = (1.0, 0.8, 0.6, 0.45, 0.3, 0.2)  # of the activation's observed max (after smoothing)
+SAMPLE_ROWS = 512  # calibration rows per activation for the local search
+TARGET_PPL_PCT = {"int8": 1.0, "fp8": 1.0, "int4": 4.0}  # perplexity change on the held-out calibration windows
+FLOAT_BUDGET = 0.10  # at most this fraction of the quantized weights' elements kept in float
+INT4_CANDIDATES = ((128, False), (128, True), (64, True), (32, True))  # (block size, GPTQ)
+TIME_BOUND_S = 900.0
+HOLD_OUT_TOKENS = 2048  # calibration text kept out of the samples, for step 2 and 3's measurements
+
+
+def choose_activations(targets, weights: dict[str, np.ndarray], observers, channel_amax: dict[str, np.ndarray],
+                       fmt: str, float_dtype, progress, plain=frozenset()) -> tuple[dict, dict, dict]:
+    """Step 1: (activation -> amax, activation -> smoothing factors, activation -> its choice and errors).
+
+    weights: initializer name -> [K, N] float32; observers: pass 1's, with rows sampled (passes.observe);
+    plain: activations that are clipped but never smoothed."""
+    by_act: dict[str, list] = {}
+    for t in targets:
+        by_act.setdefault(t.activation, []).append(t)
+    amax, smooth, chosen = {}, {}, {}
+    for i, (act, ts) in enumerate(by_act.items()):
+        if not observers[act].sampled:  # no calibration row reached it (a starved expert): its max, as observed
+            amax[act] = observers[act].amax or 1e-8
+            chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": None, "clip": 1.0,
+                           "output_error": None, "layer_errors": {}}
+            continue
+        w = np.concatenate([weights[t.weight] for t in ts], axis=1)
+        x = np.concatenate(observers[act].sampled)
+        best = _best_choice(x, w, channel_amax[act], fmt, float_dtype, (None,) if act in plain else ALPHAS)
+        alpha, clip, s, a, err = best
+        amax[act] = a
+        if s is not None:
+            smooth[act] = s
+        # each layer's own error under the chosen quantization: the ranking for step 3
+        per_layer, start = {}, 0
+        xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype)
+        for t in ts:
+            n = weights[t.weight].shape[1]
+            y = x @ w[:, start:start + n]
+            per_layer[t.layer] = _rel_err(xq @ wq[:, start:start + n], y)
+            start += n
+        chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": alpha, "clip": clip,
+                       "output_error": float(err), "layer_errors": per_layer}
+        progress("recipe", i + 1, len(by_act))
+    return amax, smooth, chosen
+
+
+def _rel_err(y_hat: np.ndarray, y: np.ndarray) -> float:
+    return float(np.sum((y_hat - y) ** 2) / max(float(np.sum(y * y)), 1e-30))
+
+
+def _quantized_pair(x, w, s, amax: float, fmt: str, float_dtype):
+    """The rows and the weight as the Q/DQ graph computes them: (x / s) fake-quantized per tensor against amax,
+    diag(s) w per output channel."""
+    ws = w * s[:, None] if s is not None else w
+    scale_w = weight_scales(ws, fmt, dtype=float_dtype)
+    wq = dequantize(quantize(ws, scale_w, fmt), scale_w, fmt)
+    xs = x / s if s is not None else x
+    scale_x = stored_scale(max(amax, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
+    return dequantize(quantize(xs, scale_x, fmt), scale_x, fmt), wq
+
+
+def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas):
+    """(alpha, clip, factors, amax, error) with the smallest relative output error on the rows."""
+    y = x @ w
+    best = None
+    for alpha in alphas:
+        s = smoothquant_factors(channel_amax, w, alpha) if alpha is not None else None
+        full = float((channel_amax / s).max()) if s is not None else float(channel_amax.max())
+        ws = w * s[:, None] if s is not None else w
+        scale_w = weight_scales(ws, fmt, dtype=float_dtype)
+        wq = dequantize(quantize(ws, scale_w, fmt), scale_w, fmt)
+        xs = x / s if s is not None else x
+        for clip in CLIPS:
+            a = clip * full
+            scale_x = stored_scale(max(a, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
+            err = _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y)
+            if best is None or err < best[4]:
+                best = (alpha, clip, s, a, err)
+    return best
+
+
+def float_order(chosen: dict[str, dict], sizes: dict[str, int]) -> tuple[list[str], int]:
+    """Layers by local error, worst first, and how many of them FLOAT_BUDGET allows (by weight elements)."""
+    errors = {layer: e for c in chosen.values() for layer, e in c["layer_errors"].items()}
+    order = sorted(errors, key=errors.get, reverse=True)
+    total, allowed, used = sum(sizes.values()), 0, 0
+    for layer in order:
+        used += sizes[layer]
+        if used > FLOAT_BUDGET * total:
+            break
+        allowed += 1
+    return order, allowed
+
+
+class Search:
+    """Step 2 and 3's measurements: candidates against the float graph on held-out calibration windows."""
+
+    def __init__(self, bundle, float_model, held_out: tuple[list[int], str], precision: str, progress,
+                 time_bound: float = TIME_BOUND_S):
+        self.ev = _Evaluator(bundle, float_model, held_out)
+        self.precision, self.progress = precision, progress
+        self.target = TARGET_PPL_PCT[precision]
+        self.started, self.time_bound = time.time(), time_bound
+        self.tried: list[dict[str, Any]] = []
+
+    def out_of_time(self) -> bool:
+        return time.time() - self.started > self.time_bound
+
+    def measure(self, model, what: dict[str, Any]) -> dict[str, float]:
+        m = self.ev.metrics(model, self.precision)
+        self.tried.append({**what, **{k: m[k] for k in BUDGET_METRICS}})
+        self.progress("recipe", len(self.tried), len(self.tried) + 1)
+        return m
+
+    def meets(self, m: dict[str, float]) -> bool:
+        return m["perplexity_delta_pct"] <= self.target
+
+    def keep_in_float(self, quantize: Callable, order: list[str], allowed: int, first):
+        """Step 3: the first of 1, 2, 4, ... worst layers in float that meets the target (else the best seen).
+        quantize(extra_exclude) -> (model, targets, excluded, record); first: quantize([]) and its metrics."""
+        best = first
+        n = 1
+        while not self.meets(best[1]) and n <= allowed and not self.out_of_time():
+            kept = order[:n]
+            try:
+                result = quantize([f"^{re.escape(layer)}$" for layer in kept])
+            except KvforgeError:  # nothing left to quantize
+                break
+            m = self.measure(result[0], {"kept_in_float": kept})
+            if m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
+                best = (result, m, kept)
+            n = n * 2 if n * 2 <= allowed or n == allowed else allowed
+        return best
+
+    def record(self, chosen: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+        return {
+            "mode": "auto",
+            "target": {"perplexity_delta_pct": self.target},
+            "measured_on": {"data": self.ev.data, "tokens": int(self.ev.chunks[:, :-1].size),
+                            "reference": "the float input graph on ONNX Runtime"},
+            "met": self.meets(measured),
+            "result": {k: measured[k] for k in BUDGET_METRICS},
+            "chosen": chosen,
+            "tried": self.tried,
+            "float_budget": FLOAT_BUDGET,
+            "time_bound_s": self.time_bound,
+            "seconds": round(time.time() - self.started, 1),
+        }
+
+
+def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], chosen: dict | None,
+           held_out: list[int] | None, gptq_for_block: Callable, progress):
+    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=) -> (model, targets, excluded, record);
+    starved: patterns always kept in float; chosen: step 1's record (W8A8); held_out: the calibration text's
+    held-out ids; gptq_for_block(block_size) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
+    was chosen, the manifest's record)."""
+    from .budget import budget_window
+
+    if held_out is None or len(held_out) <= budget_window(bundle):
+        # random tokens, or too little text to hold some out: step 1 decides alone (INT4: its fixed defaults)
+        result = quantize(starved)
+        return result, recipe, {"mode": "auto", "measured_on": None, "chosen": {"activations": chosen},
+                                "note": "no held-out calibration text to measure candidates on"}
+    s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress)
+    if recipe.weight_only:
+        best = None
+        for block, use_gptq in INT4_CANDIDATES:
+            if best is not None and (s.meets(best[1]) or s.out_of_time()):
+                break
+            result = quantize(starved, block_size=block, rounder=gptq_for_block(block) if use_gptq else None)
+            m = s.measure(result[0], {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest"})
+            if best is None or m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
+                best = (result, m, (block, use_gptq))
+        result, measured, (block, use_gptq) = best
+        recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
+        return result, recipe, s.record({"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest"},
+                                        measured)
+    first = quantize(starved)
+    inits = {i.name: i for i in float_model.graph.initializer}
+    sizes = {t.layer: int(np.prod(inits[t.weight].dims)) for t in first[1]}
+    order, allowed = float_order(chosen, sizes)
+    start = (first, s.measure(first[0], {"kept_in_float": []}), [])
+    result, measured, kept = s.keep_in_float(lambda extra: quantize(starved + extra), order, allowed, start)
+    return result, recipe, s.record({"activations": chosen, "kept_in_float": kept}, measured)
+
+
+def recipe_summary(record: dict[str, Any]) -> str:
+    """One line for `kvforge calibrate` and the pipeline: what the automatic recipe chose and measured."""
+    chosen = record.get("chosen") or {}
+    parts = []
+    if chosen.get("block_size"):
+        parts.append(f"block {chosen['block_size']}, {chosen['weight_rounding']} rounding")
+    acts = [c for c in (chosen.get("activations") or {}).values() if c.get("output_error") is not None]
+    if acts:
+        smoothed = sum(c["smoothquant_alpha"] is not None for c in acts)
+        clipped = sum(c["clip"] < 1.0 for c in acts)
+        parts.append(f"{smoothed} of {len(acts)} activations smoothed, {clipped} clipped")
+    if "kept_in_float" in chosen:
+        kept = chosen["kept_in_float"]
+        parts.append(f"{len(kept)} layers kept in float" + (f" ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+                                                           if kept else ""))
+    if record.get("measured_on") is None:
+        return f"recipe auto: {'; '.join(parts) or 'defaults'} ({record.get('note')})"
+    r = record["result"]
+    return (f"recipe auto: {'; '.join(parts)}; on {record['measured_on']['tokens']} held-out calibration tokens: "
+            f"perplexity {r['perplexity_delta_pct']:+.2f}% vs float (target <= {record['target']['perplexity_delta_pct']}%"
+            f"{'' if record['met'] else ', NOT met: the best candidate is kept'}), top-1 {r['top1_agreement']:.4f}; "
+            f"{len(record['tried'])} candidates in {record['seconds']:.0f} s")
