@@ -40,28 +40,23 @@ def _ort_cuda() -> bool:
 
 
 def recipe(precision: str) -> Artifact:
-    """The pipeline's recipe per precision: the most accurate measured on tiny (README, quantization table),
-    INT4 at block size 128, which TensorRT documents. GPTQ is dropped where there is no real text to fit to."""
+    """The pipeline's artifact per precision: quantized ones take `kvforge calibrate`'s defaults, the recipe it
+    chooses by measurement (calibration/auto.py), so the table shows what a user gets without options."""
     return {
         "fp32": lambda: Artifact("fp32", dtype="float32"),
         "fp16": lambda: Artifact("fp16", dtype="float16"),
         # ONNX Runtime runs a BF16 graph only on its CUDA provider; on a CPU the BF16 reference model stands in
         "bf16": lambda: Artifact("bf16", dtype="bfloat16", backends=["onnxruntime" if _ort_cuda() else "torch"]),
-        "int8": lambda: Artifact("int8", precision="int8", calibrate={"method": "mse", "smoothquant": 0.5}, per_layer=True),
-        "fp8": lambda: Artifact("fp8", precision="fp8", calibrate={"gptq": True}, per_layer=True),
-        "int4": lambda: Artifact("int4", precision="int4", calibrate={"block_size": 128, "gptq": True}, per_layer=True),
+        "int8": lambda: Artifact("int8", precision="int8", per_layer=True),
+        "fp8": lambda: Artifact("fp8", precision="fp8", per_layer=True),
+        "int4": lambda: Artifact("int4", precision="int4", per_layer=True),
     }[precision]()
 
 
 def recipes(precisions, source: str, calibration_data=None, random_data: bool = False) -> list[Artifact]:
-    """The artifacts for these precisions, adapted to the data there is."""
+    """The artifacts for these precisions, adapted to the data there is (random tokens only where asked)."""
     artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
-    from kvforge.model_defs.checkpoint import TRAINED  # imports torch: `kvforge pipeline --help` and check runs without it
-
-    real_text = calibration_data is not None or (source in TRAINED and not random_data)
     for a in artifacts:
-        if not real_text:  # GPTQ fits the weights to the calibration activations: random tokens would mislead it
-            a.calibrate.pop("gptq", None)
         if random_data and a.precision in ("int8", "fp8"):
             a.calibrate["random_data"] = True
     return artifacts
@@ -95,14 +90,8 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", *, precisions=DEFAU
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise KvforgeError(f"precisions {list(bad or precisions)} must be a non-empty choice from {PRECISIONS}")
-    from kvforge.model_defs.checkpoint import TRAINED  # imports torch: `kvforge pipeline --help` and check runs without it
-
-    if source not in TRAINED and calibration_data is None and not random_data and {"int8", "fp8"} & set(precisions):
-        raise KvforgeError(
-            f"int8 and fp8 are calibrated on data, and only tiny and tiny-moe have a built-in corpus: pass --calibration-data FILE "
-            f"(text like what {source} will see; UTF-8, or JSONL with one text per line), or --random-data, "
-            "or leave out int8/fp8"
-        )
+    # int8/fp8 read the source's tokenizer's text by default (tiny's corpus, or the built-in English prose);
+    # a source without a tokenizer is refused by calibration with what to pass instead
     workdir = Path(workdir)
     artifacts = recipes(precisions, source, calibration_data, random_data)
     claim_workdir(workdir, force, [a.name for a in artifacts])

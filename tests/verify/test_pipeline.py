@@ -31,7 +31,9 @@ def test_pipeline_writes_bundles_a_report_and_pictures(tmp_path):
     assert "compare fp32 on onnxruntime" not in out.output  # --quiet: no stage lines, only the summary
     assert report["sample"].startswith("int4: 'def fibonacci(n):")
     int4_manifest = json.loads((work / "int4" / "kvforge.json").read_text())
-    assert int4_manifest["precision"]["quantization"]["weight_rounding"] == "gptq"  # tiny has real text to fit to
+    # kvforge calibrate's defaults: the automatic recipe, measured on tiny's own held-out corpus
+    assert int4_manifest["precision"]["quantization"]["recipe"] == "auto"
+    assert int4_manifest["calibration"]["recipe"]["measured_on"]["data"] == "held-out calibration text"
     if importlib.util.find_spec("tensorrt") is None:  # said plainly, once, and recorded
         assert "TensorRT engine build skipped" in out.output and "TensorRT" in report["tensorrt_skipped"]
         assert not any(k.endswith("/tensorrt") for k in report["results"])
@@ -43,21 +45,14 @@ def test_pipeline_refuses_a_used_workdir_and_unknown_precisions(tmp_path):
         pipeline(workdir=tmp_path, precisions=["fp32"])
     with pytest.raises(KvforgeError, match="must be a non-empty choice"):
         pipeline(workdir=tmp_path / "new", precisions=["int2"])
-    with pytest.raises(KvforgeError, match="pass --calibration-data FILE"):  # before any export
-        pipeline("llama3-micro", workdir=tmp_path / "new", precisions=["fp32", "int8"])
     assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "new").exists()
 
 
-def test_recipes_round_to_nearest_without_real_text():
-    def rounding(arts):
-        return {a.name: a.calibrate.get("gptq", False) for a in arts if a.precision}
-
-    assert rounding(recipes(["fp32", "int8", "fp8", "int4"], "tiny")) == {"int8": False, "fp8": True, "int4": True}
-    assert rounding(recipes(["fp8", "int4"], "llama3-micro", calibration_data="my.txt")) == {"fp8": True, "int4": True}
+def test_recipes_take_calibrates_defaults_and_random_tokens_only_when_asked():
+    arts = recipes(["fp32", "int8", "fp8", "int4"], "tiny")
+    assert {a.name: a.calibrate for a in arts if a.precision} == {"int8": {}, "fp8": {}, "int4": {}}
     random = recipes(["fp8", "int4"], "llama3-micro", random_data=True)
-    assert rounding(random) == {"fp8": False, "int4": False}
-    assert random[0].calibrate.get("random_data") is True and "random_data" not in random[1].calibrate
-    assert rounding(recipes(["int4"], "llama3-micro")) == {"int4": False}  # weight-only INT4 needs no data then
+    assert random[0].calibrate == {"random_data": True} and random[1].calibrate == {}  # weight-only INT4 reads no tokens
 
 
 def test_pipeline_and_check_on_an_encoder_and_an_encoder_decoder(tmp_path):
