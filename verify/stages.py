@@ -24,7 +24,7 @@ from .report import Report
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_PRECISIONS = ("int8", "fp8", "int4")
 CALIBRATE_OPTIONS = ("method", "percentile", "smoothquant", "exclude", "block_size", "kv_cache", "samples", "seq_len",
-                     "random_data", "quantize_lm_head", "gptq")
+                     "random_data", "quantize_lm_head", "gptq", "recipe")
 
 
 @dataclass
