@@ -12,7 +12,9 @@ measurement on the calibration data, in three steps:
    weights rounded per output channel as the graph will store them. Both choices are plain Q/DQ (a Mul by
    1/s before the QuantizeLinear, a scale): ONNX Runtime and TensorRT run them as any other.
 2. Whole graph (every precision). The quantized graph is measured against the float graph on held-out windows
-   of the calibration text (windows no calibration sample covers; never the evaluation text). INT4 tries
+   of the calibration text (windows no calibration sample covers; never the evaluation text). W8A8 measures
+   step 1's choices searched over three spaces (smoothing and clipping, clipping alone, and the fixed recipe's
+   max without smoothing: local error does not always rank what perplexity feels) and keeps the best. INT4 tries
    block 128 rounded to nearest, then GPTQ, then blocks 64 and 32 (GPTQ), and keeps the first that is within
    the target (else the best): larger blocks are smaller and as fast.
 3. While perplexity misses the target, the linear layers with the largest local error (W8A8) are kept in
@@ -38,6 +40,9 @@ from .qdq import QMAX, dequantize, quantize, smoothquant_factors, stored_scale, 
 
 ALPHAS = (None, 0.5, 0.65, 0.8)  # None: no smoothing
 CLIPS = (1.0, 0.8, 0.6, 0.45, 0.3, 0.2)  # of the activation's observed max (after smoothing)
+# step 2's W8A8 candidates: each activation's choice searched over these (alphas, clips); the last is the fixed
+# recipe's (max, no smoothing), so the automatic recipe is never worse than it on the held-out text
+SPACES = {"smoothed and clipped": (ALPHAS, CLIPS), "clipped": ((None,), CLIPS), "max": ((None,), (1.0,))}
 SAMPLE_ROWS = 512  # calibration rows per activation for the local search
 TARGET_PPL_PCT = {"int8": 1.0, "fp8": 1.0, "int4": 4.0}  # perplexity change on the held-out calibration windows
 FLOAT_BUDGET = 0.10  # at most this fraction of the quantized weights' elements kept in float
@@ -47,11 +52,12 @@ HOLD_OUT_TOKENS = 2048  # calibration text kept out of the samples, for step 2 a
 
 
 def choose_activations(targets, weights: dict[str, np.ndarray], observers, channel_amax: dict[str, np.ndarray],
-                       fmt: str, float_dtype, progress, plain=frozenset()) -> tuple[dict, dict, dict]:
+                       fmt: str, float_dtype, progress, plain=frozenset(), alphas=ALPHAS,
+                       clips=CLIPS) -> tuple[dict, dict, dict]:
     """Step 1: (activation -> amax, activation -> smoothing factors, activation -> its choice and errors).
 
     weights: initializer name -> [K, N] float32; observers: pass 1's, with rows sampled (passes.observe);
-    plain: activations that are clipped but never smoothed."""
+    plain: activations that are clipped but never smoothed; alphas, clips: the choices searched."""
     by_act: dict[str, list] = {}
     for t in targets:
         by_act.setdefault(t.activation, []).append(t)
@@ -64,7 +70,7 @@ def choose_activations(targets, weights: dict[str, np.ndarray], observers, chann
             continue
         w = np.concatenate([weights[t.weight] for t in ts], axis=1)
         x = np.concatenate(observers[act].sampled)
-        best = _best_choice(x, w, channel_amax[act], fmt, float_dtype, (None,) if act in plain else ALPHAS)
+        best = _best_choice(x, w, channel_amax[act], fmt, float_dtype, (None,) if act in plain else alphas, clips)
         alpha, clip, s, a, err = best
         amax[act] = a
         if s is not None:
@@ -98,7 +104,7 @@ def _quantized_pair(x, w, s, amax: float, fmt: str, float_dtype):
     return dequantize(quantize(xs, scale_x, fmt), scale_x, fmt), wq
 
 
-def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas):
+def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas, clips):
     """(alpha, clip, factors, amax, error) with the smallest relative output error on the rows."""
     y = x @ w
     best = None
@@ -109,7 +115,7 @@ def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas):
         scale_w = weight_scales(ws, fmt, dtype=float_dtype)
         wq = dequantize(quantize(ws, scale_w, fmt), scale_w, fmt)
         xs = x / s if s is not None else x
-        for clip in CLIPS:
+        for clip in clips:
             a = clip * full
             scale_x = stored_scale(max(a, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
             err = _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y)
@@ -154,7 +160,7 @@ class Search:
     def meets(self, m: dict[str, float]) -> bool:
         return m["perplexity_delta_pct"] <= self.target
 
-    def keep_in_float(self, quantize: Callable, order: list[str], allowed: int, first):
+    def keep_in_float(self, quantize: Callable, order: list[str], allowed: int, first, what=None):
         """Step 3: the first of 1, 2, 4, ... worst layers in float that meets the target (else the best seen).
         quantize(extra_exclude) -> (model, targets, excluded, record); first: quantize([]) and its metrics."""
         best = first
@@ -165,7 +171,7 @@ class Search:
                 result = quantize([f"^{re.escape(layer)}$" for layer in kept])
             except KvforgeError:  # nothing left to quantize
                 break
-            m = self.measure(result[0], {"kept_in_float": kept})
+            m = self.measure(result[0], {**(what or {}), "kept_in_float": kept})
             if m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
                 best = (result, m, kept)
             n = n * 2 if n * 2 <= allowed or n == allowed else allowed
@@ -189,16 +195,20 @@ class Search:
 
 def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], chosen: dict | None,
            held_out: list[int] | None, gptq_for_block: Callable, progress):
-    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=) -> (model, targets, excluded, record);
-    starved: patterns always kept in float; chosen: step 1's record (W8A8); held_out: the calibration text's
+    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=) -> (model, targets, excluded, record);
+    starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space of SPACES (W8A8,
+    else None); held_out: the calibration text's
     held-out ids; gptq_for_block(block_size) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
     was chosen, the manifest's record)."""
     from .budget import budget_window
 
     if held_out is None or len(held_out) <= budget_window(bundle):
         # random tokens, or too little text to hold some out: step 1 decides alone (INT4: its fixed defaults)
-        result = quantize(starved)
-        return result, recipe, {"mode": "auto", "measured_on": None, "chosen": {"activations": chosen},
+        space = next(iter(SPACES))
+        amax, smooth, picked = chosen[space] if chosen else (None, None, None)
+        result = quantize(starved, scales=(amax, smooth)) if chosen else quantize(starved)
+        return result, recipe, {"mode": "auto", "measured_on": None,
+                                "chosen": {"space": space, "activations": picked} if chosen else {},
                                 "note": "no held-out calibration text to measure candidates on"}
     s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress)
     if recipe.weight_only:
@@ -214,13 +224,22 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
         recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
         return result, recipe, s.record({"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest"},
                                         measured)
-    first = quantize(starved)
+    best = None
+    for space, (amax, smooth, picked) in chosen.items():  # step 2: each space's choices, the whole graph measured
+        if best is not None and s.out_of_time():
+            break
+        result = quantize(starved, scales=(amax, smooth))
+        m = s.measure(result[0], {"space": space, "kept_in_float": []})
+        if best is None or m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
+            best = (result, m, space)
+    first, m, space = best
+    amax, smooth, picked = chosen[space]
     inits = {i.name: i for i in float_model.graph.initializer}
     sizes = {t.layer: int(np.prod(inits[t.weight].dims)) for t in first[1]}
-    order, allowed = float_order(chosen, sizes)
-    start = (first, s.measure(first[0], {"kept_in_float": []}), [])
-    result, measured, kept = s.keep_in_float(lambda extra: quantize(starved + extra), order, allowed, start)
-    return result, recipe, s.record({"activations": chosen, "kept_in_float": kept}, measured)
+    order, allowed = float_order(picked, sizes)
+    result, measured, kept = s.keep_in_float(lambda extra: quantize(starved + extra, scales=(amax, smooth)), order,
+                                             allowed, (first, m, []), {"space": space})
+    return result, recipe, s.record({"space": space, "activations": picked, "kept_in_float": kept}, measured)
 
 
 def recipe_summary(record: dict[str, Any]) -> str:
@@ -230,6 +249,8 @@ def recipe_summary(record: dict[str, Any]) -> str:
     if chosen.get("block_size"):
         parts.append(f"block {chosen['block_size']}, {chosen['weight_rounding']} rounding")
     acts = [c for c in (chosen.get("activations") or {}).values() if c.get("output_error") is not None]
+    if chosen.get("space"):
+        parts.append(f"ranges: {chosen['space']}")
     if acts:
         smoothed = sum(c["smoothquant_alpha"] is not None for c in acts)
         clipped = sum(c["clip"] < 1.0 for c in acts)

@@ -17,7 +17,7 @@ from kvforge.ort_session import prefill_feeds
 
 from .budget import fit_budget
 from .data import load_calibration_set
-from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, choose_activations, search
+from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_activations, search
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
 from .passes import Progress, activation_scales, observe
@@ -59,26 +59,32 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     if not recipe.weight_only and recipe.auto:
         # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
         plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
-        act_amax, smooth, chosen = choose_activations(targets, _weights(model, targets), observers, channel_amax,
-                                                      recipe.precision, float_dtype, progress, plain)
+        weights = _weights(model, targets)
+        chosen = {space: choose_activations(targets, weights, observers, channel_amax, recipe.precision, float_dtype,
+                                            progress, plain, alphas, clips)
+                  for space, (alphas, clips) in SPACES.items()}
+        act_amax, smooth, _ = chosen[next(iter(SPACES))]
     elif not recipe.weight_only:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
                                              progress)
     if not recipe.weight_only and experts:
-        expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
-                                                                  act_amax, recipe)
+        for amax in [act_amax] + [c[0] for c in (chosen or {}).values()]:  # every candidate's ranges cover them
+            expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
+                                                                  amax, recipe)
 
     # the budget's rewrites reuse each weight's GPTQ rounding
     round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, progress,
                                 len(targets)) if recipe.gptq else None
 
-    def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight):
-        """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float."""
+    def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None):
+        """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float; scales: the
+        activations' (amax, smoothing factors) when not the calibration's own."""
+        amax, factors = scales or (act_amax, smooth)
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head)
-        rec = rewrite(q, q_targets, recipe.precision, act_amax, block_size, smooth, float_dtype, rounder)
+        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder)
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)
