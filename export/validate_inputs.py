@@ -1,0 +1,137 @@
+"""What validation feeds the graph and the references: inputs from the model's own distribution, and an FP64 reference.
+
+Token ids are real ones (a tokenizer's encoding of text, when the caller has one) or sampled from the
+reference itself (short documents packed end to end, as pretraining packs them); a past cache is the
+reference's own `present` from a prefill of such ids, never random values: uniform random K/V are far from
+what real weights produce (their activations have outlier channels), and a real model fed them amplifies
+FP32 rounding well past what it shows on real inputs.
+
+The FP64 reference is a float64 copy of the model run under `float64_mode()`: the model computes its norms,
+softmax, RoPE angles and logits "in float32" (x.float()), which inside the mode means float64, so the copy
+is float64 throughout (a plain .double() copy would keep those steps in FP32: on tiny that leaves it 1.2e-6
+from true FP64, a third of the FP32 reference's own 3.5e-6) and carries FP64 rounding only (2^-53 per op).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .onnx_export import FlatKVModel
+
+_F32, _F64 = torch.float32, torch.float64
+SEGMENT = 32  # the longest sampled document: a pool row packs ceil(length / SEGMENT) of them
+
+
+class float64_mode(TorchFunctionMode):
+    """Inside: every float32 the model asks for (x.float(), .to(torch.float32), dtype=torch.float32) is float64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.float:
+            return args[0].to(_F64)
+        if func is torch.Tensor.to:
+            args = tuple(_F64 if a is _F32 else a for a in args)
+        if kwargs.get("dtype") is _F32:
+            kwargs["dtype"] = _F64
+        return func(*args, **kwargs)
+
+
+class Float64Reference:
+    """The reference evaluated in float64: a deep copy made once; call like FlatKVModel (inputs in any float dtype)."""
+
+    def __init__(self, reference):
+        self.flat = FlatKVModel(copy.deepcopy(reference).to(_F64)).eval()
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args = tuple(a.to(_F64) if a.is_floating_point() else a for a in args)
+        with float64_mode():
+            return self.flat(*args)
+
+
+def positions_of(mask: torch.Tensor, seq: int) -> torch.Tensor:
+    """Each real token's position is the count of real tokens before it (a left-padded row as if alone)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+
+
+@dataclass
+class TokenPool:
+    """Token rows the cases are cut from, and the reference's own cache over them when it can be shared."""
+
+    ids: torch.Tensor  # (rows, length)
+    cache: tuple[torch.Tensor, ...] | None  # presents over the first ids of each row; None: not shared
+
+
+@torch.no_grad()
+def sample_tokens(flat: FlatKVModel, rows: int, length: int, seed: int) -> torch.Tensor:
+    """(rows, length) ids sampled from the reference (temperature 1, top 40), each row a few documents packed
+    end to end as in pretraining: every document starts at the BOS token and is sampled on its own, so all of
+    them are decoded in one batch and a long row costs SEGMENT sequential steps, not `length`."""
+    cfg = flat.model.config
+    gen = torch.Generator().manual_seed(seed)
+    docs = -(-length // SEGMENT)
+    size = -(-length // docs)
+    batch = rows * docs
+    first = cfg.bos_token_id if cfg.bos_token_id is not None and cfg.bos_token_id < cfg.vocab_size else None
+    ids = (torch.full((batch, 1), first, dtype=torch.int64) if first is not None
+           else torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen))
+    out, past = [ids], _empty(flat, batch)
+    for step in range(size - 1):
+        mask = torch.ones(batch, step + 1, dtype=torch.int64)
+        logits, *past = flat(ids, mask, torch.full((batch, 1), step, dtype=torch.int64), *past)
+        top = torch.topk(logits[:, -1].double(), min(40, cfg.vocab_size))
+        pick = torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)
+        ids = top.indices.gather(1, pick)
+        out.append(ids)
+    return torch.cat(out, 1).reshape(rows, docs * size)[:, :length]
+
+
+@torch.no_grad()
+def token_pool(flat: FlatKVModel, tokens: Sequence[int] | None, rows: int, length: int, seed: int,
+               cached: int) -> TokenPool:
+    """(rows, length) ids: windows of `tokens` at spread-out offsets (repeated when short), or sampled ones; with
+    the reference's cache over their first `cached` ids when every layer keeps its whole past (a case's past is
+    then a slice of it)."""
+    cfg = flat.model.config
+    if tokens is None or len(tokens) == 0:
+        ids = sample_tokens(flat, rows, length, seed)
+    else:
+        ids = torch.as_tensor([int(t) % cfg.vocab_size for t in tokens], dtype=torch.int64)
+        if ids.numel() < length + rows:
+            ids = ids.repeat((length + rows) // ids.numel() + 1)
+        stride = max(1, (ids.numel() - length) // rows)
+        ids = torch.stack([ids[r * stride: r * stride + length] for r in range(rows)])
+    if any(cfg.layer_window(i) is not None for i in range(cfg.n_layers)) or not cached:
+        return TokenPool(ids, None)
+    prefix = ids[:, :cached]
+    mask = torch.ones_like(prefix)
+    return TokenPool(ids, tuple(flat(prefix, mask, positions_of(mask, cached), *_empty(flat, rows))[1:]))
+
+
+@torch.no_grad()
+def case_inputs(flat: FlatKVModel, pool: TokenPool, batch: int, seq: int, past: int,
+                pad: tuple[int, ...] | None, index: int) -> tuple[torch.Tensor, ...]:
+    """Inputs in IO-contract order for one case: rows of the pool, the past cache from the reference's prefill of
+    the rows' first `past` ids (left padding masked in it), then the `seq` new ids with their mask and positions."""
+    rows = [(index + j) % pool.ids.shape[0] for j in range(batch)]
+    ids = pool.ids[rows, :past + seq]
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    for row, n in enumerate(pad or ()):
+        mask[row, :n] = 0
+    if not past:
+        cache = _empty(flat, batch)
+    elif pool.cache is not None and not pad and past <= pool.cache[0].shape[2]:  # the shared prefill's first positions
+        cache = tuple(t[rows, :, :past].contiguous() for t in pool.cache)
+    else:
+        prefix = mask[:, :past]
+        cache = flat(ids[:, :past], prefix, positions_of(prefix, past), *_empty(flat, batch))[1:]
+    return (ids[:, past:], mask, positions_of(mask, seq), *cache)
+
+
+def _empty(flat: FlatKVModel, batch: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t for layer in flat.model.empty_cache(batch) for t in layer)
