@@ -46,8 +46,8 @@ def calibrate(
 ) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only.
 
-    recipe: "auto" (the default when none of method, percentile, smoothquant, block_size, gptq and
-    accuracy_budget is given) chooses smoothing, clipping, layers kept in float and INT4's block size and
+    recipe: "auto" (a decoder LM's default when none of method, percentile, smoothquant, block_size, gptq and
+    accuracy_budget is given; encoders and encoder-decoders take "fixed") chooses smoothing, clipping, layers kept in float and INT4's block size and
     rounding by measurement on the calibration text (calibration/auto.py); "fixed" takes the options as given,
     with max ranges, no smoothing, block 128 and rounding to nearest where they are not.
 

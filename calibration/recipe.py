@@ -76,10 +76,16 @@ class Recipe:
         (an automatic INT4 recipe measures its candidates on the calibration text)."""
         return not self.weight_only or bool(self.gptq) or self.auto
 
-    def _mode(self, bundle: Bundle) -> str:
+    def _mode(self, bundle: Bundle, searchable: bool) -> str:
+        """searchable: the kind's quantizer measures a decoder's perplexity (the automatic recipe's yardstick)."""
         tuning = self.tuning_options()
         if self.recipe not in (None, "auto", "fixed"):
             raise KvforgeError(f"--recipe {self.recipe!r} is not one of ('auto', 'fixed')")
+        if not searchable:
+            if self.recipe == "auto":
+                raise KvforgeError(f"--recipe auto measures a decoder's perplexity; {bundle.path} is "
+                                   f"{bundle.kind.article}: calibrate it with the fixed recipe's options")
+            return "fixed"
         if self.recipe == "auto" and tuning:
             raise KvforgeError(f"--recipe auto chooses {', '.join(tuning)} itself; drop them, or ask for --recipe fixed")
         if self.recipe is not None:
@@ -95,7 +101,7 @@ class Recipe:
         budget = parse_budget(self.accuracy_budget) if self.accuracy_budget else None
         if self.precision not in FORMATS:
             raise KvforgeError(f"precision {self.precision!r} is not one of {FORMATS}")
-        mode = self._mode(bundle)
+        mode = self._mode(bundle, fits_budget)
         method = self.method if self.method is not None else "max"
         percentile = 99.99 if self.percentile is None else self.percentile
         self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq))
