@@ -35,7 +35,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-from .budget import BUDGET_METRICS, _Evaluator
+from .budget import BUDGET_METRICS, HeldOutEvaluator, budget_window
 from .qdq import QMAX, dequantize, quantize, smoothquant_factors, stored_scale, weight_scales
 
 ALPHAS = (None, 0.5, 0.65, 0.8)  # None: no smoothing
@@ -144,7 +144,7 @@ class Search:
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], precision: str, progress,
                  time_bound: float = TIME_BOUND_S):
-        self.ev = _Evaluator(bundle, float_model, held_out)
+        self.ev = HeldOutEvaluator(bundle, float_model, held_out)
         self.precision, self.progress = precision, progress
         self.target = TARGET_PPL_PCT[precision]
         self.started, self.time_bound = time.time(), time_bound
@@ -202,8 +202,6 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
     else None); held_out: the calibration text's
     held-out ids; gptq_for_block(block_size) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
     was chosen, the manifest's record)."""
-    from .budget import budget_window
-
     if held_out is None or len(held_out) <= budget_window(bundle):
         # random tokens, or too little text to hold some out: step 1 decides alone (INT4: its fixed defaults)
         space = next(iter(SPACES))

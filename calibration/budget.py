@@ -61,7 +61,7 @@ def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tupl
     return ids, name
 
 
-class _Evaluator:
+class HeldOutEvaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
@@ -122,7 +122,7 @@ def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: 
 
     held_out: budget_ids()'s token stream and its name, read (and checked) before the calibration.
     """
-    ev = _Evaluator(bundle, float_model, held_out)
+    ev = HeldOutEvaluator(bundle, float_model, held_out)
     result = quantize([])
     full = result[0]
     measured = ev.metrics(full, precision)
