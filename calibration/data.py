@@ -152,27 +152,22 @@ def load_calibration_set(
     return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest(), held_out=held_out)
 
 
-def is_tiny_tokenizer(tokenizer) -> bool:
-    """The tokenizer the trained presets (tiny, tiny-moe) share: their own text is the default for it."""
-    from kvforge.model_defs.checkpoint import TINY_DIR  # model_defs imports torch
-
-    path = TINY_DIR / "tokenizer.json"
-    return path.is_file() and tokenizer.backend.get_vocab() == Tokenizer.from_file(path).backend.get_vocab()
-
-
 def eval_ids(tokenizer, data: str | Path | None, max_tokens: int, vocab_size: int | None = None) -> tuple[list[int], str]:
     """The evaluation token stream: `data` (text or JSONL), tiny's held-out text or the held-out prose, at most max_tokens + 1 ids
     (checked against the model's vocabulary where given)."""
     if tokenizer is None:
         raise KvforgeError("comparing on text needs a tokenizer, and neither candidate nor reference has one; pass --random-data")
-    if data is None and is_tiny_tokenizer(tokenizer):
-        from kvforge.model_defs.evaluate import heldout_text  # torch: only when tiny's own text is the default
-
-        texts, name = [heldout_text()], "built-in held-out text"
-    elif data is None:
-        texts, name = builtin_prose("evaluation")
-    else:
+    if data is not None:
         texts, name = read_texts(data, what="evaluation data"), str(data)
+    else:
+        from kvforge.model_defs.checkpoint import is_tiny_tokenizer  # torch: only when the default text is chosen
+
+        if is_tiny_tokenizer(tokenizer):
+            from kvforge.model_defs.evaluate import heldout_text
+
+            texts, name = [heldout_text()], "built-in held-out text"
+        else:
+            texts, name = builtin_prose("evaluation")
     ids: list[int] = []
     for text in texts:
         ids += tokenizer.encode(text, add_special_tokens=False)

@@ -118,7 +118,8 @@ def export(
         progress("lint", 0, 1)
         lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})
         progress("lint", 1, 1)
-        summary = plan.validate(tmp, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t))
+        summary = plan.validate(tmp, reference, dtype, max_context, progress=lambda d, t: progress("validate", d, t),
+                                tokenizer=tokenizer)
         if not summary["passed"]:
             raise ExportValidationError(summary)
         progress("write", 0, 1)

@@ -18,6 +18,7 @@ from .onnx_export import io_spec as decoder_io_spec
 from .seq2seq_export import DECODER_GRAPH, ENCODER_GRAPH, export_seq2seq_onnx, validate_seq2seq
 from .seq2seq_export import io_spec as seq2seq_io_spec
 from .validate import validate as validate_decoder
+from .validate_inputs import text_tokens
 
 GRAPH_FILE = "model.onnx"
 
@@ -31,7 +32,8 @@ class Graphs(NamedTuple):
 class KindExport(NamedTuple):
     # (model, bundle directory, opset, external_data) -> the graphs written
     write: Callable[[Any, Path, int, bool | None], Graphs]
-    # (bundle directory, FP32 reference, dtype, max context, progress) -> the validation record
+    # (bundle directory, FP32 reference, dtype, max context, progress, tokenizer) -> the validation record
+    # (a decoder's inputs are the tokenizer's encoding of real text; other kinds draw theirs)
     validate: Callable[..., dict[str, Any]]
     # (config, torch dtype, max context) -> the IO contract
     io_spec: Callable[[Any, Any, int], IOSpec]
@@ -46,10 +48,18 @@ def _one_graph(export_fn) -> Callable[[Any, Path, int, bool | None], Graphs]:
 
 
 def _one_graph_validation(validate_fn) -> Callable[..., dict[str, Any]]:
-    def run(directory: Path, reference, dtype: str, max_context: int, progress=None) -> dict[str, Any]:
+    def run(directory: Path, reference, dtype: str, max_context: int, progress=None, tokenizer=None) -> dict[str, Any]:
         return validate_fn(directory / GRAPH_FILE, reference, dtype, max_context, progress=progress)
 
     return run
+
+
+def _validate_decoder(directory: Path, reference, dtype: str, max_context: int, progress=None,
+                      tokenizer=None) -> dict[str, Any]:
+    """A decoder's inputs and past caches come from real text where the checkpoint has a tokenizer."""
+    tokens, text = text_tokens(tokenizer)
+    return validate_decoder(directory / GRAPH_FILE, reference, dtype, max_context, progress=progress, tokens=tokens,
+                            text=text)
 
 
 def _write_seq2seq(model, directory: Path, opset: int, external_data: bool | None) -> Graphs:
@@ -57,7 +67,8 @@ def _write_seq2seq(model, directory: Path, opset: int, external_data: bool | Non
     return Graphs({"encoder": ENCODER_GRAPH, "decoder": DECODER_GRAPH}, DECODER_GRAPH, sharing)
 
 
-def _validate_seq2seq(directory: Path, reference, dtype: str, max_context: int, progress=None) -> dict[str, Any]:
+def _validate_seq2seq(directory: Path, reference, dtype: str, max_context: int, progress=None,
+                      tokenizer=None) -> dict[str, Any]:
     return validate_seq2seq(directory, reference, dtype, max_context, progress=progress)
 
 
@@ -65,7 +76,7 @@ _ENCODER = KindExport(_one_graph(export_encoder_onnx), _one_graph_validation(val
                       lambda cfg, dtype, max_context: encoder_io_spec(cfg, max_context))  # token ids in, floats out
 
 EXPORTS: dict[str, KindExport] = {
-    "decoder": KindExport(_one_graph(export_onnx), _one_graph_validation(validate_decoder), decoder_io_spec),
+    "decoder": KindExport(_one_graph(export_onnx), _validate_decoder, decoder_io_spec),
     "encoder": _ENCODER,
     "perceiver": _ENCODER,
     "encoder-decoder": KindExport(_write_seq2seq, _validate_seq2seq, seq2seq_io_spec),

@@ -180,12 +180,12 @@ def _label(case: Case) -> str:
 def validate(
     path: Path, reference, dtype: str, max_context: int, fuzz: int = 6, seed: int = 0, progress=None, *,
     tokens: Sequence[int] | None = None, cases: Sequence[str] | None = None, lockstep: bool = True,
-    reference64: Float64Reference | None = None,
+    reference64: Float64Reference | None = None, text: str | None = None,
 ) -> dict[str, Any]:
     """Run every check; return the metrics, a report and a list of failures (empty = passed).
 
     reference: the FP32 Torch model (eval mode). tokens: real token ids (a tokenizer's encoding of text) the
-    inputs are cut from; None samples them from the reference. cases: the names of the shape-grid cases to run
+    inputs are cut from (text: its name, for the report); None samples them from the reference. cases: the names of the shape-grid cases to run
     (GRID_CASES; None = all), fuzz: how many random shapes besides, lockstep: whether to run the 32-step decode.
     reference64: Float64Reference(reference) made earlier, for validating several graphs of one model.
     """
@@ -224,18 +224,19 @@ def validate(
         tick = lambda d: progress and progress(len(all_cases) + d, total)  # noqa: E731
         lock = _lockstep(runner, flat, ref64, cfg, tol, prompt, max_context, tick)
         failures += lock.pop("failures")
-    return _summary(dtype, tol, records, lock, failures, tokens is not None and len(tokens) > 0)
+    given = tokens is not None and len(tokens) > 0
+    return _summary(dtype, tol, records, lock, failures, (text or "text given by the caller") if given else None)
 
 
 def _summary(dtype: str, tol, records: list[dict], lock: dict | None, failures: list[str],
-             given: bool) -> dict[str, Any]:
+             text: str | None) -> dict[str, Any]:
     fp32 = dtype == "float32"
     steps = lock.pop("records") if lock else []
     summary = {
         "dtype": dtype,
         "reference": "torch float64 (bounded by torch float32's own rounding)" if fp32 else "torch float32",
         "tolerances": tol,
-        "inputs": "token ids given by the caller" if given else "token ids sampled from the reference",
+        "inputs": f"token ids of {text}" if text else "token ids sampled from the reference",
         "cases": len(records),
         "logits": metrics.worst([r["logits"] for r in records]),
         "present": metrics.worst([r["present"] for r in records if r["present"]]),

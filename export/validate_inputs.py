@@ -21,10 +21,31 @@ from typing import Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvforge.model_defs.checkpoint import is_tiny_tokenizer
+from kvforge.model_defs.evaluate import heldout_text
+from kvforge.texts import builtin_prose
+
 from .onnx_export import FlatKVModel
 
 _F32, _F64 = torch.float32, torch.float64
 SEGMENT = 32  # the longest sampled document: a pool row packs ceil(length / SEGMENT) of them
+
+
+TEXT_CHARS = 20_000  # of real text for validation's token pool (a few thousand ids: more than any case reads)
+
+
+def text_tokens(tokenizer) -> tuple[list[int] | None, str | None]:
+    """Real token ids for validation and the text's name: the trained presets' held-out text for their tokenizer,
+    the shipped English prose (kvforge.texts) for any other; (None, None) without a tokenizer (ids are then
+    sampled from the reference)."""
+    if tokenizer is None:
+        return None, None
+    if is_tiny_tokenizer(tokenizer):
+        text, name = heldout_text(), "the built-in held-out text"
+    else:
+        texts, name = builtin_prose("calibration")
+        text = texts[0]
+    return tokenizer.encode(text[:TEXT_CHARS], add_special_tokens=False), name
 
 
 class float64_mode(TorchFunctionMode):

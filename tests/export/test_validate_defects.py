@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kvforge.export.validate import TOLERANCES, validate
-from kvforge.export.validate_inputs import Float64Reference
+from kvforge.export.validate_inputs import Float64Reference, text_tokens
 from kvforge.model_defs import load
 from kvforge.model_defs.evaluate import heldout_text
 from kvforge.model_defs.positions import rope_inv_freq
@@ -151,14 +151,14 @@ def _defect_tests(graph_file, reference, tokens, max_context, tmp_path, kv_layer
             raise AssertionError(f"defect {name!r}: {e}") from e
 
 
-def _text_tokens(tokenizer) -> list[int]:
-    return tokenizer.encode(heldout_text()[:4000], add_special_tokens=False)
-
-
 def test_tiny_defects_are_rejected_and_located(tiny_fp32, tmp_path):
-    assert tiny_fp32.manifest["validation"]["passed"]  # the full validation passed the correct export
+    v = tiny_fp32.manifest["validation"]
+    assert v["passed"]  # the full validation passed the correct export, on the model's own held-out text
+    assert v["inputs"] == "token ids of the built-in held-out text"
     reference, tokenizer = load("tiny")
-    _defect_tests(tiny_fp32.graph_file, reference, _text_tokens(tokenizer), reference.config.max_seq_len, tmp_path,
+    tokens, _ = text_tokens(tokenizer)
+    assert tokens[:50] == tokenizer.encode(heldout_text()[:1000], add_special_tokens=False)[:50]
+    _defect_tests(tiny_fp32.graph_file, reference, tokens, reference.config.max_seq_len, tmp_path,
                   kv_layer=2)
 
 
@@ -166,6 +166,7 @@ def test_tiny_defects_are_rejected_and_located(tiny_fp32, tmp_path):
 def test_smollm2_defects_are_rejected_and_located(smollm2_fp32_bundle, tmp_path):
     v = smollm2_fp32_bundle.manifest["validation"]
     assert v["passed"] and not v["failures"] and v["worst"]["excess"] <= 1.0
+    assert v["inputs"].startswith("token ids of built-in English prose")  # a real model reads real English
     reference, tokenizer = load("smollm2")
-    _defect_tests(smollm2_fp32_bundle.graph_file, reference, _text_tokens(tokenizer), reference.config.max_seq_len,
+    _defect_tests(smollm2_fp32_bundle.graph_file, reference, text_tokens(tokenizer)[0], reference.config.max_seq_len,
                   tmp_path, kv_layer=5)
