@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -126,3 +128,28 @@ def test_int4_picks_a_block_size_by_measurement_and_the_cli_prints_the_choice(tm
     assert tried[0] == (128, "nearest") and (q["block_size"], q["weight_rounding"]) in tried
     assert f"recipe auto: block {q['block_size']}, {q['weight_rounding']} rounding" in out.output
     assert "held-out calibration tokens: perplexity" in out.output
+
+
+def test_the_held_out_text_comes_from_every_part_of_the_corpus(tmp_path, tiny_fp32):
+    """The automatic recipe measures its choices on held-out pieces spread over the whole corpus (a corpus's tail
+    is only its last text), and none of them is calibrated on."""
+    from kvforge.calibration import load_calibration_set
+    from kvforge.texts import builtin_prose
+    from kvforge.tokenizer import Tokenizer
+
+    (botchan, constitution), _ = builtin_prose("calibration")
+    first, second = botchan[:30000], constitution[:6000]  # the second text is a sixth of the corpus
+    data = tmp_path / "two.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in (first, second)))
+    tok = Tokenizer.from_file(tiny_fp32.tokenizer_file)
+    stream = tok.encode(first) + tok.encode(second)
+    cset = load_calibration_set(tiny_fp32, data, samples=64, seq_len=128, hold_out=1024)
+    held = cset.held_out
+    assert len(held) == 1024
+    pieces = [held[i:i + 128] for i in range(0, len(held), 128)]
+    starts = [next(s for s in range(len(stream) - 127) if stream[s:s + 128] == p) for p in pieces]
+    boundary = len(tok.encode(first))
+    assert min(starts) < boundary / 4 and max(starts) >= boundary  # both texts, from the start to the end
+    held_runs = {tuple(held[i:i + 32]) for i in range(len(held) - 31)}  # prose repeats no 32-token run
+    for sample in cset.samples.tolist():  # no calibration window reads held-out text
+        assert not any(tuple(sample[i:i + 32]) in held_runs for i in range(len(sample) - 31))
