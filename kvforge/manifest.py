@@ -69,12 +69,20 @@ LINEAGE = ListOf(Rec({
 # what a comparison measured for one output; the first two are always measured (inspect shows them)
 METRICS = Rec({"max_abs": Num(finite=False), "rel_l2": Num(finite=False), "cosine": METRIC, "top1_agreement": METRIC,
                "kl_divergence_mean": METRIC, "reference_magnitude": METRIC}, required=("max_abs", "rel_l2"))
+# where a decoder's FP32 validation came closest to (or went past) its bound: the error as a multiple of the
+# reference's own FP32 noise, what is left of the bound, and the first layer whose cache departs
+_NOISE_RECORD = {"ratio": METRIC, "excess": METRIC, "first_layer": Opt(COUNT)}
 VALIDATION = Rec({
-    "dtype": str, "reference": str, "tolerances": DictOf(Opt(Num(low=0))), "cases": COUNT,
+    "dtype": str, "reference": str, "tolerances": DictOf(Opt(Num(low=0))), "inputs": str, "cases": COUNT,
     "logits": METRICS, "present": METRICS, "outputs": DictOf(METRICS), "encoder": DictOf(METRICS),
     "decoder": DictOf(METRICS),
+    "noise": Rec({"logits": METRICS, "present": METRICS}),
+    "worst": Opt(Rec({"case": str, "output": Opt(str), **_NOISE_RECORD})),
+    "first_failure": Opt(Rec({"case": str, "output": Opt(str), "failing_outputs": COUNT, **_NOISE_RECORD})),
+    "case_results": ListOf(Rec({"case": str, "shape": ListOf(COUNT), "worst_output": Opt(str), **_NOISE_RECORD})),
     "lockstep": Rec({"steps": COUNT, "logits": METRICS, "present": METRICS, "greedy_matching_steps": COUNT,
-                     "greedy_first_divergence": Opt(COUNT)}, required=("steps", "greedy_matching_steps")),
+                     "greedy_first_divergence": Opt(COUNT), "greedy_divergence_margin": METRIC,
+                     "greedy_near_tie_slack": METRIC}, required=("steps", "greedy_matching_steps")),
     "passed": bool, "failures": ListOf(str),
 }, required=("reference", "cases", "passed"))
 FINDING = Rec({"severity": Enum("error", "warning", "info"), "rule": str, "message": str, "node": Opt(str),
