@@ -198,7 +198,14 @@ def test_int8_computes_what_the_graph_says_on_this_cpu(tmp_path, fp32):
     # Not bit-equal: a last-bit difference before a QuantizeLinear can move a value one step. Measured on tiny:
     # as written, relative L2 7.6e-4 and top-1 1.0; the saturating AVX2 kernels, 2.9e-2 and 0.979.
     assert np.linalg.norm(ours - plain) / np.linalg.norm(plain) < 5e-3
-    assert (ours.argmax(-1) == plain.argmax(-1)).mean() >= 0.99
+    # the same choices but at ties: a token differs only where the graph's own top two lie within twice the
+    # largest logit difference of that row (random ids on tiny give near-ties; one flip in 48 was seen on a
+    # VNNI CPU with the automatic recipe's smoothed graph)
+    chosen, theirs = ours.argmax(-1), plain.argmax(-1)
+    margin = np.take_along_axis(plain, theirs[..., None], -1) - np.take_along_axis(plain, chosen[..., None], -1)
+    slack = 2 * np.abs(ours - plain).max(-1, keepdims=True)
+    assert np.all(margin[..., 0][chosen != theirs] <= slack[..., 0][chosen != theirs])
+    assert (chosen == theirs).mean() >= 0.95
 
 
 def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
