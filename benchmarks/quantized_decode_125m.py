@@ -50,11 +50,12 @@ BUNDLES = {  # name -> calibrate() options (None: the FP32 export)
 CONTEXTS = (64, 1024, 4096)
 
 
-def decode_weight_bytes(bundle) -> int:
-    """Bytes of the initializers a decode step reads, as stored: all but those only the embedding Gather reads."""
+def onnx_weight_bytes(graph_file) -> int:
+    """Bytes of the initializers a decode step of an ONNX model reads, as stored: all but those only the
+    embedding Gather reads."""
     import onnx
 
-    g = onnx.load(str(bundle.graph_file), load_external_data=False).graph
+    g = onnx.load(str(graph_file), load_external_data=False).graph
     readers: dict[str, list] = {}
     for n in g.node:
         for x in n.input:
@@ -132,7 +133,7 @@ def main() -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         bundles = build(work)
-        weight_bytes = {n: decode_weight_bytes(b) for n, b in bundles.items()}
+        weight_bytes = {n: onnx_weight_bytes(b.graph_file) for n, b in bundles.items()}
         sessions = {n: runtime.load(b.path).activate() for n, b in bundles.items()}
         assert all(s.backend.packed for s in sessions.values()), "every bundle should run the packed attention"
         prompt = np.random.default_rng(0).integers(3, 8000, (1, PROMPT_LEN), dtype=np.int64)
