@@ -15,6 +15,7 @@ from true FP64, a third of the FP32 reference's own 3.5e-6) and carries FP64 rou
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvforge.model_defs.checkpoint import is_tiny_tokenizer
-from kvforge.model_defs.evaluate import heldout_text
+from kvforge.model_defs.moe import Router
 from kvforge.texts import builtin_prose
 
 from .onnx_export import FlatKVModel
@@ -35,17 +36,44 @@ TEXT_CHARS = 20_000  # of real text for validation's token pool (a few thousand 
 
 
 def text_tokens(tokenizer) -> tuple[list[int] | None, str | None]:
-    """Real token ids for validation and the text's name: the trained presets' held-out text for their tokenizer,
-    the shipped English prose (kvforge.texts) for any other; (None, None) without a tokenizer (ids are then
-    sampled from the reference)."""
-    if tokenizer is None:
+    """Real token ids for validation and the text's name: the shipped English prose (kvforge.texts) in the
+    checkpoint's own tokenizer. (None, None) without a tokenizer, or with the tokenizer of the built-in presets:
+    they are trained on tiny's corpus (what they sample is their own text) or hold random weights (for which
+    no text is more theirs than what they sample), so their ids are sampled from the reference."""
+    if tokenizer is None or is_tiny_tokenizer(tokenizer):
         return None, None
-    if is_tiny_tokenizer(tokenizer):
-        text, name = heldout_text(), "the built-in held-out text"
-    else:
-        texts, name = builtin_prose("calibration")
-        text = texts[0]
-    return tokenizer.encode(text[:TEXT_CHARS], add_special_tokens=False), name
+    texts, name = builtin_prose("calibration")
+    return tokenizer.encode(texts[0][:TEXT_CHARS], add_special_tokens=False), name
+
+
+ROUTING_TIE = 1e-4  # a routing decision closer than this (between scores in [0, 1]) may go either way in FP32
+
+
+class RoutingMargins:
+    """While the reference runs inside it: the smallest routing decision margin of its mixture layers over that
+    run (inf without one). A case whose routing sits at a tie is not judged: two correct implementations may
+    route a token differently there, and then their outputs differ by a whole expert."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.smallest = math.inf
+        self.handles: list = []
+
+    def _hook(self, module, inputs, output) -> None:
+        self.smallest = min(self.smallest, float(module.decision_margin(inputs[0]).min()))
+
+    def __enter__(self) -> "RoutingMargins":
+        self.smallest = math.inf
+        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @property
+    def tied(self) -> bool:
+        return self.smallest < ROUTING_TIE
 
 
 class float64_mode(TorchFunctionMode):

@@ -79,7 +79,8 @@ VALIDATION = Rec({
     "noise": Rec({"logits": METRICS, "present": METRICS}),
     "worst": Opt(Rec({"case": str, "output": Opt(str), **_NOISE_RECORD})),
     "first_failure": Opt(Rec({"case": str, "output": Opt(str), "failing_outputs": COUNT, **_NOISE_RECORD})),
-    "case_results": ListOf(Rec({"case": str, "shape": ListOf(COUNT), "worst_output": Opt(str), **_NOISE_RECORD})),
+    "case_results": ListOf(Rec({"case": str, "shape": ListOf(COUNT), "worst_output": Opt(str), **_NOISE_RECORD,
+                                "routing_margin": Num(low=0)})),  # a mixture routed at a tie there: not judged
     "lockstep": Rec({"steps": COUNT, "logits": METRICS, "present": METRICS, "greedy_matching_steps": COUNT,
                      "greedy_first_divergence": Opt(COUNT), "greedy_divergence_margin": METRIC,
                      "greedy_near_tie_slack": METRIC}, required=("steps", "greedy_matching_steps")),

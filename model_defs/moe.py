@@ -33,25 +33,52 @@ class Router(nn.Module):
         self.top_k, self.scoring, self.norm_topk, self.scaling = top_k, scoring, norm_topk, scaling
         self.groups, self.topk_groups, self.group_score = groups, topk_groups, group_score
 
-    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
-        """choice (M, N) with every expert outside the token's best topk_groups groups set to -inf."""
+    def _group_scores(self, choice: torch.Tensor) -> torch.Tensor:
+        """(M, groups): what each group of experts scores for each token."""
         M, N = choice.shape
         grouped = choice.reshape(M, self.groups, N // self.groups)
         if self.group_score == "max":  # DeepSeek-V2: a group scores its best expert
-            score = grouped.max(dim=-1).values
-        else:  # DeepSeek-V3: its best two, summed
-            score = torch.topk(grouped, 2, dim=-1).values.sum(dim=-1)
+            return grouped.max(dim=-1).values
+        return torch.topk(grouped, 2, dim=-1).values.sum(dim=-1)  # DeepSeek-V3: its best two, summed
+
+    def _grouped(self) -> bool:
+        return self.groups > 1 and self.topk_groups < self.groups
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice (M, N) with every expert outside the token's best topk_groups groups set to -inf."""
+        M, N = choice.shape
+        score = self._group_scores(choice)
         _, best = torch.topk(score, self.topk_groups, dim=-1)
         keep = torch.zeros_like(score).scatter(1, best, 1.0)  # (M, groups)
         keep = keep.unsqueeze(-1).expand(M, self.groups, N // self.groups).reshape(M, N)
         return choice.masked_fill(keep == 0, float("-inf"))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (M, C) -> (weights (M, k) float32, expert indices (M, k) int64)."""
+    def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, choice): what weights the chosen experts, and what chooses them (scores + correction bias)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
-        choice = scores + self.bias if self.bias is not None else scores
-        if self.groups > 1 and self.topk_groups < self.groups:
+        return scores, (scores + self.bias if self.bias is not None else scores)
+
+    @torch.no_grad()
+    def decision_margin(self, x: torch.Tensor) -> torch.Tensor:
+        """(M,): per token, the smallest gap at one of its routing decisions (between the last group kept and the
+        first dropped, between the k-th expert and the next): where it is within rounding, the choice may differ
+        between two correct implementations. inf where no decision is made."""
+        _, choice = self._scores(x)
+        gaps = [torch.full(choice.shape[:1], float("inf"), dtype=choice.dtype)]
+        if self._grouped():
+            top = torch.topk(self._group_scores(choice), self.topk_groups + 1, dim=-1).values
+            gaps.append(top[:, -2] - top[:, -1])
+            choice = self._group_limited(choice)
+        if self.top_k < choice.shape[-1]:
+            top = torch.topk(choice, self.top_k + 1, dim=-1).values
+            gaps.append(top[:, -2] - top[:, -1])  # inf where the next expert is in a dropped group
+        return torch.stack(gaps).min(0).values
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, C) -> (weights (M, k) float32, expert indices (M, k) int64)."""
+        scores, choice = self._scores(x)
+        if self._grouped():
             choice = self._group_limited(choice)
         _, index = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, index)

@@ -15,6 +15,7 @@ from kvforge.errors import KvforgeError
 from kvforge.export import ExportValidationError, export
 from kvforge.export import kinds as export_kinds
 from kvforge.export.onnx_export import FlatKVModel, example_inputs, input_names
+from kvforge.export.validate_inputs import ROUTING_TIE
 from kvforge.model_defs import PRESETS, load
 
 from ..conftest import HF_FAMILIES, make_hf_model
@@ -48,6 +49,10 @@ def _assert_validated_fp32(bundle: Bundle):
     assert v["lockstep"]["steps"] == 32 and v["lockstep"]["greedy_matching_steps"] == 32
     assert v["lockstep"]["logits"]["max_abs"] <= ATOL
     assert bundle.manifest["lint"]["passed"], bundle.manifest["lint"]["findings"]
+    # a mixture's case routed at a tie is shown with its margin and not judged; every other case is
+    tied = [c for c in v["case_results"] if "routing_margin" in c]
+    assert all(c["routing_margin"] < ROUTING_TIE for c in tied)
+    assert all(c["excess"] <= 1.0 for c in v["case_results"] if c not in tied) and len(tied) <= 2
 
 
 @pytest.mark.parametrize("name", MICRO)

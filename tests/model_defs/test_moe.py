@@ -166,3 +166,29 @@ def test_absorbed_latent_attention_equals_expanding_the_latent():
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
     expected = attn.o_proj((probs @ kv[..., dn:]).transpose(1, 2).reshape(2, 9, H * dv))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_routing_decision_margins_are_the_gaps_at_each_choice():
+    """Router.decision_margin (what export validation reads to tell a routing tie from a defect) against gaps
+    computed here by sorting: k-th vs next expert, and last kept vs first dropped group; zero at an exact tie."""
+    from kvforge.model_defs.moe import Router
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    plain = Router(8, 6, top_k=2)
+    torch.nn.init.normal_(plain.weight)
+    s = torch.softmax(x @ plain.weight.T, -1).sort(-1, descending=True).values
+    torch.testing.assert_close(plain.decision_margin(x), s[:, 1] - s[:, 2])
+    grouped = Router(8, 8, top_k=2, scoring="sigmoid", groups=4, topk_groups=2, group_score="top2")
+    torch.nn.init.normal_(grouped.weight)
+    c = torch.sigmoid(x @ grouped.weight.T)
+    g = c.reshape(16, 4, 2).sum(-1)  # top-2 of 2 experts: both
+    g_sorted, order = g.sort(-1, descending=True)
+    kept = torch.zeros(16, 4, dtype=torch.bool).scatter(1, order[:, :2], True).repeat_interleave(2, 1)
+    e = c.masked_fill(~kept, float("-inf")).sort(-1, descending=True).values
+    expected = torch.minimum(g_sorted[:, 1] - g_sorted[:, 2], e[:, 1] - e[:, 2])
+    torch.testing.assert_close(grouped.decision_margin(x), expected)
+    tie = Router(8, 2, top_k=1)
+    with torch.no_grad():
+        tie.weight.copy_(torch.stack([plain.weight[0], plain.weight[0]]))
+    assert torch.all(tie.decision_margin(x) == 0)  # the two experts score alike: every token sits at a tie
