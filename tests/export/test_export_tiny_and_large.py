@@ -63,7 +63,9 @@ def test_tiny_half_precision_within_tolerance_and_30_of_32_greedy(tmp_path, dtyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-125m", "gpt2-124m"])
+# Llama at this scale is the real SmolLM2-135M's export (tests/conftest.py smollm2_fp32_bundle); GPT-2 is the
+# other design (learned positions, LayerNorm, fused QKV)
+@pytest.mark.parametrize("name", ["gpt2-124m"])
 def test_large_presets_export_and_validate(tmp_path, name):
     bundle = export(name, tmp_path / name)
     v = bundle.manifest["validation"]
