@@ -33,7 +33,7 @@ class KindExport(NamedTuple):
     # (model, bundle directory, opset, external_data) -> the graphs written
     write: Callable[[Any, Path, int, bool | None], Graphs]
     # (bundle directory, FP32 reference, dtype, max context, progress, tokenizer) -> the validation record
-    # (a decoder's inputs are the tokenizer's encoding of real text; other kinds draw theirs)
+    # (a decoder's inputs are real text where the checkpoint has its own tokenizer; other kinds draw theirs)
     validate: Callable[..., dict[str, Any]]
     # (config, torch dtype, max context) -> the IO contract
     io_spec: Callable[[Any, Any, int], IOSpec]
@@ -56,7 +56,7 @@ def _one_graph_validation(validate_fn) -> Callable[..., dict[str, Any]]:
 
 def _validate_decoder(directory: Path, reference, dtype: str, max_context: int, progress=None,
                       tokenizer=None) -> dict[str, Any]:
-    """A decoder's inputs and past caches come from real text where the checkpoint has a tokenizer."""
+    """A decoder's inputs and past caches come from real text where the checkpoint has its own tokenizer."""
     tokens, text = text_tokens(tokenizer)
     return validate_decoder(directory / GRAPH_FILE, reference, dtype, max_context, progress=progress, tokens=tokens,
                             text=text)

@@ -185,8 +185,10 @@ def validate(
     """Run every check; return the metrics, a report and a list of failures (empty = passed).
 
     reference: the FP32 Torch model (eval mode). tokens: real token ids (a tokenizer's encoding of text) the
-    inputs are cut from (text: its name, for the report); None samples them from the reference. cases: the names of the shape-grid cases to run
-    (GRID_CASES; None = all), fuzz: how many random shapes besides, lockstep: whether to run the 32-step decode.
+    inputs are cut from (text: its name, for the report); None samples them from the reference. cases: the
+    names of the shape-grid cases to run (GRID_CASES; None = all), fuzz: how many random shapes besides,
+    lockstep: whether to run the 32-step decode. A case whose mixture routing sits at a tie (RoutingMargins)
+    is recorded with its margin and not judged.
     reference64: Float64Reference(reference) made earlier, for validating several graphs of one model.
     """
     cfg = reference.config
