@@ -10,7 +10,7 @@ In one run, batch 1, a 128-token prompt of held-out prose (Alice, kvforge/assets
   transformers loads from the GGUF file and saves (safetensors);
 - transformers (eager attention, FP32) on that checkpoint.
 
-Contenders run interleaved in rotating orders with a pause before each (as runtime_125m.py); medians over
+Contenders run interleaved in rotating orders with a pause before each (runtime_125m.interleaved_runs); medians over
 --runs. The roofline of each ONNX model is the bytes of its weights as stored that a decode step reads
 (initializers but those only gathered by the embedding lookup) over this machine's read bandwidth, measured
 three times in the same run (median); transformers' is its FP32 parameters'. Every contender's first 16
@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from quantized_decode_125m import onnx_weight_bytes  # noqa: E402
-from runtime_125m import NEW_TOKENS, PAUSE_S, GenAI, Transformers, bandwidth_gbs  # noqa: E402
+from runtime_125m import NEW_TOKENS, GenAI, Transformers, bandwidth_gbs, decode_rate, interleaved_runs  # noqa: E402
 
 PROMPT_LEN = 128
 PRECISIONS = ("fp32", "int8", "int4")
@@ -128,20 +128,9 @@ def main() -> int:
                 weight_bytes[f"genai-{p}"] = onnx_weight_bytes(work / f"genai-{p}" / "model.onnx")
         for name, peer in peers.items():
             contenders[name] = lambda peer=peer: peer.run(prompt)
-        names = list(contenders)
-        for run in contenders.values():  # warm-up
-            run()
-        bandwidth = [bandwidth_gbs()]
-        runs = {n: [] for n in names}
-        for i in range(args.runs):
-            order = names[i % len(names):] + names[:i % len(names)]
-            for name in order:
-                time.sleep(PAUSE_S)
-                runs[name].append(contenders[name]())
-            print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_steps'] / r[-1]['decode_s']:.1f}" for n, r in runs.items()),
-                  flush=True)
-            if i == args.runs // 2:
-                bandwidth.append(bandwidth_gbs())
+        bandwidth: list[float] = []
+        runs = interleaved_runs(contenders, args.runs, decode_rate,
+                                lambda i: i in (-1, args.runs // 2) and bandwidth.append(bandwidth_gbs()))
         for s in sessions.values():
             s.deactivate()
         bandwidth.append(bandwidth_gbs())
@@ -150,7 +139,7 @@ def main() -> int:
     reference = runs["fp32"][0]["tokens"]
     summary = {}
     for name, rs in runs.items():
-        decode = statistics.median(r["decode_steps"] / r["decode_s"] for r in rs)
+        decode = statistics.median(decode_rate(r) for r in rs)
         roofline = bw * 1e9 / weight_bytes[name]
         summary[name] = {
             "decode_tokens_per_s": decode, "decode_ms_per_token": 1000 / decode,
@@ -158,7 +147,7 @@ def main() -> int:
             "weight_bytes_per_token": weight_bytes[name], "roofline_tokens_per_s": roofline,
             "fraction_of_roofline": decode / roofline,
             "greedy_first_16_agree_with_kvforge_fp32": [int(t) for t in rs[0]["tokens"][:16]] == reference[:16],
-            "decode_samples_tokens_per_s": [r["decode_steps"] / r["decode_s"] for r in rs],
+            "decode_samples_tokens_per_s": [decode_rate(r) for r in rs],
         }
         if name in recipes:
             summary[name]["recipe"] = recipes[name]

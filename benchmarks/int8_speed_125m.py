@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import NEW_TOKENS, PAUSE_S, PROMPT_LEN, GenAI, balanced_orders, make_checkpoint  # noqa: E402
+from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, interleaved_runs, make_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -67,16 +67,7 @@ def main() -> int:
         contenders = {name: (lambda s=s: benchmark(s, 1, PROMPT_LEN, NEW_TOKENS, runs=1, warmup=0)) for name, s in sessions.items()}
         if genai:
             contenders["genai-int8"] = genai_run
-        names = list(contenders)
-        for run in contenders.values():  # warm-up
-            run()
-        runs = {name: [] for name in names}
-        orders = balanced_orders(len(names))
-        for i in range(args.runs):
-            for name in (names[k] for k in orders[i % len(orders)]):
-                time.sleep(PAUSE_S)
-                runs[name].append(contenders[name]())
-            print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_tokens_per_s']:.1f} tok/s" for n, r in runs.items()), flush=True)
+        runs = interleaved_runs(contenders, args.runs, lambda r: r["decode_tokens_per_s"])
         sizes = {n: sum(f["bytes"] for f in b.manifest["files"].values())
                  for n, b in (("fp32", fp32), ("int8", int8), ("int8+lm_head", int8_head))}
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms")}

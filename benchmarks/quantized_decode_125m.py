@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import NEW_TOKENS, PAUSE_S, PROMPT_LEN, GenAI, balanced_orders, bandwidth_gbs, make_checkpoint  # noqa: E402
+from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, bandwidth_gbs, decode_rate, interleaved_runs, make_checkpoint  # noqa: E402
 
 INT8 = dict(precision="int8", method="mse", smoothquant=0.5)
 BUNDLES = {  # name -> calibrate() options (None: the FP32 export)
@@ -142,20 +142,9 @@ def main() -> int:
             for p in ("int8", "int4"):
                 g = GenAI(work / "ckpt", work, precision=p)
                 contenders[f"genai-{p}"] = lambda g=g: g.run(prompt)
-        names = list(contenders)
-        for run in contenders.values():  # warm-up
-            run()
-        bandwidth = [bandwidth_gbs()]
-        runs = {n: [] for n in names}
-        orders = balanced_orders(len(names)) if len(names) <= 4 else [list(range(len(names)))[i:] + list(range(len(names)))[:i]
-                                                                       for i in range(len(names))]
-        for i in range(args.runs):
-            for name in (names[k] for k in orders[i % len(orders)]):
-                time.sleep(PAUSE_S)
-                runs[name].append(contenders[name]())
-            print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_steps'] / r[-1]['decode_s']:.1f}" for n, r in runs.items()), flush=True)
-            if i == args.runs // 2:
-                bandwidth.append(bandwidth_gbs())
+        bandwidth: list[float] = []
+        runs = interleaved_runs(contenders, args.runs, decode_rate,
+                                lambda i: i in (-1, args.runs // 2) and bandwidth.append(bandwidth_gbs()))
         for s in sessions.values():
             s.deactivate()
         contexts = context_ms(bundles["fp32"].path)
@@ -165,7 +154,7 @@ def main() -> int:
     bw = statistics.median(bandwidth)
     summary = {}
     for name, rs in runs.items():
-        decode = statistics.median(r["decode_steps"] / r["decode_s"] for r in rs)
+        decode = statistics.median(decode_rate(r) for r in rs)
         entry = {"decode_tokens_per_s": decode, "decode_ms_per_token": 1000 / decode,
                  "prefill_tokens_per_s": statistics.median(PROMPT_LEN / r["prefill_s"] for r in rs),
                  "greedy_first_16_agree_with_fp32": rs[0]["tokens"][:16] == tokens_fp32[:16]}

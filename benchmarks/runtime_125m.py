@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -94,6 +95,35 @@ def balanced_orders(n: int) -> list[list[int]]:
             hi -= 1
     rows = [[(x + i) % n for x in first] for i in range(n)]
     return rows + [r[::-1] for r in rows] if n % 2 else rows
+
+
+def decode_rate(result: dict) -> float:
+    """Decode tokens/s of one timed generation (timed_greedy's, or a peer's with the same keys)."""
+    return result["decode_steps"] / result["decode_s"]
+
+
+def interleaved_runs(contenders: dict[str, Callable[[], dict]], rounds: int, rate: Callable[[dict], float],
+                     after_round: Callable[[int], None] | None = None) -> dict[str, list[dict]]:
+    """Each contender's results over `rounds` rounds: every contender warmed up once, then each round runs every
+    one once, a pause before each run, in balanced orders (each follows each other equally often) for up to
+    four contenders and in rotations beyond. Prints each round's decode rates (rate(result), tokens/s);
+    after_round(i) runs after the warm-up (i = -1) and after each round i (a bandwidth sample, say)."""
+    names = list(contenders)
+    for run in contenders.values():  # warm-up
+        run()
+    if after_round is not None:
+        after_round(-1)
+    n = len(names)
+    orders = balanced_orders(n) if n <= 4 else [list(range(n))[i:] + list(range(n))[:i] for i in range(n)]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in (names[k] for k in orders[i % len(orders)]):
+            time.sleep(PAUSE_S)
+            runs[name].append(contenders[name]())
+        print(f"run {i}: " + ", ".join(f"{name} {rate(r[-1]):.1f} tok/s" for name, r in runs.items()), flush=True)
+        if after_round is not None:
+            after_round(i)
+    return runs
 
 
 def bandwidth_gbs(reps: int = 9) -> float:
@@ -213,15 +243,7 @@ def main() -> int:
         if "transformers" not in skip:
             contenders.append(Transformers(ckpt, work))
         prompt = np.random.default_rng(0).integers(3, 8000, (1, PROMPT_LEN), dtype=np.int64)
-        for c in contenders:  # warm-up
-            c.run(prompt)
-        runs = {c.name: [] for c in contenders}
-        orders = balanced_orders(len(contenders))
-        for i in range(args.runs):
-            for c in (contenders[k] for k in orders[i % len(orders)]):
-                time.sleep(PAUSE_S)
-                runs[c.name].append(c.run(prompt))
-            print(f"run {i}: " + ", ".join(f"{n} {r[-1]['decode_steps'] / r[-1]['decode_s']:.1f} tok/s" for n, r in runs.items()), flush=True)
+        runs = interleaved_runs({c.name: (lambda c=c: c.run(prompt)) for c in contenders}, args.runs, decode_rate)
         context_ms = {str(n): contenders[0].decode_ms_at(n) for n in (64, 512, 1024)}
         bw = bandwidth_gbs()
 
