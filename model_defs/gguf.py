@@ -1,19 +1,19 @@
-"""GGUF files (llama.cpp, Ollama) as float model sources, read with the `gguf` package.
+"""GGUF files (llama.cpp, Ollama) as model sources, read with the `gguf` package.
 
 A GGUF file holds the model's hyperparameters as `<arch>.*` metadata, its tensors under llama.cpp's names
 (some quantized in blocks), and its tokenizer (`tokenizer.ggml.*`, with the chat template). This module
 turns it into what a Hugging Face checkpoint directory gives the importer: a config.json-shaped dict, float
-tensors under transformers' names, and a tokenizer.json. The blocks are dequantized to float32 (keeping the
-codes themselves is the pre-quantized checkpoints' work); llama.cpp's converter permutes the query and key
-rows of RoPE models into its own rotary layout, which is undone here.
-
-Supported: the Llama family (Llama, SmolLM, Mistral-style GGUFs whose `general.architecture` is `llama`).
+tensors under transformers' names (the file's own dequantization: the reference the bundle is measured
+against), and a tokenizer.json; and the quantized tensors' codes (model_defs/gguf_codes.py), which the export
+keeps in the bundle's Q/DQ. Each architecture's names and layout changes (llama.cpp's converter permutes the
+query and key rows of Llama-style RoPE models into its own rotary layout) are one entry in
+model_defs/gguf_families.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -21,35 +21,26 @@ import torch
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.tokenizer import Tokenizer
 
-# GGUF metadata (under the architecture's prefix) -> config.json keys
-_LLAMA_CONFIG = {
-    "block_count": "num_hidden_layers",
-    "context_length": "max_position_embeddings",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "rope.freq_base": "rope_theta",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.key_length": "head_dim",
-}
-# llama.cpp tensor names -> transformers' ({i}: the layer)
-_LLAMA_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-_SUPPORTED = ("llama",)
+from .gguf_codes import FLOAT_TYPES, decode
+from .gguf_families import ARCHS, hf_tensors
+from .quantized import QuantizedCheckpoint
+
+# llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+               25: "IQ4_NL", 30: "IQ4_XS", 32: "BF16"}
+
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
+
+
+class GgufModel(NamedTuple):
+    """What read_gguf returns: a config.json-shaped dict, float32 tensors under transformers' names (the file's
+    dequantization: the reference), the tokenizer record and the file's codes (None when nothing is quantized)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer: dict[str, Any]
+    quantized: QuantizedCheckpoint | None
 
 
 def _reader(path: Path):
@@ -68,41 +59,68 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """(config.json-shaped dict, float32 tensors under transformers' names, tokenizer record) of a GGUF file."""
+def read_gguf(path: str | Path) -> GgufModel:
+    """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes."""
+    from gguf import GGMLQuantizationType
+
     path = Path(path)
     reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    if arch not in _SUPPORTED:
-        raise KvforgeError(f"{path}: GGUF architecture {arch!r} is not supported as a model source; kvforge reads "
-                           f"{list(_SUPPORTED)} GGUF files")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise KvforgeError(f"{path}: RoPE scaling ({scaling or 'rope_freqs, as Llama 3.1 writes'}) is not read from GGUF "
-                           "files yet; export the Hugging Face checkpoint instead")
-    hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-          "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
-    for key, name in _LLAMA_CONFIG.items():
-        value = _field(reader, f"{arch}.{key}")
+    name = _field(reader, "general.architecture")
+    arch = ARCHS.get(name)
+    if arch is None:
+        raise KvforgeError(f"{path}: GGUF architecture {name!r} is not supported as a model source; kvforge reads "
+                           f"{sorted(ARCHS)} GGUF files")
+    hf = {**arch.defaults, "model_type": arch.model_type, "architectures": list(arch.architectures)}
+    if arch.tied_head is not None:
+        hf["tie_word_embeddings"] = not any(t.name == arch.tied_head for t in reader.tensors)
+    for key, hf_key in arch.config.items():
+        value = _field(reader, f"{name}.{key}")
         if value is not None:
-            hf[name] = value
+            hf[hf_key] = value
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    hf["vocab_size"] = _field(reader, f"{arch}.vocab_size", len(tokens))
+    hf["vocab_size"] = _field(reader, f"{name}.vocab_size", len(tokens))
     for role in ("bos", "eos", "pad"):
         value = _field(reader, f"tokenizer.ggml.{role}_token_id")
         if value is not None:
             hf[f"{role}_token_id"] = int(value)
-    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    tensors = {}
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}  # fastest dim last
+    if arch.finish_config is not None:
+        try:
+            arch.finish_config(lambda key: _field(reader, key), hf, shapes)
+        except KvforgeError as e:
+            raise KvforgeError(f"{path}: {e}") from e
+    tensors, types = {}, {}
+    quantized = QuantizedCheckpoint("gguf", {})
     for t in reader.tensors:
-        name = _hf_name(t.name, path)
-        value = _dequantize(t)
-        if name.endswith("q_proj.weight"):
-            value = _unpermute(value, heads)
-        elif name.endswith("k_proj.weight"):
-            value = _unpermute(value, kv_heads)
-        tensors[name] = torch.from_numpy(np.array(value, np.float32))  # a writable copy of the file's data
-    return hf, tensors, _tokenizer_record(reader, tokens)
+        shape = shapes[t.name]
+        type_name = GGMLQuantizationType(t.tensor_type).name
+        types[type_name] = types.get(type_name, 0) + 1
+        value = np.array(_dequantize(t, shape), np.float32)  # a writable copy of the file's data
+        try:
+            parts = hf_tensors(arch, hf, t.name, torch.from_numpy(value))
+        except KvforgeError as e:
+            raise KvforgeError(f"{path}: {e}") from e
+        tensors.update(parts)
+        if type_name in FLOAT_TYPES or len(shape) < 2:
+            quantized.kept_float.update({n: f"{type_name} in the file" for n, v in parts.items() if v.ndim >= 2})
+            continue
+        flat = (int(np.prod(shape[:-1])), shape[-1])  # stacked experts: [experts * out, in]
+        codes, error = decode(t.data, type_name, flat, value.reshape(flat))
+        for hf_name in parts:  # each part's codes: the tensor's, with the layout change that gives the part
+            quantized.codes[hf_name] = codes
+            quantized.layouts[hf_name] = lambda x, n=t.name, s=shape, h=hf_name: hf_tensors(arch, hf, n, x.reshape(s))[h]
+            if error is not None:
+                quantized.converted[hf_name] = error
+    file_type = _field(reader, "general.file_type")
+    quantized.config = {"file_type": _FILE_TYPES.get(file_type, file_type), "tensor_types": dict(sorted(types.items()))}
+    return GgufModel(hf, tensors, _tokenizer_record(reader, tokens), quantized if quantized.codes else None)
+
+
+def has_quantized_tensors(path: str | Path) -> bool:
+    """Whether the file holds a tensor in a quantized type (only the tensor index is read)."""
+    from gguf import GGMLQuantizationType
+
+    return any(GGMLQuantizationType(t.tensor_type).name not in FLOAT_TYPES for t in _reader(Path(path)).tensors)
 
 
 def read_gguf_tokenizer(path: str | Path) -> dict[str, Any]:
@@ -111,31 +129,13 @@ def read_gguf_tokenizer(path: str | Path) -> dict[str, Any]:
     return _tokenizer_record(reader, _field(reader, "tokenizer.ggml.tokens") or [])
 
 
-def _hf_name(name: str, path: Path) -> str:
-    parts = name.split(".")
-    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-        key, layer = ".".join(["blk", "{i}", *parts[2:]]), parts[1]
-    else:
-        key, layer = name, None
-    if key not in _LLAMA_TENSORS:
-        raise KvforgeError(f"{path}: tensor {name!r} has no place in a Llama model")
-    return _LLAMA_TENSORS[key].format(i=layer)
-
-
-def _dequantize(t) -> np.ndarray:
+def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest first
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return np.asarray(t.data, np.float32).reshape(shape)
     return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-
-
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's converter, which interleaves each head's two rotary halves into pairs."""
-    rows = w.shape[0]
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvforge.schema import path_problem, read_json
 
 from .architectures import ARCHITECTURES, tied_parameters
 from .hf_families import FAMILIES
+from .quantized import QuantizedCheckpoint, exact, follow
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 
@@ -38,14 +39,6 @@ def config_from_hf(hf: dict[str, Any]):
         raise KvforgeError(
             f"unsupported architecture: model_type={family!r} (architectures={archs}); "
             f"supported model types: {list(SUPPORTED_FAMILIES)}"
-        )
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise KvforgeError(
-            f"this {family} checkpoint is already quantized (quantization_config: {method!r}, as DeepSeek-V3's FP8 "
-            "release with its block scales is): kvforge imports float weights (FP32/FP16/BF16); dequantize the "
-            "checkpoint first, then quantize the export with `kvforge calibrate`"
         )
     try:
         spec = FAMILIES[family]
@@ -121,7 +114,8 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         dup = sorted(set(part) & set(tensors))
         if dup:
             raise KvforgeError(f"tensors {dup[:5]} appear in more than one shard ({f.name})")
-        bad = {name: int((~torch.isfinite(t)).sum()) for name, t in part.items() if t.is_floating_point()}
+        bad = {name: int((~torch.isfinite(t if t.element_size() > 1 else t.float())).sum())  # FP8: no isfinite
+               for name, t in part.items() if t.is_floating_point()}
         bad = {name: n for name, n in bad.items() if n}
         if bad:
             names = ", ".join(f"{name} holds {n} NaN or infinite values" for name, n in sorted(bad.items())[:5])
@@ -200,6 +194,49 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
             lines.append("shape mismatches:\n    " + "\n    ".join(shapes))
         raise KvforgeError(f"{family} checkpoint does not match its config:\n  " + "\n  ".join(lines))
     return out
+
+
+def codes_for_parameters(model: torch.nn.Module, family: str, quantized: QuantizedCheckpoint,
+                         state: dict[str, torch.Tensor], hf_config: dict[str, Any] | None = None) -> QuantizedCheckpoint:
+    """The checkpoint's codes under kvforge's parameter names: each tensor's codes carried through the weight
+    table's transform where it only selects rows (model_defs/quantized.py: follow), and kept only where they
+    dequantize to the imported parameter (`state`, from state_dict_from_hf) bit for bit; the others' parameters
+    stay float, each with the reason."""
+    spec = FAMILIES[family]
+    table = spec.weights(hf_config or {}, model.config)
+    partners = _tied_names(spec.duplicates)
+    rename = lambda name: _normalize_names(family, {name: None}).popitem()[0]  # noqa: E731
+    codes = {rename(name): c for name, c in quantized.codes.items()}
+    converted = {rename(name): e for name, e in quantized.converted.items()}
+    kept_float = {rename(name): why for name, why in quantized.kept_float.items()}
+    layouts = {rename(name): fn for name, fn in quantized.layouts.items()}
+    out = QuantizedCheckpoint(quantized.format, quantized.config)
+    for ours, value in state.items():
+        name, transform = _source_name(table, family, ours)
+        name = next((n for n in [name, *partners.get(name, ())] if n in codes or n in kept_float), name)
+        if name in kept_float:
+            out.kept_float[ours] = kept_float[name]
+        if name not in codes:
+            continue
+        layout = layouts.get(name)
+        if layout is None and transform is None:
+            carried = codes[name]
+        else:
+            carried = follow(codes[name], lambda x, fn=transform, lay=layout: _apply(fn, lay, x, model.config))
+        if carried is None:
+            out.kept_float[ours] = f"{codes[name].source}: {name}'s transform into this parameter is not a row selection"
+        elif not exact(carried, value):
+            out.kept_float[ours] = f"{codes[name].source}: the codes do not reproduce the imported {name} bit for bit"
+        else:
+            out.codes[ours] = carried
+            if name in converted:
+                out.converted[ours] = converted[name]
+    return out
+
+
+def _apply(transform, layout, x: torch.Tensor, cfg) -> torch.Tensor:
+    x = x if layout is None else layout(x)
+    return x if transform is None else transform(x, cfg)
 
 
 # What transformers' generate reads from generation_config.json: the tokens it stops on, and an encoder-decoder's

@@ -24,6 +24,23 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Types gguf's Python code reads but cannot write (llama.cpp's C quantizers do): their tensors are random blocks,
+# with each block's float16 factors (at these byte offsets) drawn small and finite.
+RANDOM_BLOCKS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,),
+                 Q.IQ4_XS: (0,), Q.IQ2_XXS: (0,), Q.TQ2_0: (64,)}
+
+
+def random_blocks(shape: tuple[int, int], qtype, seed: int) -> np.ndarray:
+    """A [out, in] tensor of `qtype` as raw blocks ([out, bytes per row]) of random codes and small factors."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (shape[0] * shape[1] // block, size)).astype(np.uint8)
+    for offset in RANDOM_BLOCKS[qtype]:
+        factors = (rng.uniform(0.5, 1.5, raw.shape[0]) * 2e-3).astype(np.float16)
+        raw[:, offset:offset + 2] = factors.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(shape[0], -1)
+
+
 def write_gguf(model, path, qtypes: dict[str, object] | None = None, vocab: list[str] | None = None):
     """What llama.cpp's converter writes for a transformers Llama: metadata, llama.cpp's names, permuted q/k,
     some tensors quantized in blocks (qtypes: suffix -> type)."""
@@ -65,6 +82,8 @@ def write_gguf(model, path, qtypes: dict[str, object] | None = None, vocab: list
         qtype = next((t for suffix, t in (qtypes or {}).items() if target.endswith(suffix)), Q.F32)
         if qtype == Q.F32 or array.ndim == 1:
             w.add_tensor(target, array)
+        elif qtype in RANDOM_BLOCKS:
+            w.add_tensor(target, random_blocks(array.shape, qtype, len(target)), raw_dtype=qtype)
         else:
             w.add_tensor(target, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -186,19 +186,19 @@ def test_partial_rotary_with_scaled_rope_is_refused(tmp_path):
         load(tmp_path)
 
 
-def test_a_prequantized_checkpoint_is_refused_by_name(hf_checkpoint, tmp_path):
-    """DeepSeek-V3 is released in FP8 with block scales (weight_scale_inv): importing its codes as weights would
-    be wrong, so a config with a quantization_config is refused, saying what to do."""
+def test_a_checkpoint_quantized_by_an_unread_method_is_refused_by_name(hf_checkpoint, tmp_path):
+    """GGUF, GPTQ, AWQ, compressed-tensors and block FP8 keep their codes (tests/export/test_prequantized_export.py);
+    a checkpoint quantized any other way (bitsandbytes' NF4 here) is refused, naming its method and those read."""
     import json
     import shutil
 
     from kvforge.errors import KvforgeError
     from kvforge.model_defs import load
 
-    src = hf_checkpoint("deepseek_v3")
-    shutil.copytree(src, tmp_path / "fp8")
+    src = hf_checkpoint("llama")
+    shutil.copytree(src, tmp_path / "nf4")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(KvforgeError, match="already quantized .*'fp8'.* dequantize the checkpoint first"):
-        load(tmp_path / "fp8")
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (tmp_path / "nf4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KvforgeError, match="bitsandbytes.*compressed-tensors"):
+        load(tmp_path / "nf4")
