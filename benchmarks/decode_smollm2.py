@@ -2,7 +2,7 @@
 
 In one run, batch 1, a 128-token prompt of held-out prose (Alice, kvforge/assets/text), 128 new tokens, greedy:
 
-- kvforge bundles as `kvforge export smollm2` and `kvforge calibrate --precision int8|int4` write them with
+- kvforge bundles as `kvforge export smollm2 --dequantize` and `kvforge calibrate --precision int8|int4` write them with
   default flags (the automatic recipe), on the ONNX Runtime backend as users get it. --bundles DIR reuses
   DIR/fp32, DIR/int8 and DIR/int4 (for example the work directory of `kvforge check checks/smollm2.toml
   --workdir DIR`), since the automatic recipe takes most of an hour here;
@@ -53,7 +53,7 @@ def bundles(work: Path, given: Path | None) -> dict:
         path = work / name
         if not (path / "kvforge.json").is_file():
             if name == "fp32":
-                export("smollm2", path, force=True)
+                export("smollm2", path, force=True, dequantize=True)
             else:
                 calibrate(work / "fp32", path, precision=name, force=True)
         out[name] = Bundle(path)

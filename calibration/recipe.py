@@ -108,7 +108,9 @@ class Recipe:
         if self.method not in METHODS:
             raise KvforgeError(f"method {self.method!r} is not one of {METHODS}")
         if bundle.quantization:
-            raise KvforgeError(f"{bundle.path} is already quantized ({bundle.quantization_format}); calibrate a float bundle")
+            hint = (" (its checkpoint's own codes): export the checkpoint with --dequantize for a float bundle to "
+                    "calibrate") if bundle.quantization_format == "checkpoint" else "; calibrate a float bundle"
+            raise KvforgeError(f"{bundle.path} is already quantized ({bundle.quantization_format}){hint}")
         if bundle.dtype == "bfloat16":
             raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; "
                                "calibrate a float32 or float16 bundle")

@@ -18,11 +18,13 @@ from kvforge.bundle import Bundle, now_utc, sha256_file, sha256_tree, write_mani
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
-from kvforge.model_defs import DEFAULT_MODEL, load, source_kind
+from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
-from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, trained_dir
+from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, trained_dir
+from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.outputs import check_output_path, staged_bundle
 
+from .checkpoint_codes import keep_codes
 from .kinds import EXPORTS
 from .lint import lint, merge_lint
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA
@@ -85,12 +87,16 @@ def export(
     max_context: int | None = None,
     external_data: bool | None = None,
     force: bool = False,
+    dequantize: bool = False,
     progress: Progress | None = None,
 ) -> Bundle:
     """Export SOURCE (anything `model_defs.load` takes) to a validated ONNX bundle at OUT.
 
     Validation against the FP32 Torch reference runs on every export; when it
     misses tolerance, ExportValidationError is raised and nothing is written.
+    A pre-quantized source (a GGUF file, a quantized Hugging Face checkpoint) keeps its codes: the validated
+    float graph of its dequantized weights gets each quantized weight back as codes behind a DequantizeLinear
+    (export/checkpoint_codes.py); `dequantize` writes the float bundle instead, to calibrate it.
     """
 
     if dtype not in DTYPES:
@@ -103,7 +109,9 @@ def export(
     started = time.time()
 
     progress("load", 0, 1)
-    reference, tokenizer = load(source)  # FP32: the reference every dtype is measured against
+    # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)
+    (reference, tokenizer), quantized = load_quantized(source)
+    quantized = None if dequantize else quantized
     cfg = reference.config
     max_context = resolve_max_context(cfg, max_context)
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
@@ -123,10 +131,15 @@ def export(
         if not summary["passed"]:
             raise ExportValidationError(summary)
         progress("write", 0, 1)
+        quantization = None
+        if quantized is not None:
+            _check_codes_fit(graphs, dtype)
+            quantization = keep_checkpoint_codes(tmp, graphs.main, quantized)
+            lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})
         if tokenizer is not None:
             tokenizer.save(tmp)
         io = plan.io_spec(cfg, model.dtype, max_context)
-        precision = {"dtype": dtype, "quantization": None}
+        precision = {"dtype": dtype, "quantization": quantization}
         ecosystem = write_ecosystem_files(
             tmp, cfg.to_dict(), io, graphs.main, precision, tokenizer,
             hf_source=Path(source) if source_kind(source) == "hf" else None,
@@ -136,7 +149,8 @@ def export(
             "tool": f"kvforge {kvforge.__version__}",
             "time": now_utc(),
             "input": source_digest(source),
-            "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data},
+            "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data,
+                        "dequantize": dequantize},
             "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
             "seconds": {"export": round(export_seconds, 2), "total": round(time.time() - started, 2)},
         }
@@ -157,3 +171,37 @@ def export(
         write_manifest(tmp, manifest)
         progress("write", 1, 1)
     return Bundle(out)
+
+
+def keep_checkpoint_codes(directory: Path, graph: str, quantized: QuantizedCheckpoint) -> dict[str, Any]:
+    """The checkpoint's codes into `directory`'s graph file (rewritten in place, external data kept external);
+    returns the manifest's quantization record."""
+    path = directory / graph
+    model = onnx.load(str(path))
+    kept = keep_codes(model, quantized)
+    data = directory / EXTERNAL_DATA
+    external = data.exists()
+    if external:
+        data.unlink()  # onnx appends to an existing data file
+    onnx.save(model, str(path), save_as_external_data=external, location=EXTERNAL_DATA)
+    activations = {_activation_text(c.activation) for c in quantized.codes.values() if c.activation}
+    return {"format": "checkpoint", "weights": "checkpoint codes", "activations": ", ".join(sorted(activations)) or None,
+            "checkpoint": quantized.record(), "quantized_layers": kept, "excluded_layers": []}
+
+
+def _activation_text(activation: dict[str, Any]) -> str:
+    if activation.get("scale") is not None:
+        return f"{activation['format']} static"
+    granularity = activation.get("granularity", "token")
+    if granularity == "token group":
+        return f"{activation['format']} per token group of {activation['group_size']}"
+    return f"{activation['format']} per {granularity}" + (" (dynamic)" if granularity == "tensor" else "")
+
+
+def _check_codes_fit(graphs, dtype: str) -> None:
+    if len(graphs.files) > 1:
+        raise KvforgeError("keeping a checkpoint's codes is done for one-graph models; this one exports "
+                           f"{len(graphs.files)} graphs: pass --dequantize for a float bundle")
+    if dtype != "float32":
+        raise KvforgeError(f"a pre-quantized checkpoint's codes are kept in a float32 bundle (its scales and offsets are "
+                           f"float32), not {dtype}: leave --dtype out, or pass --dequantize for a {dtype} bundle")

@@ -145,15 +145,23 @@ def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
 @click.option("--max-context", type=click.IntRange(2), help="Longest past + new tokens the bundle accepts (default: the model's).")
 @click.option("--external-data/--no-external-data", default=None, help="Weights in model.onnx.data (default: only above 2 GB).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
+@click.option("--dequantize", is_flag=True,
+              help="A pre-quantized SOURCE (GGUF, GPTQ, AWQ, compressed-tensors, FP8) as a float bundle, to calibrate; "
+                   "by default its codes are kept.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(source, out, dtype, opset, max_context, external_data, force, quiet):
+def export(source, out, dtype, opset, max_context, external_data, force, dequantize, quiet):
     """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""
     from kvforge.export import export as export_bundle
 
     with PhaseProgress(enabled=not quiet) as progress:
         bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
-                               force=force, progress=progress)
+                               force=force, dequantize=dequantize, progress=progress)
     lint_result = bundle.manifest["lint"]
+    quant = bundle.quantization
+    if quant:
+        record = quant["checkpoint"]
+        dtype = (f"{dtype} with the {record['format']} checkpoint's codes kept in {len(record['kept'])} tensors"
+                 + (f" ({len(record['converted'])} converted)" if record["converted"] else ""))
     click.echo(f"wrote {bundle.path} ({bundle.architecture}): {dtype}, opset {opset}; "
                f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}")
 

@@ -22,7 +22,7 @@ STAGES = ("export", "calibrate", "build")
 DTYPES = ("float32", "float16", "bfloat16")
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool",
                  "float8_e4m3fn")
-QUANT_FORMATS = ("int8", "fp8", "int4")
+QUANT_FORMATS = ("int8", "fp8", "int4", "checkpoint")  # checkpoint: a pre-quantized checkpoint's own codes
 ARCHITECTURES = tuple(MODEL_FIELDS)
 
 
@@ -56,6 +56,9 @@ QUANTIZATION = Rec({
     "activations": Opt(str), "method": Opt(str), "percentile": Opt(Num(low=0, high=100)),
     "smoothquant_alpha": Opt(Num(low=0, high=1)), "block_size": Opt(POSITIVE), "kv_cache": Opt(Enum("int8", "fp8")),
     "quantized_layers": ListOf(str), "excluded_layers": ListOf(Union(str, DictOf(AnyJSON))),
+    "checkpoint": Opt(Rec({"format": str, "config": DictOf(AnyJSON), "kept": DictOf(DictOf(AnyJSON)),
+                           "converted": DictOf(DictOf(AnyJSON)), "kept_float": DictOf(str)},
+                          required=("format", "config", "kept", "converted", "kept_float"))),
 }, required=("format",))
 PRECISION = Rec({"dtype": Enum(*DTYPES), "quantization": Opt(QUANTIZATION)}, required=("dtype",))
 

@@ -41,11 +41,15 @@ def import_onnxruntime():
 #   fell from 0.93 to 0.84 and tiny's perplexity delta doubled. `int8_kernels_exact()` probes this once;
 #   where it fails, int8 runs like fp8 (Q/DQ kept, weights dequantized): the graph's function, slower.
 QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"], "fp8": ["ReluQuantRewrite"]}
-QUANT_SESSION_CONFIG = {
-    "fp8": {"session.disable_quant_qdq": "1"},
-    "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
-}
+# - checkpoint (a pre-quantized checkpoint's own codes: export/checkpoint_codes.py): computed as written, so each
+#   weight is the checkpoint's dequantization bit for bit (the DequantizeLinear / offset Add / Gather chains are
+#   constant-folded to float weights at load).
 EXACT_QDQ = {"session.disable_quant_qdq": "1"}  # Q/DQ computed as written, no integer kernels
+QUANT_SESSION_CONFIG = {
+    "fp8": EXACT_QDQ,
+    "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
+    "checkpoint": EXACT_QDQ,
+}
 
 
 @functools.lru_cache(maxsize=None)

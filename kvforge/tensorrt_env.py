@@ -151,7 +151,14 @@ def _cc(v: str) -> tuple[int, int]:
 def check_precision_supported(quantization: dict[str, Any] | None, compute_capability: str, gpu_name: str) -> None:
     """FP8 Q/DQ (weights, activations or the KV cache) builds only into kernels of compute capability >= 8.9."""
     q = quantization or {}
-    if (q.get("format") == "fp8" or q.get("kv_cache") == "fp8") and _cc(compute_capability) < (8, 9):
+    kept = ((q.get("checkpoint") or {}).get("kept") or {}).values()
+    unsigned = sorted({r["type"] for r in kept if r["codes"] in ("uint4", "uint8")})
+    if unsigned:  # the lint names each node too (dtype rule); say it before a build starts
+        raise KvforgeError(f"this bundle keeps its checkpoint's unsigned codes ({', '.join(unsigned)}: a block minimum "
+                           "added after the scale), which TensorRT's DequantizeLinear does not take (INT8, FP8, FP4, "
+                           "INT4 only); export the checkpoint with --dequantize and calibrate it for TensorRT")
+    fp8_codes = any(r["codes"] == "fp8" for r in kept)
+    if (q.get("format") == "fp8" or q.get("kv_cache") == "fp8" or fp8_codes) and _cc(compute_capability) < (8, 9):
         raise KvforgeError(f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); {gpu_name} has "
                            f"{compute_capability}: build an int8, int4 or float bundle for it instead")
 

