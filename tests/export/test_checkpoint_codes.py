@@ -136,6 +136,21 @@ def test_dequantize_writes_the_float_bundle(tmp_path):
     assert not any(n.op_type == "DequantizeLinear" for n in graph.graph.node)
 
 
+def test_pipeline_adds_the_checkpoints_codes_and_compares_them_with_its_dequantization(tmp_path):
+    """A pre-quantized source's pipeline measures the float export of its dequantized weights and the bundle of
+    its own codes (`checkpoint`), both against that dequantized Torch model, within float32's bounds."""
+    from kvforge.verify.pipeline import pipeline
+
+    small = dict(LLAMA, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    path = write_gguf(make_hf_model("llama", seed=7, **small), tmp_path / "q4.gguf", {".weight": Q.Q4_1})
+    result = pipeline(path, tmp_path / "run", precisions=["fp32"], random_data=True, sample_prompt=None,
+                      log=lambda line: None)
+    reports = {o.artifact: o.report for o in result.outcomes}
+    assert set(reports) == {"fp32", "checkpoint"} and result.passed
+    assert reports["checkpoint"]["precision"] == "checkpoint" and reports["fp32"]["precision"] == "float32"
+    assert abs(reports["checkpoint"]["perplexity_delta_pct"]) <= 0.01 and reports["checkpoint"]["top1_agreement"] == 1.0
+
+
 @pytest.mark.slow
 def test_smollm2_q4_1_codes_keep_the_dequantized_models_perplexity(smollm2_fp32_bundle, tmp_path):
     """The real SmolLM2-135M-Instruct Q4_1 file: every quantized tensor kept (210 Q4_1 + the Q8_0 embedding), the

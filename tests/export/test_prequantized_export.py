@@ -60,8 +60,7 @@ def _logits(model) -> np.ndarray:
 
 @pytest.mark.skipif(not HAVE_CT, reason="the compressed-tensors package (the oracle) is not installed")
 @pytest.mark.parametrize("preset,static,activations", [
-    ("W4A16_ASYM", False, None), ("W8A8", False, "int8 per token"), ("W8A8", True, "int8 static"),
-    ("FP8_DYNAMIC", False, "fp8 per token")])
+    ("W4A16_ASYM", False, None), ("W8A8", False, "int8 per token"), ("W8A8", True, "int8 static")])
 def test_compressed_tensors_checkpoint_runs_as_the_package_computes_it(tmp_path, preset, static, activations):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, apply_quantization_config,
