@@ -1,6 +1,8 @@
 """An ONNX Runtime-specific variant of a bundle's graph, faster on ORT; the bundle's graph is untouched.
 
 Rewrites that keep the arithmetic (fewer or narrower kernels):
+- a bundle that keeps a pre-quantized checkpoint's codes runs its 4-bit weights as MatMulNBits and has its other
+  weights evaluated to float once (codes.py);
 - a tied embedding and quantized head that the bundle stores once get their
   fast forms back: the head's codes transposed for an integer kernel, the
   embedding a float table (unshare_tied_head);
@@ -37,10 +39,11 @@ from kvforge.errors import KvforgeError
 from kvforge.onnx_graph import drop_dead_nodes, node_reads, replace_nodes
 
 from .attention import LOGITS_ROWS, use_group_query_attention
+from .codes import checkpoint_kernels
 from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 
-VARIANT_VERSION = 12
+VARIANT_VERSION = 14
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -369,6 +372,8 @@ def variant_path(bundle, attention: bool = False) -> Path:
     import onnx
 
     model = bundle.load_graph()
+    if bundle.quantization_format == "checkpoint":  # a checkpoint's codes: 4-bit ones as MatMulNBits, others float
+        checkpoint_kernels(model)
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)

@@ -125,6 +125,14 @@ def test_kept_codes_bundle_matches_transformers_logits(all_types):
         original = oracle(torch.from_numpy(ids)).logits.numpy()
     assert np.abs(got - expected).max() <= 1e-4
     assert np.abs(got - original).max() > 1e-4
+    # the session ran ONNX Runtime's variant: the 4-bit codes (Q4_K, Q3_K, Q2_K, Q4_0, Q4_1) as MatMulNBits, two of
+    # them sharing one with their siblings (layer 1's q and k read the same activation)
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort.variant import variant_path
+
+    variant = onnx.load(str(variant_path(Bundle(bundle.path))), load_external_data=False)
+    nbits = [n for n in variant.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 4 and sum(n.op_type == "DequantizeLinear" for n in variant.graph.node) == 0
 
 
 def test_dequantize_writes_the_float_bundle(tmp_path):

@@ -1,0 +1,165 @@
+"""ONNX Runtime's fast form of a bundle that keeps a pre-quantized checkpoint's codes (export/checkpoint_codes.py).
+
+The bundle computes each kept weight as a chain ending in an Identity named for the weight:
+DequantizeLinear -> [Reshape -> Add(offset) -> Reshape] -> [Gather(order)] -> Identity. ONNX Runtime computes it
+exactly as written when the Q/DQ optimizations are off (the `checkpoint` session config), that is as a float
+weight: correct, and as slow as the float bundle. In the variant:
+
+- a 4-bit chain (int4 / uint4 codes in blocks along the input axis) whose weight only MatMuls read becomes
+  ONNX Runtime's MatMulNBits over the same codes, scales and zero points (accuracy level 0: the weights
+  dequantized in float32 as DequantizeLinear does them, the products summed in float32). A block offset (GGUF's
+  Q4_1 minimum, the K-quants' dmin * m) joins as its exact counterpart on the activation side:
+  x @ (W + 1 M) = x @ W + blocksum(x) @ M, a ReduceSum over each block of inputs and one small float MatMul;
+- every other chain is evaluated once into its float weight (the function of the graph, bit for bit), which
+  the variant's float rewrites (sibling MatMuls merged, ...) then take like any float weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.onnx_graph import MS_DOMAIN, node_attribute, use_ms_domain
+
+_INT4, _UINT4 = 22, 21
+
+
+def _chain(graph, identity, producer) -> list | None:
+    """The nodes from the DequantizeLinear to `identity`, in order; None when the weight is not such a chain."""
+    nodes, current = [identity], producer.get(identity.input[0])
+    while current is not None and current.op_type != "DequantizeLinear":
+        if current.op_type not in ("Reshape", "Add", "Gather"):
+            return None
+        nodes.append(current)
+        current = producer.get(current.input[0])
+    if current is None:
+        return None
+    nodes.append(current)
+    return nodes[::-1]
+
+
+def _evaluate(chain, inits: dict, name: str) -> np.ndarray:
+    """The weight the chain computes, by ONNX Runtime with Q/DQ computed as written (as the bundle runs it)."""
+    from onnx import helper
+
+    from kvforge.ort_session import make_session
+
+    used = {i for n in chain for i in n.input if i in inits}
+    graph = helper.make_graph(list(chain), "weight", [], [helper.make_tensor_value_info(name, 1, None)],
+                              [inits[i] for i in sorted(used)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return make_session(model.SerializeToString(), "checkpoint", optimization="none").run([name], {})[0]
+
+
+def checkpoint_kernels(model) -> int:
+    """Rewrite every kept weight's chain (in place); returns how many MatMuls now run as MatMulNBits. MatMuls that
+    read the same activation (q/k/v, gate/up) share one MatMulNBits and one block-sum over a concatenated N."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            readers.setdefault(x, []).append((n, i))
+    inits = {i.name: i for i in g.initializer}
+    chains = [(n, c) for n in g.node if n.op_type == "Identity" and n.name.endswith("_weight")
+              for c in [_chain(g, n, producer)] if c is not None]
+    drop, new_inits, groups = set(), [], {}
+    for identity, chain in chains:
+        name, dq = identity.output[0], chain[0]
+        codes = inits.get(dq.input[0])
+        users = readers.get(name, [])
+        block = node_attribute(dq, "block_size", 0)
+        four_bit = codes is not None and codes.data_type in (_INT4, _UINT4) and node_attribute(dq, "axis", 1) == 0 \
+            and block >= 16 and not any(n.op_type == "Gather" for n in chain)
+        if four_bit and users and all(n.op_type == "MatMul" and i == 1 for n, i in users):
+            offset = next((numpy_helper.to_array(inits[n.input[1]]) for n in chain if n.op_type == "Add"), None)
+            zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] else None
+            packed = _pack(numpy_helper.to_array(codes), numpy_helper.to_array(inits[dq.input[1]]), zp, block)
+            k, n_out = int(codes.dims[0]), int(codes.dims[1])
+            rows = None if offset is None else offset.reshape(k // block, n_out)
+            for matmul, _ in users:
+                groups.setdefault((matmul.input[0], k, block), []).append((matmul, packed, rows, n_out))
+        else:
+            new_inits.append(numpy_helper.from_array(_evaluate(chain, inits, name), name))
+        drop |= {id(n) for n in chain}
+    replace = {}
+    for (x, k, block), members in groups.items():
+        first = members[0][0]
+        replace[id(first)] = _matmul_nbits(x, k, block, members, new_inits)
+        drop |= {id(m[0]) for m in members[1:]}
+    nodes = []
+    for n in g.node:
+        if id(n) in drop:
+            continue
+        nodes += replace.get(id(n), [n])
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {x for n in g.node for x in n.input}
+    kept = [i for i in list(g.initializer) + new_inits if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    if groups:
+        use_ms_domain(model)
+    return sum(len(m) for m in groups.values())
+
+
+def _pack(codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int):
+    """MatMulNBits' inputs from DequantizeLinear's ([K, N] codes, [K/B, N] scales and zero points), per output
+    column: codes as unsigned nibbles per block (low nibble first) [N, K/B, B/2], float scales [N, K/B], zero
+    points [N, K/B] (signed codes shift by 8 with a zero point of 8: the same (q - zp) * scale)."""
+    q = codes.astype(np.int16)
+    zp = np.zeros(scale.shape, np.int16) if zero_point is None else zero_point.astype(np.int16)
+    if codes.dtype.name == "int4":
+        q, zp = q + 8, zp + 8
+    k, n = q.shape
+    nib = q.T.reshape(n, k // block, block // 2, 2).astype(np.uint8)
+    return (nib[..., 0] | (nib[..., 1] << 4)).astype(np.uint8), np.ascontiguousarray(scale.T), zp.T.astype(np.uint8)
+
+
+def _matmul_nbits(x: str, k: int, block: int, members: list, new_inits: list) -> list:
+    """One MatMulNBits for the MatMuls `members` (matmul, packed, offset rows, N) that read `x`: their outputs
+    concatenated along N and split back; the block offsets as blocksum(x) @ rows, added before the split."""
+    from onnx import helper, numpy_helper
+
+    base = members[0][0].name or members[0][0].output[0]
+    b = np.concatenate([m[1][0] for m in members])
+    scales = np.concatenate([m[1][1] for m in members])
+    zp = np.concatenate([m[1][2] for m in members])
+    n_total, blocks = b.shape[0], k // block
+    if blocks % 2:
+        zp = np.concatenate([zp, np.zeros((n_total, 1), np.uint8)], axis=1)
+    zp = (zp[:, 0::2] | (zp[:, 1::2] << 4)).astype(np.uint8)
+    new_inits += [numpy_helper.from_array(b, f"{base}_nbits"), numpy_helper.from_array(scales, f"{base}_nbits_scale"),
+                  numpy_helper.from_array(zp, f"{base}_nbits_zero_point")]
+    outputs = [m[0].output[0] for m in members]
+    joined = outputs[0] if len(members) == 1 else f"{base}_nbits_joined"
+    has_offset = any(m[2] is not None for m in members)
+    main = f"{base}_nbits_out" if has_offset else joined
+    nodes = [helper.make_node("MatMulNBits", [x, f"{base}_nbits", f"{base}_nbits_scale", f"{base}_nbits_zero_point"],
+                              [main], name=f"{base}_nbits", domain=MS_DOMAIN, K=k, N=n_total, bits=4, block_size=block,
+                              accuracy_level=0)]
+    if has_offset:
+        rows = np.concatenate([m[2] if m[2] is not None else np.zeros((blocks, m[3]), np.float32) for m in members], axis=1)
+        new_inits += [numpy_helper.from_array(np.ascontiguousarray(rows, np.float32), f"{base}_offset_rows"),
+                      numpy_helper.from_array(np.array([blocks, block], np.int64), f"{base}_block_shape"),
+                      numpy_helper.from_array(np.array([0], np.int64), f"{base}_lead_start"),
+                      numpy_helper.from_array(np.array([-1], np.int64), f"{base}_lead_end"),
+                      numpy_helper.from_array(np.array([-1], np.int64), f"{base}_sum_axes")]
+        nodes += [helper.make_node("Shape", [x], [f"{base}_x_shape"], name=f"{base}_x_shape"),
+                  helper.make_node("Slice", [f"{base}_x_shape", f"{base}_lead_start", f"{base}_lead_end"],
+                                   [f"{base}_x_lead"], name=f"{base}_x_lead"),
+                  helper.make_node("Concat", [f"{base}_x_lead", f"{base}_block_shape"], [f"{base}_x_blocked_shape"],
+                                   name=f"{base}_x_blocked_shape", axis=0),
+                  helper.make_node("Reshape", [x, f"{base}_x_blocked_shape"], [f"{base}_x_blocks"], name=f"{base}_x_blocks"),
+                  helper.make_node("ReduceSum", [f"{base}_x_blocks", f"{base}_sum_axes"], [f"{base}_x_block_sums"],
+                                   name=f"{base}_x_block_sums", keepdims=0),
+                  helper.make_node("MatMul", [f"{base}_x_block_sums", f"{base}_offset_rows"], [f"{base}_offsets"],
+                                   name=f"{base}_offsets"),
+                  helper.make_node("Add", [main, f"{base}_offsets"], [joined], name=f"{base}_plus_offsets")]
+    if len(members) > 1:
+        new_inits.append(numpy_helper.from_array(np.array([m[3] for m in members], np.int64), f"{base}_nbits_split"))
+        nodes.append(helper.make_node("Split", [joined, f"{base}_nbits_split"], outputs, name=f"{base}_nbits_split",
+                                      axis=-1))
+    return nodes
