@@ -79,8 +79,8 @@ def read_gguf(path: str | Path) -> GgufModel:
             hf[hf_key] = value
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     hf["vocab_size"] = _field(reader, f"{name}.vocab_size", len(tokens))
-    for role in ("bos", "eos", "pad"):
-        value = _field(reader, f"tokenizer.ggml.{role}_token_id")
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):  # llama.cpp's keys
+        value = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if value is not None:
             hf[f"{role}_token_id"] = int(value)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}  # fastest dim last
@@ -139,47 +139,257 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:
+    """The file's tokenizer metadata, as tokenizer_json reads it. A flag the file does not carry is None: its
+    default depends on the tokenizer model (a SentencePiece file adds BOS unless it says not to)."""
     return {
         "model": _field(reader, "tokenizer.ggml.model"),
         "pre": _field(reader, "tokenizer.ggml.pre"),
+        "architecture": _field(reader, "general.architecture"),
         "tokens": tokens,
         "types": _field(reader, "tokenizer.ggml.token_type") or [],
+        "scores": _field(reader, "tokenizer.ggml.scores") or [],
         "merges": _field(reader, "tokenizer.ggml.merges") or [],
-        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "ids": {role: _field(reader, f"tokenizer.ggml.{role}_token_id") for role in ("bos", "eos", "pad", "unknown")},
+        "add_bos": _field(reader, "tokenizer.ggml.add_bos_token"),
+        "add_eos": _field(reader, "tokenizer.ggml.add_eos_token"),
+        "add_space_prefix": _field(reader, "tokenizer.ggml.add_space_prefix"),
+        "ids": {"bos": _field(reader, "tokenizer.ggml.bos_token_id"),
+                "eos": _field(reader, "tokenizer.ggml.eos_token_id"),
+                "pad": _field(reader, "tokenizer.ggml.padding_token_id"),  # llama.cpp's key for the pad id
+                "unknown": _field(reader, "tokenizer.ggml.unknown_token_id")},
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
 
 
-def tokenizer_json(record: dict[str, Any]) -> dict[str, Any]:
-    """A Hugging Face tokenizer.json for a GGUF byte-level BPE tokenizer (`tokenizer.ggml.model` gpt2)."""
-    if record["model"] != "gpt2":
-        raise KvforgeError(f"GGUF tokenizer model {record['model']!r} is not supported (kvforge reads byte-level BPE: gpt2)")
-    tokens, types = record["tokens"], record["types"]
-    special = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                "special": True} for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_CONTROL, _USER_DEFINED)]
+_UNKNOWN = 2  # tokenizer.ggml.token_type of the unknown token: special, like a control token, in llama.cpp
+_SPIECE = "\u2581"  # SentencePiece's visible space
+
+# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`: llama.cpp's split (src/llama-vocab.cpp,
+# llm_tokenizer_bpe), each regex splitting every piece the previous ones left, matches and the text between them
+# kept apart (a tokenizers Split with behavior "isolated"); then GPT-2's byte-to-character map. Where the model's
+# own tokenizer.json and transformers' GGUF loader write the regex in its original form (case-insensitive
+# contractions, Unicode classes), that form is used: llama.cpp rewrites some for its own regex engine.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                rf"{_CONTRACTIONS}|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_LATIN_LIKE = (  # DeepSeek LLM's letters: Latin, Greek, Cyrillic, Armenian, Georgian, ... (llama.cpp's list)
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-"
+    "\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
+    "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-"
+    "\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113"
+    "\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149"
+    "\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b"
+    "\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-"
+    "\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0"
+    "-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+")
+_BLOOM_SPLIT = r" ?[^(\s|.,!?…。，、।۔،)]+"
+
+_DIGITS = "digits"  # SmolLM's (StarCoder's) split: each digit alone, then GPT-2's regex, as its tokenizer.json says
+_BYTE_LEVEL_PRE: dict[str, tuple[str, ...] | str] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "gigachat",
+                     "a.x-4.0", "mellum"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    _DIGITS),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+                    (_QWEN2_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, "[0-9][0-9][0-9]"),
+    "deepseek-llm": (r"[\r\n]", _LATIN_LIKE, "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+                     r"\s+$", _CJK, r"\p{N}+"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"),
+    **dict.fromkeys(("bloom", "gpt3-finnish", "poro-chat"), (_BLOOM_SPLIT,)),
+    "viking": (_BLOOM_SPLIT, r"\p{N}"),
+}
+# where llama.cpp takes a word the vocabulary holds whole, whatever the merges say (the models' own tokenizer.json
+# have "ignore_merges": true), and adds BOS when the file does not say
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                  "jina-v5-nano", "tekken"}
+_ADDS_BOS = _IGNORE_MERGES
+# GGUF tokenizer models kvforge cannot read, and what they are
+_OTHER_MODELS = {"bert": "BERT's WordPiece", "t5": "T5's SentencePiece Unigram", "rwkv": "RWKV's trie tokenizer",
+                 "plamo2": "PLaMo 2's tokenizer", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary",
+                 "none": "no vocabulary"}
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
+def _added_tokens(tokens: list[str], types: list[int], skip: set[int] = frozenset()) -> list[dict[str, Any]]:
+    """The tokens llama.cpp matches whole in the text: control and unknown tokens as special ones (skipped by a
+    decode that skips special tokens), user-defined ones (like `<think>`) as plain added tokens."""
+    return [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": kind != _USER_DEFINED}
+            for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+            and i not in skip]
+
+
+def _token(record: dict[str, Any], role: str) -> str | None:
+    tokens, index = record["tokens"], record["ids"].get(role)
+    return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+
+def _adds(record: dict[str, Any], add_bos: bool, add_eos: bool) -> dict[str, Any] | None:
+    """A TemplateProcessing post-processor that puts the BOS first and the EOS last as the file says (None when
+    it adds neither, or names no such token): what transformers builds from the file's add_bos/add_eos."""
+    pieces = [(role, _token(record, role)) for role, on in (("bos", add_bos), ("eos", add_eos)) if on]
+    pieces = [(role, tok) for role, tok in pieces if tok is not None]
+    if not pieces:
+        return None
+
+    def template(sequence: str, type_id: int) -> list[dict[str, Any]]:
+        items = [{"Sequence": {"id": sequence, "type_id": type_id}}]
+        for role, tok in pieces:
+            special = {"SpecialToken": {"id": tok, "type_id": type_id}}
+            items = [special, *items] if role == "bos" else [*items, special]
+        return items
+
+    return {"type": "TemplateProcessing", "single": template("A", 0), "pair": template("A", 0) + template("B", 1),
+            "special_tokens": {tok: {"id": tok, "ids": [int(record["ids"][role])], "tokens": [tok]}
+                               for role, tok in pieces}}
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[list[str]]:
+    """BPE merges for a SentencePiece vocabulary, which a GGUF file holds as pieces with scores and no merges:
+    every cut of a piece into two pieces of the vocabulary is a merge, ranked by the joined piece's score (best
+    first), then the longer left part, then the longer right part, then the piece's place in the file and the
+    parts' ids. This is the ranking transformers' generate_merges gives (so that ties break alike); the score order
+    is SentencePiece's own (llama.cpp joins the best-scoring adjacent pair first)."""
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    ranked = []
+    for place, (piece, score) in enumerate(dict(zip(tokens, scores)).items()):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, -len(left), -len(right), place, ids[left], ids[right], left, right))
+    ranked.sort()
+    return [[left, right] for *_, left, right in ranked]
+
+
+def _sentencepiece_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`tokenizer.ggml.model` llama: SentencePiece BPE with byte fallback (Llama 2, Mistral, TinyLlama, Phi-3,
+    Gemma). Spaces are `▁`, and a `▁` is put before the text (and after each special token) unless the file says
+    add_space_prefix false: llama.cpp's and SentencePiece's own behaviour, so a text that starts with a space keeps
+    it (" Hi" is ▁ ▁Hi). Characters outside the vocabulary are their UTF-8 bytes' <0xXX> tokens. Merges: the
+    file's, else derived from the pieces' scores. Encoding adds BOS unless the file says add_bos_token false."""
+    tokens, types = list(record["tokens"]), record["types"]
+    respelled: set[int] = set()
+    if record.get("architecture") in _GEMMA_ARCHS:
+        # Gemma's files write its runs of spaces with real spaces, and its scores do not follow its merge order:
+        # the order of the pieces in the file does (transformers' GGUF loader reads them so)
+        for i, tok in enumerate(tokens):
+            if " " in tok and not tok.strip():
+                tokens[i] = _SPIECE * len(tok)
+                respelled.add(i)
+        scores = [-float(i) for i in range(len(tokens))]
+        prefix = bool(record.get("add_space_prefix"))
+    else:
+        scores = record.get("scores") or []
+        prefix = record.get("add_space_prefix") is not False
+    merges = [m.split(" ", 1) for m in record.get("merges") or []]
+    if not merges:
+        if len(scores) < len(tokens):
+            raise KvforgeError(f"the GGUF SentencePiece tokenizer has {len(tokens)} tokens, {len(scores)} scores "
+                               "(tokenizer.ggml.scores) and no merges: kvforge derives the merges from the scores")
+        merges = _merges_from_scores(tokens, scores)
+    unk = _token(record, "unknown")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if unk is None and "<unk>" in vocab:
+        unk = "<unk>"
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": _SPIECE}
+    decoders = [{"type": "Replace", "pattern": {"String": _SPIECE}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]
+    if prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": special,
+        "added_tokens": _added_tokens(tokens, types, respelled),
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": _SPIECE}, replace]}
+        if prefix else replace,
+        "pre_tokenizer": None,
+        "post_processor": _adds(record, record.get("add_bos") is not False, bool(record.get("add_eos"))),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> dict[str, Any]:
+    """The split `tokenizer.ggml.pre` names, then GPT-2's byte-to-character map."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    splits = _BYTE_LEVEL_PRE.get(pre)
+    if splits is None:
+        if pre not in (None, "default"):
+            import warnings
+
+            warnings.warn(f"GGUF tokenizer.ggml.pre {pre!r} is not a pre-tokenizer kvforge knows; splitting the text "
+                          "with GPT-2's regex, as transformers does (llama.cpp refuses the file), so token ids may "
+                          f"differ from the model's own tokenizer. Known: {sorted(_BYTE_LEVEL_PRE)}", stacklevel=3)
+        splits = (_GPT2_SPLIT,)  # transformers' reading of a file without a named split (llama.cpp's is its own)
+    if splits == _DIGITS:
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    if splits == (_GPT2_SPLIT,):
+        return byte_level  # tokenizers' ByteLevel regex is GPT-2's
+    return {"type": "Sequence", "pretokenizers": [
+        *({"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False} for split in splits),
+        {**byte_level, "use_regex": False}]}
+
+
+def _byte_level_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`tokenizer.ggml.model` gpt2: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM, ...), split as
+    `tokenizer.ggml.pre` says."""
+    tokens, pre = record["tokens"], record.get("pre")
+    add_bos = record.get("add_bos")
+    adds = _adds(record, pre in _ADDS_BOS if add_bos is None else bool(add_bos), bool(record.get("add_eos")))
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(tokens, record["types"]),
         "normalizer": None,
-        # SmolLM's and GPT-2's split: each digit alone, then the byte-level regex
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        "pre_tokenizer": _byte_level_pre_tokenizer(pre),
+        "post_processor": adds or {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                                   "use_regex": True},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": pre in _IGNORE_MERGES,
                   "vocab": {tok: i for i, tok in enumerate(tokens)},
                   "merges": [m.split(" ", 1) for m in record["merges"]]},
     }
 
 
+def tokenizer_json(record: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face tokenizer.json for a GGUF file's tokenizer: `tokenizer.ggml.model` gpt2 (byte-level BPE)
+    or llama (SentencePiece BPE with byte fallback)."""
+    model = record["model"]
+    if model == "gpt2":
+        return _byte_level_json(record)
+    if model == "llama":
+        return _sentencepiece_json(record)
+    what = f" ({_OTHER_MODELS[model]})" if model in _OTHER_MODELS else ""
+    raise KvforgeError(f"GGUF tokenizer model {model!r}{what} is not supported: kvforge reads 'llama' (SentencePiece "
+                       "BPE) and 'gpt2' (byte-level BPE) tokenizers")
+
+
 def gguf_tokenizer(record: dict[str, Any]) -> Tokenizer:
     """The file's tokenizer, with its BOS, EOS and pad tokens named."""
-    tokens, ids = record["tokens"], record["ids"]
-    named = {role: tokens[int(ids[role])] if ids.get(role) is not None and 0 <= int(ids[role]) < len(tokens) else None
-             for role in ("bos", "eos", "pad")}
-    return Tokenizer.from_json(tokenizer_json(record), named["bos"], named["eos"], named["pad"], record.get("chat_template"))
+    named = {role: _token(record, role) for role in ("bos", "eos", "pad")}
+    return Tokenizer.from_json(tokenizer_json(record), named["bos"], named["eos"], named["pad"],
+                               record.get("chat_template"))
