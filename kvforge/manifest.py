@@ -52,7 +52,7 @@ IO = Rec({
 }, required=("inputs", "outputs", "kv_cache"))
 
 QUANTIZATION = Rec({
-    "format": Enum(*QUANT_FORMATS), "weights": str, "weight_rounding": str, "gptq_damp": Opt(Num(low=0)),
+    "format": Enum(*QUANT_FORMATS), "recipe": Opt(Enum("auto", "fixed")), "weights": str, "weight_rounding": str, "gptq_damp": Opt(Num(low=0)),
     "activations": Opt(str), "method": Opt(str), "percentile": Opt(Num(low=0, high=100)),
     "smoothquant_alpha": Opt(Num(low=0, high=1)), "block_size": Opt(POSITIVE), "kv_cache": Opt(Enum("int8", "fp8")),
     "quantized_layers": ListOf(str), "excluded_layers": ListOf(Union(str, DictOf(AnyJSON))),
@@ -97,10 +97,16 @@ LINT = Rec({
                                                      required=("passed", "errors", "warnings"))),
 }, required=("passed", "errors", "warnings", "findings"))
 ECOSYSTEM = DictOf(Rec({"config": Opt(RelPath()), "reason": Opt(str), "model_type": Opt(str), "from": Opt(str)}))
+# calibration/auto.py's record of what the automatic recipe measured and chose
+RECIPE = Rec({
+    "mode": Enum("auto"), "target": DictOf(Opt(Num())), "measured_on": Opt(Rec({"data": str, "tokens": COUNT, "reference": str})),
+    "met": bool, "result": DictOf(METRIC), "chosen": DictOf(AnyJSON), "tried": ListOf(AnyJSON),
+    "float_budget": Num(low=0), "time_bound_s": Opt(Num(low=0)), "seconds": Num(low=0), "note": str,
+}, required=("mode", "chosen"))
 CALIBRATION = Rec({
     "data": Opt(str), "data_sha256": Opt(str), "random_data": bool, "samples": COUNT, "seq_len": COUNT,
     "batch_size": COUNT, "scales": DictOf(DictOf(AnyJSON)), "accuracy_budget": Opt(DictOf(AnyJSON)),
-    "experts": Opt(DictOf(AnyJSON)),
+    "experts": Opt(DictOf(AnyJSON)), "recipe": Opt(RECIPE),
 })
 SHAPE_RANGE = Rec({"min": ListOf(COUNT), "opt": ListOf(COUNT), "max": ListOf(COUNT)}, required=("min", "opt", "max"))
 PROFILE = Rec({"index": COUNT, "name": str, "shapes": DictOf(SHAPE_RANGE)}, required=("index", "name", "shapes"))

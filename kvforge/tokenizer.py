@@ -40,7 +40,7 @@ def _check_utf8(text: str) -> None:
                            f"{text[e.start:e.end]!r}, not a character") from e
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
@@ -74,7 +74,7 @@ class Tokenizer:
     @classmethod
     def byte_level(cls) -> Tokenizer:
         tk = _import_tokenizers()
-        vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+        vocab = {ch: b for b, ch in bytes_to_unicode().items()}
         specials = ["<s>", "</s>", "<pad>"]
         vocab.update({tok: 256 + i for i, tok in enumerate(specials)})
         backend = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))

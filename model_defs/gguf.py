@@ -262,7 +262,7 @@ def _adds(record: dict[str, Any], add_bos: bool, add_eos: bool) -> dict[str, Any
                                for role, tok in pieces}}
 
 
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[list[str]]:
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[list[str]]:
     """BPE merges for a SentencePiece vocabulary, which a GGUF file holds as pieces with scores and no merges:
     every cut of a piece into two pieces of the vocabulary is a merge, ranked by the joined piece's score (best
     first), then the longer left part, then the longer right part, then the piece's place in the file and the
@@ -304,7 +304,7 @@ def _sentencepiece_json(record: dict[str, Any]) -> dict[str, Any]:
         if len(scores) < len(tokens):
             raise KvforgeError(f"the GGUF SentencePiece tokenizer has {len(tokens)} tokens, {len(scores)} scores "
                                "(tokenizer.ggml.scores) and no merges: kvforge derives the merges from the scores")
-        merges = _merges_from_scores(tokens, scores)
+        merges = merges_from_scores(tokens, scores)
     unk = _token(record, "unknown")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if unk is None and "<unk>" in vocab:

@@ -23,6 +23,8 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from kvforge.tokenizer import bytes_to_unicode
+
 # transformers' model_type -> llama.cpp's architecture (Mistral 7B is a `llama` file)
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
              "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
@@ -34,22 +36,10 @@ _TEXT = ("the quick brown fox jumps over the lazy dog while the other dogs sleep
          "the runtime reads the exported bundle and generates the next tokens of the text ") * 3
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, the alphabet of byte-level BPE vocabularies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of `size` tokens: the 256 bytes, merges learned greedily from a fixed text,
     then three control tokens (bos, eos, pad: the last three ids)."""
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)]
     words = Counter("".join(alphabet[b] for b in w.encode()) for w in _TEXT.replace(" ", "\0 ").split("\0"))
     words = {tuple(w): n for w, n in words.items() if w}

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from kvforge.tokenizer import bytes_to_unicode
 from kvforge.errors import KvforgeError
 from kvforge.model_defs.gguf import gguf_tokenizer, read_gguf_tokenizer, tokenizer_json
-from kvforge.tokenizer import _bytes_to_unicode
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -128,7 +128,7 @@ def byte_level_vocab(merges: int = 300) -> tuple[list[str], list[int], list[str]
 
     pieces = Counter(p for p, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(TEXT))
     learned = _learn(Counter({tuple(p): n for p, n in pieces.items()}), merges)
-    tokens = [*_bytes_to_unicode().values()]
+    tokens = [*bytes_to_unicode().values()]
     tokens += [a + b for a, b in learned if a + b not in tokens]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [_NORMAL] * len(tokens) + [_CONTROL] * len(specials) + [_USER_DEFINED]
@@ -234,9 +234,9 @@ def test_a_sentencepiece_files_flags_are_honoured(files):
                                 add_bos_token=False, add_eos_token=True)
     mine, _ = assert_same(path, TEXTS[:4])
     assert mine.adds_special_tokens() == {"add_bos_token": False, "add_eos_token": True}
-    from kvforge.model_defs.gguf import _merges_from_scores
+    from kvforge.model_defs.gguf import merges_from_scores
 
-    merges = [" ".join(m) for m in _merges_from_scores(tokens, scores)][:150]  # a shorter list: other ids
+    merges = [" ".join(m) for m in merges_from_scores(tokens, scores)][:150]  # a shorter list: other ids
     path = write_tokenizer_gguf(files / "spm-merges.gguf", "phi3", "llama", tokens, types, scores=scores,
                                 merges=merges)
     assert_same(path, TEXTS)
@@ -333,7 +333,7 @@ def _split(pre: str, text: str) -> list[str]:
 
     record = {"model": "gpt2", "pre": pre, "tokens": ["a"], "types": [_NORMAL], "merges": [], "ids": {}}
     backend = Tokenizer.from_str(json.dumps(tokenizer_json(record)))
-    byte = {c: b for b, c in _bytes_to_unicode().items()}
+    byte = {c: b for b, c in bytes_to_unicode().items()}
     return [bytes(byte[c] for c in piece).decode() for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
 
 
