@@ -9,7 +9,8 @@ weight: correct, and as slow as the float bundle. In the variant:
   ONNX Runtime's MatMulNBits over the same codes, scales and zero points (accuracy level 0: the weights
   dequantized in float32 as DequantizeLinear does them, the products summed in float32). A block offset (GGUF's
   Q4_1 minimum, the K-quants' dmin * m) joins as its exact counterpart on the activation side:
-  x @ (W + 1 M) = x @ W + blocksum(x) @ M, a ReduceSum over each block of inputs and one small float MatMul;
+  x @ (W + 1 M) = x @ W + (x @ S) @ M, S the 0/1 [K, K/B] matrix that sums each block of inputs: two small
+  float MatMuls and an Add (MatMulNBits' float zero points, -m / d, would not be exact, and ran 20x slower);
 - every other chain is evaluated once into its float weight (the function of the graph, bit for bit), which
   the variant's float rewrites (sibling MatMuls merged, ...) then take like any float weight.
 """
@@ -142,19 +143,11 @@ def _matmul_nbits(x: str, k: int, block: int, members: list, new_inits: list) ->
                               accuracy_level=0)]
     if has_offset:
         rows = np.concatenate([m[2] if m[2] is not None else np.zeros((blocks, m[3]), np.float32) for m in members], axis=1)
+        sums = np.zeros((k, blocks), np.float32)  # x @ sums: each block's sum of inputs, for x of any rank
+        sums[np.arange(k), np.arange(k) // block] = 1.0
         new_inits += [numpy_helper.from_array(np.ascontiguousarray(rows, np.float32), f"{base}_offset_rows"),
-                      numpy_helper.from_array(np.array([blocks, block], np.int64), f"{base}_block_shape"),
-                      numpy_helper.from_array(np.array([0], np.int64), f"{base}_lead_start"),
-                      numpy_helper.from_array(np.array([-1], np.int64), f"{base}_lead_end"),
-                      numpy_helper.from_array(np.array([-1], np.int64), f"{base}_sum_axes")]
-        nodes += [helper.make_node("Shape", [x], [f"{base}_x_shape"], name=f"{base}_x_shape"),
-                  helper.make_node("Slice", [f"{base}_x_shape", f"{base}_lead_start", f"{base}_lead_end"],
-                                   [f"{base}_x_lead"], name=f"{base}_x_lead"),
-                  helper.make_node("Concat", [f"{base}_x_lead", f"{base}_block_shape"], [f"{base}_x_blocked_shape"],
-                                   name=f"{base}_x_blocked_shape", axis=0),
-                  helper.make_node("Reshape", [x, f"{base}_x_blocked_shape"], [f"{base}_x_blocks"], name=f"{base}_x_blocks"),
-                  helper.make_node("ReduceSum", [f"{base}_x_blocks", f"{base}_sum_axes"], [f"{base}_x_block_sums"],
-                                   name=f"{base}_x_block_sums", keepdims=0),
+                      numpy_helper.from_array(sums, f"{base}_block_sums")]
+        nodes += [helper.make_node("MatMul", [x, f"{base}_block_sums"], [f"{base}_x_block_sums"], name=f"{base}_x_block_sums"),
                   helper.make_node("MatMul", [f"{base}_x_block_sums", f"{base}_offset_rows"], [f"{base}_offsets"],
                                    name=f"{base}_offsets"),
                   helper.make_node("Add", [main, f"{base}_offsets"], [joined], name=f"{base}_plus_offsets")]

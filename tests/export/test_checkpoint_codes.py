@@ -135,18 +135,10 @@ def test_kept_codes_bundle_matches_transformers_logits(all_types):
     assert len(nbits) == 4 and sum(n.op_type == "DequantizeLinear" for n in variant.graph.node) == 0
 
 
-def test_dequantize_writes_the_float_bundle(tmp_path):
-    small = dict(LLAMA, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
-    path = write_gguf(make_hf_model("llama", seed=6, **small), tmp_path / "q8.gguf", {".weight": Q.Q8_0})
-    bundle = export(path, tmp_path / "float", dequantize=True)
-    assert bundle.quantization is None and bundle.manifest["lineage"][0]["options"]["dequantize"] is True
-    graph = onnx.load(str(bundle.graph_file))
-    assert not any(n.op_type == "DequantizeLinear" for n in graph.graph.node)
-
-
 def test_pipeline_adds_the_checkpoints_codes_and_compares_them_with_its_dequantization(tmp_path):
     """A pre-quantized source's pipeline measures the float export of its dequantized weights and the bundle of
     its own codes (`checkpoint`), both against that dequantized Torch model, within float32's bounds."""
+    from kvforge.bundle import Bundle
     from kvforge.verify.pipeline import pipeline
 
     small = dict(LLAMA, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
@@ -157,6 +149,11 @@ def test_pipeline_adds_the_checkpoints_codes_and_compares_them_with_its_dequanti
     assert set(reports) == {"fp32", "checkpoint"} and result.passed
     assert reports["checkpoint"]["precision"] == "checkpoint" and reports["fp32"]["precision"] == "float32"
     assert abs(reports["checkpoint"]["perplexity_delta_pct"]) <= 0.01 and reports["checkpoint"]["top1_agreement"] == 1.0
+    # the float artifact is `export --dequantize`: no codes, no DequantizeLinear; the checkpoint one keeps them
+    fp32 = Bundle(tmp_path / "run" / "fp32")
+    assert fp32.quantization is None and fp32.manifest["lineage"][0]["options"]["dequantize"] is True
+    assert not any(n.op_type == "DequantizeLinear" for n in onnx.load(str(fp32.graph_file)).graph.node)
+    assert Bundle(tmp_path / "run" / "checkpoint").quantization["checkpoint"]["kept"]
 
 
 @pytest.mark.slow
