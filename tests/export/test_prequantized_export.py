@@ -23,7 +23,7 @@ from kvforge import runtime
 from kvforge.export import export
 
 from ..conftest import make_hf_model
-from ..model_defs.test_hf_quantized import gptq_tensors, minmax
+from ..model_defs.test_hf_quantized import fill_qparams, gptq_tensors
 
 transformers = pytest.importorskip("transformers")
 HAVE_CT = importlib.util.find_spec("compressed_tensors") is not None
@@ -67,8 +67,6 @@ def test_compressed_tensors_checkpoint_runs_as_the_package_computes_it(tmp_path,
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-
     model = make_hf_model("llama", seed=9, **MICRO)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if static:
@@ -76,17 +74,7 @@ def test_compressed_tensors_checkpoint_runs_as_the_package_computes_it(tmp_path,
                                                     dynamic=False)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                                         quantization_status="frozen"))
-    gen = torch.Generator().manual_seed(2)
-    for _, module in model.named_modules():
-        if getattr(module, "quantization_scheme", None) is None:
-            continue
-        lo, hi = minmax(module.weight.data, scheme.weights)
-        scale, zero = calculate_qparams(lo, hi, scheme.weights)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-        if static:
-            module.input_scale.data.fill_(0.02 + 0.02 * torch.rand((), generator=gen).item())
+    fill_qparams(model, scheme, seed=2, input_scale=0.02)
     expected = _logits(model)  # the package's forward: fake-quantized weights and activations
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

@@ -36,6 +36,22 @@ _TEXT = ("the quick brown fox jumps over the lazy dog while the other dogs sleep
          "the runtime reads the exported bundle and generates the next tokens of the text ") * 3
 
 
+def merge_pair(words: dict[tuple[str, ...], int], pair: tuple[str, str]) -> dict[tuple[str, ...], int]:
+    """Word counts with every adjacent `pair` joined into one symbol (one step of learning BPE merges)."""
+    merged: dict[tuple[str, ...], int] = {}
+    for w, n in words.items():
+        out, i = [], 0
+        while i < len(w):
+            if w[i:i + 2] == pair:
+                out.append(pair[0] + pair[1])
+                i += 2
+            else:
+                out.append(w[i])
+                i += 1
+        merged[tuple(out)] = merged.get(tuple(out), 0) + n
+    return merged
+
+
 def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of `size` tokens: the 256 bytes, merges learned greedily from a fixed text,
     then three control tokens (bos, eos, pad: the last three ids)."""
@@ -54,18 +70,7 @@ def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
         best = min(pairs, key=lambda p: (-pairs[p], p))
         merges.append(f"{best[0]} {best[1]}")
         tokens.append(best[0] + best[1])
-        merged = {}
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i:i + 2] == best:
-                    out.append(best[0] + best[1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged[tuple(out)] = merged.get(tuple(out), 0) + n
-        words = merged
+        words = merge_pair(words, best)
     tokens += ["<|bos|>", "<|eos|>", "<|pad|>"]
     return tokens, [_NORMAL] * (size - 3) + [_CONTROL] * 3, merges
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 
 from kvforge.tokenizer import bytes_to_unicode
+
+from .gguf_writer import merge_pair
 from kvforge.errors import KvforgeError
 from kvforge.model_defs.gguf import gguf_tokenizer, read_gguf_tokenizer, tokenizer_json
 
@@ -88,18 +90,7 @@ def _learn(words: Counter, size: int) -> list[tuple[str, str]]:
             break
         best = min(pairs, key=lambda p: (-pairs[p], p))
         merges.append(best)
-        joined = {}
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i:i + 2] == best:
-                    out.append(best[0] + best[1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            joined[tuple(out)] = joined.get(tuple(out), 0) + n
-        words = joined
+        words = merge_pair(words, best)
     return merges
 
 

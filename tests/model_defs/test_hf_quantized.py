@@ -83,22 +83,13 @@ def minmax(w, args):
     return b.amin((1, 3)), b.amax((1, 3))
 
 
-def _ct_checkpoint(tmp_path, preset, dtype=torch.float32, fmt=None, edit=None, ignore=("lm_head",), targets=("Linear",)):
-    """A checkpoint written by compressed-tensors (ModelCompressor, as llm-compressor saves one): config.json and
-    model.safetensors; and the package's own decompression of it (the oracle)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+def fill_qparams(model, scheme, seed: int, input_scale: float) -> None:
+    """Each quantized module's weight scales and zero points from its weights' ranges (compressed-tensors'
+    calculate_qparams, as its observers would set them) and a static input scale in [input_scale, + 0.02)."""
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from safetensors.torch import load_file, save_file
 
-    m = _tiny(dtype)
-    plain = set(m.state_dict())
-    scheme = preset_name_to_scheme(preset, list(targets))
-    if edit:
-        edit(scheme)
-    apply_quantization_config(m, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
-    gen = torch.Generator().manual_seed(1)
-    for _, mod in m.named_modules():
+    gen = torch.Generator().manual_seed(seed)
+    for _, mod in model.named_modules():
         if getattr(mod, "quantization_scheme", None) is None:
             continue
         lo, hi = minmax(mod.weight.data, scheme.weights)
@@ -107,7 +98,24 @@ def _ct_checkpoint(tmp_path, preset, dtype=torch.float32, fmt=None, edit=None, i
         if hasattr(mod, "weight_zero_point"):
             mod.weight_zero_point.data.copy_(z.reshape(mod.weight_zero_point.shape))
         if hasattr(mod, "input_scale"):
-            mod.input_scale.data.fill_(0.01 + 0.02 * torch.rand((), generator=gen).item())
+            mod.input_scale.data.fill_(input_scale + 0.02 * torch.rand((), generator=gen).item())
+
+
+def _ct_checkpoint(tmp_path, preset, dtype=torch.float32, fmt=None, edit=None, ignore=("lm_head",), targets=("Linear",)):
+    """A checkpoint written by compressed-tensors (ModelCompressor, as llm-compressor saves one): config.json and
+    model.safetensors; and the package's own decompression of it (the oracle)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from safetensors.torch import load_file, save_file
+
+    m = _tiny(dtype)
+    plain = set(m.state_dict())
+    scheme = preset_name_to_scheme(preset, list(targets))
+    if edit:
+        edit(scheme)
+    apply_quantization_config(m, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    fill_qparams(m, scheme, seed=1, input_scale=0.01)
+    for _, mod in m.named_modules():
         if hasattr(mod, "input_zero_point") and not scheme.input_activations.symmetric:
             mod.input_zero_point.data.fill_(3)
     compressor = ModelCompressor.from_pretrained_model(m, quantization_format=fmt)
