@@ -112,6 +112,9 @@ def export(
     # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)
     (reference, tokenizer), quantized = load_quantized(source)
     quantized = None if dequantize else quantized
+    if quantized is not None and dtype != "float32":  # before any work
+        raise KvforgeError(f"a pre-quantized checkpoint's codes are kept in a float32 bundle (its scales and offsets are "
+                           f"float32), not {dtype}: leave --dtype out, or pass --dequantize for a {dtype} bundle")
     cfg = reference.config
     max_context = resolve_max_context(cfg, max_context)
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
@@ -133,7 +136,7 @@ def export(
         progress("write", 0, 1)
         quantization = None
         if quantized is not None:
-            _check_codes_fit(graphs, dtype)
+            _check_codes_fit(graphs)
             quantization = keep_checkpoint_codes(tmp, graphs.main, quantized)
             lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})
         if tokenizer is not None:
@@ -198,10 +201,7 @@ def _activation_text(activation: dict[str, Any]) -> str:
     return f"{activation['format']} per {granularity}" + (" (dynamic)" if granularity == "tensor" else "")
 
 
-def _check_codes_fit(graphs, dtype: str) -> None:
+def _check_codes_fit(graphs) -> None:
     if len(graphs.files) > 1:
         raise KvforgeError("keeping a checkpoint's codes is done for one-graph models; this one exports "
                            f"{len(graphs.files)} graphs: pass --dequantize for a float bundle")
-    if dtype != "float32":
-        raise KvforgeError(f"a pre-quantized checkpoint's codes are kept in a float32 bundle (its scales and offsets are "
-                           f"float32), not {dtype}: leave --dtype out, or pass --dequantize for a {dtype} bundle")

@@ -198,3 +198,13 @@ def test_tensorrt_is_refused_unsigned_codes_before_a_build(all_types):
         check_precision_supported(bundle.quantization, "9.0", "H100")
     findings = {f["node"] for f in lint(bundle.graph_file)["findings"] if "UINT4" in f["message"]}
     assert findings == {"model.layers.1.attn.k_proj.weight_dq", "model.layers.0.attn.q_proj.weight_dq"}
+
+
+def test_a_half_precision_export_of_kept_codes_is_refused_before_any_work(tmp_path):
+    from kvforge.errors import KvforgeError
+
+    small = dict(LLAMA, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    path = write_gguf(make_hf_model("llama", seed=8, **small), tmp_path / "q8.gguf", {".weight": Q.Q8_0})
+    with pytest.raises(KvforgeError, match="kept in a float32 bundle.*--dequantize for a float16 bundle"):
+        export(path, tmp_path / "half", dtype="float16")
+    assert not (tmp_path / "half").exists()
