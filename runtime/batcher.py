@@ -21,7 +21,10 @@ One scheduler thread owns the batch. Between two decode steps it
 A request that does not fit yet waits (back-pressure); one that can never fit
 (a prompt beyond the context, a reservation beyond the budget) is refused at
 submit() with an error that says why. submit() and cancel() may be called from
-any thread; each request has its own sampling parameters, seed and stop ids.
+any thread; each request has its own sampling parameters, seed and stop ids,
+its own response format (a matcher of its own, made at submit(): a format that
+does not compile is refused there; rows with and without one share the batch)
+and its own log-probability count.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ import numpy as np
 from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
-from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, finish_reason, left_padded
+from .constrain import Constraint, masks
+from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, end_of, left_padded,
+                       row_constraints, step_logprobs)
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +57,7 @@ class Request:
     """A submitted generation: iterate it for TokenEvents, result() for the whole; cancel() from any thread."""
 
     def __init__(self, rid: int, prompt: list[int], config: GenerationConfig, stop: set[int], reserve: int,
-                 text: TextStream):
+                 text: TextStream, constraint: Constraint | None = None):
         self.id = rid
         self.prompt = prompt
         self.config = config
@@ -60,6 +65,10 @@ class Request:
         self.reserve = reserve  # cache tokens it may come to hold
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        logprobs = config.logprobs is not None
+        self.logprobs: list[float] | None = [] if logprobs else None  # config.logprobs not None: per token
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if logprobs else None
+        self._constraint = constraint  # the response format's matcher, dropped when the request ends
         self._text = text
         self._events: queue.Queue = queue.Queue()
         self._done = threading.Event()
@@ -101,12 +110,18 @@ class Request:
         if self._error is not None:
             raise self._error
         text = self._text.tokenizer.decode(self.tokens) if self._text.tokenizer is not None else ""
-        return GenerationResult(list(self.tokens), self.finish_reason or "length", len(self.prompt), text)
+        return GenerationResult(list(self.tokens), self.finish_reason or "length", len(self.prompt), text,
+                                None if self.logprobs is None else list(self.logprobs),
+                                None if self.top_logprobs is None else list(self.top_logprobs))
 
     # -- the scheduler's side ---------------------------------------------------------
-    def _emit(self, token: int, finish: str | None) -> None:
+    def _emit(self, token: int, finish: str | None, scored: tuple[float, list[tuple[int, float]]] | None = None) -> None:
         self.tokens.append(token)
         event = TokenEvent(token, len(self.tokens) - 1, finish is not None, finish)
+        if scored is not None and self.logprobs is not None:
+            self.logprobs.append(scored[0])
+            self.top_logprobs.append(scored[1])
+            event.logprob, event.top_logprobs = scored
         event.text = self._text.push(token, finish is not None)
         self._events.put(event)
         if finish is not None:
@@ -115,6 +130,7 @@ class Request:
     def _end(self, finish: str | None, error: BaseException | None = None) -> None:
         if self._done.is_set():
             return
+        self._constraint = None  # frees the matcher
         self.finish_reason, self._error = finish, error
         self._events.put(_END)
         self._done.set()
@@ -171,7 +187,10 @@ class Batcher:
         if reserve > self.max_cache_tokens:
             raise KvforgeError(f"this request may hold {reserve} cache tokens (prompt {len(ids)} + max_new_tokens "
                                f"{config.max_new_tokens}) but the batcher's budget is {self.max_cache_tokens}; it can never run")
-        request = Request(next(self._ids), ids, config, self.session._stop_ids(config), reserve, TextStream(self.session.tokenizer))
+        stop = self.session._stop_ids(config)
+        # the response format's matcher now: one that does not compile for this tokenizer is refused here
+        row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
+        request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
         if config.max_new_tokens == 0:
             request._end("length")
             return request
@@ -275,15 +294,30 @@ class Batcher:
         """Choose every row's next token, let finished rows go, and run one decode step for the rest."""
         context = self.session.max_context
         keep = []
+        for row in batch.rows:
+            if row.request.cancelled:
+                row.request._end("cancelled")
+        try:  # every constrained row's mask at once (each row alone if one of them fails)
+            allowed = masks([row.request._constraint for row in batch.rows], self.session.vocab_size)
+        except KvforgeError:
+            allowed = None
         for i, row in enumerate(batch.rows):
             r = row.request
-            if r.cancelled:
-                r._end("cancelled")
+            if r.done:
                 continue
-            token = int(select(row.logits[None], [row.seen], r.config.sampling, [row.rng])[0])
+            try:
+                mask = None
+                if r._constraint is not None:
+                    mask = allowed[i:i + 1] if allowed is not None else masks([r._constraint], self.session.vocab_size)
+                chosen = select(row.logits[None], [row.seen], r.config.sampling, [row.rng], mask)
+                token = int(chosen[0])
+                scored = step_logprobs(r.config, row.logits[None], chosen)
+                finish = end_of(token, len(r.tokens) + 1, len(r.prompt), r.config, r.stop, context, r._constraint)
+            except KvforgeError as e:  # this request's grammar failed: it ends, the batch goes on
+                r._end("error", e)
+                continue
             row.seen = np.append(row.seen, token)
-            finish = finish_reason(token, len(r.tokens) + 1, len(r.prompt), r.config, r.stop, context)
-            r._emit(token, finish)
+            r._emit(token, finish, None if scored is None else scored[0])
             if finish is None:
                 keep.append(i)
         self.peak_batch = max(self.peak_batch, len(batch.rows))

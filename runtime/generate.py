@@ -10,12 +10,15 @@ import numpy as np
 from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
-from .sampling import SamplingConfig, select
+from .constrain import Constraint, ResponseFormat, constraint, masks, parse_response_format
+from .sampling import SamplingConfig, select, token_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvforge.tokenizer import Tokenizer
 
     from .session import Session
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -28,6 +31,16 @@ class GenerationConfig:
     stop_token_ids: Sequence[int] = ()  # in addition to the model's EOS tokens
     ignore_eos: bool = False  # keep going past EOS (benchmarks, comparisons with a fixed length)
     seed: int | None = None  # seeds sampling; same seed, same tokens
+    # Constrained decoding (runtime/constrain.py): OpenAI's {"type": "text" | "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, and kvforge's {"type": "regex",
+    # "regex": ...}, {"type": "grammar", "grammar": <Lark (llguidance's dialect) or GBNF>} and {"type": "structural",
+    # "begin": ..., "schema": {...}, "end": ...}. Each token is chosen among those the format allows; the row ends
+    # ("stop") when the format is complete. Checked (and compiled) here: a bad one raises KvforgeError.
+    response_format: dict | None = None
+    # None: no log-probabilities; k (0..20): each generated token's log-probability and the k most likely tokens'
+    # (id, log-probability). They are the log-softmax of the model's raw logits at that step: before the repetition
+    # penalty, temperature, top-k/top-p and the response format's mask (what vLLM returns by default).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -40,7 +53,11 @@ class GenerationConfig:
         bad = [t for t in self.stop_token_ids if not is_int(t) or t < 0]
         if bad:
             raise KvforgeError(f"stop_token_ids must be token ids (ints >= 0), got {bad[:8]}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise KvforgeError(f"logprobs must be None or an int in 0..{MAX_TOP_LOGPROBS} (how many alternatives to "
+                               f"report per token), got {self.logprobs!r}")
         self.sampling = SamplingConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        self.format = parse_response_format(self.response_format)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> GenerationConfig:
@@ -54,9 +71,13 @@ class GenerationConfig:
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids, prompt excluded (a stop token that ended it included)
-    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (the bundle's max context)
+    # "stop" (a stop token, or the response format complete), "length" (max_new_tokens) or "context" (the
+    # bundle's max context)
+    finish_reason: str
     prompt_tokens: int
     text: str = ""
+    logprobs: list[float] | None = None  # each token's log-probability (config.logprobs not None)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # each token's k most likely (id, log-probability)
 
 
 @dataclass
@@ -66,6 +87,8 @@ class TokenEvent:
     last: bool  # no token follows
     finish_reason: str | None = None
     text: str = ""
+    logprob: float | None = None  # config.logprobs not None: this token's log-probability
+    top_logprobs: list[tuple[int, float]] | None = None  # and the k most likely tokens' (id, log-probability)
 
 
 @dataclass
@@ -73,6 +96,31 @@ class _Row:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+    constraint: Constraint | None = None
+
+
+def row_constraints(fmt: ResponseFormat | None, tokenizer, vocab_size: int, stop: set[int], n: int) -> list[Constraint | None]:
+    """One fresh matcher per row for a response format (the format compiled once), or None per row."""
+    if fmt is None:
+        return [None] * n
+    return [constraint(fmt, tokenizer, vocab_size, stop) for _ in range(n)]
+
+
+def step_logprobs(config: GenerationConfig, logits: np.ndarray, chosen: np.ndarray):
+    """Per row (log-probability, top alternatives) of the chosen tokens, or None when not asked for."""
+    if config.logprobs is None:
+        return None
+    return token_logprobs(logits, chosen, config.logprobs)
+
+
+def end_of(token: int, generated: int, prompt: int, config: GenerationConfig, stop: set[int], context: int,
+           row: Constraint | None) -> str | None:
+    """finish_reason, and "stop" when the token completes the row's response format (the matcher takes it)."""
+    if row is not None and token not in stop and row.advance(token):
+        return "stop"
+    return finish_reason(token, generated, prompt, config, stop, context)
 
 
 def generate_tokens(
@@ -85,7 +133,7 @@ def generate_tokens(
     rows = None
     for rows in it:
         pass
-    return [GenerationResult(r.tokens, r.finish or "length", len(r.prompt)) for r in rows]
+    return [GenerationResult(r.tokens, r.finish or "length", len(r.prompt), "", r.logprobs, r.top) for r in rows]
 
 
 def _events(it) -> Iterator[TokenEvent]:
@@ -101,6 +149,8 @@ def _events(it) -> Iterator[TokenEvent]:
         if pending is not None:
             yield pending
         pending = TokenEvent(row.tokens[-1], len(row.tokens) - 1, False)
+        if row.logprobs is not None:
+            pending.logprob, pending.top_logprobs = row.logprobs[-1], row.top[-1]
         if row.finish:
             pending.last, pending.finish_reason = True, row.finish
     if pending is not None:
@@ -158,7 +208,10 @@ def finish_reason(token: int, generated: int, prompt: int, config: GenerationCon
 def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int]):
     """Yield the rows after every step (the last yield is final)."""
     check_prompts(session, prompts)
-    rows = [_Row(list(p)) for p in prompts]
+    constraints = row_constraints(config.format, session.tokenizer, session.vocab_size, stop, len(prompts))
+    logprobs = config.logprobs is not None
+    rows = [_Row(list(p), logprobs=[] if logprobs else None, top=[] if logprobs else None, constraint=c)
+            for p, c in zip(prompts, constraints)]
     if config.max_new_tokens == 0:
         yield rows
         return
@@ -170,14 +223,21 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     last = logits[:, -1]
 
     for step in range(config.max_new_tokens):
-        chosen = select(last, seen, config.sampling, rngs)
+        allowed = masks([None if r.finish else r.constraint for r in rows], session.vocab_size)
+        chosen = select(last, seen, config.sampling, rngs, allowed)
+        scored = step_logprobs(config, last, chosen)
         for i, r in enumerate(rows):
             if r.finish:
                 continue
             token = int(chosen[i])
             r.tokens.append(token)
+            if scored is not None:
+                r.logprobs.append(scored[i][0])
+                r.top.append(scored[i][1])
             seen[i] = np.append(seen[i], token)
-            r.finish = finish_reason(token, len(r.tokens), len(r.prompt), config, stop, session.max_context)
+            r.finish = end_of(token, len(r.tokens), len(r.prompt), config, stop, session.max_context, r.constraint)
+            if r.finish:
+                r.constraint = None  # its matcher is done with
         yield rows
         if all(r.finish for r in rows):
             return

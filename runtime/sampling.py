@@ -1,7 +1,13 @@
-"""Next-token selection in numpy: repetition penalty, temperature, top-k, top-p, seeded sampling.
+"""Next-token selection in numpy: repetition penalty, a grammar's mask, temperature, top-k, top-p, seeded sampling.
 
 The order is Hugging Face's: repetition penalty, then temperature, top-k and
 top-p, then a draw. Temperature 0 is greedy (argmax), whatever the rest says.
+A response format's mask (runtime/constrain.py) sets the logits of the tokens
+it forbids to -inf after the repetition penalty, so top-k and top-p choose
+among the allowed tokens and greedy is the argmax over them.
+
+Log-probabilities (`token_logprobs`) are those of the model's raw logits: the
+log-softmax before the penalty, the temperature, top-k/p and the mask.
 """
 
 from __future__ import annotations
@@ -79,9 +85,13 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs: list[np.random.Generator]) -> np.ndarray:
-    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids; one generator per row."""
+def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs: list[np.random.Generator],
+           allowed: np.ndarray | None = None) -> np.ndarray:
+    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids; one generator per row;
+    `allowed` (B, V) bool: the tokens each row may take (None: all; every row allows at least one)."""
     logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, cfg.repetition_penalty)
+    if allowed is not None:
+        logits = np.where(allowed, logits, np.float32(-np.inf))
     if cfg.temperature == 0.0:
         return logits.argmax(axis=-1)
     shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)  # <= 0: a tiny temperature gives -inf, not NaN
@@ -89,4 +99,25 @@ def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs
         scaled = _top_p(_top_k(shifted / cfg.temperature, cfg.top_k), cfg.top_p)
     probs = _softmax(scaled)
     u = np.array([[g.random()] for g in rngs])
-    return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)
+    # the first token whose cumulative probability reaches u; rounding may leave the sum short of u, then the last
+    # token that has any probability (never one the mask, top-k or top-p removed)
+    last = probs.shape[-1] - 1 - (probs[:, ::-1] > 0).argmax(axis=-1)
+    return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), last)
+
+
+def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: the chosen token's log-probability and the k most likely tokens' (id, log-probability), most likely
+    first, from the raw logits (B, V): log-softmax before penalty, temperature, top-k/p and a grammar's mask."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    logp = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    out = []
+    for row, token in enumerate(np.asarray(chosen).tolist()):
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            kk = min(k, logp.shape[-1])
+            idx = np.argpartition(-logp[row], kk - 1)[:kk]
+            idx = idx[np.lexsort((idx, -logp[row, idx]))]  # most likely first, ties by id
+            top = [(int(i), float(logp[row, i])) for i in idx]
+        out.append((float(logp[row, int(token)]), top))
+    return out

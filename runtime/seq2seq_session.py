@@ -15,6 +15,11 @@ first target token is the model's decoder_start_token_id; forced_bos /
 forced_eos tokens are forced where transformers' generate forces them (the
 first token, the last one max_new_tokens allows).
 
+A response format (`response_format`, runtime/constrain.py) constrains each
+row's target as it does a decoder's; the forced tokens are outside it (they are
+chosen as transformers forces them and not shown to the grammar). `logprobs`
+reports each token's log-probability under the raw logits, as for decoders.
+
 Backends: onnxruntime (the bundle's two graphs) and torch (the reference
 rebuilt from the bundle's source). Calls are serialized by a lock.
 """
@@ -28,7 +33,9 @@ import numpy as np
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
-from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, finish_reason, right_padded, stop_ids, token_rows
+from .constrain import masks
+from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, end_of, finish_reason, right_padded,
+                       row_constraints, step_logprobs, stop_ids, token_rows)
 from .graph_backends import SEQ2SEQ_BACKENDS
 from .graph_session import GraphSession
 from .sampling import select
@@ -67,8 +74,9 @@ class Seq2SeqSession(GraphSession):
         return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
     # -- the loop ----------------------------------------------------------------------------
-    def _loop(self, rows: list[list[int]], config: GenerationConfig, stop: set[int]) -> Iterator[list[list[int]]]:
-        """Yield every row's tokens after each step, with each row's finish reason (None: going on)."""
+    def _loop(self, rows: list[list[int]], config: GenerationConfig, stop: set[int]):
+        """Yield every row's tokens after each step, with each row's finish reason (None: going on) and, when
+        config.logprobs is set, each row's (log-probability, top alternatives) per token (else None)."""
         self._check(rows)
         cfg = self.config
         B = len(rows)
@@ -76,8 +84,10 @@ class Seq2SeqSession(GraphSession):
         ids, mask = right_padded(rows, pad)
         tokens: list[list[int]] = [[] for _ in rows]
         finish: list[str | None] = [None] * B
+        scores = [[] for _ in rows] if config.logprobs is not None else None
+        constraints = row_constraints(config.format, self.tokenizer, self.vocab_size, stop, B)
         if config.max_new_tokens == 0:
-            yield tokens, finish
+            yield tokens, finish, scores
             return
         self.activate()
         model = self.backend
@@ -92,22 +102,34 @@ class Seq2SeqSession(GraphSession):
         for step in range(limit):
             with self._lock:
                 logits, past = model.decode(nxt, mask, past, cross)
-            chosen = select(logits[:, -1], seen, config.sampling, rngs)
             forced = self._forced(step, config.max_new_tokens)
+            allowed = None if forced is not None else masks([None if f else c for f, c in zip(finish, constraints)],
+                                                            self.vocab_size)
+            chosen = select(logits[:, -1], seen, config.sampling, rngs, allowed)
+            if forced is not None:
+                chosen = np.full(B, forced)
+            scored = step_logprobs(config, logits[:, -1], chosen)
             for i in range(B):
                 if finish[i]:
                     continue
-                token = forced if forced is not None else int(chosen[i])
+                token = int(chosen[i])
                 tokens[i].append(token)
+                if scored is not None:
+                    scores[i].append(scored[i])
                 seen[i] = np.append(seen[i], token)
-                finish[i] = finish_reason(token, len(tokens[i]), 1, config, stop, self.max_context)
-            yield tokens, finish
+                if forced is not None:  # outside the grammar
+                    finish[i] = finish_reason(token, len(tokens[i]), 1, config, stop, self.max_context)
+                else:
+                    finish[i] = end_of(token, len(tokens[i]), 1, config, stop, self.max_context, constraints[i])
+                if finish[i]:
+                    constraints[i] = None
+            yield tokens, finish, scores
             if all(finish):
                 return
             nxt = np.array([[t[-1] if t else pad] for t in tokens], np.int64)
         for i in range(B):  # the context ran out first
             finish[i] = finish[i] or "context"
-        yield tokens, finish
+        yield tokens, finish, scores
 
     def _forced(self, step: int, max_new_tokens: int) -> int | None:
         """transformers' forced tokens: forced_bos_token_id first, forced_eos_token_id as the last allowed token."""
@@ -144,10 +166,13 @@ class Seq2SeqSession(GraphSession):
         """The target for one source (-> GenerationResult) or each of a list (-> list; a right-padded batch)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._sources(source)
-        tokens, finish = [], []
-        for tokens, finish in self._loop(rows, config, self._stop_ids(config)):
+        tokens, finish, scores = [], [], None
+        for tokens, finish, scores in self._loop(rows, config, self._stop_ids(config)):
             pass
         results = [GenerationResult(list(t), f or "length", len(r)) for t, f, r in zip(tokens, finish, rows)]
+        if scores is not None:
+            for r, s in zip(results, scores):
+                r.logprobs, r.top_logprobs = [lp for lp, _ in s], [top for _, top in s]
         for r in results:
             r.text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
         return results[0] if single else results
@@ -159,14 +184,17 @@ class Seq2SeqSession(GraphSession):
         if not single:
             raise KvforgeError("stream() takes one source; use generate() for a batch")
         text = TextStream(self.tokenizer)
-        for tokens, finish in self._loop(rows, config, self._stop_ids(config)):
+        for tokens, finish, scores in self._loop(rows, config, self._stop_ids(config)):
             if not tokens[0]:
                 continue
             last = finish[0] is not None
             if len(text.tokens) == len(tokens[0]):  # the final yield repeats the last token
                 continue
             token = tokens[0][-1]
-            yield TokenEvent(token, len(tokens[0]) - 1, last, finish[0], text.push(token, last))
+            event = TokenEvent(token, len(tokens[0]) - 1, last, finish[0], text.push(token, last))
+            if scores is not None:
+                event.logprob, event.top_logprobs = scores[0][-1]
+            yield event
 
     def embed(self, *args, **kwargs):
         raise KvforgeError(f"{self.source} is an encoder-decoder; `generate` runs it (embed runs encoder bundles)")
