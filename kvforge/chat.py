@@ -54,6 +54,18 @@ def _compiled(template: str):
     return _environment().from_string(template)
 
 
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its caller (beside what it sets itself): a template that takes tool
+    definitions reads `tools`, one that does not never looks at them."""
+    from jinja2 import TemplateSyntaxError, meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(_environment().parse(template)))
+    except TemplateSyntaxError as e:
+        raise TemplateError(f"the chat template does not render: {e}") from e
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """The conversation as a list of message dicts, or a KvforgeError naming what is wrong with it."""
     if isinstance(messages, dict) or isinstance(messages, str) or not isinstance(messages, Sequence) or not messages:
