@@ -453,11 +453,16 @@ def _serve_options(f):
 @click.option("-o", "--out", required=True, help="The model repository directory to write.")
 @_serve_options
 @click.option("--force", is_flag=True, help="Replace a repository kvforge wrote there before.")
-def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force):
+@click.option("--openai-port", type=click.IntRange(1, 65535),
+              help="The model's process also serves the OpenAI API on this port (key: $KVFORGE_API_KEY where it runs).")
+@click.option("--openai-host", default="127.0.0.1", show_default=True, help="The OpenAI API's address (0.0.0.0: every "
+              "interface, as in a container).")
+def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force, openai_port, openai_host):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
 
     repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
-                            max_cache_tokens=max_cache_tokens, backend=backend, force=force)
+                            max_cache_tokens=max_cache_tokens, backend=backend, force=force, openai_port=openai_port,
+                            openai_host=openai_host)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
                f"run it with `tritonserver --model-repository {repo}` where kvforge is installed")
 
@@ -469,12 +474,20 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, back
 @click.option("--http-port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: a free port.")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(0, 65535))
-def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port):
-    """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM."""
+@click.option("--openai-port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="The OpenAI-compatible API's port (0: a free port).")
+@click.option("--no-openai", is_flag=True, help="Serve Triton's endpoints only.")
+@click.option("--api-key", envvar="KVFORGE_API_KEY", help="A key the OpenAI API's clients must send as a Bearer token "
+              "(default: $KVFORGE_API_KEY; none: open).")
+def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port,
+          openai_port, no_openai, api_key):
+    """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM,
+    with the OpenAI API beside Triton's endpoints."""
 
     code = serving.serve(source, model_name, host=host, http_port=http_port, grpc_port=grpc_port,
                          metrics_port=metrics_port, instances=instances, max_batch=max_batch,
-                         max_cache_tokens=max_cache_tokens, backend=backend, echo=click.echo)
+                         max_cache_tokens=max_cache_tokens, backend=backend,
+                         openai_port=None if no_openai else openai_port, api_key=api_key, echo=click.echo)
     sys.exit(code)
 
 

@@ -1,7 +1,7 @@
 """The model kinds kvforge handles, and what each one can do: the one place a kind is described.
 
 A kind is what a bundle's `model.architecture` names (absent in decoder manifests, which predate the field).
-Stages never compare that name: they ask the Kind for a capability (`kind.kv_cache`, `kind.servable`, ...)
+Stages never compare that name: they ask the Kind for a capability (`kind.kv_cache`, `kind.generates`, ...)
 and look up their own per-kind component in their registry, keyed by `kind.name`:
 
     model_defs/architectures.py   ARCHITECTURES   config class, Torch builder, presets, design line
@@ -9,6 +9,7 @@ and look up their own per-kind component in their registry, keyed by `kind.name`
     calibration/kinds.py          QUANTIZERS      which graphs are quantized and how their feeds are made
     runtime/kinds.py              SESSIONS        the session class
     verify/kinds.py               COMPARERS       comparison against the reference, and its metrics
+    serving/kinds.py              SERVED          what the server offers (generation or embeddings)
 
 A new kind is a Kind here plus one component in each registry (tests/test_kinds.py checks that every
 registry covers every kind). docs/design.md, "Model kinds".
@@ -32,7 +33,6 @@ class Kind:
     kv_cache: bool  # decoder IO: past/present caches, generation through runtime.Session, KV-cache quantization
     generates: bool  # produces tokens (generate/stream)
     length_field: str  # the config field bounding an input's length
-    servable: bool  # kvforge's Triton model serves it (continuous batching over the KV cache)
     ecosystem: bool  # describable to ONNX Runtime GenAI and Optimum (genai_config.json, a Llama config)
     cls_pooling: bool = False  # its first position is a [CLS] token that pooling may take
     tied_head: str | None = None  # its LM head, tied to the embeddings when tie_embeddings is set (else the mlm head)
@@ -48,13 +48,13 @@ class Kind:
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("decoder", "a decoder LM", ("model",), kv_cache=True, generates=True, length_field="max_seq_len",
-         servable=True, ecosystem=True, tied_head="lm_head.weight", order=0),
+         ecosystem=True, tied_head="lm_head.weight", order=0),
     Kind("encoder", "an encoder", ("model",), kv_cache=False, generates=False, length_field="max_input_len",
-         servable=False, ecosystem=False, cls_pooling=True, order=1),
+         ecosystem=False, cls_pooling=True, order=1),
     Kind("perceiver", "a Perceiver encoder", ("model",), kv_cache=False, generates=False,
-         length_field="max_input_len", servable=False, ecosystem=False, order=2),
+         length_field="max_input_len", ecosystem=False, order=2),
     Kind("encoder-decoder", "an encoder-decoder", ("encoder", "decoder"), kv_cache=False, generates=True,
-         length_field="max_input_len", servable=False, ecosystem=False, tied_head="lm_head.weight", order=3),
+         length_field="max_input_len", ecosystem=False, tied_head="lm_head.weight", order=3),
 )}
 
 

@@ -95,22 +95,30 @@ class EncoderSession(GraphSession):
 
     # -- text --------------------------------------------------------------------------
     def tokenize(self, texts: str | Sequence[str], truncate: bool = False) -> list[list[int]]:
+        """Token id rows for texts (a list of token id lists passes through, checked for length)."""
         if isinstance(texts, str):
             texts = [texts]
+        if isinstance(texts, Sequence) and texts and all(
+                isinstance(r, (list, tuple)) and r and all(isinstance(t, (int, np.integer)) for t in r) for r in texts):
+            rows = [[int(t) for t in r] for r in texts]
+            return [self._fit(i, r, truncate) for i, r in enumerate(rows)]
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise KvforgeError("texts must be a string or a non-empty list of strings")
+            raise KvforgeError("texts must be a string, a non-empty list of strings, or a list of token id lists")
         if self.tokenizer is None:
             raise KvforgeError(f"{self.source} has no tokenizer; call run() with token ids")
         rows = self.tokenizer.encode_batch(list(texts))
         for i, row in enumerate(rows):
             if not row:
                 raise KvforgeError(f"text {i} encodes to no tokens")
-            if len(row) > self.max_length:
-                if not truncate:
-                    raise KvforgeError(f"text {i} is {len(row)} tokens, more than this bundle's {self.max_length}; "
-                                       "pass truncate=True to cut it")
-                rows[i] = row[:self.max_length]
-        return rows
+        return [self._fit(i, r, truncate) for i, r in enumerate(rows)]
+
+    def _fit(self, i: int, row: list[int], truncate: bool) -> list[int]:
+        if len(row) > self.max_length:
+            if not truncate:
+                raise KvforgeError(f"text {i} is {len(row)} tokens, more than this bundle's {self.max_length}; "
+                                   "pass truncate=True to cut it")
+            return row[:self.max_length]
+        return row
 
     def feeds(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
         """Right-padded input_ids and attention_mask (and zero token_type_ids) for token id rows."""

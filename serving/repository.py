@@ -2,7 +2,8 @@
 
     REPO/
       kvforge-triton.json          what wrote it (and what `--force` may replace)
-      NAME/config.pbtxt            Python backend, decoupled, the generate extension's inputs/outputs
+      NAME/config.pbtxt            Python backend, decoupled, the generate extension's inputs/outputs (an
+                                   encoder's: text_input -> embedding)
       NAME/1/model.py              imports kvforge.serving.triton_model (kvforge installed where Triton runs)
       NAME/1/bundle/               the bundle, verified, unchanged (hard links where the filesystem allows)
 
@@ -24,6 +25,7 @@ from kvforge.bundle import Bundle, now_utc
 from kvforge.errors import KvforgeError
 from kvforge.outputs import staged_bundle
 
+from .kinds import SERVED
 from .requests import INPUTS, OUTPUTS
 
 RECORD = "kvforge-triton.json"
@@ -39,7 +41,8 @@ def default_model_name(bundle: Path) -> str:
     return name[:128]
 
 
-def config_pbtxt(name: str, instances: int, max_batch: int, max_cache_tokens: int | None, backend: str) -> str:
+def config_pbtxt(name: str, instances: int, max_batch: int, max_cache_tokens: int | None, backend: str,
+                 io: tuple[dict, dict] = (INPUTS, OUTPUTS), openai: tuple[str, int] | None = None) -> str:
     def tensors(specs: dict, optional: bool) -> str:
         rows = [f'  {{ name: "{n}" data_type: {t} dims: [ {", ".join(map(str, d))} ]'
                 f'{" optional: true" if optional and n != "text_input" else ""} }}' for n, (t, d) in specs.items()]
@@ -48,17 +51,20 @@ def config_pbtxt(name: str, instances: int, max_batch: int, max_cache_tokens: in
     params = {"max_batch": str(max_batch), "backend": backend}
     if max_cache_tokens is not None:
         params["max_cache_tokens"] = str(max_cache_tokens)
+    if openai is not None:  # the OpenAI front (serving/openai_app.py) in the model's process; the key: KVFORGE_API_KEY
+        params["openai_host"], params["openai_port"] = openai[0], str(openai[1])
     parameters = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    inputs, outputs = io
     # max_batch_size 0: Triton does not batch requests itself; kvforge's continuous batcher does, inside one instance
     return f'''name: "{name}"
 backend: "python"
 max_batch_size: 0
 model_transaction_policy {{ decoupled: true }}
 input [
-{tensors(INPUTS, True)}
+{tensors(inputs, True)}
 ]
 output [
-{tensors(OUTPUTS, False)}
+{tensors(outputs, False)}
 ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 {parameters}
@@ -73,15 +79,13 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
 
 def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model_name: str | None = None,
                      instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
-                     backend: str = "auto", force: bool = False) -> Path:
-    """Write the repository (all or nothing: a failure leaves `out` as it was); returns its path."""
+                     backend: str = "auto", force: bool = False, openai_port: int | None = None,
+                     openai_host: str = "127.0.0.1") -> Path:
+    """Write the repository (all or nothing: a failure leaves `out` as it was); returns its path.
+    openai_port: the model's process also serves the OpenAI API there (several instances share the port)."""
     if not Bundle.is_bundle(bundle):
         raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
     source = Bundle(bundle)
-    if not source.kind.servable:
-        raise KvforgeError(f"{bundle} is {source.kind.article}; the Triton model serves decoder LMs (the generate "
-                           "extension with continuous batching). Run encoders and encoder-decoders with "
-                           "kvforge.runtime (embed, classify, generate)")
     source.verify(full=True)  # a damaged bundle is refused here, not when the server loads it
     name = model_name or default_model_name(source.path)
     if not _NAME.match(name):
@@ -92,18 +96,24 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model
         _check_count("max_cache_tokens", max_cache_tokens)
     if backend not in ("auto", "onnxruntime", "tensorrt", "torch"):
         raise KvforgeError(f"backend {backend!r} is not one of auto, onnxruntime, tensorrt, torch")
+    if openai_port is not None and (isinstance(openai_port, bool) or not isinstance(openai_port, int)
+                                    or not 1 <= openai_port <= 65535):
+        raise KvforgeError(f"openai_port must be a port number in 1..65535, got {openai_port!r}")
+    openai = None if openai_port is None else (openai_host, openai_port)
     with staged_bundle(out, force, inputs=[bundle], marker=RECORD) as tmp:
         model = tmp / name
         (model / "1").mkdir(parents=True)
         _link_tree(source.path, model / "1" / "bundle")
         (model / "1" / "model.py").write_text(MODEL_PY)
-        (model / "config.pbtxt").write_text(config_pbtxt(name, instances, max_batch, max_cache_tokens, backend))
+        (model / "config.pbtxt").write_text(config_pbtxt(name, instances, max_batch, max_cache_tokens, backend,
+                                                             SERVED[source.kind.name].triton_io, openai))
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         (tmp / RECORD).write_text(json.dumps({
             "files": files,  # what --force may replace: every file written here (kvforge.bundle.owned_entries)
             "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.manifest.get("files", {})
             .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances, "max_batch": max_batch,
-            "max_cache_tokens": max_cache_tokens, "backend": backend, "written": now_utc()}, indent=2) + "\n")
+            "max_cache_tokens": max_cache_tokens, "backend": backend, "openai_port": openai_port,
+            "kind": source.kind.name, "written": now_utc()}, indent=2) + "\n")
     return Path(out)
 
 

@@ -15,7 +15,7 @@ from kvforge.errors import KvforgeError
 from kvforge.runtime import GenerationConfig
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvforge.runtime import Session
+    from .kinds import Service
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's and OpenAI's completions
 
@@ -64,29 +64,34 @@ def _scalar(inputs: dict, name: str, kind, default):
     return kind(v)
 
 
-def parse(inputs: dict, session: Session) -> Job:
-    """The request's inputs (name -> numpy array; absent ones missing) -> a Job, or BadRequest naming the field."""
-
+def parse_text(value) -> str:
+    """text_input: one non-empty UTF-8 string."""
     try:
-        text = _scalar(inputs, "text_input", str, None)
+        text = _scalar({"text_input": value}, "text_input", str, None)
     except UnicodeDecodeError:
         raise BadRequest("text_input is not valid UTF-8") from None
     if not text:
         raise BadRequest("text_input is required: the prompt, a non-empty string")
-    prompt = session.encode(text)
-    context = session.max_context
+    return text
+
+
+def parse(inputs: dict, service: Service) -> Job:
+    """The request's inputs (name -> numpy array; absent ones missing) -> a Job, or BadRequest naming the field."""
+
+    prompt = service.encode(parse_text(inputs.get("text_input")))
     if not prompt:
         raise BadRequest("text_input encodes to no tokens")
-    if len(prompt) >= context:
-        raise BadRequest(f"text_input is {len(prompt)} tokens; the model's context is {context}, which leaves no room to generate")
+    room = service.room(len(prompt))
+    if room <= 0:
+        raise BadRequest(f"text_input is {len(prompt)} tokens; {service.limit}, which leaves no room to generate")
     max_tokens = _scalar(inputs, "max_tokens", int, None)
     if max_tokens is not None and max_tokens <= 0:
         raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_tokens is not None and len(prompt) + max_tokens > context:
-        raise BadRequest(f"max_tokens {max_tokens} goes beyond the context: the prompt is {len(prompt)} tokens and the "
-                         f"model's context {context}, so at most {context - len(prompt)} can follow it")
+    if max_tokens is not None and max_tokens > room:
+        raise BadRequest(f"max_tokens {max_tokens} goes beyond the context: the prompt is {len(prompt)} tokens and "
+                         f"{service.limit}, so at most {room} can follow it")
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, context - len(prompt))
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
     options = dict(max_new_tokens=max_tokens,
                    temperature=_scalar(inputs, "temperature", float, 0.0),
                    top_p=_scalar(inputs, "top_p", float, 1.0),
@@ -129,3 +134,7 @@ class StopText:
         out = self.text[self.released:end]
         self.released = max(self.released, end)
         return out, stopped
+
+# an embedding model's Triton inputs and outputs (the same text_input; a vector back)
+EMBEDDING_INPUTS = {"text_input": ("TYPE_STRING", [1])}
+EMBEDDING_OUTPUTS = {"embedding": ("TYPE_FP32", [-1])}

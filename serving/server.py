@@ -61,7 +61,8 @@ class TritonServer:
 
     def __init__(self, repository: str | os.PathLike, host: str = "127.0.0.1", *, http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, exit_timeout_s: int = 10, log_file: str | None = None,
-                 verbose: bool = False, dist: Path | None = None, watchdog: bool = True):
+                 verbose: bool = False, dist: Path | None = None, watchdog: bool = True,
+                 env: dict[str, str] | None = None):
         self.repository = Path(repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -76,6 +77,7 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self._saved_log = ""
         self.watchdog = watchdog
+        self.extra_env = dict(env or {})  # for the models' processes (the OpenAI front's API key)
         self.failure: str | None = None  # what the watchdog saw, when it stopped the server
         self._stopping = threading.Event()
 
@@ -100,6 +102,7 @@ class TritonServer:
         libs = [sysconfig.get_config_var("LIBDIR") or "", str(self.dist.parent.parent / "nvidia_pytriton.libs")]
         env["LD_LIBRARY_PATH"] = ":".join(p for p in [*libs, env.get("LD_LIBRARY_PATH", "")] if p)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.update(self.extra_env)
         return env
 
     def command(self, backends: Path) -> list[str]:

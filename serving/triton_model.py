@@ -16,6 +16,7 @@ kvforge_requests_total{finish_reason}.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -24,10 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from kvforge import runtime
+from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
-from .requests import INPUTS, StopText, parse
+from .kinds import Service
+from .openai_app import OpenAIServer
+from .requests import INPUTS, StopText, parse, parse_text
 
+API_KEY_ENV = "KVFORGE_API_KEY"  # the OpenAI front's key comes from the environment, never from config.pbtxt
 POLL_S = 0.1  # how often cancellations and the metrics are looked at
 # The batcher's thread must get the interpreter back as soon as a step's kernels return, not after Python's
 # default 5 ms switch interval spent in the threads that send responses (a decode step is 8-25 ms here).
@@ -43,13 +48,21 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
-        self.session = runtime.load(bundle, backend=params.get("backend", "auto")).activate()
+        self.service = None  # the OpenAI front answers 503 until it is set
+        self.openai = None
+        if params.get("openai_port"):  # up before the model loads: clients learn it is loading
+            key = os.environ.get(API_KEY_ENV) or None
+            self.openai = OpenAIServer(lambda: self.service, args["model_name"], params.get("openai_host", "127.0.0.1"),
+                                       int(params["openai_port"]), api_key=key, reuse_port=True).start()
+        session = runtime.load(bundle, backend=params.get("backend", "auto")).activate()
         max_cache_tokens = int(params["max_cache_tokens"]) if params.get("max_cache_tokens") else None
-        self.batcher = runtime.Batcher(self.session, int(params.get("max_batch", 8)), max_cache_tokens)
-        self.live: dict[int, tuple] = {}  # batcher request id -> (request, response sender)
+        self.service = Service(session, Bundle(bundle).kind, int(params.get("max_batch", 8)), max_cache_tokens)
+        self.session = session
+        self.live: dict[int, tuple] = {}  # runner request id -> (request, response sender)
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self._metrics()
+        self.service.on_finish = self._finished
         self.watcher = threading.Thread(target=self._watch, name="kvforge-watch", daemon=True)
         self.watcher.start()
 
@@ -73,8 +86,11 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                job = parse({name: self._input(request, name) for name in INPUTS}, self.session)
-                handle = self.batcher.submit(job.prompt, job.config)
+                if not self.service.generates:
+                    self._embed(request, sender)
+                    continue
+                job = parse({name: self._input(request, name) for name in INPUTS}, self.service)
+                handle = self.service.submit(job.prompt, job.config)
             except KvforgeError as e:  # a bad request, or one that can never fit the batcher's budget
                 self._fail(sender, str(e), self.pb.TritonError.INVALID_ARG)
                 continue
@@ -85,6 +101,13 @@ class TritonPythonModel:
                 self.live[handle.id] = (handle, sender)
             threading.Thread(target=self._respond, args=(handle, sender, job), daemon=True).start()
         return None
+
+    def _embed(self, request, sender) -> None:
+        """An embedding model's answer: the text's vector (serving/kinds.py), in one final response."""
+        text = parse_text(self._input(request, "text_input"))
+        vectors, _ = self.service.embed([text])
+        response = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("embedding", vectors[0].astype(np.float32))])
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _input(self, request, name):
         tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -143,8 +166,7 @@ class TritonPythonModel:
             else:  # ended without a last token: cancelled (the client went away) or nothing asked for
                 finish = handle.result().finish_reason
             # counted before the final response goes out: a client that has its answer sees it in the metrics
-            self.tokens_metric.increment(len(tokens))
-            self._count(finish or "length")
+            self.service.finished(finish or "length", len(tokens))
             final = (self._response(last_text, last_tokens, finish) if job.stream
                      else self._response(stops.text[:stops.released], tokens, finish))
             self._send(handle, sender, final, True)
@@ -152,9 +174,12 @@ class TritonPythonModel:
             error = self.pb.InferenceResponse(error=self.pb.TritonError(f"generation failed: {e}", self.pb.TritonError.INTERNAL))
             if handle.id in self.live:
                 self._send(handle, sender, error, True)
-            self._count("error")
+            self.service.finished("error", 0)
 
-    def _count(self, reason: str) -> None:
+    def _finished(self, reason: str, tokens: int) -> None:
+        """Every endpoint's finished request (Triton's and the OpenAI front's) in the metrics."""
+        if tokens:
+            self.tokens_metric.increment(tokens)
         with self.lock:
             if reason not in self.finish_metrics:
                 self.finish_metrics[reason] = self.families["finish"].Metric(labels={"finish_reason": reason})
@@ -166,12 +191,14 @@ class TritonPythonModel:
                 for handle, sender in self.live.values():
                     if sender.is_cancelled():
                         handle.cancel()
-            self.rows_metric.set(self.batcher.running)
-            self.waiting_metric.set(self.batcher.waiting)
+            self.rows_metric.set(self.service.running)
+            self.waiting_metric.set(self.service.waiting)
 
     def finalize(self):
         self.closing.set()
-        self.batcher.close()
+        if self.openai is not None:
+            self.openai.stop()
+        self.service.close()
         self.watcher.join(5)
         deadline = time.monotonic() + 5
         while self.live and time.monotonic() < deadline:  # let the response threads send their last words

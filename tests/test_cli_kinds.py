@@ -18,7 +18,6 @@ KINDS = {"decoder": "gpt2-micro", "encoder": "bert-micro", "encoder-decoder": "t
 REFUSE_GENERATE = r"does not generate text; use embed\(\) or classify\(\)"
 REFUSE_EMBED = r"`kvforge embed` runs encoder bundles .*use `kvforge generate`"
 REFUSE_BENCH = r"`kvforge bench` measures a decoder LM's prefill and decode"
-REFUSE_TRITON = r"the Triton model serves decoder LMs"
 REFUSE_CHAT = r"`kvforge chat` talks with a decoder LM"
 
 # command -> (argv after the command, given the bundle and a scratch directory; kind -> None (ok) or a refusal)
@@ -36,9 +35,9 @@ COMMANDS = {
     "bench": (lambda b, w: [b, "--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "2"],
               {k: REFUSE_BENCH for k in ("encoder", "encoder-decoder", "perceiver")}),
     "build": (lambda b, w: [b, "--dry-run"], {}),
-    "triton": (lambda b, w: [b, "-o", w / "repo"], {k: REFUSE_TRITON for k in ("encoder", "encoder-decoder", "perceiver")}),
-    "serve": (lambda b, w: [b, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
-              {k: REFUSE_TRITON for k in ("encoder", "encoder-decoder", "perceiver")}),
+    "triton": (lambda b, w: [b, "-o", w / "repo"], {}),
+    # every kind is served (serving/kinds.py): a server runs until a signal, tests/serving/test_triton.py runs them
+    "serve": (lambda b, w: [b, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], {}),
 }
 SUMMARY = {"inspect": r"files: intact", "lint": r"passed|lint", "calibrate": r"wrote .*int8", "compare": r"pass",
            "generate": r"\S", "embed": r"'hello': dim \d+", "bench": r"decode [\d.]+ tok/s", "build": r"build plan for",
@@ -52,19 +51,34 @@ def _run(argv):
     return result
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Factory: kind -> (the answer of `kvforge export` on its micro preset, the bundle it wrote), run once per kind
+    for the module: the commands below take that bundle (tests only read it)."""
+    made = {}
+
+    def make(kind):
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"cli-{kind}") / "b"
+            made[kind] = (_run(["export", KINDS[kind], "-o", out, "--quiet"]), out)
+        return made[kind]
+
+    return make
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_export_writes_and_summarizes_every_kind(kind, tmp_path):
-    result = _run(["export", KINDS[kind], "-o", tmp_path / "b", "--quiet"])
+def test_export_writes_and_summarizes_every_kind(kind, exported):
+    result, _ = exported(kind)
     assert result.exit_code == 0, result.output
     assert re.search(rf"wrote .*\({kind}\): float32, opset \d+; validation passed vs torch float(32|64)[^;]* over \d+ shapes; .*max abs", result.output)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, micro_bundle, tmp_path):
+def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, exported, tmp_path):
     args, refusals = COMMANDS[command]
     if command == "serve" and kind not in refusals:
-        pytest.skip("a decoder's server runs until a signal: tests/serving/test_triton.py")
+        pytest.skip("a server runs until a signal: tests/serving/test_triton.py")
     if command == "serve":
         from kvforge.errors import MissingDependencyError
         from kvforge.serving import triton_distribution
@@ -73,7 +87,8 @@ def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, mic
             triton_distribution()
         except MissingDependencyError as e:
             pytest.skip(f"needs the serve extra: {e}")
-    bundle = micro_bundle(KINDS[kind]).path
+    written, bundle = exported(kind)
+    assert written.exit_code == 0, written.output
     result = _run([command, *args(bundle, tmp_path)])
     if kind in refusals:
         errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
@@ -84,11 +99,17 @@ def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, mic
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_check_runs_every_kind_against_its_baseline(kind, tmp_path):
+def test_check_runs_every_kind_against_its_baseline(kind, exported, tmp_path):
+    """The baseline is written from the bundle `kvforge export` wrote (an artifact given as a bundle); the check
+    then exports the source itself and compares with it."""
+    data = '[data]\nrandom = true\nsteps = 2\nprompts = 1\n\n'
+    given = tmp_path / "given.toml"
+    given.write_text(f'source = "{KINDS[kind]}"\nbaseline = "spec.baseline.json"\n\n{data}'
+                     f'[[artifacts]]\nname = "fp32"\nbundle = "{exported(kind)[1]}"\n')
     spec = tmp_path / "spec.toml"
-    spec.write_text(f'source = "{KINDS[kind]}"\nbaseline = "spec.baseline.json"\n\n[data]\nrandom = true\nsteps = 2\nprompts = 1\n\n'
+    spec.write_text(f'source = "{KINDS[kind]}"\nbaseline = "spec.baseline.json"\n\n{data}'
                     '[[artifacts]]\nname = "fp32"\ndtype = "float32"\n')
-    written = _run(["check", spec, "--update-baseline", "--quiet"])
+    written = _run(["check", given, "--update-baseline", "--quiet"])
     assert written.exit_code == 0 and (tmp_path / "spec.baseline.json").is_file(), written.output
     checked = _run(["check", spec, "--quiet"])
     assert checked.exit_code == 0 and "check passed" in checked.output, checked.output

@@ -20,6 +20,7 @@ REGISTRIES = {
     "calibration": ("kvforge.calibration.kinds", "QUANTIZERS"),
     "runtime": ("kvforge.runtime.kinds", "SESSIONS"),
     "verify": ("kvforge.verify.kinds", "COMPARERS"),
+    "serving": ("kvforge.serving.kinds", "SERVED"),
 }
 
 

@@ -121,7 +121,7 @@ def test_embed_and_classify_match_the_reference(micro_bundle):
             assert abs(sum(c["scores"]) - 1) < 1e-5 and c["label"] == f"LABEL_{c['index']}"
 
 
-def test_encoder_session_names_bad_input(micro_bundle):
+def test_encoder_session_names_bad_input(micro_bundle, tmp_path):
     s = runtime.load(micro_bundle("bert-micro").path)
     ids = np.ones((2, 5), np.int64)
     good = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
@@ -148,8 +148,9 @@ def test_encoder_session_names_bad_input(micro_bundle):
         runtime.load(micro_bundle("perceiver-micro").path).embed("hi", pooling="cls")
     from kvforge.serving import write_repository
 
-    with pytest.raises(KvforgeError, match="the Triton model serves decoder LMs"):
-        write_repository(micro_bundle("bert-micro").path, micro_bundle("bert-micro").path.parent / "repo")
+    repo = write_repository(micro_bundle("bert-micro").path, tmp_path / "repo", model_name="bert")
+    pbtxt = (repo / "bert" / "config.pbtxt").read_text()  # an embedding model: text in, a vector out
+    assert 'name: "embedding" data_type: TYPE_FP32' in pbtxt and 'name: "text_output"' not in pbtxt
 
 
 def test_cli_embed(micro_bundle):

@@ -9,14 +9,16 @@ import pytest
 
 from kvforge import runtime
 from kvforge.errors import KvforgeError
+from kvforge.serving.kinds import Service
 from kvforge.serving.repository import RECORD, repository_model, write_repository
 from kvforge.serving.requests import BadRequest, StopText, parse
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_fp32):
+    """The service the Triton model builds over the session (its runner starts with the first request: none here)."""
     with runtime.load(tiny_fp32.path) as session:
-        yield session
+        yield Service(session, tiny_fp32.kind)
 
 
 def _inputs(**kw):

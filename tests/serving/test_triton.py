@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -221,10 +222,12 @@ def test_a_client_that_disconnects_frees_its_slot(server):
 def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
     from kvforge.serving.server import free_port
 
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_port, grpc_port, metrics_port, openai_port = free_port(), free_port(), free_port(), free_port()
+    # SIGTERM's run also serves the OpenAI API (in the model's process, over the same batcher); SIGINT's does not
+    openai_args = ["--openai-port", str(openai_port), "--api-key", "k3y"] if sig == signal.SIGTERM else ["--no-openai"]
     proc = subprocess.Popen([sys.executable, "-m", "kvforge", "serve", str(tiny_fp32.path), "--model-name", MODEL,
-                             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                             *openai_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         printed = []
         while not printed or "Ctrl-C or SIGTERM stops it." not in printed[-1]:  # ends: the server is up, or the CLI exits
@@ -234,7 +237,23 @@ def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
         assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10).status == 200
         req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/{MODEL}/generate",
                                      data=json.dumps({"text_input": "x", "max_tokens": 3}).encode())
-        assert len(json.loads(urllib.request.urlopen(req, timeout=60).read())["token_ids"]) == 3
+        triton = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert len(triton["token_ids"]) == 3
+        if sig == signal.SIGTERM:
+            openai = pytest.importorskip("openai")
+            assert f"OpenAI  http://127.0.0.1:{openai_port}/v1 (API key required)" in "".join(printed)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="k3y", max_retries=0, timeout=60)
+            out = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0)
+            assert out.choices[0].text == triton["text_output"] and out.usage.completion_tokens == 3
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+            # the metrics count both endpoints' requests: one server, one batch
+            metrics = types.SimpleNamespace(metrics_port=metrics_port)
+            assert _metric(metrics, "kvforge_generated_tokens_total") == 6
+            assert _metric(metrics, "kvforge_requests_total", '{finish_reason="length"}') == 2
+        else:
+            with pytest.raises((urllib.error.URLError, OSError)):
+                urllib.request.urlopen(f"http://127.0.0.1:{openai_port}/v1/models", timeout=2)
         started = time.monotonic()
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
@@ -247,3 +266,20 @@ def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_an_encoder_serves_embeddings_through_triton_and_the_openai_api_in_its_process(micro_bundle, tmp_path):
+    openai = pytest.importorskip("openai")
+    from kvforge.serving.server import free_port
+
+    bundle = micro_bundle("bert-micro")
+    port = free_port()
+    repo = write_repository(bundle.path, tmp_path / "repo", model_name="bert", openai_port=port)
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0) as server, runtime.load(bundle.path) as session:
+        expected = session.embed(["the cat sat"], normalize=True)[0]
+        req = urllib.request.Request(server.url("/v2/models/bert/generate"), data=json.dumps({"text_input": "the cat sat"}).encode())
+        got = json.loads(urllib.request.urlopen(req, timeout=60).read())["embedding"]
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        out = client.embeddings.create(model="bert", input=["the cat sat"])
+        np.testing.assert_allclose(out.data[0].embedding, expected, atol=1e-6)
