@@ -34,6 +34,10 @@ from .requests import INPUTS, StopText, parse, parse_text
 
 API_KEY_ENV = "KVFORGE_API_KEY"  # the OpenAI front's key comes from the environment, never from config.pbtxt
 POLL_S = 0.1  # how often cancellations and the metrics are looked at
+# Every call into Triton (a sender's send or is_cancelled, a metric's increment or set) goes through the stub's
+# shared-memory allocator, which takes no lock of its own: two threads in it at once corrupt the heap the server
+# also reads (tritonserver then dies with SIGSEGV or a boost lock_exception, or the model spins). So every such
+# call is made holding the model's lock (`self.lock`), from whichever thread.
 # The batcher's thread must get the interpreter back as soon as a step's kernels return, not after Python's
 # default 5 ms switch interval spent in the threads that send responses (a decode step is 8-25 ms here).
 SWITCH_S = 0.0005
@@ -107,15 +111,17 @@ class TritonPythonModel:
         text = parse_text(self._input(request, "text_input"))
         vectors, _ = self.service.embed([text])
         response = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("embedding", vectors[0].astype(np.float32))])
-        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.lock:
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _input(self, request, name):
         tensor = self.pb.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
     def _fail(self, sender, message: str, code) -> None:
-        sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message, code)),
-                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.lock:
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message, code)),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _response(self, text: str, tokens: list[int], finish: str | None):
         pb = self.pb
@@ -178,9 +184,9 @@ class TritonPythonModel:
 
     def _finished(self, reason: str, tokens: int) -> None:
         """Every endpoint's finished request (Triton's and the OpenAI front's) in the metrics."""
-        if tokens:
-            self.tokens_metric.increment(tokens)
         with self.lock:
+            if tokens:
+                self.tokens_metric.increment(tokens)
             if reason not in self.finish_metrics:
                 self.finish_metrics[reason] = self.families["finish"].Metric(labels={"finish_reason": reason})
             self.finish_metrics[reason].increment(1)
@@ -191,8 +197,8 @@ class TritonPythonModel:
                 for handle, sender in self.live.values():
                     if sender.is_cancelled():
                         handle.cancel()
-            self.rows_metric.set(self.service.running)
-            self.waiting_metric.set(self.service.waiting)
+                self.rows_metric.set(self.service.running)
+                self.waiting_metric.set(self.service.waiting)
 
     def finalize(self):
         self.closing.set()
