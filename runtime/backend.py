@@ -167,6 +167,16 @@ class Backend(Runner):
         """The cache as numpy arrays (for inspection and tests; copies)."""
         return [self.to_numpy(v) for v in cache.values]
 
+    def from_arrays(self, arrays: list[np.ndarray], length: int) -> KVCache:
+        """A cache of `length` positions, every row real (no padding), from numpy arrays in the contract's layout
+        (what cache_arrays gives): (batch, kv_heads, positions, head_dim) per tensor, at least as many positions
+        as the layer holds (a capped layer keeps the newest min(length, W)). What the batcher's prefix cache
+        restores a cached prefix with."""
+        held = self.io.cache_lengths(length)
+        per_layer = len(arrays) // len(held)
+        values = [np.ascontiguousarray(a[:, :, a.shape[2] - held[j // per_layer]:]) for j, a in enumerate(arrays)]
+        return KVCache(self.name, arrays[0].shape[0], length, self.from_numpy_impl(values))
+
     # -- hooks -----------------------------------------------------------------
     def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only) -> tuple[np.ndarray, KVCache]:
         raise NotImplementedError

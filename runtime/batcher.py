@@ -25,6 +25,29 @@ any thread; each request has its own sampling parameters, seed and stop ids,
 its own response format (a matcher of its own, made at submit(): a format that
 does not compile is refused there; rows with and without one share the batch)
 and its own log-probability count.
+
+Prefix caching (runtime/prefix_cache.py): the KV of full blocks of every
+prefilled prompt is kept, keyed by a hash of the token ids up to each block and
+the model's identity (the session's model_id, its backend and the backend's
+options), within a budget of cache tokens with LRU eviction of blocks no
+running row references. A request whose prompt starts with cached blocks gets
+them copied into a cache of its own, prefills only the rest over them (at least
+its last token, whose logits choose the first new token) and joins the batch;
+greedy outputs are the same token for token. Models with capped sliding-window
+layers (a cache that keeps the newest W positions) reuse a prefix only up to the
+smallest such W: their prompts feed the blocks within the window first, so that
+those are cached before later positions push them out (see prefix_cache.py).
+Options:
+
+- prefix_cache_tokens: the budget, in tokens of cached KV (default 4096; 0
+  turns prefix caching off, and the batcher prefills every prompt in full);
+- prefix_block: tokens per block (default 16): only whole blocks are cached
+  and reused;
+- prefix_cache: a PrefixCache to use instead of a new one (batchers may share
+  one; keys keep models apart).
+
+`Batcher.prefix_stats` counts hit tokens, cached blocks and tokens, insertions
+and evictions (None when off).
 """
 
 from __future__ import annotations
@@ -44,6 +67,7 @@ from kvforge.errors import KvforgeError
 from .constrain import Constraint, masks
 from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, end_of, left_padded,
                        row_constraints, step_logprobs)
+from .prefix_cache import PrefixCache, PrefixHit, PrefixStats
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,7 +178,8 @@ class _Batch:
 class Batcher:
     """A scheduler thread that runs many requests through one Session as one batch (see the module's doc)."""
 
-    def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None):
+    def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None,
+                 prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None):
         if not is_int(max_batch) or max_batch < 1:
             raise KvforgeError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if max_cache_tokens is None:
@@ -172,6 +197,19 @@ class Batcher:
         self._batch = _Batch()
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
+        if prefix_cache is None:
+            prefix_cache = PrefixCache(prefix_block, prefix_cache_tokens)  # validates both
+            if prefix_cache.max_blocks == 0:
+                prefix_cache = None
+        elif not isinstance(prefix_cache, PrefixCache):
+            raise KvforgeError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
+        self.prefix_cache = prefix_cache
+        backend = session.backend  # the runtime and its options: each computes its KV its own way (to rounding)
+        runtime = ":".join(str(getattr(backend, a, "")) for a in ("name", "attention", "variant", "dtype", "device"))
+        self._namespace = PrefixCache.namespace(session.model_id, runtime)
+        windows = [w for w in session.io.windows if w is not None]
+        self._window = min(windows) if windows else None  # capped layers: prefixes up to this many tokens only
+        self._pins: dict[int, list[bytes]] = {}  # request id -> the cached blocks its row restored
 
     # -- the client's side --------------------------------------------------------------
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
@@ -209,6 +247,11 @@ class Batcher:
         return self.submit(prompt, config, **kwargs).result()
 
     @property
+    def prefix_stats(self) -> PrefixStats | None:
+        """Prefix-cache counters (hit tokens, cached blocks, ...), or None when prefix caching is off."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats
+
+    @property
     def running(self) -> int:
         return len(self._batch.rows)
 
@@ -243,6 +286,7 @@ class Batcher:
                 if self._closing:
                     for row in batch.rows:
                         row.request._end("cancelled")
+                    self._unpin([row.request for row in batch.rows])
                     batch.rows = []
                     return
                 admitted = self._admit(batch)
@@ -255,6 +299,7 @@ class Batcher:
                 error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
                 for r in [row.request for row in batch.rows] + admitted:
                     r._end("error", error)
+                self._unpin([row.request for row in batch.rows] + admitted)
                 self._batch = batch = _Batch()
 
     def _admit(self, batch: _Batch) -> list[Request]:
@@ -273,12 +318,104 @@ class Batcher:
         return admitted
 
     def _prefill(self, requests: list[Request]) -> _Batch:
-        """Run the new prompts as one left-padded batch; their first tokens are chosen by the next _step."""
+        """Run the new prompts as one left-padded batch; their first tokens are chosen by the next _step.
+
+        With a prefix cache, a prompt that starts with cached blocks is prefilled on its own from them (its
+        suffix only), and every prefilled prompt's new full blocks are cached."""
+        if self.prefix_cache is None:
+            return self._prefill_full(requests)
+        hits: dict[int, PrefixHit] = {}
+        for r in requests:
+            limit = len(r.prompt) - 1  # at least the last token is fed: its logits choose the first new one
+            if self._window is not None:
+                limit = min(limit, self._window)
+            hit = self.prefix_cache.lookup(self._namespace, r.prompt, limit)
+            if hit.blocks:
+                self._pins[r.id] = hit.keys
+            if hit.blocks or self._window_blocks(r.prompt) > hit.tokens:
+                hits[r.id] = hit
+        plain = [r for r in requests if r.id not in hits]
+        parts = [self._prefill_full(plain)] if plain else []
+        parts += [self._prefill_from(r, hits[r.id]) for r in requests if r.id in hits]
+        for part in parts:
+            self._cache_blocks(part)
+        new = parts[0]
+        for part in parts[1:]:
+            self._join(new, part)
+        return new
+
+    def _prefill_full(self, requests: list[Request]) -> _Batch:
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
         logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
         rows = [_Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
         return _Batch(rows, cache, _pending(mask))
+
+    def _window_blocks(self, prompt: list[int]) -> int:
+        """Capped layers: the tokens of the prompt's cacheable blocks (those within the window), fed apart from
+        the rest so that they are cached before later positions push them out of the window; else 0."""
+        if self._window is None:
+            return 0
+        B = self.prefix_cache.block_size
+        return min(self._window, len(prompt) - 1) // B * B
+
+    def _prefill_from(self, r: Request, hit: PrefixHit) -> _Batch:
+        """One prompt from its cached prefix: the prefix's KV copied into a cache of its own, the rest fed over it
+        (positions continue from the prefix's, as in a full prefill). With capped layers, the blocks within the
+        window not cached yet are fed first, and cached."""
+        prompt, start = r.prompt, hit.tokens
+        cache = self.session.cache_from_arrays(hit.arrays(), start) if hit.blocks else None
+        end = self._window_blocks(prompt)
+        if end > start:  # only with capped layers
+            head = np.asarray([prompt[start:end]], np.int64)
+            _, cache = self.session.forward(head, np.ones((1, end), np.int64), cache=cache, last_logits_only=True)
+            keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
+            if first < len(keys):
+                arrays = self.session.cache_arrays(cache)
+                B = self.prefix_cache.block_size
+                self.prefix_cache.insert(keys, prompt, first,
+                                         lambda k: [a[0, :, a.shape[2] - end + k * B:a.shape[2] - end + (k + 1) * B]
+                                                    for a in arrays])
+            start = end
+        mask = np.ones((1, len(prompt)), np.int64)
+        suffix = np.asarray([prompt[start:]], np.int64)
+        logits, cache = self.session.forward(suffix, mask, cache=cache, last_logits_only=True)
+        row = _Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[0, -1])
+        return _Batch([row], cache, _pending(mask))
+
+    def _cache_blocks(self, part: _Batch) -> None:
+        """Cache the full prompt blocks of a freshly prefilled batch that are not cached yet."""
+        pc, length = self.prefix_cache, part.cache.length
+        held = min(self.session.io.cache_lengths(length))  # a capped layer keeps only the newest W positions
+        todo = []
+        for i, row in enumerate(part.rows):
+            n = len(row.request.prompt)
+            if n > held:  # some layer no longer holds the first positions: no block chain can start
+                continue
+            upto = n if self._window is None else min(n, self._window)
+            keys, first = pc.missing(self._namespace, row.request.prompt, upto)
+            if first < len(keys):
+                todo.append((i, row, keys, first))
+        if not todo:
+            return
+        arrays = self.session.cache_arrays(part.cache)
+        B = pc.block_size
+        for i, row, keys, first in todo:
+            n = len(row.request.prompt)
+
+            def block(k, i=i, n=n):  # position p of row i sits at column (columns held) - n + p
+                return [a[i, :, a.shape[2] - n + k * B:a.shape[2] - n + (k + 1) * B] for a in arrays]
+
+            pc.insert(keys, row.request.prompt, first, block)
+
+    def _unpin(self, requests: list[Request]) -> None:
+        """Let go of the cached blocks these requests' rows restored."""
+        if self.prefix_cache is None:
+            return
+        for r in requests:
+            keys = self._pins.pop(r.id, None)
+            if keys:
+                self.prefix_cache.release(keys)
 
     def _join(self, batch: _Batch, new: _Batch) -> None:
         if not batch.rows:
@@ -334,6 +471,8 @@ class Batcher:
 
     def _retire(self, batch: _Batch, keep: list[int]) -> None:
         """Keep only these rows; drop the leading positions that are now padding for all of them."""
+        kept = set(keep)
+        self._unpin([row.request for i, row in enumerate(batch.rows) if i not in kept])
         batch.rows = [batch.rows[i] for i in keep]
         if not keep:
             batch.cache = batch.mask = None

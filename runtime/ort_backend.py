@@ -193,6 +193,15 @@ class OnnxRuntimeBackend(Backend):
             return super().cache_arrays(cache)
         return [packed.unpack(a, cache.layout.lengths, cache.length) for a in cache.values]
 
+    def from_arrays(self, arrays, length: int) -> KVCache:
+        if not self.packed:
+            return super().from_arrays(arrays, length)
+        # every row holds all `length` positions: packed from index 0 already (no capped layers in this layout)
+        values = [np.ascontiguousarray(a[:, :, a.shape[2] - length:]) for a in arrays]
+        store = packed.Store(values)
+        return KVCache(self.name, values[0].shape[0], length, values,
+                       layout=packed.Packed(np.full(values[0].shape[0], length, np.int64), store))
+
     def drop_oldest_impl(self, values, drops):
         ort = _ort()
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, n:]), self.device_name, 0) if n else v

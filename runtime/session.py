@@ -165,6 +165,23 @@ class Session(SessionLifecycle):
             cache.owner = self.model_id
             return cache
 
+    def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
+        """The cache's tensors as numpy arrays in the contract's layout (copies; see Backend.cache_arrays)."""
+        with self._lock:
+            return self.backend.cache_arrays(cache)
+
+    def cache_from_arrays(self, arrays: list[np.ndarray], length: int) -> KVCache:
+        """A cache of this session's from numpy arrays, every row `length` real positions (Backend.from_arrays)."""
+        n_cache = sum(len(layer) for layer in self.io.past)
+        if len(arrays) != n_cache or not 0 < length <= self.max_context:
+            raise KvforgeError(f"a cache of {len(arrays)} tensors over {length} positions: {self.source} takes "
+                               f"{n_cache} tensors over 1..{self.max_context}")
+        with self._lock:
+            self.backend.activate()
+            cache = self.backend.from_arrays(arrays, length)
+            cache.owner = self.model_id
+            return cache
+
     @staticmethod
     def _check_int64(name: str, value, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
         if not isinstance(value, np.ndarray):
