@@ -175,8 +175,74 @@ class _Batch:
     mask: np.ndarray | None = None  # (rows, cache length + 1 for the pending token), right-aligned
 
 
-class Batcher:
+class RequestQueue:
+    """What every runner shares: requests waiting in arrival order, one worker thread started by the first of
+    them, close() cancelling what waits. Subclasses run `_run` and say what close() does to running rows."""
+
+    thread_name = "kvforge-runner"
+
+    def __init__(self):
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._ids = itertools.count()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def _enqueue(self, request: Request) -> Request:
+        """Queue a checked request (one that asks for no token ends at once) and wake the worker."""
+        if request.config.max_new_tokens == 0:
+            request._end("length")
+            return request
+        with self._wake:
+            if self._closing:
+                raise KvforgeError(f"this {type(self).__name__.lower()} is closed")
+            self._waiting.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return request
+
+    def _run(self) -> None:  # pragma: no cover - every runner has its own
+        raise NotImplementedError
+
+    def _closing_running(self) -> None:
+        """Under the lock, as close() begins: what happens to the rows running now (the worker ends them)."""
+
+    def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
+        """submit() and wait for the result."""
+        return self.submit(prompt, config, **kwargs).result()
+
+    def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """Cancel what is waiting and running, and stop the worker thread."""
+        with self._wake:
+            self._closing = True
+            for r in self._waiting:
+                r._end("cancelled")
+            self._waiting.clear()
+            self._closing_running()
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Batcher(RequestQueue):
     """A scheduler thread that runs many requests through one Session as one batch (see the module's doc)."""
+
+    thread_name = "kvforge-batcher"
 
     def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None,
                  prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None):
@@ -186,14 +252,10 @@ class Batcher:
             max_cache_tokens = max_batch * session.max_context
         if not is_int(max_cache_tokens) or max_cache_tokens < 1:
             raise KvforgeError(f"max_cache_tokens must be an int >= 1, got {max_cache_tokens!r}")
+        super().__init__()
         self.session = session
         self.max_batch = int(max_batch)
         self.max_cache_tokens = int(max_cache_tokens)
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._wake = threading.Condition()
-        self._ids = itertools.count()
-        self._closing = False
-        self._thread: threading.Thread | None = None
         self._batch = _Batch()
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
@@ -228,23 +290,7 @@ class Batcher:
         stop = self.session._stop_ids(config)
         # the response format's matcher now: one that does not compile for this tokenizer is refused here
         row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
-        request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
-        if config.max_new_tokens == 0:
-            request._end("length")
-            return request
-        with self._wake:
-            if self._closing:
-                raise KvforgeError("this batcher is closed")
-            self._waiting.append(request)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvforge-batcher", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-        return request
-
-    def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult:
-        """submit() and wait for the result."""
-        return self.submit(prompt, config, **kwargs).result()
+        return self._enqueue(Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row))
 
     @property
     def prefix_stats(self) -> PrefixStats | None:
@@ -254,27 +300,6 @@ class Batcher:
     @property
     def running(self) -> int:
         return len(self._batch.rows)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def close(self) -> None:
-        """Cancel what is waiting and running, and stop the scheduler thread."""
-        with self._wake:
-            self._closing = True
-            for r in self._waiting:
-                r._end("cancelled")
-            self._waiting.clear()
-            self._wake.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def __enter__(self) -> Batcher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- the scheduler thread -----------------------------------------------------------
     def _run(self) -> None:

@@ -11,75 +11,37 @@ thread, and a cancelled request stops before its next token.
 
 from __future__ import annotations
 
-import collections
-import itertools
-import threading
-
 from kvforge.errors import KvforgeError
 
-from .batcher import Request
+from .batcher import Request, RequestQueue
 from .generate import GenerationConfig, TextStream
 
 
-class SerialRunner:
+class SerialRunner(RequestQueue):
+    thread_name = "kvforge-serial"
+
     def __init__(self, session):
+        super().__init__()
         self.session = session
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._wake = threading.Condition()
-        self._ids = itertools.count()
-        self._closing = False
         self._current: Request | None = None
-        self._thread: threading.Thread | None = None
 
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
+        """Queue one prompt (text or token ids); returns at once."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self.session._sources(prompt)
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
         self.session._check(rows)
-        request = Request(next(self._ids), rows[0], config, self.session._stop_ids(config), 0,
-                          TextStream(self.session.tokenizer))
-        if config.max_new_tokens == 0:
-            request._end("length")
-            return request
-        with self._wake:
-            if self._closing:
-                raise KvforgeError("this runner is closed")
-            self._waiting.append(request)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvforge-serial", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-        return request
-
-    def generate(self, prompt, config: GenerationConfig | None = None, **kwargs):
-        return self.submit(prompt, config, **kwargs).result()
+        return self._enqueue(Request(next(self._ids), rows[0], config, self.session._stop_ids(config), 0,
+                                     TextStream(self.session.tokenizer)))
 
     @property
     def running(self) -> int:
         return int(self._current is not None)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def close(self) -> None:
-        with self._wake:
-            self._closing = True
-            for r in self._waiting:
-                r._end("cancelled")
-            self._waiting.clear()
-            if self._current is not None:
-                self._current.cancel()
-            self._wake.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def __enter__(self) -> SerialRunner:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _closing_running(self) -> None:
+        if self._current is not None:
+            self._current.cancel()
 
     def _run(self) -> None:
         while True:
