@@ -396,11 +396,8 @@ class Batcher(RequestQueue):
             _, cache = self.session.forward(head, np.ones((1, end), np.int64), cache=cache, last_logits_only=True)
             keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
             if first < len(keys):
-                arrays = self.session.cache_arrays(cache)
-                B = self.prefix_cache.block_size
                 self.prefix_cache.insert(keys, prompt, first,
-                                         lambda k: [a[0, :, a.shape[2] - end + k * B:a.shape[2] - end + (k + 1) * B]
-                                                    for a in arrays])
+                                         _blocks(self.session.cache_arrays(cache), 0, end, self.prefix_cache.block_size))
             start = end
         mask = np.ones((1, len(prompt)), np.int64)
         suffix = np.asarray([prompt[start:]], np.int64)
@@ -424,14 +421,8 @@ class Batcher(RequestQueue):
         if not todo:
             return
         arrays = self.session.cache_arrays(part.cache)
-        B = pc.block_size
         for i, row, keys, first in todo:
-            n = len(row.request.prompt)
-
-            def block(k, i=i, n=n):  # position p of row i sits at column (columns held) - n + p
-                return [a[i, :, a.shape[2] - n + k * B:a.shape[2] - n + (k + 1) * B] for a in arrays]
-
-            pc.insert(keys, row.request.prompt, first, block)
+            pc.insert(keys, row.request.prompt, first, _blocks(arrays, i, len(row.request.prompt), pc.block_size))
 
     def _unpin(self, requests: list[Request]) -> None:
         """Let go of the cached blocks these requests' rows restored."""
@@ -507,6 +498,12 @@ class Batcher(RequestQueue):
         length = batch.cache.length - first
         batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
         batch.mask = mask[:, first:]
+
+
+def _blocks(arrays: list[np.ndarray], row: int, n: int, size: int):
+    """k -> the k-th block of `size` positions of a row's first n tokens, from a cache's arrays (cache_arrays):
+    position p of those n tokens sits at column (columns held) - n + p."""
+    return lambda k: [a[row, :, a.shape[2] - n + k * size:a.shape[2] - n + (k + 1) * size] for a in arrays]
 
 
 def _pending(mask: np.ndarray) -> np.ndarray:

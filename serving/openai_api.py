@@ -17,15 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.checks import is_int, is_number
 from kvforge.errors import KvforgeError
 from kvforge.runtime import GenerationConfig
+from kvforge.runtime.generate import MAX_TOP_LOGPROBS
 
 from .requests import StopText
 from .tools import check_tool_choice, check_tools, parse_tool_calls, render_chat, tool_constraint, tool_format
 
 MAX_N = 4
 MAX_STOP = 4
-MAX_TOP_LOGPROBS = 20
 COMPLETIONS_MAX_LOGPROBS = 5
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's /v1/completions default; chat defaults to what the context leaves
 # fields clients send that change nothing here (OpenAI's bookkeeping, or parallel_tool_calls: one call per turn)
@@ -54,12 +55,9 @@ class ApiError(KvforgeError):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+def _finite(v) -> bool:
+    """A JSON number that is not NaN or infinite (Python's json reads both)."""
+    return is_number(v) and bool(np.isfinite(v))
 
 
 def _field(body: dict, name: str, check, what: str, default=None):
@@ -112,17 +110,17 @@ class Job:
 
 def _sampling(body: dict) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
-        if _field(body, name, _is_number, "a number", 0) != 0:
+        if _field(body, name, _finite, "a number", 0) != 0:
             raise ApiError(f"'{name}' is not supported (only 0); kvforge offers 'repetition_penalty' (> 1 discourages "
                            "tokens already in the sequence)", param=name)
     if body.get("logit_bias"):
         raise ApiError("'logit_bias' is not supported", param="logit_bias")
-    temperature = _field(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2, "a number in [0, 2]", 1.0)
-    top_k = _field(body, "top_k", lambda v: _is_int(v) and v >= -1, "an int >= 0 (-1 or 0: no limit)", 0)
+    temperature = _field(body, "temperature", lambda v: _finite(v) and 0 <= v <= 2, "a number in [0, 2]", 1.0)
+    top_k = _field(body, "top_k", lambda v: is_int(v) and v >= -1, "an int >= 0 (-1 or 0: no limit)", 0)
     return dict(temperature=float(temperature),
-                top_p=float(_field(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)),
+                top_p=float(_field(body, "top_p", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)),
                 top_k=max(top_k, 0),
-                repetition_penalty=float(_field(body, "repetition_penalty", lambda v: _is_number(v) and v > 0,
+                repetition_penalty=float(_field(body, "repetition_penalty", lambda v: _finite(v) and v > 0,
                                                 "a number > 0", 1.0)),
                 ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False))
 
@@ -140,7 +138,7 @@ def _stops(body: dict) -> list[str]:
 def _max_tokens(body: dict, names: tuple[str, ...], prompt: int, service, default: int | None) -> int:
     given = [(n, body[n]) for n in names if body.get(n) is not None]
     for name, value in given:
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ApiError(f"'{name}' must be an int >= 1, got {value!r}", param=name)
     room = service.room(prompt)
     if room <= 0:
@@ -156,8 +154,8 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt: int, service, defaul
 
 
 def _configs(body: dict, max_tokens: int, response_format: dict | None, logprobs: int | None) -> list[GenerationConfig]:
-    n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an int in 1..{MAX_N}", 1)
-    seed = _field(body, "seed", lambda v: _is_int(v) and v >= 0, "an int >= 0", None)
+    n = _field(body, "n", lambda v: is_int(v) and 1 <= v <= MAX_N, f"an int in 1..{MAX_N}", 1)
+    seed = _field(body, "seed", lambda v: is_int(v) and v >= 0, "an int >= 0", None)
     options = dict(max_new_tokens=max_tokens, **_sampling(body))
     try:
         GenerationConfig(**options)
@@ -221,7 +219,7 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     forced = tool_constraint(tools, tool_choice, fmt) if tools else None
     if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
         raise ApiError("'logprobs' must be true or false", param="logprobs")
-    top = _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+    top = _field(body, "top_logprobs", lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
                  f"an int in 0..{MAX_TOP_LOGPROBS}", None)
     if top is not None and not body.get("logprobs"):
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -245,14 +243,14 @@ def completion_job(body: Any, service, served: list[str]) -> Job:
         raise ApiError("'echo' is not supported", param="echo")
     if body.get("suffix"):
         raise ApiError("'suffix' (insertion) is not supported", param="suffix")
-    if _field(body, "best_of", _is_int, "an int", 1) != 1:
+    if _field(body, "best_of", is_int, "an int", 1) != 1:
         raise ApiError("'best_of' other than 1 is not supported (use n)", param="best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list, as clients often send
     if isinstance(prompt, str) and prompt:
         ids = service.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         ids = list(prompt)
         vocab = service.session.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -263,7 +261,7 @@ def completion_job(body: Any, service, served: list[str]) -> Job:
                        param="prompt")
     if not ids:
         raise ApiError("the prompt encodes to no tokens", param="prompt")
-    logprobs = _field(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= COMPLETIONS_MAX_LOGPROBS,
+    logprobs = _field(body, "logprobs", lambda v: is_int(v) and 0 <= v <= COMPLETIONS_MAX_LOGPROBS,
                       f"an int in 0..{COMPLETIONS_MAX_LOGPROBS}", None)
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), service, DEFAULT_COMPLETION_TOKENS)
     stream, usage = _stream(body)
@@ -387,9 +385,9 @@ def embedding_job(body: Any, service, served: list[str]) -> EmbeddingJob:
         texts = [inp]
     elif isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp):
         texts = inp
-    elif isinstance(inp, list) and inp and all(_is_int(t) for t in inp):
+    elif isinstance(inp, list) and inp and all(is_int(t) for t in inp):
         ids = [inp]
-    elif isinstance(inp, list) and inp and all(isinstance(r, list) and r and all(_is_int(t) for t in r) for r in inp):
+    elif isinstance(inp, list) and inp and all(isinstance(r, list) and r and all(is_int(t) for t in r) for r in inp):
         ids = inp
     else:
         raise ApiError("'input' must be a string, a list of strings, a list of token ids or a list of those "
@@ -398,7 +396,7 @@ def embedding_job(body: Any, service, served: list[str]) -> EmbeddingJob:
         raise ApiError("'input' holds an empty string", param="input")
     if len(texts or ids) > 2048:
         raise ApiError("'input' holds more than 2048 items", param="input")
-    dims = _field(body, "dimensions", lambda v: _is_int(v) and v >= 1, "an int >= 1", None)
+    dims = _field(body, "dimensions", lambda v: is_int(v) and v >= 1, "an int >= 1", None)
     return EmbeddingJob(model, texts, ids, fmt == "base64", dims)
 
 
