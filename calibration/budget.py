@@ -64,6 +64,8 @@ def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tupl
 class HeldOutEvaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
+    KEEP_BYTES = 256 << 20  # of the float graph's logits kept between candidates
+
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
                  batch_size: int = 4):
         """held_out: budget_ids()'s token stream and its name."""
@@ -74,6 +76,7 @@ class HeldOutEvaluator:
         self.batch_size = batch_size
         self.float_model = float_model
         self.reference = make_session(float_model.SerializeToString())
+        self._reference_logits: dict[int, np.ndarray] = {}  # batch start -> the float graph's logits on it
 
     def feeds(self, batch):
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
@@ -84,9 +87,18 @@ class HeldOutEvaluator:
         for i in range(0, len(self.chunks), self.batch_size):
             feeds = self.feeds(self.chunks[i : i + self.batch_size, :-1])
             lc = cand.run(["logits"], feeds)[0]
-            lr = self.reference.run(["logits"], feeds)[0]
-            stats.add(lc, lr, self.chunks[i : i + self.batch_size, 1:])
+            stats.add(lc, self._reference_run(i, feeds), self.chunks[i : i + self.batch_size, 1:])
         return stats.result()
+
+    def _reference_run(self, i: int, feeds) -> np.ndarray:
+        """The float graph's logits on the batch at window i: the same for every candidate measured, so kept after
+        the first (up to KEEP_BYTES in all; a large vocabulary's beyond that are computed again)."""
+        if i in self._reference_logits:
+            return self._reference_logits[i]
+        lr = self.reference.run(["logits"], feeds)[0]
+        if lr.nbytes + sum(a.nbytes for a in self._reference_logits.values()) <= self.KEEP_BYTES:
+            self._reference_logits[i] = lr
+        return lr
 
     def ranking(self, model, quant: str) -> list[dict[str, Any]]:
         sample = np.ascontiguousarray(self.chunks[:2, :-1])

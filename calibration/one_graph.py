@@ -41,7 +41,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     if recipe.needs_data:
         cset = load_calibration_set(bundle, recipe.data, samples=recipe.samples, seq_len=recipe.seq_len,
                                     random_data=recipe.random_data, hold_out=HOLD_OUT_TOKENS if recipe.auto else 0)
-        hessians = HessianAccumulator(activations) if recipe.gptq or (recipe.auto and recipe.weight_only) else None
+        hessians = HessianAccumulator(activations) if recipe.gptq else None  # auto INT4's: when a GPTQ candidate runs
         n_batches = -(-len(cset.samples) // recipe.batch_size)
         items = lambda: cset.batches(recipe.batch_size)  # noqa: E731
         searching = recipe.auto and not recipe.weight_only
@@ -77,6 +77,18 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, progress,
                                 len(targets)) if recipe.gptq else None
 
+    def candidate_hessians():
+        """The automatic INT4 recipe's Hessians, summed on its first GPTQ candidate (it tries GPTQ only where
+        rounding to nearest misses its target): a second pass of the observed graph over the calibration batches,
+        which adds what the first pass would have added, in the same order."""
+        nonlocal hessians
+        if hessians is None:
+            hessians = HessianAccumulator(activations)
+            for item in items():
+                for name, x in run(item).items():
+                    hessians.add(name, x.astype(np.float32))
+        return hessians
+
     def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float; scales: the
         activations' (amax, smoothing factors) when not the calibration's own."""
@@ -99,7 +111,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     elif recipe.auto:
         (model, targets, excluded, record), recipe, recipe_record = search(
             bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,
-            lambda b: gptq_rounder(hessians, None, recipe.precision, b, float_dtype, progress, len(targets)), progress)
+            lambda b: gptq_rounder(candidate_hessians(), None, recipe.precision, b, float_dtype, progress, len(targets)),
+            progress)
     else:
         model, targets, excluded, record = quantize(starved)
     progress("quantize", 1, 1)

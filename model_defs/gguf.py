@@ -12,6 +12,7 @@ model_defs/gguf_families.py.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,13 +46,25 @@ class GgufModel(NamedTuple):
 
 def _reader(path: Path):
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise MissingDependencyError("the `gguf` package", "Install it with `pip install gguf`.") from e
     try:
-        return GGUFReader(str(path))
+        stat = path.stat()
+        return _open_reader(str(path), (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise KvforgeError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, stamp: tuple[int, int, int, int]):
+    """The parsed file (a read-only memory map and its index), kept for the next read of the same unchanged file:
+    parsing SmolLM2's 49k-token vocabulary takes seconds, and one process reads a file several times (its loads,
+    the tokenizer record, whether it holds quantized tensors). stamp: the file's identity, size and mtime, so a
+    file rewritten in place is parsed anew."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

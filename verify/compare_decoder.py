@@ -34,18 +34,66 @@ from kvforge.metrics import WindowStats, check_tolerances
 from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
 
-def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[int], list[dict[str, float]], dict]:
+class ReferenceRuns:
+    """The reference's outputs, kept for the next comparison against the same reference on the same inputs.
+
+    A pipeline or a check compares every artifact of a model with one Torch reference on the same windows and
+    prompts, and the reference computes the same outputs each time: they are computed once. Keys hold the
+    reference's name and the exact inputs; what would pass MAX_BYTES in all is computed again each time instead
+    (a large vocabulary's window logits)."""
+
+    MAX_BYTES = 256 << 20
+
+    def __init__(self):
+        self._kept: dict[Any, Any] = {}
+        self._bytes = 0
+
+    def get(self, key, compute):
+        if key in self._kept:
+            return self._kept[key]
+        value = compute()
+        size = sum(a.nbytes for a in _arrays(value))
+        if self._bytes + size <= self.MAX_BYTES:
+            self._kept[key] = value
+            self._bytes += size
+        return value
+
+
+def _arrays(value):
+    if isinstance(value, np.ndarray):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _arrays(v)
+
+
+def _reference_decode(reference, prompt: list[int], steps: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The reference decoding greedily from the prompt: its last-position logits at each of `steps` steps (step 0
+    is the prefill's) and its final present tensors."""
+    lr, cache_r = reference.forward(np.asarray([prompt], np.int64), last_logits_only=True)
+    rows = []
+    for step in range(steps):
+        rows.append(np.array(lr[0, -1]))
+        if step + 1 < steps:
+            lr, cache_r = reference.forward(np.asarray([[int(rows[-1].argmax())]], np.int64), cache=cache_r,
+                                            last_logits_only=True)
+    return rows, [np.array(a) for a in reference.backend.cache_arrays(cache_r)]
+
+
+def lockstep(candidate, reference, prompt: list[int], steps: int,
+             runs: ReferenceRuns | None = None) -> tuple[list[int], list[dict[str, float]], dict]:
     """Decode `steps` tokens in both sessions, both fed the reference's greedy token.
 
     Returns the reference's tokens, per-step logits metrics (step 0 is the
     prefill's last position) and the metrics of the final present tensors.
+    runs: where the reference's decode from this prompt is kept (or found).
     """
-    ids = np.asarray([prompt], np.int64)
-    lc, cache_c = candidate.forward(ids, last_logits_only=True)
-    lr, cache_r = reference.forward(ids, last_logits_only=True)
+    compute = lambda: _reference_decode(reference, prompt, steps)  # noqa: E731
+    rows, pr = runs.get(("decode", str(reference.source), tuple(prompt), steps), compute) if runs else compute()
+    lc, cache_c = candidate.forward(np.asarray([prompt], np.int64), last_logits_only=True)
     tokens, per_step = [], []
     for step in range(steps):
-        c, r = lc[0, -1], lr[0, -1]
+        c, r = lc[0, -1], rows[step]
         token = int(r.argmax())
         per_step.append({
             "logits_rel_l2": metrics.rel_l2(c, r),
@@ -54,10 +102,8 @@ def lockstep(candidate, reference, prompt: list[int], steps: int) -> tuple[list[
         })
         tokens.append(token)
         if step + 1 < steps:
-            nxt = np.asarray([[token]], np.int64)
-            lc, cache_c = candidate.forward(nxt, cache=cache_c, last_logits_only=True)
-            lr, cache_r = reference.forward(nxt, cache=cache_r, last_logits_only=True)
-    pc, pr = candidate.backend.cache_arrays(cache_c), reference.backend.cache_arrays(cache_r)
+            lc, cache_c = candidate.forward(np.asarray([[token]], np.int64), cache=cache_c, last_logits_only=True)
+    pc = candidate.backend.cache_arrays(cache_c)
     present = metrics.worst([metrics.tensor_metrics(c, r) for c, r in zip(pc, pr)])
     return tokens, per_step, present
 
@@ -82,20 +128,23 @@ def _check_same_model(cand, ref) -> None:
                            "they are not the same model")
 
 
-def _windows(cand, ref, chunks: np.ndarray, batch_size: int, progress) -> dict[str, float]:
+def _windows(cand, ref, chunks: np.ndarray, batch_size: int, progress,
+             runs: ReferenceRuns | None = None) -> dict[str, float]:
     """Perplexity and the logits metrics over every position of the held-out windows."""
     stats = WindowStats()
     n_batches = -(-len(chunks) // batch_size)
     for i in range(0, len(chunks), batch_size):
         batch = np.ascontiguousarray(chunks[i : i + batch_size, :-1])
         lc, _ = cand.forward(batch)
-        lr, _ = ref.forward(batch)
+        compute = lambda: np.asarray(ref.forward(batch)[0])  # noqa: E731
+        lr = runs.get(("window", str(ref.source), batch.shape, batch.tobytes()), compute) if runs else compute()
         stats.add(lc, lr, chunks[i : i + batch_size, 1:])
         progress("windows", i // batch_size + 1, n_batches)
     return stats.result()
 
 
-def _decode(cand, ref, ids: list[int], prompts: int, prompt_len: int, steps: int, progress) -> dict[str, Any]:
+def _decode(cand, ref, ids: list[int], prompts: int, prompt_len: int, steps: int, progress,
+            runs: ReferenceRuns | None = None) -> dict[str, Any]:
     """Lockstep decode (the drift curve) and free running, from prompts spread over the corpus."""
     starts = np.linspace(0, len(ids) - prompt_len - 1, prompts).astype(int)
     drift = np.zeros((steps, 3))
@@ -103,7 +152,7 @@ def _decode(cand, ref, ids: list[int], prompts: int, prompt_len: int, steps: int
     presents = []
     for n, s in enumerate(starts):
         prompt = [int(t) for t in ids[s : s + prompt_len]]
-        tokens, per_step, present = lockstep(cand, ref, prompt, steps)
+        tokens, per_step, present = lockstep(cand, ref, prompt, steps, runs)
         drift += [[p["logits_rel_l2"], p["kl_divergence"], p["top1_agreement"]] for p in per_step]
         agree += sum(p["top1_agreement"] for p in per_step) / steps
         free = cand.generate(prompt, max_new_tokens=steps, ignore_eos=True).tokens
@@ -139,9 +188,11 @@ def compare_decoder(
     random_data: bool = False,
     seed: int = 0,
     progress=None,
+    reference_runs: ReferenceRuns | None = None,
     **backend_options,
 ) -> Report:
-    """A decoder bundle on `backend` against the Torch reference: windows, lockstep decode, free running."""
+    """A decoder bundle on `backend` against the Torch reference: windows, lockstep decode, free running.
+    reference_runs: the reference's outputs kept across the comparisons of several artifacts (pipeline, check)."""
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     cand_bundle = Bundle(candidate)
@@ -163,10 +214,11 @@ def compare_decoder(
             "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
             "reference": ref_name, "reference_backend": ref.backend_name,
             "data": data_name, "tokens": int(chunks[:, :-1].size), "seq_len": seq_len,
-            **_windows(cand, ref, chunks, batch_size, progress),
+            **_windows(cand, ref, chunks, batch_size, progress, reference_runs),
         }
         prompt_len = min(prompt_len, len(ids) - 1, max_context - 1)
-        result.update(_decode(cand, ref, ids, prompts, prompt_len, min(steps, max_context - prompt_len), progress))
+        result.update(_decode(cand, ref, ids, prompts, prompt_len, min(steps, max_context - prompt_len), progress,
+                              reference_runs))
         result["per_layer"] = None
         if per_layer:
             if cand.backend_name != "onnxruntime":

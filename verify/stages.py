@@ -20,6 +20,7 @@ from kvforge.metrics import parse_tolerances
 from kvforge.runtime.session import BACKENDS
 
 from .compare import compare
+from .compare_decoder import ReferenceRuns
 from .report import Report
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -142,8 +143,10 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
 def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path, reference=None,
                 compare_options: dict[str, Any] | None = None, progress: Progress | None = None,
                 log: Callable[[str], None] = print) -> list[Outcome]:
-    """Compare every artifact on every backend it names; a backend whose library or device is missing is skipped."""
+    """Compare every artifact on every backend it names; a backend whose library or device is missing is skipped.
+    The artifacts share one reference: its outputs are computed once (compare_decoder.ReferenceRuns)."""
     outcomes = []
+    runs = ReferenceRuns()
     for a in artifacts:
         for backend in a.backends:
             bundle = paths[a.name]
@@ -158,7 +161,7 @@ def compare_all(artifacts: list[Artifact], paths: dict[str, Path], workdir: Path
                     continue
             log(f"compare {a.name} on {backend}")
             report = compare(bundle, reference, backend=backend, tolerances=a.tolerances, per_layer=a.per_layer,
-                             progress=progress, **(compare_options or {}))
+                             progress=progress, reference_runs=runs, **(compare_options or {}))
             outcomes.append(Outcome(a.name, backend, str(bundle), report))
     return outcomes
 

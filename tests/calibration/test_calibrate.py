@@ -18,7 +18,6 @@ from kvforge import metrics, runtime
 from kvforge.calibration import TensorObserver, calibrate
 from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
-from kvforge.export import export
 from kvforge.model_defs.evaluate import heldout_text
 from kvforge.runtime.evaluate import window_logits
 
@@ -167,11 +166,11 @@ def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
     assert ops["MatMulIntegerToFloat"] + ops["QLinearMatMul"] == len(q.manifest["precision"]["quantization"]["quantized_layers"])
 
 
-def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(tmp_path):
+def test_fp8_relu_ffn_computes_what_the_graph_says_in_onnxruntime(micro_bundle, tmp_path):
     """ORT's ReluQuantRewrite drops a Relu before an FP8 QuantizeLinear (zero point 0); the runtime turns it off."""
     from kvforge.ort_session import make_session, prefill_feeds
 
-    b = export("classic-micro", tmp_path / "fp32")
+    b = micro_bundle("classic-micro")
     # the fixed recipe: the runtime's variant folds a SmoothQuant Mul into the norm (equal up to float rounding)
     q = calibrate(b.path, tmp_path / "fp8", precision="fp8", random_data=True, samples=8, seq_len=32, recipe="fixed")
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 16))
@@ -280,10 +279,10 @@ def test_non_finite_weights_are_named(fp32):
         check_weights_finite(model, targets)
 
 
-def test_other_models_calibrate_on_the_built_in_prose_or_an_explicit_random_flag(tmp_path):
+def test_other_models_calibrate_on_the_built_in_prose_or_an_explicit_random_flag(micro_bundle, tmp_path):
     """A model with its own tokenizer reads the shipped English prose by default (recorded); random tokens only
     when asked; a bundle without a tokenizer has nothing to read text with, and says so."""
-    b = export("llama3-micro", tmp_path / "micro")
+    b = micro_bundle("llama3-micro")
     assert b.tokenizer_file is not None
     q = calibrate(b.path, tmp_path / "q", precision="int8", samples=4, seq_len=32)
     assert q.manifest["calibration"]["data"] == "built-in English prose (botchan.txt, us_constitution.txt)"
@@ -330,9 +329,8 @@ def test_option_errors(tmp_path, fp32):
     assert not (fp32.path / "sub").exists()
     one = calibrate(fp32.path, tmp_path / "one", precision="int4", exclude="layers\\.0\\.")  # one pattern, as a string
     assert sum(name.startswith("layers.0.") for name in one.manifest["precision"]["quantization"]["excluded_layers"]) == 7
-    q = calibrate(fp32.path, tmp_path / "q4", precision="int4")
-    with pytest.raises(KvforgeError, match="already quantized"):
-        calibrate(q.path, tmp_path / "x", precision="int8")
+    with pytest.raises(KvforgeError, match="already quantized"):  # an INT4 bundle, as any quantized one
+        calibrate(one.path, tmp_path / "x", precision="int8")
     assert not (tmp_path / "x").exists()
 
 
@@ -354,11 +352,11 @@ def test_fp8_kv_cache_holds_only_fp8_values(tmp_path, fp32, heldout):
         calibrate(fp32.path, tmp_path / "x", precision="int4", kv_cache="fp8")
 
 
-def test_a_quantized_lm_head_runs_and_matches_the_exact_graph(tmp_path):
+def test_a_quantized_lm_head_runs_and_matches_the_exact_graph(micro_bundle, tmp_path):
     """--quantize-lm-head on an untied model: the runtime's faster ORT variant slices before the head's Q/DQ pair."""
     from kvforge import runtime
 
-    fp32 = export("mistral-micro", tmp_path / "fp32")
+    fp32 = micro_bundle("mistral-micro")
     q = calibrate(fp32.path, tmp_path / "q", precision="int8", random_data=True, samples=8, seq_len=32, quantize_lm_head=True)
     assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))

@@ -10,7 +10,6 @@ from kvforge.calibration import calibrate
 from kvforge.calibration.gptq import HessianAccumulator, gptq_quantize
 from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
-from kvforge.export import export
 from kvforge.runtime.evaluate import window_logits
 
 FORMATS = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 40)]  # 40 does not divide K = 100
@@ -118,8 +117,8 @@ def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, p
     assert m["lineage"][-1]["options"]["gptq"] is True
 
 
-def test_gptq_int4_reads_data_for_other_models(tmp_path):
-    b = export("llama3-micro", tmp_path / "micro")
+def test_gptq_int4_reads_data_for_other_models(micro_bundle, tmp_path):
+    b = micro_bundle("llama3-micro")
     q = calibrate(b.path, tmp_path / "prose", precision="int4", gptq=True, samples=4, seq_len=32, block_size=16)
     assert q.manifest["calibration"]["data"].startswith("built-in English prose")
     q = calibrate(b.path, tmp_path / "q", precision="int4", gptq=True, random_data=True, samples=4, seq_len=32, block_size=16)

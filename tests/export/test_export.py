@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -200,9 +202,9 @@ def test_a_wrong_graph_fails_the_export_and_writes_nothing(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor a temporary directory
 
 
-def test_force_replaces_only_after_success(tmp_path, monkeypatch):
+def test_force_replaces_only_after_success(micro_bundle, tmp_path, monkeypatch):
     out = tmp_path / "b"
-    first = export("reglu-micro", out)
+    first = Bundle(shutil.copytree(micro_bundle("reglu-micro").path, out))  # the run's export of it, as written
     first_hash = first.manifest["files"]["model.onnx"]["sha256"]
 
     def failing(real):
@@ -221,7 +223,7 @@ def test_force_replaces_only_after_success(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
-def test_an_interrupted_replace_puts_the_previous_bundle_back(tmp_path, monkeypatch):
+def test_an_interrupted_replace_puts_the_previous_bundle_back(micro_bundle, tmp_path, monkeypatch):
     """Where the OS cannot swap two directories in one step, the replace is two renames; interrupted between
     them, the previous bundle goes back (on Linux the swap is one step: tests/reliability kills it mid-way)."""
     import os
@@ -229,7 +231,7 @@ def test_an_interrupted_replace_puts_the_previous_bundle_back(tmp_path, monkeypa
     from kvforge import outputs as outputs_mod
 
     out = tmp_path / "b"
-    first = export("reglu-micro", out)
+    first = Bundle(shutil.copytree(micro_bundle("reglu-micro").path, out))  # the run's export of it, as written
     real = os.replace
     monkeypatch.setattr(outputs_mod, "_exchange", lambda a, b: False)
 

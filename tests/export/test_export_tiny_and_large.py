@@ -47,8 +47,8 @@ def test_tiny_fp32_matches_and_decodes_identically(tiny_fp32):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tiny_half_precision_within_tolerance_and_30_of_32_greedy(tmp_path, dtype):
-    bundle = export("tiny", tmp_path / dtype, dtype=dtype)
+def test_tiny_half_precision_within_tolerance_and_30_of_32_greedy(half_bundle, dtype):
+    bundle = half_bundle("tiny", dtype)
     v = bundle.manifest["validation"]
     assert v["passed"]
     assert v["logits"]["rel_l2"] <= TOLERANCES[dtype]["logits_rel_l2"]

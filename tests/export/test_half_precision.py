@@ -16,8 +16,8 @@ REDUCTIONS = {"ReduceMean", "ReduceSum", "ReduceMax", "Softmax", "LayerNormaliza
 
 
 @pytest.mark.parametrize("name,dtype", [("gpt2-micro", "float16"), ("llama3-micro", "bfloat16")])
-def test_norm_and_softmax_reductions_run_in_fp32(tmp_path, name, dtype):
-    bundle = export(name, tmp_path / name, dtype=dtype)
+def test_norm_and_softmax_reductions_run_in_fp32(half_bundle, name, dtype):
+    bundle = half_bundle(name, dtype)
     model = onnx.shape_inference.infer_shapes(onnx.load(str(bundle.graph_file)))
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)}
     reductions = [n for n in model.graph.node if n.op_type in REDUCTIONS]

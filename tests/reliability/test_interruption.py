@@ -8,6 +8,7 @@ Of two processes writing one output, one wins and the other fails with a clear m
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -82,9 +83,9 @@ def test_an_export_killed_mid_write_leaves_no_output(tmp_path, point):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["graph-written", "staged-whole", "at-swap", "after-swap"])
-def test_a_bundle_replaced_with_force_survives_a_kill(tmp_path, point):
+def test_a_bundle_replaced_with_force_survives_a_kill(micro_bundle, tmp_path, point):
     out = tmp_path / "b"
-    first = export("reglu-micro", out)
+    first = Bundle(shutil.copytree(micro_bundle("reglu-micro").path, out))  # the run's one export of it, as written
     _killed_at(point, "export", "gpt2-micro", "-o", out, "--force", "--quiet")
     survivor = Bundle(out)
     survivor.verify_files()

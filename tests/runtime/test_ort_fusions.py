@@ -12,7 +12,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kvforge import runtime
 from kvforge.bundle import Bundle
-from kvforge.export import export
 from kvforge.onnx_graph import drop_dead_nodes
 from kvforge.runtime.ort.fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from kvforge.runtime.ort.variant import variant_path
@@ -25,8 +24,8 @@ def _ops(path) -> collections.Counter:
 # llama3-micro: Llama-3 RoPE scaling; geglu-micro: partial rotary (12 of head_dim 24), linear scaling;
 # qwen2-micro: MQA, qkv biases, a sliding window on one layer (a capped cache: no packed attention).
 @pytest.mark.parametrize("preset, packed", [("llama3-micro", True), ("geglu-micro", True), ("qwen2-micro", False)])
-def test_fused_variant_computes_the_bundle_graph(preset, packed, tmp_path):
-    bundle = export(preset, tmp_path / preset)
+def test_fused_variant_computes_the_bundle_graph(preset, packed, micro_bundle):
+    bundle = micro_bundle(preset)
     layers = bundle.model_config["n_layers"]
     ops = _ops(variant_path(Bundle(bundle.path)))
     # two norms per block and the final one; all but the first read a residual Add, which joins them
@@ -126,13 +125,13 @@ def test_quantized_sibling_matmuls_fuse(micro_bundle, tmp_path, precision, optio
     _assert_variant_equals_graph(q.path, packed=True, atol=1e-4)
 
 
-def test_half_precision_and_rope_free_graphs_are_left_unfused(tmp_path):
+def test_half_precision_and_rope_free_graphs_are_left_unfused(micro_bundle, half_bundle):
     """float16 chains carry Casts (and the fusions are float32-only); a LayerNorm, sinusoidal model has no chain."""
-    half = export("llama3-micro", tmp_path / "half", dtype="float16")
+    half = half_bundle("llama3-micro", "float16")
     ops = _ops(variant_path(Bundle(half.path)))
     assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == ops["SkipSimplifiedLayerNormalization"] == 0
     assert ops["Pow"] > 0
-    classic = export("classic-micro", tmp_path / "classic")
+    classic = micro_bundle("classic-micro")
     ops = _ops(variant_path(Bundle(classic.path)))
     assert ops["SimplifiedLayerNormalization"] == ops["RotaryEmbedding"] == 0 and ops["LayerNormalization"] > 0
 
@@ -213,9 +212,9 @@ def test_rms_norm_fusion_matches_and_refuses_near_misses():
         assert [n.op_type for n in near_miss.graph.node] == before
 
 
-def test_rotary_fusion_needs_the_whole_rotate_half_chain(tmp_path):
+def test_rotary_fusion_needs_the_whole_rotate_half_chain(micro_bundle):
     """A RoPE chain whose q rotation is also read elsewhere is left decomposed; the rest still fuses."""
-    bundle = export("llama3-micro", tmp_path / "m")
+    bundle = micro_bundle("llama3-micro")
     model = onnx.load(str(bundle.graph_file))
     concat = next(n for n in model.graph.node if n.op_type == "Concat" and any(
         p.op_type == "Neg" for p in model.graph.node if p.output[0] in n.input))

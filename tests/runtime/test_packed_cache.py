@@ -158,12 +158,12 @@ def test_soft_capped_attention_is_packed(tmp_path):
         _step((plain, fast), caches, rng.integers(0, 259, (2, 1)), mask, pos[:, -1:] + 1)
 
 
-def test_half_precision_attention_is_packed(tmp_path):
+def test_half_precision_attention_is_packed(half_bundle):
     """A float16 graph's attention (scores cast to float32 for the softmax, probabilities cast back) is matched
     too; GroupQueryAttention keeps its softmax in float32, so the two differ by half precision's rounding."""
     from tests.runtime.test_ort_fusions import _assert_variant_equals_graph
 
-    half = export("llama3-micro", tmp_path / "half", dtype="float16")
+    half = half_bundle("llama3-micro", "float16")
     ops = collections.Counter(n.op_type for n in onnx.load(str(variant_path(Bundle(half.path), attention=True))).graph.node)
     assert ops["GroupQueryAttention"] == half.model_config["n_layers"] and ops["Softmax"] == 0
     _assert_variant_equals_graph(half.path, packed=True, atol=1e-2)  # float16's step near |logit| ~ 4 is 4e-3

@@ -275,9 +275,9 @@ def test_backend_options_are_checked_and_source_reaches_the_torch_backend(mistra
         np.testing.assert_allclose(ort.forward(ids)[0], ref.forward(ids)[0], atol=1e-4, rtol=0)
 
 
-def test_a_cache_continues_only_the_model_that_made_it(tmp_path, mistral_bundle):
+def test_a_cache_continues_only_the_model_that_made_it(micro_bundle, mistral_bundle):
     """Same shapes, another model: refused, not silently wrong; another session of the same bundle: accepted."""
-    other = export("llama3-micro", tmp_path / "llama").path  # the same cache shapes as mistral-micro
+    other = micro_bundle("llama3-micro").path  # the same cache shapes as mistral-micro
     ids = np.array([[3, 1, 4, 1, 5]], np.int64)
     with runtime.load(mistral_bundle) as a, runtime.load(mistral_bundle) as b, runtime.load(other) as c:
         _, cache = a.forward(ids)
@@ -390,11 +390,11 @@ def test_ort_variant_is_exact_and_slices_logits(tiny_bundle):
 
 
 @pytest.mark.slow
-def test_float16_bundles_and_their_int8_calibration_run(tmp_path):
+def test_float16_bundles_and_their_int8_calibration_run(half_bundle, tmp_path):
     """Half-precision graphs cast logits to float32 after the vocabulary projection; the runtime handles it."""
     from kvforge.calibration import calibrate
 
-    fp16 = export("tiny", tmp_path / "fp16", dtype="float16")
+    fp16 = half_bundle("tiny", "float16")
     model, tok = load_model("tiny")
     reference = greedy_continuation(model, tok.encode(PROMPT), 16)
     with runtime.load(fp16.path) as s:

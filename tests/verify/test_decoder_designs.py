@@ -40,21 +40,21 @@ def test_calibrate_compare_and_plan_every_design(micro_bundle, tmp_path, preset)
     assert plan["shape_check"]["passed"] and plan["shape_check"]["points"] == 6
 
 
-def test_check_runs_a_spec_over_a_windowed_design(tmp_path):
+def test_check_runs_a_spec_over_a_windowed_design(micro_bundle, tmp_path):
     """gemma-micro (capped caches, soft-capping, sandwich norms): export, calibrate and compare from a spec,
-    a baseline written, then checked against it."""
-    spec = tmp_path / "gemma.toml"
-    spec.write_text("""
+    a baseline written, then checked against it. The baseline is written from the run's export of gemma-micro
+    (a spec whose fp32 artifact is that bundle, calibrated from it); the check then makes both from the source."""
+    head = """
 source = "gemma-micro"
+baseline = "gemma.baseline.json"
 [data]
 random = true
 max_tokens = 512
 seq_len = 64
 steps = 8
 prompts = 2
-[[artifacts]]
-name = "fp32"
-dtype = "float32"
+"""
+    int8 = """
 [[artifacts]]
 name = "int8"
 precision = "int8"
@@ -62,8 +62,13 @@ random_data = true
 samples = 8
 seq_len = 32
 tolerances = { top1_agreement = 0.9 }
-""")
-    written = check(spec, update_baseline=True, workdir=tmp_path / "work", log=lambda m: None)
+"""
+    given = tmp_path / "given.toml"
+    given.write_text(f'{head}\n[[artifacts]]\nname = "fp32"\nbundle = "{micro_bundle("gemma-micro").path}"\n'
+                     f'{int8}base = "fp32"\n')
+    spec = tmp_path / "gemma.toml"
+    spec.write_text(f'{head}\n[[artifacts]]\nname = "fp32"\ndtype = "float32"\n{int8}')
+    written = check(given, update_baseline=True, workdir=tmp_path / "work", log=lambda m: None)
     assert written.baseline_written and written.passed
     again = check(spec, workdir=tmp_path / "work2", log=lambda m: None)
     assert again.passed, again.regressions
