@@ -7,14 +7,28 @@ from pathlib import Path
 import pytest
 
 
+_MADE_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
-    """Keep the runtime's ORT-variant cache inside the test run, not in ~/.cache; give each xdist worker its share
-    of the CPUs."""
+    """Keep the runtime's caches (ORT variants, side environments) inside the test run, not in ~/.cache; give each
+    xdist worker its share of the CPUs."""
     import os
     import tempfile
 
-    os.environ.setdefault("KVFORGE_CACHE", tempfile.mkdtemp(prefix="kvforge-test-cache-"))
+    if "KVFORGE_CACHE" not in os.environ:  # the xdist workers inherit the controller's
+        os.environ["KVFORGE_CACHE"] = config.stash[_MADE_CACHE] = tempfile.mkdtemp(prefix="kvforge-test-cache-")
     _share_the_cpus()
+
+
+def pytest_unconfigure(config):
+    """Remove the cache the run made (several GB with the Optimum side environment: left behind, every run filled
+    the disk further until a run failed for want of space). A cache the caller named stays."""
+    import shutil
+
+    made = config.stash.get(_MADE_CACHE, None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def _share_the_cpus() -> None:
