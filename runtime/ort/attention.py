@@ -201,8 +201,10 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     for v in [*graph.input, *graph.output]:
         if v.name in {n for pair in past + present for n in pair}:
             v.type.tensor_type.shape.dim[2].dim_param = "cache_capacity"
+    # The mask is now dead (the cache's row lengths replace it) and leaves the contract; every other input stays,
+    # read or not: a model without positions (NoPE) still takes position_ids, as its manifest says.
     used = {x for n in graph.node for x in node_reads(n)}
-    kept = [i for i in graph.input if i.name in used]
+    kept = [i for i in graph.input if i.name in used or i.name != "attention_mask"]
     del graph.input[:]
     graph.input.extend(kept)
     return len(layers)

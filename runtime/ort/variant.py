@@ -43,7 +43,7 @@ from .codes import checkpoint_kernels
 from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 
-VARIANT_VERSION = 15
+VARIANT_VERSION = 16  # 16: a NoPE model's packed variant keeps position_ids
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
