@@ -13,10 +13,16 @@ One scheduler thread owns the batch. Between two decode steps it
   for the next step;
 - admits waiting requests in arrival order while the batch has a free row and
   the cache-token budget holds their reservation (prompt + max_new_tokens,
-  capped at the context), prefills them together, and joins them to the
-  running batch. Caches of different lengths are aligned right, each row
-  left-padded (the attention mask hides the padding; position ids count each
-  row's own tokens), so every row computes what it would alone.
+  capped at the context);
+- prefills admitted prompts within a per-step token budget (chunked prefill):
+  prompts that fit the budget whole are prefilled together, and the first that
+  does not gets a chunk of what is left; its next chunks come in the next
+  steps, between decode steps of the running rows, so a long prompt delays
+  their tokens by one chunk's time per step instead of by its whole prefill.
+  A prompt whose prefill is complete joins the running batch. Caches of
+  different lengths are aligned right, each row left-padded (the attention mask
+  hides the padding; position ids count each row's own tokens), so every row
+  computes what it would alone.
 
 A request that does not fit yet waits (back-pressure); one that can never fit
 (a prompt beyond the context, a reservation beyond the budget) is refused at
@@ -44,7 +50,13 @@ Options:
 - prefix_block: tokens per block (default 16): only whole blocks are cached
   and reused;
 - prefix_cache: a PrefixCache to use instead of a new one (batchers may share
-  one; keys keep models apart).
+  one; keys keep models apart);
+- prefill_chunk: the per-step token budget (default 256): the running rows'
+  decode tokens count against it and prompts get the rest (at least one token a
+  step); 0 prefills every admitted prompt whole in the step it is admitted.
+
+BatchOptions holds these settings (all but prefix_cache) as one checked value,
+which the server writes into a model's configuration and reads back.
 
 `Batcher.prefix_stats` counts hit tokens, cached blocks and tokens, insertions
 and evictions (None when off).
@@ -56,7 +68,7 @@ import collections
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -67,7 +79,7 @@ from kvforge.errors import KvforgeError
 from .constrain import Constraint, masks
 from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, end_of, left_padded,
                        row_constraints, step_logprobs)
-from .prefix_cache import PrefixCache, PrefixHit, PrefixStats
+from .prefix_cache import PrefixCache, PrefixStats
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +87,41 @@ if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
 
 _END = object()  # the last item of a request's event queue
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """The continuous batcher's settings (the module's doc says what each does), checked when made."""
+
+    max_batch: int = 8
+    max_cache_tokens: int | None = None  # None: max_batch x the context
+    prefix_cache_tokens: int = 4096  # 0: no prefix cache
+    prefix_block: int = 16
+    prefill_chunk: int = 256  # 0: whole prompts
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, least = getattr(self, f.name), 0 if f.name in ("prefix_cache_tokens", "prefill_chunk") else 1
+            if value is None and f.name == "max_cache_tokens":
+                continue
+            if not is_int(value) or value < least:
+                raise KvforgeError(f"{f.name} must be an int >= {least}, got {value!r}")
+
+    def params(self) -> dict[str, str]:
+        """As string parameters (a Triton model's config.pbtxt); unset ones are left out."""
+        return {k: str(v) for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> BatchOptions:
+        """Read back what params() wrote (other keys are ignored; a missing one takes its default)."""
+        values = {}
+        for f in fields(cls):
+            if f.name in params and params[f.name] != "":
+                try:
+                    values[f.name] = int(params[f.name])
+                except ValueError:
+                    raise KvforgeError(f"{f.name} must be an integer, got {params[f.name]!r}") from None
+        return cls(**values)
 
 
 class Request:
@@ -175,6 +222,17 @@ class _Batch:
     mask: np.ndarray | None = None  # (rows, cache length + 1 for the pending token), right-aligned
 
 
+@dataclass
+class _Prefill:
+    """An admitted request whose prompt is being fed: its own cache so far, and how many prompt positions it holds."""
+
+    request: Request
+    cache: KVCache | None = None
+    fed: int = 0
+    started: bool = False  # its prefix lookup is done (when its prefill begins, so that it finds what went before)
+    logits: np.ndarray | None = None  # the last fed chunk's, (1, 1, V)
+
+
 class RequestQueue:
     """What every runner shares: requests waiting in arrival order, one worker thread started by the first of
     them, close() cancelling what waits. Subclasses run `_run` and say what close() does to running rows."""
@@ -245,22 +303,21 @@ class Batcher(RequestQueue):
     thread_name = "kvforge-batcher"
 
     def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None,
-                 prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None):
-        if not is_int(max_batch) or max_batch < 1:
-            raise KvforgeError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        if max_cache_tokens is None:
-            max_cache_tokens = max_batch * session.max_context
-        if not is_int(max_cache_tokens) or max_cache_tokens < 1:
-            raise KvforgeError(f"max_cache_tokens must be an int >= 1, got {max_cache_tokens!r}")
+                 prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None,
+                 prefill_chunk: int = 256):
+        options = BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
         super().__init__()
         self.session = session
-        self.max_batch = int(max_batch)
-        self.max_cache_tokens = int(max_cache_tokens)
+        self.options = options
+        self.max_batch = options.max_batch
+        self.max_cache_tokens = options.max_cache_tokens or options.max_batch * session.max_context
+        self.prefill_chunk = options.prefill_chunk or None
         self._batch = _Batch()
+        self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not all fed yet
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
         if prefix_cache is None:
-            prefix_cache = PrefixCache(prefix_block, prefix_cache_tokens)  # validates both
+            prefix_cache = PrefixCache(prefix_block, prefix_cache_tokens)
             if prefix_cache.max_blocks == 0:
                 prefix_cache = None
         elif not isinstance(prefix_cache, PrefixCache):
@@ -292,6 +349,10 @@ class Batcher(RequestQueue):
         row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
         return self._enqueue(Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row))
 
+    @classmethod
+    def with_options(cls, session: Session, options: BatchOptions, prefix_cache: PrefixCache | None = None) -> Batcher:
+        return cls(session, **asdict(options), prefix_cache=prefix_cache)
+
     @property
     def prefix_stats(self) -> PrefixStats | None:
         """Prefix-cache counters (hit tokens, cached blocks, ...), or None when prefix caching is off."""
@@ -299,39 +360,43 @@ class Batcher(RequestQueue):
 
     @property
     def running(self) -> int:
-        return len(self._batch.rows)
+        """Rows in the batch, and admitted requests whose prompts are still being prefilled."""
+        return len(self._batch.rows) + len(self._prefilling)
 
     # -- the scheduler thread -----------------------------------------------------------
     def _run(self) -> None:
         batch = self._batch
         while True:
             with self._wake:
-                while not self._waiting and not batch.rows and not self._closing:
+                while not self._waiting and not batch.rows and not self._prefilling and not self._closing:
                     self._wake.wait()
                 if self._closing:
-                    for row in batch.rows:
-                        row.request._end("cancelled")
-                    self._unpin([row.request for row in batch.rows])
-                    batch.rows = []
+                    ending = [row.request for row in batch.rows] + [p.request for p in self._prefilling]
+                    for r in ending:
+                        r._end("cancelled")
+                    self._unpin(ending)
+                    batch.rows, self._prefilling = [], collections.deque()
                     return
-                admitted = self._admit(batch)
+                self._prefilling.extend(_Prefill(r) for r in self._admit(batch))
             try:
-                if admitted:
-                    self._join(batch, self._prefill(admitted))
+                if self._prefilling:
+                    self._prefill(batch, max(1, self.prefill_chunk - len(batch.rows)) if self.prefill_chunk else None)
                 if batch.rows:
                     self._step(batch)
             except BaseException as e:  # a failed step fails the requests in it, not the batcher
                 error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
-                for r in [row.request for row in batch.rows] + admitted:
+                failed = [row.request for row in batch.rows] + [p.request for p in self._prefilling]
+                for r in failed:
                     r._end("error", error)
-                self._unpin([row.request for row in batch.rows] + admitted)
+                self._unpin(failed)
                 self._batch = batch = _Batch()
+                self._prefilling = collections.deque()
 
     def _admit(self, batch: _Batch) -> list[Request]:
         """Waiting requests that fit now, in arrival order (the first that does not fit waits, and so do those after it)."""
-        held = sum(r.request.reserve for r in batch.rows)
+        held = sum(r.request.reserve for r in batch.rows) + sum(p.request.reserve for p in self._prefilling)
         admitted: list[Request] = []
-        while self._waiting and len(batch.rows) + len(admitted) < self.max_batch:
+        while self._waiting and self.running + len(admitted) < self.max_batch:
             nxt = self._waiting[0]
             if nxt.cancelled:
                 self._waiting.popleft()._end("cancelled")
@@ -342,32 +407,91 @@ class Batcher(RequestQueue):
             held += nxt.reserve
         return admitted
 
-    def _prefill(self, requests: list[Request]) -> _Batch:
-        """Run the new prompts as one left-padded batch; their first tokens are chosen by the next _step.
+    def _prefill(self, batch: _Batch, budget: int | None) -> None:
+        """Feed admitted prompts, at most `budget` tokens of them (None: all), in admission order; the rows whose
+        prompts are now complete join the batch (their first tokens are chosen by the next _step).
 
-        With a prefix cache, a prompt that starts with cached blocks is prefilled on its own from them (its
-        suffix only), and every prefilled prompt's new full blocks are cached."""
+        Prompts not begun that fit what is left of the budget whole and start with no cached block are prefilled
+        together as one left-padded batch; a prompt that starts with cached blocks gets them copied into a cache of
+        its own and feeds only the rest; the first prompt that does not fit gets a chunk of the budget and waits
+        for the next step with the prompts after it. Every completed prompt's new full blocks are cached."""
+        left = budget
+        plain: list[Request] = []
+        parts: list[_Batch] = []
+        complete: list[_Prefill] = []  # leave the queue only once their rows are made (a failure fails them too)
+        for p in list(self._prefilling):
+            if left is not None and left <= 0:
+                break
+            r = p.request
+            if r.cancelled:
+                self._prefilling.remove(p)
+                r._end("cancelled")
+                self._unpin([r])
+                continue
+            if not p.started:
+                self._begin(p)
+            rest = len(r.prompt) - p.fed
+            if p.cache is None and not self._window_blocks(r.prompt) and (left is None or rest <= left):
+                plain.append(r)  # a whole prompt from scratch: batched with the others
+                complete.append(p)
+                fed = rest
+            else:
+                fed = self._feed(p, rest if left is None else min(rest, left))
+                if fed == rest:
+                    complete.append(p)
+                    parts.append(self._complete(p))
+            if left is not None:
+                left -= fed
+        if plain:
+            parts.insert(0, self._prefill_full(plain))
+        if self.prefix_cache is not None:
+            for part in parts:
+                self._cache_blocks(part)
+        if parts:
+            new = parts[0]
+            for part in parts[1:]:  # the new rows aligned among themselves first: one regroup of the batch
+                self._join(new, part)
+            self._join(batch, new)
+        for p in complete:
+            self._prefilling.remove(p)
+
+    def _begin(self, p: _Prefill) -> None:
+        """A prompt's prefill begins: restore the cached blocks it starts with (pinned until its row leaves)."""
+        p.started = True
         if self.prefix_cache is None:
-            return self._prefill_full(requests)
-        hits: dict[int, PrefixHit] = {}
-        for r in requests:
-            limit = len(r.prompt) - 1  # at least the last token is fed: its logits choose the first new one
-            if self._window is not None:
-                limit = min(limit, self._window)
-            hit = self.prefix_cache.lookup(self._namespace, r.prompt, limit)
-            if hit.blocks:
-                self._pins[r.id] = hit.keys
-            if hit.blocks or self._window_blocks(r.prompt) > hit.tokens:
-                hits[r.id] = hit
-        plain = [r for r in requests if r.id not in hits]
-        parts = [self._prefill_full(plain)] if plain else []
-        parts += [self._prefill_from(r, hits[r.id]) for r in requests if r.id in hits]
-        for part in parts:
-            self._cache_blocks(part)
-        new = parts[0]
-        for part in parts[1:]:
-            self._join(new, part)
-        return new
+            return
+        r = p.request
+        limit = len(r.prompt) - 1  # at least the last token is fed: its logits choose the first new one
+        if self._window is not None:
+            limit = min(limit, self._window)
+        hit = self.prefix_cache.lookup(self._namespace, r.prompt, limit)
+        if hit.blocks:
+            self._pins[r.id] = hit.keys
+            p.cache = self.session.cache_from_arrays(hit.arrays(), hit.tokens)
+            p.fed = hit.tokens
+
+    def _feed(self, p: _Prefill, n: int) -> int:
+        """Feed the next n prompt tokens over the request's cache; returns n. With capped layers, the feed stops
+        at the end of the blocks within the window once, to cache them before later positions push them out."""
+        prompt, fed, goal = p.request.prompt, p.fed, p.fed + n
+        end = self._window_blocks(prompt)
+        while fed < goal:
+            upto = end if fed < end < goal else goal
+            ids = np.asarray([prompt[fed:upto]], np.int64)
+            p.logits, p.cache = self.session.forward(ids, np.ones((1, upto), np.int64), cache=p.cache,
+                                                     last_logits_only=True)
+            fed = p.fed = upto
+            if fed == end and self.prefix_cache is not None:
+                keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
+                if first < len(keys):
+                    self.prefix_cache.insert(keys, prompt, first,
+                                             _blocks(self.session.cache_arrays(p.cache), 0, end, self.prefix_cache.block_size))
+        return n
+
+    def _complete(self, p: _Prefill) -> _Batch:
+        r = p.request
+        row = _Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), p.logits[0, -1])
+        return _Batch([row], p.cache, _pending(np.ones((1, len(r.prompt)), np.int64)))
 
     def _prefill_full(self, requests: list[Request]) -> _Batch:
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
@@ -379,31 +503,10 @@ class Batcher(RequestQueue):
     def _window_blocks(self, prompt: list[int]) -> int:
         """Capped layers: the tokens of the prompt's cacheable blocks (those within the window), fed apart from
         the rest so that they are cached before later positions push them out of the window; else 0."""
-        if self._window is None:
+        if self._window is None or self.prefix_cache is None:
             return 0
         B = self.prefix_cache.block_size
         return min(self._window, len(prompt) - 1) // B * B
-
-    def _prefill_from(self, r: Request, hit: PrefixHit) -> _Batch:
-        """One prompt from its cached prefix: the prefix's KV copied into a cache of its own, the rest fed over it
-        (positions continue from the prefix's, as in a full prefill). With capped layers, the blocks within the
-        window not cached yet are fed first, and cached."""
-        prompt, start = r.prompt, hit.tokens
-        cache = self.session.cache_from_arrays(hit.arrays(), start) if hit.blocks else None
-        end = self._window_blocks(prompt)
-        if end > start:  # only with capped layers
-            head = np.asarray([prompt[start:end]], np.int64)
-            _, cache = self.session.forward(head, np.ones((1, end), np.int64), cache=cache, last_logits_only=True)
-            keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
-            if first < len(keys):
-                self.prefix_cache.insert(keys, prompt, first,
-                                         _blocks(self.session.cache_arrays(cache), 0, end, self.prefix_cache.block_size))
-            start = end
-        mask = np.ones((1, len(prompt)), np.int64)
-        suffix = np.asarray([prompt[start:]], np.int64)
-        logits, cache = self.session.forward(suffix, mask, cache=cache, last_logits_only=True)
-        row = _Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[0, -1])
-        return _Batch([row], cache, _pending(mask))
 
     def _cache_blocks(self, part: _Batch) -> None:
         """Cache the full prompt blocks of a freshly prefilled batch that are not cached yet."""

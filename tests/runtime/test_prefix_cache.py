@@ -1,4 +1,5 @@
-"""Prefix caching in the continuous batcher: cached prompt blocks are reused and change no greedy output."""
+"""Prefix caching and chunked prefill in the continuous batcher: cached prompt blocks are reused, long prompts are
+fed in chunks between decode steps, and neither changes a greedy output."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 
 from kvforge import runtime
 from kvforge.errors import KvforgeError
+from kvforge.model_defs.config import PRESETS
 from kvforge.runtime.prefix_cache import PrefixCache
+
+MICRO = sorted(n for n in PRESETS if n.endswith("-micro"))  # every decoder design
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,20 @@ def _workload(session, prompts, seed: int, cancel=(), max_batch: int = 4, **opti
         stats = batcher.prefix_stats
         assert batcher.prefix_cache.pinned() == 0  # every row that restored blocks let them go
     return new, results, stats
+
+
+class _Forwards:
+    """Records each forward call's (rows, tokens fed per row, whether it carried a cache) on a session."""
+
+    def __init__(self, session, monkeypatch):
+        self.calls: list[tuple[int, int, bool]] = []
+        real = session.forward
+
+        def forward(ids, mask, cache=None, **kwargs):
+            self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
+            return real(ids, mask, cache=cache, **kwargs)
+
+        monkeypatch.setattr(session, "forward", forward)
 
 
 def _check_against_alone(session, prompts, new, results, cancel=()):
@@ -170,3 +188,47 @@ def test_lru_budget_evicts_unreferenced_blocks_only():
     assert cache.lookup(ns, b, 3).tokens == 2  # only whole blocks within the limit
     s = cache.stats
     assert s.lookups == 6 and s.hits == 5 and s.hit_tokens == 4 + 4 + 2 + 4 + 2
+
+
+@pytest.mark.parametrize("preset", MICRO)
+def test_chunked_prefill_and_prefix_cache_change_no_greedy_output(preset, micro_bundle, monkeypatch):
+    """Every decoder design (the micro presets: windows capped and not, ALiBi, learned positions, MoE, latent
+    attention, ...): random arrivals, shared prefixes, cancellations and two prompts longer than the step budget,
+    each result equal to its prompt generated alone. Every forward call feeds at most the budget per row, and the
+    running rows decode between a long prompt's chunks."""
+    chunk = 7  # not a multiple of the block: chunks end mid-block
+    with runtime.load(micro_bundle(preset).path) as session:
+        prompts = _prompts(7, session.vocab_size, system=24, n=8)
+        long_prompt = prompts[0][:24] + [(5 * i) % (session.vocab_size - 3) + 3 for i in range(40)]
+        prompts[2:2] = [long_prompt, list(long_prompt)]  # the second starts with the first's cached blocks
+        forwards = _Forwards(session, monkeypatch)
+        new, results, stats = _workload(session, prompts, seed=8, cancel={5, 9}, max_batch=3, prefix_block=4,
+                                        prefix_cache_tokens=1024, prefill_chunk=chunk)
+        monkeypatch.undo()
+        _check_against_alone(session, prompts, new, results, cancel={5, 9})
+    assert all(tokens <= chunk for _, tokens, _ in forwards.calls)
+    pieces = [i for i, (rows, tokens, cached) in enumerate(forwards.calls) if rows == 1 and tokens > 1 and cached]
+    decodes = {i for i, (_, tokens, _) in enumerate(forwards.calls) if tokens == 1}
+    assert any(decodes & set(range(a + 1, b)) for a, b in zip(pieces, pieces[1:]))  # decode steps between chunks
+    assert stats.hits >= 3
+
+
+def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny, monkeypatch):
+    prompt = list(range(3, 103))
+    forwards = _Forwards(tiny, monkeypatch)
+    with runtime.Batcher(tiny, max_batch=4, prefill_chunk=32, prefix_cache_tokens=0) as batcher:
+        short = [batcher.submit(prompt[:5 + i], max_new_tokens=40, ignore_eos=True) for i in range(3)]
+        time.sleep(0.05)  # they run before the long prompt arrives
+        long = batcher.submit(prompt, max_new_tokens=3, ignore_eos=True)
+        results = [r.result(timeout=120) for r in short + [long]]
+    monkeypatch.undo()
+    fed = [tokens for rows, tokens, _ in forwards.calls if rows == 1 and tokens > 1]
+    assert max(fed) <= 32 - 1 and sum(fed) >= 100 - 32  # 3 rows decode: 29 tokens left for the prompt per step
+    assert results[-1].tokens == tiny.generate(prompt, max_new_tokens=3, ignore_eos=True).tokens
+    forwards = _Forwards(tiny, monkeypatch)
+    with runtime.Batcher(tiny, prefill_chunk=0, prefix_cache_tokens=0) as batcher:
+        assert batcher.generate(prompt, max_new_tokens=2, ignore_eos=True).tokens == results[-1].tokens[:2]
+    assert forwards.calls[0][1] == 100  # the whole prompt at once
+    for bad in (dict(prefill_chunk=-1), dict(prefill_chunk=2.5), dict(prefill_chunk=True)):
+        with pytest.raises(KvforgeError, match="prefill_chunk must be an int >= 0"):
+            runtime.Batcher(tiny, **bad)
