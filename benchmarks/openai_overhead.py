@@ -332,6 +332,7 @@ class Served:
         self.http_port = self.openai_port = None
 
     def start(self) -> float:
+        from kvforge.runtime import BatchOptions
         from kvforge.serving import TritonServer, write_repository
         from kvforge.serving.server import free_port
 
@@ -339,7 +340,8 @@ class Served:
         t = time.perf_counter()
         self.openai_port = free_port()
         repo = write_repository(self.bundle, self.work / f"repository-{self.starts}", model_name=MODEL,
-                                max_batch=MAX_BATCH, openai_port=self.openai_port, openai_host="127.0.0.1")
+                                batching=BatchOptions(max_batch=MAX_BATCH), openai_port=self.openai_port,
+                                openai_host="127.0.0.1")
         self.server = TritonServer(repo, "127.0.0.1", http_port=0, grpc_port=0, metrics_port=0,
                                    log_file=str(self.work / f"tritonserver-{self.starts}.log"))
         self.server.start()

@@ -174,7 +174,7 @@ def measure(bundle: Path, tmp: Path, runs: int, prompts: list[str]) -> dict:
         with runtime.Batcher(session, max_batch=16) as batcher:
             run_in_process(batcher, prompts[:max(CLIENTS)])  # warm-up: every batch shape's buffers exist before timing
             out["in_process"] = {n: summarize([run_in_process(batcher, prompts[:n]) for _ in range(runs)]) for n in CLIENTS}
-    repo = write_repository(bundle, tmp / f"repo-{bundle.name}", model_name=MODEL, max_batch=16, force=True)
+    repo = write_repository(bundle, tmp / f"repo-{bundle.name}", model_name=MODEL, batching=runtime.BatchOptions(max_batch=16), force=True)
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0) as server:
         run_server(server.http_port, prompts[:max(CLIENTS)])  # warm-up
         out["server"] = {n: summarize([run_server(server.http_port, prompts[:n]) for _ in range(runs)]) for n in CLIENTS}

@@ -439,7 +439,18 @@ _SERVE_OPTIONS = [
                  help="Rows in each instance's continuous batch."),
     click.option("--max-cache-tokens", type=click.IntRange(1),
                  help="Cache tokens one instance's batch may hold (default: max-batch x the context)."),
+    click.option("--prefix-cache-tokens", default=runtime.BatchOptions.prefix_cache_tokens, show_default=True,
+                 type=click.IntRange(0), help="Tokens of prompt KV kept for reuse by prompts that start alike (0: off)."),
+    click.option("--prefix-block", default=runtime.BatchOptions.prefix_block, show_default=True, type=click.IntRange(1),
+                 help="Tokens per prefix-cache block (only whole blocks are reused)."),
+    click.option("--prefill-chunk", default=runtime.BatchOptions.prefill_chunk, show_default=True, type=click.IntRange(0),
+                 help="Tokens fed per batch step, decode tokens included: longer prompts are prefilled in chunks "
+                      "between decode steps (0: whole prompts)."),
 ]
+
+
+def _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk) -> runtime.BatchOptions:
+    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
 
 
 def _serve_options(f):
@@ -457,12 +468,13 @@ def _serve_options(f):
               help="The model's process also serves the OpenAI API on this port (key: $KVFORGE_API_KEY where it runs).")
 @click.option("--openai-host", default="127.0.0.1", show_default=True, help="The OpenAI API's address (0.0.0.0: every "
               "interface, as in a container).")
-def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, backend, force, openai_port, openai_host):
+def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block,
+           prefill_chunk, backend, force, openai_port, openai_host):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
 
-    repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
-                            max_cache_tokens=max_cache_tokens, backend=backend, force=force, openai_port=openai_port,
-                            openai_host=openai_host)
+    batching = _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
+    repo = write_repository(bundle, out, model_name=model_name, instances=instances, batching=batching,
+                            backend=backend, force=force, openai_port=openai_port, openai_host=openai_host)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
                f"run it with `tritonserver --model-repository {repo}` where kvforge is installed")
 
@@ -479,14 +491,15 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, back
 @click.option("--no-openai", is_flag=True, help="Serve Triton's endpoints only.")
 @click.option("--api-key", envvar="KVFORGE_API_KEY", help="A key the OpenAI API's clients must send as a Bearer token "
               "(default: $KVFORGE_API_KEY; none: open).")
-def serve(source, model_name, instances, max_batch, max_cache_tokens, backend, host, http_port, grpc_port, metrics_port,
-          openai_port, no_openai, api_key):
+def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
+          backend, host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key):
     """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM,
     with the OpenAI API beside Triton's endpoints."""
 
     code = serving.serve(source, model_name, host=host, http_port=http_port, grpc_port=grpc_port,
-                         metrics_port=metrics_port, instances=instances, max_batch=max_batch,
-                         max_cache_tokens=max_cache_tokens, backend=backend,
+                         metrics_port=metrics_port, instances=instances,
+                         batching=_batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk),
+                         backend=backend,
                          openai_port=None if no_openai else openai_port, api_key=api_key, echo=click.echo)
     sys.exit(code)
 

@@ -10,21 +10,25 @@ Importing this package imports no Torch; the torch backend loads it on activatio
 """
 
 from .backend import Backend, KVCache
-from .batcher import Batcher, Request
+from .batcher import BatchOptions, Batcher, Request
 from .encoder_session import EncoderSession
 from .generate import GenerationConfig, GenerationResult, TokenEvent
 from .sampling import SamplingConfig
 from .loading import load
+from .prefix_cache import PrefixCache, PrefixStats
 from .session import BACKENDS, Session, available_backends
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "BatchOptions",
     "Batcher",
     "EncoderSession",
     "GenerationConfig",
     "GenerationResult",
     "KVCache",
+    "PrefixCache",
+    "PrefixStats",
     "Request",
     "SamplingConfig",
     "Session",

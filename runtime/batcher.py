@@ -65,9 +65,11 @@ and evictions (None when off).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import queue
 import threading
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Iterator
 
@@ -316,6 +318,8 @@ class Batcher(RequestQueue):
         self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not all fed yet
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
+        # seconds spent in prefill and decode forward calls, and in copying caches (joins, leaves, restored prefixes)
+        self.seconds = {"prefill": 0.0, "decode": 0.0, "copy": 0.0}
         if prefix_cache is None:
             prefix_cache = PrefixCache(prefix_block, prefix_cache_tokens)
             if prefix_cache.max_blocks == 0:
@@ -348,6 +352,14 @@ class Batcher(RequestQueue):
         # the response format's matcher now: one that does not compile for this tokenizer is refused here
         row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
         return self._enqueue(Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row))
+
+    @contextlib.contextmanager
+    def _timed(self, what: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] += time.perf_counter() - start
 
     @classmethod
     def with_options(cls, session: Session, options: BatchOptions, prefix_cache: PrefixCache | None = None) -> Batcher:
@@ -467,7 +479,8 @@ class Batcher(RequestQueue):
         hit = self.prefix_cache.lookup(self._namespace, r.prompt, limit)
         if hit.blocks:
             self._pins[r.id] = hit.keys
-            p.cache = self.session.cache_from_arrays(hit.arrays(), hit.tokens)
+            with self._timed("copy"):
+                p.cache = self.session.cache_from_arrays(hit.arrays(), hit.tokens)
             p.fed = hit.tokens
 
     def _feed(self, p: _Prefill, n: int) -> int:
@@ -478,8 +491,9 @@ class Batcher(RequestQueue):
         while fed < goal:
             upto = end if fed < end < goal else goal
             ids = np.asarray([prompt[fed:upto]], np.int64)
-            p.logits, p.cache = self.session.forward(ids, np.ones((1, upto), np.int64), cache=p.cache,
-                                                     last_logits_only=True)
+            with self._timed("prefill"):
+                p.logits, p.cache = self.session.forward(ids, np.ones((1, upto), np.int64), cache=p.cache,
+                                                         last_logits_only=True)
             fed = p.fed = upto
             if fed == end and self.prefix_cache is not None:
                 keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
@@ -495,7 +509,8 @@ class Batcher(RequestQueue):
 
     def _prefill_full(self, requests: list[Request]) -> _Batch:
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
-        logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
+        with self._timed("prefill"):
+            logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
         rows = [_Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
         return _Batch(rows, cache, _pending(mask))
@@ -541,8 +556,9 @@ class Batcher(RequestQueue):
             batch.rows, batch.cache, batch.mask = new.rows, new.cache, new.mask
             return
         length = max(batch.cache.length, new.cache.length)
-        batch.cache = self.session.regroup_cache(
-            [(batch.cache, list(range(len(batch.rows)))), (new.cache, list(range(len(new.rows))))], length)
+        with self._timed("copy"):
+            batch.cache = self.session.regroup_cache(
+                [(batch.cache, list(range(len(batch.rows)))), (new.cache, list(range(len(new.rows))))], length)
         batch.mask = np.concatenate([_left_pad(batch.mask, length + 1), _left_pad(new.mask, length + 1)])
         batch.rows = batch.rows + new.rows
 
@@ -582,7 +598,8 @@ class Batcher(RequestQueue):
         if not batch.rows:
             return
         nxt = np.array([[row.request.tokens[-1]] for row in batch.rows], np.int64)
-        logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
+        with self._timed("decode"):
+            logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
         for row, lg in zip(batch.rows, logits[:, -1]):
             row.logits = lg
         batch.mask = _pending(batch.mask)
@@ -599,7 +616,8 @@ class Batcher(RequestQueue):
         mask = batch.mask[keep]
         first = int(mask.argmax(axis=1).min())  # the earliest real position of any row kept
         length = batch.cache.length - first
-        batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
+        with self._timed("copy"):
+            batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
         batch.mask = mask[:, first:]
 
 

@@ -12,6 +12,7 @@ model kind serves; server.py starts and stops the server.
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
+from kvforge.runtime import BatchOptions
 
 from .preflight import check_python_backend
 from .repository import repository_model, write_repository
@@ -21,9 +22,10 @@ __all__ = ["TritonServer", "check_python_backend", "repository_model", "serve", 
 
 
 def serve(source, model_name: str | None = None, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
+          metrics_port: int = 8002, instances: int = 1, batching: BatchOptions | None = None,
           backend: str = "auto", openai_port: int | None = 8080, api_key: str | None = None, echo=print) -> int:
     """Serve a bundle (or a model source, exported to FP32 first) until SIGTERM or Ctrl-C; returns the exit code.
+    batching: the continuous batcher's settings (kvforge.runtime.BatchOptions; default: its defaults);
     openai_port: the OpenAI API's port (0: a free one; None: no OpenAI API); api_key: what its clients must send."""
     import signal
     import tempfile
@@ -48,7 +50,7 @@ def serve(source, model_name: str | None = None, *, host: str = "127.0.0.1", htt
         if openai_port == 0:  # one port for every instance: chosen here
             openai_port = free_port(host if host not in ("0.0.0.0", "") else "127.0.0.1")
         repo = write_repository(bundle, Path(work) / "repository", model_name=model_name, instances=instances,
-                                max_batch=max_batch, max_cache_tokens=max_cache_tokens, backend=backend,
+                                batching=batching, backend=backend,
                                 openai_port=openai_port, openai_host=host)
         name = repository_model(repo)
         server = TritonServer(repo, host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,

@@ -1,6 +1,6 @@
 """What the server offers for each model kind (kvforge/kinds.py lists the kinds): one registry, no kind names in code.
 
-    SERVED[kind.name].runner(session, max_batch, max_cache_tokens)   generation: submit(ids, config) -> Request
+    SERVED[kind.name].runner(session, batching)   generation: submit(ids, config) -> Request (batching: BatchOptions)
     SERVED[kind.name].embeds                                         /v1/embeddings (and Triton's `embedding`)
 
 A decoder generates through the continuous batcher (kvforge.runtime.Batcher); an encoder-decoder through a
@@ -19,25 +19,25 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 from kvforge.kinds import check_registry
-from kvforge.runtime import Batcher
+from kvforge.runtime import BatchOptions, Batcher
 from kvforge.runtime.serial import SerialRunner
 
 from .requests import EMBEDDING_INPUTS, EMBEDDING_OUTPUTS, INPUTS, OUTPUTS
 
 
 class ServedKind(NamedTuple):
-    runner: Callable[..., Any] | None  # (session, max_batch, max_cache_tokens) -> a runner with submit(ids, config)
+    runner: Callable[..., Any] | None  # (session, BatchOptions) -> a runner with submit(ids, config)
     embeds: bool
     room: Callable[[Any, int], int]  # (session, prompt tokens) -> how many tokens may follow (<= 0: none)
     limit: str  # how messages state that bound ({context}: the session's max_context)
     triton_io: tuple[dict, dict]  # the Triton model's inputs and outputs (name -> (data type, dims))
 
 
-def _batcher(session, max_batch: int, max_cache_tokens: int | None):
-    return Batcher(session, max_batch, max_cache_tokens)
+def _batcher(session, batching: BatchOptions):
+    return Batcher.with_options(session, batching)
 
 
-def _serial(session, max_batch: int, max_cache_tokens: int | None):
+def _serial(session, batching: BatchOptions):
     return SerialRunner(session)
 
 
@@ -68,11 +68,11 @@ check_registry("serving", SERVED)
 class Service:
     """One loaded model as the endpoints see it: its session, its runner (generation) and embeddings."""
 
-    def __init__(self, session, kind, max_batch: int = 8, max_cache_tokens: int | None = None):
+    def __init__(self, session, kind, batching: BatchOptions | None = None):
         self.session = session
         self.kind = kind
         served = SERVED[kind.name]
-        self.runner = served.runner(session, max_batch, max_cache_tokens) if served.runner else None
+        self.runner = served.runner(session, batching or BatchOptions()) if served.runner else None
         self.embeds = served.embeds
         self._served = served
         self._lock = threading.Lock()
@@ -111,6 +111,11 @@ class Service:
     @property
     def waiting(self) -> int:
         return self.runner.waiting if self.runner else 0
+
+    @property
+    def prefix_cache(self):
+        """The runner's prefix cache (runtime.PrefixCache), or None: none, or prefix caching off."""
+        return getattr(self.runner, "prefix_cache", None)
 
     def submit(self, prompt: list[int], config):
         return self.runner.submit(prompt, config)

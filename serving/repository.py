@@ -10,11 +10,14 @@
 Triton runs it unchanged: `tritonserver --model-repository REPO`, in NVIDIA's
 container (with kvforge pip-installed into it) or from the nvidia-pytriton
 wheel (`kvforge serve`). The batcher's size and cache-token budget and the
-runtime backend are the model's parameters in config.pbtxt.
+runtime backend are the model's parameters in config.pbtxt (every
+kvforge.runtime.BatchOptions field: the batch's rows and cache-token budget,
+the prefix cache's budget and block, the prefill's per-step token budget).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +27,7 @@ from pathlib import Path
 from kvforge.bundle import Bundle, now_utc
 from kvforge.errors import KvforgeError
 from kvforge.outputs import staged_bundle
+from kvforge.runtime import BatchOptions
 
 from .kinds import SERVED
 from .requests import INPUTS, OUTPUTS
@@ -41,16 +45,14 @@ def default_model_name(bundle: Path) -> str:
     return name[:128]
 
 
-def config_pbtxt(name: str, instances: int, max_batch: int, max_cache_tokens: int | None, backend: str,
+def config_pbtxt(name: str, instances: int, batching: BatchOptions, backend: str,
                  io: tuple[dict, dict] = (INPUTS, OUTPUTS), openai: tuple[str, int] | None = None) -> str:
     def tensors(specs: dict, optional: bool) -> str:
         rows = [f'  {{ name: "{n}" data_type: {t} dims: [ {", ".join(map(str, d))} ]'
                 f'{" optional: true" if optional and n != "text_input" else ""} }}' for n, (t, d) in specs.items()]
         return ",\n".join(rows)
 
-    params = {"max_batch": str(max_batch), "backend": backend}
-    if max_cache_tokens is not None:
-        params["max_cache_tokens"] = str(max_cache_tokens)
+    params = {**batching.params(), "backend": backend}
     if openai is not None:  # the OpenAI front (serving/openai_app.py) in the model's process; the key: KVFORGE_API_KEY
         params["openai_host"], params["openai_port"] = openai[0], str(openai[1])
     parameters = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
@@ -78,11 +80,12 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
 
 
 def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model_name: str | None = None,
-                     instances: int = 1, max_batch: int = 8, max_cache_tokens: int | None = None,
+                     instances: int = 1, batching: BatchOptions | None = None,
                      backend: str = "auto", force: bool = False, openai_port: int | None = None,
                      openai_host: str = "127.0.0.1") -> Path:
     """Write the repository (all or nothing: a failure leaves `out` as it was); returns its path.
-    openai_port: the model's process also serves the OpenAI API there (several instances share the port)."""
+    batching: the continuous batcher's settings (default BatchOptions()); openai_port: the model's process also
+    serves the OpenAI API there (several instances share the port)."""
     if not Bundle.is_bundle(bundle):
         raise KvforgeError(f"{bundle} is not a kvforge bundle (no kvforge.json); export one first (`kvforge export`)")
     source = Bundle(bundle)
@@ -91,9 +94,9 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model
     if not _NAME.match(name):
         raise KvforgeError(f"model name {name!r}: use letters, digits, '_', '.' or '-' (Triton's model directory name)")
     _check_count("instances", instances)
-    _check_count("max_batch", max_batch)
-    if max_cache_tokens is not None:
-        _check_count("max_cache_tokens", max_cache_tokens)
+    batching = BatchOptions() if batching is None else batching
+    if not isinstance(batching, BatchOptions):
+        raise KvforgeError(f"batching must be a kvforge.runtime.BatchOptions, got {type(batching).__name__}")
     if backend not in ("auto", "onnxruntime", "tensorrt", "torch"):
         raise KvforgeError(f"backend {backend!r} is not one of auto, onnxruntime, tensorrt, torch")
     if openai_port is not None and (isinstance(openai_port, bool) or not isinstance(openai_port, int)
@@ -105,14 +108,14 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model
         (model / "1").mkdir(parents=True)
         _link_tree(source.path, model / "1" / "bundle")
         (model / "1" / "model.py").write_text(MODEL_PY)
-        (model / "config.pbtxt").write_text(config_pbtxt(name, instances, max_batch, max_cache_tokens, backend,
+        (model / "config.pbtxt").write_text(config_pbtxt(name, instances, batching, backend,
                                                              SERVED[source.kind.name].triton_io, openai))
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         (tmp / RECORD).write_text(json.dumps({
             "files": files,  # what --force may replace: every file written here (kvforge.bundle.owned_entries)
             "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.manifest.get("files", {})
-            .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances, "max_batch": max_batch,
-            "max_cache_tokens": max_cache_tokens, "backend": backend, "openai_port": openai_port,
+            .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances,
+            "batching": dataclasses.asdict(batching), "backend": backend, "openai_port": openai_port,
             "kind": source.kind.name, "written": now_utc()}, indent=2) + "\n")
     return Path(out)
 

@@ -9,8 +9,12 @@ generate endpoint requires). A request the model refuses gets an INVALID_ARG err
 cancelled gRPC call) is noticed within POLL_S and its row leaves the batch.
 
 Custom metrics on the server's metrics endpoint: kvforge_batch_rows (rows in the
-running batch), kvforge_waiting_requests, kvforge_generated_tokens_total and
-kvforge_requests_total{finish_reason}.
+running batch, and prompts being prefilled), kvforge_waiting_requests,
+kvforge_generated_tokens_total, kvforge_requests_total{finish_reason}, and the
+prefix cache's kvforge_prefix_cache_hit_tokens_total (prompt tokens restored
+instead of prefilled), kvforge_prefix_cache_blocks (blocks held) and
+kvforge_prefix_cache_pinned_blocks (blocks running rows restored from: 0 once
+they have all left).
 """
 
 from __future__ import annotations
@@ -59,8 +63,7 @@ class TritonPythonModel:
             self.openai = OpenAIServer(lambda: self.service, args["model_name"], params.get("openai_host", "127.0.0.1"),
                                        int(params["openai_port"]), api_key=key, reuse_port=True).start()
         session = runtime.load(bundle, backend=params.get("backend", "auto")).activate()
-        max_cache_tokens = int(params["max_cache_tokens"]) if params.get("max_cache_tokens") else None
-        self.service = Service(session, Bundle(bundle).kind, int(params.get("max_batch", 8)), max_cache_tokens)
+        self.service = Service(session, Bundle(bundle).kind, runtime.BatchOptions.from_params(params))
         self.session = session
         self.live: dict[int, tuple] = {}  # runner request id -> (request, response sender)
         self.lock = threading.Lock()
@@ -80,10 +83,18 @@ class TritonPythonModel:
             "tokens": family(name="kvforge_generated_tokens_total", description="Tokens generated", kind=family.COUNTER),
             "finish": family(name="kvforge_requests_total", description="Finished requests by finish reason",
                              kind=family.COUNTER),
+            "hit": family(name="kvforge_prefix_cache_hit_tokens_total", description="Prompt tokens restored from the "
+                          "prefix cache instead of prefilled", kind=family.COUNTER),
+            "blocks": family(name="kvforge_prefix_cache_blocks", description="Blocks of prompt KV in the prefix cache",
+                             kind=family.GAUGE),
+            "pinned": family(name="kvforge_prefix_cache_pinned_blocks", description="Prefix-cache blocks that running "
+                             "rows restored from", kind=family.GAUGE),
         }
         self.rows_metric = self.families["rows"].Metric(labels={})
         self.waiting_metric = self.families["waiting"].Metric(labels={})
         self.tokens_metric = self.families["tokens"].Metric(labels={})
+        self.prefix_metrics = {name: self.families[name].Metric(labels={}) for name in ("hit", "blocks", "pinned")}
+        self.hit_tokens = 0  # the prefix cache's count last put in the counter
         self.finish_metrics: dict[str, object] = {}
 
     def execute(self, requests):
@@ -199,6 +210,13 @@ class TritonPythonModel:
                         handle.cancel()
                 self.rows_metric.set(self.service.running)
                 self.waiting_metric.set(self.service.waiting)
+                cache = self.service.prefix_cache
+                if cache is not None:
+                    stats = cache.stats
+                    self.prefix_metrics["hit"].increment(stats.hit_tokens - self.hit_tokens)
+                    self.hit_tokens = stats.hit_tokens
+                    self.prefix_metrics["blocks"].set(stats.cached_blocks)
+                    self.prefix_metrics["pinned"].set(cache.pinned())
 
     def finalize(self):
         self.closing.set()
@@ -211,6 +229,7 @@ class TritonPythonModel:
             time.sleep(POLL_S)
         self.session.deactivate()
         self.rows_metric = self.waiting_metric = self.tokens_metric = None  # metrics go before their families
+        self.prefix_metrics.clear()
         self.finish_metrics.clear()
         self.families.clear()
 

@@ -34,7 +34,7 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "
 
 
 def _serve(session, kind, name=MODEL, api_key=None, max_batch=8):
-    service = Service(session, kind, max_batch=max_batch)
+    service = Service(session, kind, runtime.BatchOptions(max_batch=max_batch))
     server = OpenAIServer(lambda: service, name, api_key=api_key).start()
     return service, server
 

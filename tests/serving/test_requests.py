@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -77,19 +78,24 @@ def test_stop_strings_hold_back_only_what_could_match(deltas, stops, released, s
 
 
 def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
-    repo = write_repository(tiny_fp32.path, tmp_path / "repo", model_name="tiny-llm", instances=2, max_batch=4, max_cache_tokens=4096)
+    batching = runtime.BatchOptions(max_batch=4, max_cache_tokens=4096, prefix_cache_tokens=0, prefill_chunk=64)
+    repo = write_repository(tiny_fp32.path, tmp_path / "repo", model_name="tiny-llm", instances=2, batching=batching)
     config = (repo / "tiny-llm" / "config.pbtxt").read_text()
     assert 'name: "tiny-llm"' in config and "decoupled: true" in config and "count: 2" in config
     for name in ("text_input", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "text_output"):
         assert f'name: "{name}"' in config
     assert 'key: "max_batch" value: { string_value: "4" }' in config and '"4096"' in config
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', config))
+    assert runtime.BatchOptions.from_params(params) == batching  # what the model reads back is what was asked
+    with pytest.raises(KvforgeError, match="prefill_chunk must be an integer, got 'many'"):
+        runtime.BatchOptions.from_params({**params, "prefill_chunk": "many"})
     assert "kvforge.serving.triton_model import TritonPythonModel" in (repo / "tiny-llm" / "1" / "model.py").read_text()
     inside = repo / "tiny-llm" / "1" / "bundle"
     for f in tiny_fp32.path.iterdir():
         assert (inside / f.name).read_bytes() == f.read_bytes()
     assert repository_model(repo) == "tiny-llm"
     record = json.loads((repo / RECORD).read_text())
-    assert record["model_name"] == "tiny-llm" and record["max_batch"] == 4
+    assert record["model_name"] == "tiny-llm" and record["batching"]["max_batch"] == 4
     # an existing repository is kept unless --force; --force replaces it; a foreign directory is never replaced
     with pytest.raises(KvforgeError, match="already exists"):
         write_repository(tiny_fp32.path, repo)
@@ -105,7 +111,7 @@ def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model_name="a/b"), "model name"),
     (dict(instances=0), "instances must be an integer >= 1"),
-    (dict(max_batch=0), "max_batch must be an integer >= 1"),
+    (dict(batching=dict(max_batch=4)), "batching must be a kvforge.runtime.BatchOptions"),
     (dict(backend="tpu"), "backend 'tpu'"),
 ])
 def test_bad_repository_options_are_refused_and_nothing_is_written(tiny_fp32, tmp_path, kwargs, message):

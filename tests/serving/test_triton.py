@@ -42,7 +42,7 @@ PROMPTS = ["def add(a, b):", "class Stack", "import os\nimport", "x = 1", "for i
 
 @pytest.fixture(scope="module")
 def server(tiny_fp32, tmp_path_factory):
-    repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", model_name=MODEL, max_batch=8)
+    repo = write_repository(tiny_fp32.path, tmp_path_factory.mktemp("triton") / "repo", model_name=MODEL, batching=runtime.BatchOptions(max_batch=8))
     srv = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0)
     srv.start(timeout_s=90)  # a server that is not ready by then fails here with its log tail
     yield srv
@@ -202,20 +202,44 @@ def test_stop_strings_end_the_text_before_them(server, tiny):
     assert body["text_output"] == full[:full.index(stop)]
 
 
-def test_a_client_that_disconnects_frees_its_slot(server):
+def test_a_hundred_clients_that_drop_mid_stream_leave_no_rows_or_pinned_blocks(server, tiny):
+    """Each streams a prompt that starts with the same 48-token prefix (its rows restore cached blocks), reads two
+    tokens and closes the connection: every request ends cancelled, the batch empties, no cached block stays
+    pinned, and the model still answers as before."""
     cancelled = _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}')
     tokens = _metric(server, "kvforge_generated_tokens_total")
-    events, _ = _sse(server, {"text_input": PROMPTS[4], "max_tokens": 1000, "ignore_eos": True, "stream": True}, keep=3)
-    assert len(events) == 3
-    deadline = time.monotonic() + 30
-    while _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}') == cancelled and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}') == cancelled + 1
-    while _metric(server, "kvforge_batch_rows") != 0 and time.monotonic() < deadline:  # the gauge follows within POLL_S
-        time.sleep(0.1)
-    assert _metric(server, "kvforge_batch_rows") == 0
-    assert _metric(server, "kvforge_generated_tokens_total") - tokens < 1000  # it stopped early
-    assert _post(server, "generate", {"text_input": "x", "max_tokens": 2})[0] == 200
+    hits = _metric(server, "kvforge_prefix_cache_hit_tokens_total")
+    prefix = tiny.tokenizer.decode(list(range(300, 348)))
+    prompts = [prefix + PROMPTS[i % len(PROMPTS)] + f" # {i}" for i in range(100)]
+    got: dict[int, int] = {}
+
+    def client(i):
+        got[i] = len(_sse(server, {"text_input": prompts[i], "max_tokens": 500, "ignore_eos": True, "stream": True},
+                          keep=2)[0])
+
+    for wave in range(0, 100, 20):  # 20 at a time: more rows than the batch holds (8), so some wait first
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(wave, wave + 20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert sorted(got) == list(range(100)) and set(got.values()) == {2}
+    deadline = time.monotonic() + 60
+
+    def settled():
+        return (_metric(server, "kvforge_requests_total", '{finish_reason="cancelled"}') == cancelled + 100
+                and _metric(server, "kvforge_batch_rows") == 0 and _metric(server, "kvforge_waiting_requests") == 0
+                and _metric(server, "kvforge_prefix_cache_pinned_blocks") == 0)
+
+    while not settled() and time.monotonic() < deadline:  # the gauges follow within POLL_S
+        time.sleep(0.2)
+    assert settled(), {name: _metric(server, name) for name in ("kvforge_batch_rows", "kvforge_waiting_requests",
+                                                                "kvforge_prefix_cache_pinned_blocks")}
+    assert _metric(server, "kvforge_generated_tokens_total") - tokens < 100 * 500 / 5  # they stopped early
+    assert _metric(server, "kvforge_prefix_cache_hit_tokens_total") - hits >= 90 * 32  # later rows restored blocks
+    assert _metric(server, "kvforge_prefix_cache_blocks") >= 3  # the prefix's blocks stay cached for the next ones
+    status, body = _post(server, "generate", {"text_input": prompts[0], "max_tokens": 6})
+    assert status == 200 and body["token_ids"] == tiny.generate(prompts[0], max_new_tokens=6).tokens
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
