@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.chat import check_messages
 from kvforge.checks import is_int, is_number
 from kvforge.errors import KvforgeError
 from kvforge.runtime import GenerationConfig
@@ -194,6 +195,10 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     """A /v1/chat/completions request -> a Job (ApiError naming the field otherwise)."""
     body = check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = check_model(body, served)
+    try:  # the conversation's shape first: it is wrong whatever the model
+        check_messages(body.get("messages"))
+    except KvforgeError as e:
+        raise ApiError(str(e), param="messages") from None
     session = service.session
     if session.tokenizer is None or session.tokenizer.chat_template is None:
         raise ApiError(f"{model} has no chat template (its checkpoint's tokenizer_config.json or GGUF file names none): "

@@ -137,6 +137,8 @@ def create_app(get_service: Callable[[], Any], model_name: str, api_key: str | N
             return json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(f"the request body is not JSON: {e}") from None
+        except RecursionError:  # Python's parser gives up on arrays or objects nested thousands deep
+            raise ApiError("the request body is JSON nested too deeply to read") from None
 
     def endpoint(handler):
         async def wrapped(request):
@@ -199,13 +201,18 @@ def create_app(get_service: Callable[[], Any], model_name: str, api_key: str | N
         return error(ApiError(f"no route {request.method} {request.url.path}; the API is under /v1", 404,
                               code="not_found"))
 
+    async def wrong_method(request, exc):
+        allowed = next((r.methods for r in routes if r.path == request.url.path), set()) - {"HEAD"}
+        return error(ApiError(f"{request.url.path} takes {' or '.join(sorted(allowed))}, not {request.method}", 405,
+                              code="method_not_allowed"))
+
     created = int(time.time())
     routes = [Route("/v1/models", endpoint(models), methods=["GET"]),
               Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
               Route("/v1/completions", endpoint(completions), methods=["POST"]),
               Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
 
 
 async def _whole(request, gen: Generation):

@@ -165,16 +165,24 @@ def grown(arrays: list[np.ndarray], capacity: int, limit: int, step: int = 256) 
 
 
 def regroup(parts: list[tuple[object, list[int]]], length: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Rows of several packed caches as one store: buffers and lengths (at most `length` each)."""
+    """Rows of several packed caches as one store: buffers and lengths (at most `length` each).
+
+    Only each row's held positions are copied, into buffers made by np.zeros (calloc: pages nobody writes cost
+    neither a fill nor memory): a short row joining a batch whose capacity a long row set copies its own length,
+    not the capacity (a 4,096-token row joining 8 rows of 300 on SmolLM2 copied 1.7 GB twice, 2.3 s, before)."""
     capacity = max(c.values[0].shape[2] for c, _ in parts)
+    held = [np.minimum(np.asarray(c.layout.lengths)[keep], length) for c, keep in parts]
+    rows = sum(len(keep) for _, keep in parts)
     arrays = []
     for j in range(len(parts[0][0].values)):
-        rows = []
-        for cache, keep in parts:
-            a = cache.values[j][keep]
-            if a.shape[2] < capacity:
-                a = np.concatenate([a, np.zeros((*a.shape[:2], capacity - a.shape[2], *a.shape[3:]), a.dtype)], axis=2)
-            rows.append(a)
-        arrays.append(np.ascontiguousarray(np.concatenate(rows, axis=0)))
-    lengths = np.concatenate([np.asarray(c.layout.lengths)[keep] for c, keep in parts])
-    return arrays, np.minimum(lengths, length)
+        like = parts[0][0].values[j]
+        out = np.zeros((rows, like.shape[1], capacity, *like.shape[3:]), like.dtype)
+        i = 0
+        for (cache, keep), lengths in zip(parts, held):
+            src = cache.values[j]
+            for r, n in zip(keep, lengths.tolist()):
+                if n:
+                    out[i, :, :n] = src[r, :, :n]
+                i += 1
+        arrays.append(out)
+    return arrays, np.concatenate(held) if held else np.zeros(0, np.int64)
