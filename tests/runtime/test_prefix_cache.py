@@ -232,3 +232,19 @@ def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny
     for bad in (dict(prefill_chunk=-1), dict(prefill_chunk=2.5), dict(prefill_chunk=True)):
         with pytest.raises(KvforgeError, match="prefill_chunk must be an int >= 0"):
             runtime.Batcher(tiny, **bad)
+
+
+@pytest.mark.slow
+def test_smollm2_chunked_and_cached_greedy_outputs_equal_each_prompt_alone(smollm2_fp32_bundle):
+    """The real SmolLM2-135M-Instruct: chat prompts sharing a system prompt (several blocks), random arrivals, a
+    cancellation, and prompts longer than the step budget; each result is its prompt's greedy output alone."""
+    with runtime.load(smollm2_fp32_bundle.path) as session:
+        system = "You are a careful assistant. Answer in one short sentence, and never use lists or headings. "
+        questions = ["What is the capital of France?", "Why is the sky blue?", "Name a prime number above 50.",
+                     "What does a compiler do?", "How many legs does a spider have?", "What is 7 times 8?"]
+        prompts = [session.tokenizer.encode(system * 2 + q) for q in questions]
+        assert min(len(p) for p in prompts) > 40  # longer than the budget below: every prompt is chunked
+        new, results, stats = _workload(session, prompts, seed=11, cancel={3}, max_batch=3, prefix_block=16,
+                                        prefix_cache_tokens=2048, prefill_chunk=24)
+        _check_against_alone(session, prompts, new, results, cancel={3})
+    assert stats.hits >= 3 and stats.hit_tokens >= 3 * 32
