@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.chat import check_messages
 from kvforge.checks import is_int, is_number
 from kvforge.errors import KvforgeError
 from kvforge.runtime import GenerationConfig
 from kvforge.runtime.generate import MAX_TOP_LOGPROBS
 
 from .requests import StopText
-from .tools import check_tool_choice, check_tools, parse_tool_calls, render_chat, tool_constraint, tool_format
+from .tools import (check_chat_messages, check_tool_choice, check_tools, parse_tool_calls, render_chat, tool_constraint,
+                    tool_format)
 
 MAX_N = 4
 MAX_STOP = 4
@@ -196,7 +196,7 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     body = check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = check_model(body, served)
     try:  # the conversation's shape first: it is wrong whatever the model
-        check_messages(body.get("messages"))
+        check_chat_messages(body.get("messages"))
     except KvforgeError as e:
         raise ApiError(str(e), param="messages") from None
     session = service.session

@@ -28,6 +28,7 @@ if sys.platform != "linux":
 
 MODEL = "tiny"
 SOAK_REQUESTS = 10_000
+LONG = 1000  # tokens a killed stream asks for: tiny's context (1024) holds them, its decode takes seconds
 
 
 class Served:
@@ -144,7 +145,8 @@ FIELDS = {  # readable bodies with a bad field: (body, what the answer must name
                     ({"model": MODEL, "prompt": [[-5, 3]]}, "prompt|token"), ({"model": MODEL, "prompt": "x", "stop": 5}, "stop"),
                     ({"model": MODEL, "prompt": "x", "temperature": float("nan")}, "temperature"), ({"prompt": "x"}, "model")],
     "chat/completions": [({"model": MODEL, "messages": 3}, "messages must be"), ({"model": MODEL, "messages": []}, "messages"),
-                         ({"model": MODEL, "messages": [{"role": "user"}]}, "'content'"),
+                         ({"model": MODEL, "messages": [{"role": "user"}]}, "content"),
+                         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content must be a string"),
                          ({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, "no chat template"),
                          ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": 3}, "no chat template")],
     "embeddings": [({"model": MODEL, "input": "x"}, "embeddings come from encoder"), ({"model": MODEL}, "input|embeddings")],
@@ -203,9 +205,9 @@ def test_ten_thousand_mixed_requests_leave_the_servers_memory_flat(served, tiny_
         words = session.tokenizer.decode(list(range(300, 700))).split()
     jobs = []
     for i in range(SOAK_REQUESTS):
-        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 8, 40, 120])))
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 8, 24, 80])))
         jobs.append((rng.choice(["generate", "stream", "openai", "drop"] if i % 10 == 0 else
-                                ["generate", "stream", "openai"]), prompt, rng.choice([1, 2, 4, 8])))
+                                ["generate", "stream", "openai"]), prompt, rng.choice([1, 2, 3, 6])))
     pids = served.processes()
     assert set(pids) == {"server", "stub"}, pids
     done, failures, samples = [0], [], {}
@@ -275,7 +277,7 @@ def test_ten_thousand_mixed_requests_leave_the_servers_memory_flat(served, tiny_
 # -- the model's process killed mid-stream (last: the server does not survive it) ----------------------------
 def test_killing_the_model_process_mid_stream_ends_every_client_and_the_cli_with_an_error(served):
     """kill -9 of the Python-backend stub while 6 streams (Triton and OpenAI) are mid-generation: every client's
-    stream ends (an error or a cut connection) within seconds instead of hanging, and `kvforge serve` exits
+    stream ends (an error or a cut connection) before its tokens are all out instead of hanging, and `kvforge serve` exits
     non-zero on its own, saying that the model's process died."""
     pids = served.processes()
     outcomes: dict[int, tuple[str, int]] = {}  # client -> (how its stream ended, tokens it got)
@@ -286,7 +288,7 @@ def test_killing_the_model_process_mid_stream_ends_every_client_and_the_cli_with
         try:
             conn = http.client.HTTPConnection("127.0.0.1", served.http, timeout=60)
             conn.request("POST", f"/v2/models/{MODEL}/generate_stream", json.dumps(
-                {"text_input": f"stream {i}", "max_tokens": 900, "ignore_eos": True, "stream": True}))
+                {"text_input": f"stream {i}", "max_tokens": LONG, "ignore_eos": True, "stream": True}))
             response = conn.getresponse()
             while True:
                 line = response.readline()
@@ -303,13 +305,16 @@ def test_killing_the_model_process_mid_stream_ends_every_client_and_the_cli_with
         except OSError as e:
             outcomes[i] = (type(e).__name__, events)
 
-    def openai_stream(i):
-        import openai
+    import openai
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="x", max_retries=0, timeout=60)
+    clients = {i: openai.OpenAI(base_url=f"http://127.0.0.1:{served.openai}/v1", api_key="x", max_retries=0, timeout=60)
+               for i in range(0, 6, 2)}  # made before any stream starts: the streams start together
+
+    def openai_stream(i):
+        client = clients[i]
         n = 0
         try:
-            for _ in client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=900, stream=True,
+            for _ in client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=LONG, stream=True,
                                                extra_body={"ignore_eos": True}):
                 n += 1
                 if n == 2:
@@ -328,7 +333,7 @@ def test_killing_the_model_process_mid_stream_ends_every_client_and_the_cli_with
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), f"clients still waiting 60 s after the kill: {outcomes}"
-    assert len(outcomes) == 6 and all(2 <= n < 900 for _, n in outcomes.values()), outcomes
+    assert len(outcomes) == 6 and all(2 <= n < LONG for _, n in outcomes.values()), outcomes
     assert served.proc.wait(60) != 0
     printed = served.stop()
     assert time.monotonic() - killed < 90
