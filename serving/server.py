@@ -32,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 
@@ -54,6 +55,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Process(NamedTuple):
+    pid: int
+    name: str
+    state: str  # R, S, Z (dead, not yet reaped), ...
+    ppid: int
+    pgrp: int
+
+
+def process_table() -> list[Process]:
+    """Every process /proc shows (Linux), from each one's stat line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        found.append(Process(int(entry.name), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], int(rest[1]), int(rest[2])))
+    return found
 
 
 class TritonServer:
@@ -140,20 +164,9 @@ class TritonServer:
 
     def stubs(self) -> dict[int, str]:
         """The server's Python-backend stub processes: pid -> state letter (Z: dead, not yet reaped)."""
-        found = {}
         if self.proc is None:
-            return found
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-            if rest[2] == str(self.proc.pid) and name.startswith("triton_python"):  # rest: state, ppid, pgrp, ...
-                found[int(entry.name)] = rest[0]
-        return found
+            return {}
+        return {p.pid: p.state for p in process_table() if p.pgrp == self.proc.pid and p.name.startswith("triton_python")}
 
     def _watch(self, interval_s: float = 0.25) -> None:
         """Stop the server as soon as one of its stubs dies or goes (Triton leaves requests to that model hanging)."""

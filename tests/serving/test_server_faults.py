@@ -68,24 +68,12 @@ class Served:
         return float(found.group(1)) if found else 0.0
 
     def processes(self) -> dict[str, int]:
-        """pid of tritonserver (the CLI's child) and of its Python-backend stub (the model's process), from /proc."""
-        parents = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-            parents[int(entry.name)] = (name, int(rest[1]))  # rest: state, ppid, ...
-        found = {}
-        for pid, (name, ppid) in parents.items():
-            if ppid == self.proc.pid and name.startswith("tritonserver"):
-                found["server"] = pid
-        for pid, (name, ppid) in parents.items():
-            if ppid == found.get("server") and name.startswith("triton_python"):
-                found["stub"] = pid
+        """pid of tritonserver (the CLI's child) and of its Python-backend stub (the model's process)."""
+        from kvforge.serving.server import process_table
+
+        table = process_table()
+        found = {"server": p.pid for p in table if p.ppid == self.proc.pid and p.name.startswith("tritonserver")}
+        found.update({"stub": p.pid for p in table if p.ppid == found.get("server") and p.name.startswith("triton_python")})
         return found
 
     def stop(self) -> str:
