@@ -448,7 +448,8 @@ class Batcher(RequestQueue):
                 complete.append(p)
                 fed = rest
             else:
-                fed = self._feed(p, rest if left is None else min(rest, left))
+                fed = rest if left is None else min(rest, left)
+                self._feed(p, fed)
                 if fed == rest:
                     complete.append(p)
                     parts.append(self._complete(p))
@@ -483,8 +484,8 @@ class Batcher(RequestQueue):
                 p.cache = self.session.cache_from_arrays(hit.arrays(), hit.tokens)
             p.fed = hit.tokens
 
-    def _feed(self, p: _Prefill, n: int) -> int:
-        """Feed the next n prompt tokens over the request's cache; returns n. With capped layers, the feed stops
+    def _feed(self, p: _Prefill, n: int) -> None:
+        """Feed the next n prompt tokens over the request's cache. With capped layers, the feed stops
         at the end of the blocks within the window once, to cache them before later positions push them out."""
         prompt, fed, goal = p.request.prompt, p.fed, p.fed + n
         end = self._window_blocks(prompt)
@@ -500,7 +501,6 @@ class Batcher(RequestQueue):
                 if first < len(keys):
                     self.prefix_cache.insert(keys, prompt, first,
                                              _blocks(self.session.cache_arrays(p.cache), 0, end, self.prefix_cache.block_size))
-        return n
 
     def _complete(self, p: _Prefill) -> _Batch:
         r = p.request
