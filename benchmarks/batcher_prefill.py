@@ -87,11 +87,12 @@ def ttft(session, runs: int) -> dict:
             "hit_tokens_per_cached_request": stats.hit_tokens / runs}
 
 
-def itl_during_long_prefill(session, chunk: int, decode_tokens: int = 400) -> dict:
+def itl_during_long_prefill(session, chunk: int) -> dict:
     """8 streams decoding; after each has ~24 tokens, a 4,096-token prompt arrives. Their inter-token intervals
-    before it arrived and during its prefill."""
+    before it arrived and during its prefill (the streams ask for enough tokens to outlast it)."""
     from kvforge import runtime
 
+    decode_tokens = 100 + (LONG_TOKENS // max(chunk - STREAMS, 1) if chunk else 0)
     prompts = [text_ids(session.tokenizer, 64, offset=100 * i) for i in range(STREAMS)]
     long_prompt = text_ids(session.tokenizer, LONG_TOKENS, offset=9000)
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
@@ -133,29 +134,44 @@ def itl_during_long_prefill(session, chunk: int, decode_tokens: int = 400) -> di
 
 
 def step_floor(session) -> dict:
-    """Why the ITL target needs a fused step here: the running rows' decode step and the long prompt's last
-    chunk are two forward calls, each reading every weight. The decode step of 8 rows at ~300 positions against a
-    forward of 1 and of 8 new tokens of one row over a 4,000-position cache (chained steps, medians of 5): a step
-    that carries even one prompt token takes their sum."""
+    """What a step that carries a prompt chunk costs beside the plain decode step: the decode step of 8 rows at
+    ~300 positions alone, and with a chunk of k tokens of one row over a 4,000-position cache in the same step
+    (forward_mixed: one call of the mixed graph on ONNX Runtime), and as two forward calls, each reading every
+    weight (what a step was before the mixed graph). Chained steps, medians of 5."""
     import numpy as np
 
-    def chained(rows: int, past: int, new: int) -> float:
+    def cache_of(rows: int, past: int):
         ids = np.asarray([text_ids(session.tokenizer, past, offset=3000 + 400 * r) for r in range(rows)], np.int64)
-        _, cache = session.forward(ids, np.ones((rows, past), np.int64), cache=None, last_logits_only=True)
+        return session.forward(ids, np.ones((rows, past), np.int64), cache=None, last_logits_only=True)[1]
+
+    def timed(rows_cache, prompt_cache, new: int, mixed: bool) -> float:
         times = []
         for k in range(5):
-            x = np.asarray([text_ids(session.tokenizer, new, offset=7 * k + r)[:new] for r in range(rows)], np.int64)
+            x = np.asarray([text_ids(session.tokenizer, 1, offset=7 * k + r) for r in range(STREAMS)], np.int64)
+            mask = np.ones((STREAMS, 300 + k + 1), np.int64)
             start = time.perf_counter()
-            _, cache = session.forward(x, np.ones((rows, past + (k + 1) * new), np.int64), cache=cache,
-                                       last_logits_only=True)
+            if new == 0:
+                _, rows_cache = session.forward(x, mask, cache=rows_cache, last_logits_only=True)
+            else:
+                chunk = np.asarray([text_ids(session.tokenizer, new, offset=11 * k)], np.int64)
+                chunk_mask = np.ones((1, 4000 + (k + 1) * new), np.int64)
+                if mixed:
+                    (_, rows_cache), (_, prompt_cache) = session.forward_mixed((x, mask, rows_cache),
+                                                                               (chunk, chunk_mask, prompt_cache))
+                else:
+                    _, rows_cache = session.forward(x, mask, cache=rows_cache, last_logits_only=True)
+                    _, prompt_cache = session.forward(chunk, chunk_mask, cache=prompt_cache, last_logits_only=True)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    decode = chained(STREAMS, 300, 1)
-    one, eight = chained(1, 4000, 1), chained(1, 4000, 8)
-    return {"decode_8_rows_s": decode, "one_token_over_4000_s": one, "eight_tokens_over_4000_s": eight,
-            "best_ratio_with_1_token_chunks": (decode + one) / decode,
-            "best_ratio_with_8_token_chunks": (decode + eight) / decode}
+    rows, prompt = cache_of(STREAMS, 300), cache_of(1, 4000)
+    decode = timed(rows, None, 0, False)
+    out = {"decode_8_rows_s": decode, "mixed_graph": session.prepare_mixed(), "chunk_over_4000": []}
+    for new in (1, 8, 16, 32):
+        one_call, two_calls = timed(rows, prompt, new, True), timed(rows, prompt, new, False)
+        out["chunk_over_4000"].append({"tokens": new, "mixed_step_s": one_call, "two_calls_s": two_calls,
+                                       "ratio_mixed": one_call / decode, "ratio_two_calls": two_calls / decode})
+    return out
 
 
 def copy_share(session, clients: int = 16, per_client: int = 2) -> dict:
@@ -209,7 +225,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--chunks", default="0,256,64,40")
+    parser.add_argument("--chunks", default="0,256,64,32,24")
     parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()
 

@@ -123,6 +123,17 @@ class Backend(Runner):
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
         return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only)
 
+    def prepare_mixed(self) -> bool:
+        """Whether forward_mixed computes its two parts in one call (made ready now, where that takes work)."""
+        return False
+
+    def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False) -> tuple[tuple, tuple]:
+        """A mixed step: `decode` and `prompt` are each (input_ids, attention_mask, position_ids, cache) of a
+        forward(), the first one token for each of its rows, the second one row's prompt tokens (a chunk);
+        returns each part's (logits, cache), as their two forward() calls would. A backend that can computes
+        both in one call (every weight read once); this one makes the two calls."""
+        return (self.forward(*decode, last_only), self.forward(*prompt, last_only))
+
     def empty_cache(self, batch: int) -> KVCache:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
 
@@ -162,6 +173,24 @@ class Backend(Runner):
             merged.append(np.ascontiguousarray(np.concatenate(rows, axis=0)))
         batch = sum(len(keep) for _, keep in parts)
         return KVCache(self.name, batch, length, self.from_numpy_impl(merged), parts[0][0].owner)
+
+    def vacate(self, cache: KVCache, rows: list[int]) -> KVCache:
+        """The cache with these rows emptied: they hold no position (their attention-mask rows must be all zeros
+        from now on) and keep their place, for place() to fill. Nothing moves: the masks hide a row's positions
+        here; a packed cache sets the rows' lengths to 0 (ort_backend.py). The cache given is consumed: continue
+        the one returned."""
+        return cache
+
+    def place(self, cache: KVCache, rows: list[int], part: KVCache) -> KVCache:
+        """The cache with part's rows (all of them, in order) in these rows of it, which must be empty (vacate()),
+        every row aligned right at max(cache.length, part.length). Here a regroup (a copy of every row); a packed
+        cache copies only part's own positions into the rows' buffers. The cache given is consumed."""
+        length = max(cache.length, part.length)
+        merged = self.regroup([(cache, list(range(cache.batch))), (part, list(range(part.batch)))], length)
+        order = list(range(cache.batch))
+        for i, r in enumerate(rows):
+            order[r] = cache.batch + i
+        return self.regroup([(merged, order)], length)
 
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache as numpy arrays (for inspection and tests; copies)."""

@@ -17,8 +17,10 @@ One scheduler thread owns the batch. Between two decode steps it
 - prefills admitted prompts within a per-step token budget (chunked prefill):
   prompts that fit the budget whole are prefilled together, and the first that
   does not gets a chunk of what is left; its next chunks come in the next
-  steps, between decode steps of the running rows, so a long prompt delays
-  their tokens by one chunk's time per step instead of by its whole prefill.
+  steps, fed by the running rows' decode step itself (Session.forward_mixed:
+  one call on ONNX Runtime's packed cache, two elsewhere), so a long prompt
+  delays their tokens by one chunk's time per step instead of by its whole
+  prefill.
   A prompt whose prefill is complete joins the running batch. Caches of
   different lengths are aligned right, each row left-padded (the attention mask
   hides the padding; position ids count each row's own tokens), so every row
@@ -219,9 +221,21 @@ class _Row:
 
 @dataclass
 class _Batch:
-    rows: list[_Row] = field(default_factory=list)
+    """The running rows and their one cache. A row that left is a hole (None) until a joining row fills it: its
+    cache row holds nothing (Session.vacate_rows) and its mask row is zeros; it feeds a dummy token each step.
+    There is at least one live row while there are rows at all."""
+
+    rows: list[_Row | None] = field(default_factory=list)
     cache: KVCache | None = None
     mask: np.ndarray | None = None  # (rows, cache length + 1 for the pending token), right-aligned
+
+    @property
+    def live(self) -> list[_Row]:
+        return [row for row in self.rows if row is not None]
+
+    @property
+    def holes(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row is None]
 
 
 @dataclass
@@ -316,6 +330,8 @@ class Batcher(RequestQueue):
         self.prefill_chunk = options.prefill_chunk or None
         self._batch = _Batch()
         self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not all fed yet
+        self._chunk: tuple[_Prefill, int] | None = None  # a prompt chunk the next decode step feeds (mixed step)
+        self.mixed_steps = 0  # decode steps that also fed a prompt chunk
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
         # seconds spent in prefill and decode forward calls, and in copying caches (joins, leaves, restored prefixes)
@@ -333,6 +349,8 @@ class Batcher(RequestQueue):
         windows = [w for w in session.io.windows if w is not None]
         self._window = min(windows) if windows else None  # capped layers: prefixes up to this many tokens only
         self._pins: dict[int, list[bytes]] = {}  # request id -> the cached blocks its row restored
+        if self.prefill_chunk:  # the mixed step's graph is built and loaded now, not in the first step that needs it
+            session.prepare_mixed()
 
     # -- the client's side --------------------------------------------------------------
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
@@ -373,7 +391,7 @@ class Batcher(RequestQueue):
     @property
     def running(self) -> int:
         """Rows in the batch, and admitted requests whose prompts are still being prefilled."""
-        return len(self._batch.rows) + len(self._prefilling)
+        return len(self._batch.live) + len(self._prefilling)
 
     # -- the scheduler thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -383,30 +401,31 @@ class Batcher(RequestQueue):
                 while not self._waiting and not batch.rows and not self._prefilling and not self._closing:
                     self._wake.wait()
                 if self._closing:
-                    ending = [row.request for row in batch.rows] + [p.request for p in self._prefilling]
+                    ending = [row.request for row in batch.live] + [p.request for p in self._prefilling]
                     for r in ending:
                         r._end("cancelled")
                     self._unpin(ending)
-                    batch.rows, self._prefilling = [], collections.deque()
+                    batch.rows, self._prefilling, self._chunk = [], collections.deque(), None
                     return
                 self._prefilling.extend(_Prefill(r) for r in self._admit(batch))
             try:
                 if self._prefilling:
-                    self._prefill(batch, max(1, self.prefill_chunk - len(batch.rows)) if self.prefill_chunk else None)
+                    self._prefill(batch, max(1, self.prefill_chunk - len(batch.live)) if self.prefill_chunk else None)
                 if batch.rows:
                     self._step(batch)
             except BaseException as e:  # a failed step fails the requests in it, not the batcher
                 error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
-                failed = [row.request for row in batch.rows] + [p.request for p in self._prefilling]
+                failed = [row.request for row in batch.live] + [p.request for p in self._prefilling]
                 for r in failed:
                     r._end("error", error)
                 self._unpin(failed)
                 self._batch = batch = _Batch()
                 self._prefilling = collections.deque()
+                self._chunk = None
 
     def _admit(self, batch: _Batch) -> list[Request]:
         """Waiting requests that fit now, in arrival order (the first that does not fit waits, and so do those after it)."""
-        held = sum(r.request.reserve for r in batch.rows) + sum(p.request.reserve for p in self._prefilling)
+        held = sum(r.request.reserve for r in batch.live) + sum(p.request.reserve for p in self._prefilling)
         admitted: list[Request] = []
         while self._waiting and self.running + len(admitted) < self.max_batch:
             nxt = self._waiting[0]
@@ -449,10 +468,13 @@ class Batcher(RequestQueue):
                 fed = rest
             else:
                 fed = rest if left is None else min(rest, left)
-                self._feed(p, fed)
-                if fed == rest:
-                    complete.append(p)
-                    parts.append(self._complete(p))
+                if batch.rows and self._chunk is None and not self._window_blocks(r.prompt):
+                    self._chunk = (p, fed)  # fed by the decode step's own call (_step: a mixed step)
+                else:
+                    self._feed(p, fed)
+                    if fed == rest:
+                        complete.append(p)
+                        parts.append(self._complete(p))
             if left is not None:
                 left -= fed
         if plain:
@@ -552,73 +574,130 @@ class Batcher(RequestQueue):
                 self.prefix_cache.release(keys)
 
     def _join(self, batch: _Batch, new: _Batch) -> None:
+        """New rows join: into holes where there are enough (only their own positions are copied), else appended
+        to the live rows (a regroup, which also drops the holes)."""
         if not batch.rows:
             batch.rows, batch.cache, batch.mask = new.rows, new.cache, new.mask
             return
+        holes = batch.holes
         length = max(batch.cache.length, new.cache.length)
         with self._timed("copy"):
+            if len(holes) >= len(new.rows):
+                into = holes[:len(new.rows)]
+                batch.cache = self.session.place_rows(batch.cache, into, new.cache)
+                batch.mask = _left_pad(batch.mask, length + 1)
+                batch.mask[into] = _left_pad(new.mask, length + 1)
+                for i, row in zip(into, new.rows):
+                    batch.rows[i] = row
+                return
+            live = [i for i, row in enumerate(batch.rows) if row is not None]
             batch.cache = self.session.regroup_cache(
-                [(batch.cache, list(range(len(batch.rows)))), (new.cache, list(range(len(new.rows))))], length)
-        batch.mask = np.concatenate([_left_pad(batch.mask, length + 1), _left_pad(new.mask, length + 1)])
-        batch.rows = batch.rows + new.rows
+                [(batch.cache, live), (new.cache, list(range(len(new.rows))))], length)
+        batch.mask = np.concatenate([_left_pad(batch.mask[live], length + 1), _left_pad(new.mask, length + 1)])
+        batch.rows = [batch.rows[i] for i in live] + new.rows
 
     def _step(self, batch: _Batch) -> None:
         """Choose every row's next token, let finished rows go, and run one decode step for the rest."""
         context = self.session.max_context
-        keep = []
-        for row in batch.rows:
-            if row.request.cancelled:
-                row.request._end("cancelled")
+        live = [i for i, row in enumerate(batch.rows) if row is not None]
+        for i in live:
+            if batch.rows[i].request.cancelled:
+                batch.rows[i].request._end("cancelled")
         try:  # every constrained row's mask at once (each row alone if one of them fails)
-            allowed = masks([row.request._constraint for row in batch.rows], self.session.vocab_size)
+            allowed = masks([batch.rows[i].request._constraint for i in live], self.session.vocab_size)
         except KvforgeError:
             allowed = None
-        for i, row in enumerate(batch.rows):
+        leaving = []
+        for k, i in enumerate(live):
+            row = batch.rows[i]
             r = row.request
             if r.done:
+                leaving.append(i)
                 continue
             try:
                 mask = None
                 if r._constraint is not None:
-                    mask = allowed[i:i + 1] if allowed is not None else masks([r._constraint], self.session.vocab_size)
+                    mask = allowed[k:k + 1] if allowed is not None else masks([r._constraint], self.session.vocab_size)
                 chosen = select(row.logits[None], [row.seen], r.config.sampling, [row.rng], mask)
                 token = int(chosen[0])
                 scored = step_logprobs(r.config, row.logits[None], chosen)
                 finish = end_of(token, len(r.tokens) + 1, len(r.prompt), r.config, r.stop, context, r._constraint)
             except KvforgeError as e:  # this request's grammar failed: it ends, the batch goes on
                 r._end("error", e)
+                leaving.append(i)
                 continue
             row.seen = np.append(row.seen, token)
             r._emit(token, finish, None if scored is None else scored[0])
-            if finish is None:
-                keep.append(i)
-        self.peak_batch = max(self.peak_batch, len(batch.rows))
-        if len(keep) < len(batch.rows):
-            self._retire(batch, keep)
+            if finish is not None:
+                leaving.append(i)
+        self.peak_batch = max(self.peak_batch, len(live))
+        if leaving:
+            self._retire(batch, leaving)
+        chunk, self._chunk = self._chunk, None
         if not batch.rows:
+            if chunk is not None:  # no row decodes: the chunk alone
+                self._feed(*chunk)
+                self._chunk_fed(batch, chunk[0])
             return
-        nxt = np.array([[row.request.tokens[-1]] for row in batch.rows], np.int64)
+        holes = batch.holes
+        if holes:  # a hole feeds a dummy token that attends to itself alone (its mask row is zeros between steps)
+            batch.mask[holes, -1] = 1
+        nxt = np.array([[row.request.tokens[-1] if row is not None else 0] for row in batch.rows], np.int64)
         with self._timed("decode"):
-            logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
+            if chunk is None:
+                logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
+            else:  # the rows' decode step and a prompt's chunk as one step: the backend reads its weights once
+                p, n = chunk
+                (logits, batch.cache), (p.logits, p.cache) = self.session.forward_mixed(
+                    (nxt, batch.mask, batch.cache),
+                    (np.asarray([p.request.prompt[p.fed:p.fed + n]], np.int64), np.ones((1, p.fed + n), np.int64), p.cache))
+                p.fed += n
+                self.mixed_steps += 1
         for row, lg in zip(batch.rows, logits[:, -1]):
-            row.logits = lg
+            if row is not None:
+                row.logits = lg
         batch.mask = _pending(batch.mask)
+        if holes:  # and holds nothing after it
+            batch.mask[holes] = 0
+            batch.cache = self.session.vacate_rows(batch.cache, holes)
         self.steps += 1
+        if chunk is not None:
+            self._chunk_fed(batch, chunk[0])
 
-    def _retire(self, batch: _Batch, keep: list[int]) -> None:
-        """Keep only these rows; drop the leading positions that are now padding for all of them."""
-        kept = set(keep)
-        self._unpin([row.request for i, row in enumerate(batch.rows) if i not in kept])
-        batch.rows = [batch.rows[i] for i in keep]
-        if not keep:
-            batch.cache = batch.mask = None
+    def _chunk_fed(self, batch: _Batch, p: _Prefill) -> None:
+        """After a chunk of p's prompt was fed by a step: a complete prompt's row joins the batch."""
+        if p.fed < len(p.request.prompt):
             return
-        mask = batch.mask[keep]
-        first = int(mask.argmax(axis=1).min())  # the earliest real position of any row kept
+        part = self._complete(p)
+        if self.prefix_cache is not None:
+            self._cache_blocks(part)
+        self._join(batch, part)
+        self._prefilling.remove(p)
+
+    def _retire(self, batch: _Batch, leaving: list[int]) -> None:
+        """These rows leave. Their places become holes (nothing moves) unless holes would outnumber the live rows:
+        then the live rows are regrouped without them. The leading positions that are now padding for every live
+        row are dropped."""
+        self._unpin([batch.rows[i].request for i in leaving])
+        for i in leaving:
+            batch.rows[i] = None
+        live = [i for i, row in enumerate(batch.rows) if row is not None]
+        if not live:
+            batch.rows, batch.cache, batch.mask = [], None, None
+            return
+        first = int(batch.mask[live].argmax(axis=1).min())  # the earliest real position of any live row
         length = batch.cache.length - first
-        with self._timed("copy"):
-            batch.cache = self.session.regroup_cache([(batch.cache, keep)], length)
-        batch.mask = mask[:, first:]
+        if 2 * len(live) < len(batch.rows):
+            with self._timed("copy"):
+                batch.cache = self.session.regroup_cache([(batch.cache, live)], length)
+            batch.rows, batch.mask = [batch.rows[i] for i in live], batch.mask[live, first:]
+            return
+        batch.mask[leaving] = 0
+        batch.cache = self.session.vacate_rows(batch.cache, leaving)
+        if first:
+            with self._timed("copy"):  # a packed cache only forgets the columns; others copy what they keep
+                batch.cache = self.session.drop_oldest(batch.cache, first)
+            batch.mask = batch.mask[:, first:]
 
 
 def _blocks(arrays: list[np.ndarray], row: int, n: int, size: int):

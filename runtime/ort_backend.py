@@ -15,7 +15,7 @@ from kvforge.ort_session import make_session
 
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
-from .ort.attention import LOGITS_ROWS, SEQLENS, TOTAL
+from .ort.attention import CHUNK_SEQLENS, CHUNK_TOTAL, LOGITS_ROWS, SEQLENS, TOTAL, chunk_name
 from .ort.variant import KEEP_INPUT, variant_path
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
@@ -45,6 +45,7 @@ class OnnxRuntimeBackend(Backend):
         self.variant = variant  # run the ORT-specific variant of the graph (see ort/variant.py)
         self.attention = attention
         self.packed = False  # the variant runs GroupQueryAttention over packed caches (ort/packed_cache.py)
+        self._mixed = None  # the mixed step's session (prepare_mixed); False where there is none
         self.max_context = io.max_context or config["max_seq_len"]
         self.device = device
         self.threads = threads
@@ -93,6 +94,7 @@ class OnnxRuntimeBackend(Backend):
 
     def deactivate_impl(self) -> None:
         self.session = None
+        self._mixed = None
 
     def empty_cache(self, batch: int) -> KVCache:
         if not self.packed:
@@ -137,10 +139,7 @@ class OnnxRuntimeBackend(Backend):
         ort = _ort()
         layout = cache.layout
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
-        store = layout.store  # its arrays are cache.values while no other step has continued this cache
-        if layout.version != store.version:  # another step already continued this cache: continue a copy
-            store = packed.Store([a.copy() for a in cache.values])
-        arrays = store.arrays = packed.grown(store.arrays, max(int(s.total[0]) for s in steps), self.max_context)
+        store, arrays = self._writable(cache, steps)
         B, T = input_ids.shape
         if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
             store.binding = self.session.io_binding()
@@ -169,6 +168,57 @@ class OnnxRuntimeBackend(Backend):
         layout = packed.Packed(steps[-1].lengths, store, store.version)
         return logits, KVCache(self.name, B, cache.length + T, arrays, layout=layout)
 
+    def _writable(self, cache: KVCache, steps: list[packed.Step]) -> tuple[packed.Store, list[np.ndarray]]:
+        """The store a step over `cache` writes (its own, or a copy where another step already continued this
+        cache), its buffers grown to hold what the steps write."""
+        store = cache.layout.store  # its arrays are cache.values while no other step has continued this cache
+        if cache.layout.version != store.version:
+            store = packed.Store([a.copy() for a in cache.values])
+        arrays = store.arrays = packed.grown(store.arrays, max(int(s.total[0]) for s in steps), self.max_context)
+        return store, arrays
+
+    def prepare_mixed(self) -> bool:
+        if not self.packed or not self.variant:
+            return False
+        if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
+            path = variant_path(self.bundle, attention=True, mixed=True)
+            self._mixed = make_session(path, self.quant_format, ["CPUExecutionProvider"], self.optimization,
+                                       self.threads) if path is not None else False
+        return self._mixed is not False
+
+    def forward_mixed(self, decode, prompt, last_only: bool):
+        (d_ids, d_mask, d_pos, d_cache), (p_ids, p_mask, p_pos, p_cache) = decode, prompt
+        if not self.prepare_mixed() or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
+                or p_ids.shape[0] != 1:
+            return super().forward_mixed(decode, prompt, last_only)
+        ort = _ort()
+        (d_step,) = packed.plan(d_ids, d_pos, d_mask, d_cache.layout.lengths, d_cache.length, last_only)
+        (p_step,) = packed.plan(p_ids, p_pos, p_mask, p_cache.layout.lengths, p_cache.length, last_only)
+        d_store, d_arrays = self._writable(d_cache, [d_step])
+        p_store, p_arrays = self._writable(p_cache, [p_step])
+        R = d_ids.shape[0]
+        binding = self._mixed.io_binding()
+        for arrays, rename in ((d_arrays, str), (p_arrays, chunk_name)):
+            for past, present, array in zip(self.past_names, self.present_names, arrays):
+                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # written in place, as in _forward_packed
+                binding.bind_ortvalue_input(rename(past), buffer)
+                binding.bind_ortvalue_output(rename(present), buffer)
+        rows = np.concatenate([d_step.logits_rows.reshape(1, -1), R + p_step.logits_rows], axis=1)
+        for name, value in (("input_ids", np.concatenate([d_step.ids.reshape(1, -1), p_step.ids], axis=1)),
+                            ("position_ids", np.concatenate([d_step.positions.reshape(1, -1), p_step.positions], axis=1)),
+                            (SEQLENS, d_step.seqlens_k), (TOTAL, d_step.total), (CHUNK_SEQLENS, p_step.seqlens_k),
+                            (CHUNK_TOTAL, p_step.total), (LOGITS_ROWS, rows)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        out = np.empty((1, rows.shape[1], self.config["vocab_size"]), np.float32)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
+        self._mixed.run_with_iobinding(binding)
+        caches = []
+        for cache, step, store, arrays, n in ((d_cache, d_step, d_store, d_arrays, 1), (p_cache, p_step, p_store, p_arrays, p_ids.shape[1])):
+            store.version += 1
+            caches.append(KVCache(self.name, cache.batch, cache.length + n, arrays,
+                                  layout=packed.Packed(step.lengths, store, store.version)))
+        return (out[0, :R, None], caches[0]), (out[:, R:], caches[1])
+
     def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
         if cache.layout is None:
             return super().drop_oldest(cache, n)
@@ -187,6 +237,33 @@ class OnnxRuntimeBackend(Backend):
         arrays, lengths = packed.regroup(parts, length)
         store = packed.Store(arrays)
         return KVCache(self.name, len(lengths), length, arrays, parts[0][0].owner, packed.Packed(lengths, store))
+
+    def vacate(self, cache: KVCache, rows: list[int]) -> KVCache:
+        if cache.layout is None:
+            return super().vacate(cache, rows)
+        lengths = cache.layout.lengths.copy()
+        lengths[rows] = 0
+        return KVCache(self.name, cache.batch, cache.length, cache.values, cache.owner,
+                       packed.Packed(lengths, cache.layout.store, cache.layout.version))
+
+    def place(self, cache: KVCache, rows: list[int], part: KVCache) -> KVCache:
+        if cache.layout is None or part.layout is None:
+            return super().place(cache, rows, part)
+        if cache.layout.lengths[rows].any():
+            raise KvforgeError(f"place() fills empty rows; rows {rows} of this cache hold positions (vacate them first)")
+        held = part.layout.lengths
+        store = cache.layout.store
+        if cache.layout.version != store.version:  # another step continued this cache: a copy of its own
+            store = packed.Store([a.copy() for a in cache.values])
+        arrays = store.arrays = packed.grown(store.arrays, int(held.max()), self.max_context)
+        for a, b in zip(arrays, part.values):
+            for r, i, n in zip(rows, range(part.batch), held.tolist()):
+                a[r, :, :n] = b[i, :, :n]
+        store.version += 1
+        lengths = cache.layout.lengths.copy()
+        lengths[rows] = held
+        return KVCache(self.name, cache.batch, max(cache.length, part.length), arrays, cache.owner,
+                       packed.Packed(lengths, store, store.version))
 
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         if cache.layout is None:

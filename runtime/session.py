@@ -115,6 +115,41 @@ class Session(SessionLifecycle):
         last_logits_only: return (B, 1, V), the last position's logits only (what
         generation needs); on ONNX Runtime the other positions are not computed.
         """
+        with self._lock:
+            step = self._checked_step(input_ids, attention_mask, position_ids, cache)
+            logits, present = self.backend.forward(*step, last_logits_only)
+            present.owner = self.model_id
+            return logits, present
+
+    def forward_mixed(self, rows: tuple, prompt: tuple) -> tuple[tuple[np.ndarray, KVCache], tuple[np.ndarray, KVCache]]:
+        """A decode step of some rows and a chunk of another row's prompt as one step, where the backend can (the
+        ONNX Runtime backend's packed cache): each weight is read once for both. rows and prompt are each
+        (input_ids, attention_mask, cache), as forward() takes them: rows one token per row, prompt one row.
+        Returns ((logits, cache), (logits, cache)), the last position's logits of each, equal to what the two
+        forward(..., last_logits_only=True) calls return (to rounding)."""
+        (r_ids, r_mask, r_cache), (p_ids, p_mask, p_cache) = rows, prompt
+        with self._lock:
+            decode = self._checked_step(r_ids, r_mask, None, r_cache)
+            chunk = self._checked_step(p_ids, p_mask, None, p_cache)
+            if decode[0].shape[1] != 1 or chunk[0].shape[0] != 1:
+                raise KvforgeError(f"forward_mixed takes one new token per decode row and one prompt row, got "
+                                   f"input_ids {decode[0].shape} and {chunk[0].shape}")
+            if decode[3] is chunk[3]:
+                raise KvforgeError("forward_mixed takes two different caches")
+            parts = self.backend.forward_mixed(decode, chunk, True)
+            for _, cache in parts:
+                cache.owner = self.model_id
+            return parts
+
+    def prepare_mixed(self) -> bool:
+        """Make forward_mixed's one-call form ready (ONNX Runtime: build and load the mixed step's graph, a second
+        session beside the plain one); whether the backend has it (else forward_mixed makes two calls)."""
+        with self._lock:
+            self.backend.activate()
+            return self.backend.prepare_mixed()
+
+    def _checked_step(self, input_ids, attention_mask, position_ids, cache) -> tuple:
+        """forward()'s inputs checked against the IO spec and the cache (under the lock): ids, mask, positions, cache."""
         ids = self._check_int64("input_ids", input_ids, ndim=2)
         B, T = ids.shape
         if T == 0 or B == 0:
@@ -122,37 +157,34 @@ class Session(SessionLifecycle):
         bad = ids[(ids < 0) | (ids >= self.vocab_size)]
         if bad.size:
             raise KvforgeError(f"token ids {sorted(set(bad.tolist()))[:8]} are outside the vocabulary (0..{self.vocab_size - 1})")
-        with self._lock:
-            self.backend.activate()
-            if cache is None:
-                cache = self.backend.empty_cache(B)
-            if not isinstance(cache, KVCache):
-                raise KvforgeError(f"cache must be a KVCache from this session, got {type(cache).__name__}")
-            if cache.owner is not None and cache.owner != self.model_id:
-                raise KvforgeError(f"this cache was made by a session of another model ({cache.owner[:16]}), "
-                                   f"not {self.source}; a cache continues only the model that made it")
-            n_cache = sum(len(layer) for layer in self.io.past)
-            if len(cache.values) != n_cache or not 0 <= cache.length <= self.max_context:
-                raise KvforgeError(f"this cache holds {len(cache.values)} tensors over {cache.length} positions; "
-                                   f"{self.source} takes {n_cache} tensors over 0..{self.max_context}")
-            if cache.batch != B:
-                raise KvforgeError(f"the cache holds {cache.batch} rows but input_ids has {B}")
-            total = cache.length + T
-            if total > self.max_context:
-                raise KvforgeError(f"context of {total} tokens (past {cache.length} + new {T}) exceeds the bundle's maximum of {self.max_context}")
-            if attention_mask is None:
-                attention_mask = np.ones((B, total), np.int64)
-            mask = self._check_int64("attention_mask", attention_mask, shape=(B, total))
-            if not ((mask == 0) | (mask == 1)).all():
-                raise KvforgeError("attention_mask may only hold 0 and 1")
-            if position_ids is None:
-                position_ids = np.maximum(mask.cumsum(-1) - 1, 0)[:, -T:]
-            pos = self._check_int64("position_ids", position_ids, shape=(B, T))
-            if (pos < 0).any() or (pos >= self.max_context).any():
-                raise KvforgeError(f"position_ids must lie in 0..{self.max_context - 1}")
-            logits, present = self.backend.forward(ids, mask, np.ascontiguousarray(pos), cache, last_logits_only)
-            present.owner = self.model_id
-            return logits, present
+        self.backend.activate()
+        if cache is None:
+            cache = self.backend.empty_cache(B)
+        if not isinstance(cache, KVCache):
+            raise KvforgeError(f"cache must be a KVCache from this session, got {type(cache).__name__}")
+        if cache.owner is not None and cache.owner != self.model_id:
+            raise KvforgeError(f"this cache was made by a session of another model ({cache.owner[:16]}), "
+                               f"not {self.source}; a cache continues only the model that made it")
+        n_cache = sum(len(layer) for layer in self.io.past)
+        if len(cache.values) != n_cache or not 0 <= cache.length <= self.max_context:
+            raise KvforgeError(f"this cache holds {len(cache.values)} tensors over {cache.length} positions; "
+                               f"{self.source} takes {n_cache} tensors over 0..{self.max_context}")
+        if cache.batch != B:
+            raise KvforgeError(f"the cache holds {cache.batch} rows but input_ids has {B}")
+        total = cache.length + T
+        if total > self.max_context:
+            raise KvforgeError(f"context of {total} tokens (past {cache.length} + new {T}) exceeds the bundle's maximum of {self.max_context}")
+        if attention_mask is None:
+            attention_mask = np.ones((B, total), np.int64)
+        mask = self._check_int64("attention_mask", attention_mask, shape=(B, total))
+        if not ((mask == 0) | (mask == 1)).all():
+            raise KvforgeError("attention_mask may only hold 0 and 1")
+        if position_ids is None:
+            position_ids = np.maximum(mask.cumsum(-1) - 1, 0)[:, -T:]
+        pos = self._check_int64("position_ids", position_ids, shape=(B, T))
+        if (pos < 0).any() or (pos >= self.max_context).any():
+            raise KvforgeError(f"position_ids must lie in 0..{self.max_context - 1}")
+        return ids, mask, np.ascontiguousarray(pos), cache
 
     def regroup_cache(self, parts: list[tuple[KVCache, list[int]]], length: int) -> KVCache:
         """Rows of several caches as one, aligned right at `length` positions (see Backend.regroup)."""
@@ -164,6 +196,38 @@ class Session(SessionLifecycle):
             cache = self.backend.regroup(parts, length)
             cache.owner = self.model_id
             return cache
+
+    def drop_oldest(self, cache: KVCache, n: int) -> KVCache:
+        """The cache without its first n positions, which must be padding for every row (Backend.drop_oldest)."""
+        if cache.owner not in (None, self.model_id) or not 0 <= n <= cache.length:
+            raise KvforgeError(f"drop_oldest takes a cache of this session and 0..{cache.length} positions, got {n}")
+        with self._lock:
+            dropped = self.backend.drop_oldest(cache, n)
+            dropped.owner = self.model_id
+            return dropped
+
+    def vacate_rows(self, cache: KVCache, rows: list[int]) -> KVCache:
+        """The cache with these rows emptied and kept in place (Backend.vacate: moves nothing); their attention-mask
+        rows must be all zeros from now on. Continue the cache returned, not the one given."""
+        if cache.owner not in (None, self.model_id) or any(not 0 <= r < cache.batch for r in rows):
+            raise KvforgeError(f"vacate_rows takes a cache of this session and rows within its {cache.batch}")
+        with self._lock:
+            return self.backend.vacate(cache, rows)
+
+    def place_rows(self, cache: KVCache, rows: list[int], part: KVCache) -> KVCache:
+        """The cache with the rows of `part` (another cache of this session) in its empty rows `rows`, in order,
+        each aligned right (Backend.place: a packed cache copies only part's positions). Continue the cache
+        returned, not the one given."""
+        if cache.owner not in (None, self.model_id) or part.owner not in (None, self.model_id):
+            raise KvforgeError("place_rows takes two caches made by this session")
+        if len(rows) != part.batch or len(set(rows)) != len(rows) or any(not 0 <= r < cache.batch for r in rows):
+            raise KvforgeError(f"place_rows needs {part.batch} distinct rows within the cache's {cache.batch}, got {rows}")
+        if max(cache.length, part.length) > self.max_context:
+            raise KvforgeError(f"a cache of {max(cache.length, part.length)} positions exceeds the bundle's maximum of {self.max_context}")
+        with self._lock:
+            placed = self.backend.place(cache, rows, part)
+            placed.owner = self.model_id
+            return placed
 
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         """The cache's tensors as numpy arrays in the contract's layout (copies; see Backend.cache_arrays)."""

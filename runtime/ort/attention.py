@@ -36,9 +36,21 @@ import numpy as np
 from kvforge.onnx_graph import (MS_DOMAIN, GraphIndex, drop_dead_nodes, node_attribute, node_reads, replace_nodes,
                                  scalar_value, use_ms_domain)
 
+CHUNK_SEQLENS = "kvforge_chunk_seqlens_k"  # int32 [1]: the mixed graph's prompt row's (see _mixed_attention)
+CHUNK_TOTAL = "kvforge_chunk_total_length"  # int32 [1]
+MIX_ROWS = "kvforge_mix_rows"  # the mixed graph's decode rows, Shape(SEQLENS)
 SEQLENS = "kvforge_seqlens_k"  # int32 (B,): each row's valid cache length after this step, minus one
 TOTAL = "kvforge_total_length"  # int32 [1]: the longest row's length after this step
 LOGITS_ROWS = "kvforge_logits_rows"  # int64 (B, K): flat (batch * T + position) rows whose logits are computed
+
+
+def _renamed(value_info, name: str, batch: int):
+    """A copy of a graph input's or output's type under another name, with a fixed batch."""
+    copy = type(value_info)()
+    copy.CopyFrom(value_info)
+    copy.name = name
+    copy.type.tensor_type.shape.dim[0].dim_value = batch
+    return copy
 
 
 def _next(g: GraphIndex, name: str):
@@ -160,10 +172,52 @@ def _as_bsd(g: GraphIndex, x: str, heads: int, head_dim: int, name: str) -> tupl
             helper.make_node("Reshape", [f"{name}_bthd", "kvforge_gqa_bsd"], [name])], name
 
 
+def chunk_name(name: str) -> str:
+    """The mixed graph's name for the prompt row's cache tensor beside the decode rows' `name`."""
+    return f"kvforge_chunk.{name}"
+
+
+def _mixed_attention(i: int, inputs: list[str], heads: tuple[int, int, int], head_dim: int, attrs: dict, out: str,
+                     past: tuple[str, str], present: tuple[str, str]) -> list:
+    """One layer's attention in the mixed graph: the step's tokens (1, N, .) are the decode rows' one token each
+    (the first R, R = the length of SEQLENS) and then one prompt row's T tokens. Each part gets its own
+    GroupQueryAttention over its own buffers; the outputs are put back side by side."""
+    from onnx import helper
+
+    nodes, decode, prompt = [], [], []
+    for x, h in zip(inputs, heads):
+        width = h * head_dim
+        nodes += [helper.make_node("Slice", [x, "kvforge_mix_zero", MIX_ROWS, "kvforge_mix_axis"], [f"{x}_rows"]),
+                  helper.make_node("Reshape", [f"{x}_rows", f"kvforge_mix_rows_{width}"], [f"{x}_rows_bsd"]),
+                  helper.make_node("Slice", [x, MIX_ROWS, "kvforge_mix_end", "kvforge_mix_axis"], [f"{x}_prompt"])]
+        decode.append(f"{x}_rows_bsd")
+        prompt.append(f"{x}_prompt")
+    name = f"kvforge_gqa{i}"
+    nodes += [
+        helper.make_node("GroupQueryAttention", decode + [*past, SEQLENS, TOTAL], [f"{name}_rows", *present],
+                         domain=MS_DOMAIN, name=name, **attrs),
+        helper.make_node("GroupQueryAttention", prompt + [chunk_name(past[0]), chunk_name(past[1]), CHUNK_SEQLENS,
+                                                           CHUNK_TOTAL],
+                         [f"{name}_prompt", chunk_name(present[0]), chunk_name(present[1])], domain=MS_DOMAIN,
+                         name=f"{name}_prompt", **attrs),
+        helper.make_node("Reshape", [f"{name}_rows", f"kvforge_mix_line_{heads[0] * head_dim}"], [f"{name}_line"]),
+        helper.make_node("Concat", [f"{name}_line", f"{name}_prompt"], [out], axis=1),
+    ]
+    return nodes
+
+
 def use_group_query_attention(model, past: list[list[str]], present: list[list[str]], n_heads: int, n_kv_heads: int,
-                              head_dim: int) -> int:
+                              head_dim: int, mixed: bool = False) -> int:
     """Rewrite every layer's attention as GroupQueryAttention over shared past/present buffers; returns the layers
-    rewritten (0, graph untouched, unless every layer matches and the shape suits the kernel)."""
+    rewritten (0, graph untouched, unless every layer matches and the shape suits the kernel; with mixed, a 0
+    may leave the graph half rewritten: drop it).
+
+    mixed: the graph of a mixed step instead (see _mixed_attention): input_ids (1, R + T) are R decode rows'
+    tokens and one prompt row's T; the decode rows' cache is read and written as in the plain graph (SEQLENS,
+    TOTAL, the past/present buffers), the prompt row's through its own (CHUNK_SEQLENS, CHUNK_TOTAL, and the
+    buffers named chunk_name(past/present)). GroupQueryAttention takes several new tokens over a past only at
+    batch 1, so a step that decodes some rows and feeds a prompt chunk to another is two calls of the plain
+    graph, each reading every weight; the mixed graph reads them once. Every other op works token by token."""
     from onnx import TensorProto, helper, numpy_helper
 
     if head_dim % 8 or n_heads % n_kv_heads or any(len(p) != 2 for p in past):
@@ -176,6 +230,12 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     graph.initializer.extend([
         numpy_helper.from_array(np.array([0, 0, -1], np.int64), "kvforge_gqa_bsd"),
     ])
+    if mixed:
+        graph.initializer.extend([numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (
+            ("kvforge_mix_zero", [0]), ("kvforge_mix_end", [np.iinfo(np.int64).max]), ("kvforge_mix_axis", [1]),
+            *((f"kvforge_mix_rows_{w}", [-1, 1, w]) for w in {n_heads * head_dim, n_kv_heads * head_dim}),
+            (f"kvforge_mix_line_{n_heads * head_dim}", [1, -1, n_heads * head_dim]))])
+        graph.node.insert(0, helper.make_node("Shape", [SEQLENS], [MIX_ROWS], name="kvforge_mix_rows"))
     removed, added = set(), {}
     for i, m in enumerate(layers):
         nodes, inputs = [], []
@@ -187,20 +247,39 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
         attrs = {"num_heads": n_heads, "kv_num_heads": n_kv_heads, "scale": float(m["scale"])}
         if m["softcap"] is not None:
             attrs["softcap"] = float(m["softcap"])
-        nodes.append(helper.make_node(
-            "GroupQueryAttention", inputs + [cat_k.input[0], cat_v.input[0], SEQLENS, TOTAL],
-            [m["out"], cat_k.output[0], cat_v.output[0]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
+        if mixed:
+            nodes += _mixed_attention(i, inputs, (n_heads, n_kv_heads, n_kv_heads), head_dim, attrs, m["out"],
+                                      (cat_k.input[0], cat_v.input[0]), (cat_k.output[0], cat_v.output[0]))
+        else:
+            nodes.append(helper.make_node(
+                "GroupQueryAttention", inputs + [cat_k.input[0], cat_v.input[0], SEQLENS, TOTAL],
+                [m["out"], cat_k.output[0], cat_v.output[0]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
         removed |= {id(m["replace"]), id(cat_k), id(cat_v)}
         added[id(m["replace"])] = nodes
     replace_nodes(graph, removed, added)
-    graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
+    graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["decode_rows" if mixed else "batch"]),
                         helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [1])])
+    if mixed:  # the prompt row's buffers, lengths and total, after the decode rows'
+        chunk_io = {n for pair in past + present for n in pair}
+        graph.input.extend([_renamed(v, chunk_name(v.name), 1) for v in graph.input if v.name in chunk_io])
+        graph.output.extend([_renamed(v, chunk_name(v.name), 1) for v in graph.output if v.name in chunk_io])
+        graph.input.extend([helper.make_tensor_value_info(CHUNK_SEQLENS, TensorProto.INT32, [1]),
+                            helper.make_tensor_value_info(CHUNK_TOTAL, TensorProto.INT32, [1])])
     use_ms_domain(model)
     drop_dead_nodes(model)
+    if mixed:  # anything but the attention that still reads a cache tensor (its shape, for the batch) would see the
+        # decode rows' batch where the mixed graph's is 1: no mixed graph (the caller drops this half-made one)
+        names = {n for pair in past for n in pair}
+        if any(n.op_type != "GroupQueryAttention" and names & set(n.input) for n in graph.node):
+            return 0
     # The cache buffers are longer than the graph's past/total dims say: let their length be any.
     for v in [*graph.input, *graph.output]:
         if v.name in {n for pair in past + present for n in pair}:
             v.type.tensor_type.shape.dim[2].dim_param = "cache_capacity"
+            if mixed:  # the decode rows are not the graph's batch (which is 1: one line of tokens)
+                v.type.tensor_type.shape.dim[0].dim_param = "decode_rows"
+        elif v.name.startswith("kvforge_chunk."):
+            v.type.tensor_type.shape.dim[2].dim_param = "chunk_capacity"
     # The mask is now dead (the cache's row lengths replace it) and leaves the contract; every other input stays,
     # read or not: a model without positions (NoPE) still takes position_ids, as its manifest says.
     used = {x for n in graph.node for x in node_reads(n)}

@@ -339,20 +339,24 @@ def unshare_tied_head(model) -> int:
     return done
 
 
-def rewrite_attention(model, bundle) -> int:
-    """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match)."""
+def rewrite_attention(model, bundle, mixed: bool = False) -> int:
+    """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match);
+    mixed: the mixed step's graph (attention.py)."""
     io, cfg = bundle.io, bundle.model_config
     if any(w is not None for w in io.windows):  # capped caches roll: not the packed layout
         return 0
-    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"])
+    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
+                                     mixed)
 
 
-def variant_path(bundle, attention: bool = False) -> Path:
+def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path | None:
     """Build (once) and return the cached ORT variant of `bundle`'s graph.
 
     attention: also rewrite the attention as GroupQueryAttention over a packed shared-buffer cache
     (attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
-    then LOGITS_ROWS, else KEEP_INPUT."""
+    then LOGITS_ROWS, else KEEP_INPUT.
+    mixed (with attention): the graph of a mixed step, decode rows and one prompt row's chunk in one call
+    (attention.py); None where the attention is not rewritten."""
     files = bundle.manifest.get("files", {})
     graph = bundle.manifest["graph"]
     # The cache is keyed by the manifest's hashes; a file that no longer matches
@@ -364,7 +368,8 @@ def variant_path(bundle, attention: bool = False) -> Path:
     key_parts = [files.get(graph, {}).get("sha256", "")]
     if bundle.manifest.get("external_data"):
         key_parts.append(files.get(bundle.manifest["external_data"], {}).get("sha256", ""))
-    key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}" + ("-gqa" if attention else "")
+    key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}" + ("-gqa" if attention else "") + (
+        "-mixed" if mixed else "")
     directory = cache_dir("ort-variants") / key
     target = directory / "model.onnx"
     if target.is_file():
@@ -385,8 +390,10 @@ def variant_path(bundle, attention: bool = False) -> Path:
         fold_scales_into_norms(model)
     skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.dtype, 1))
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
-    if attention and rewrite_attention(model, bundle):
+    if attention and rewrite_attention(model, bundle, mixed):
         add_logits_rows(model)
+    elif mixed:
+        return None
     else:
         add_logits_to_keep(model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))

@@ -29,13 +29,22 @@ def _staggered(batcher, prompts, options, pause=0.005):
     return [r.result(timeout=120) for r in requests]
 
 
-def test_joining_and_leaving_rows_get_their_single_request_results(tiny):
+def _placed(session, monkeypatch) -> list:
+    """Records the rows of each place_rows call (a join that filled holes left by rows that had gone)."""
+    calls, real = [], session.place_rows
+    monkeypatch.setattr(session, "place_rows", lambda cache, rows, part: calls.append(rows) or real(cache, rows, part))
+    return calls
+
+
+def test_joining_and_leaving_rows_get_their_single_request_results(tiny, monkeypatch):
     options = [dict(max_new_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     alone = [tiny.generate(p, **o) for p, o in zip(PROMPTS, options)]
+    placed = _placed(tiny, monkeypatch)
     with runtime.Batcher(tiny, max_batch=3) as batcher:
         batched = _staggered(batcher, PROMPTS, options)
         assert batcher.peak_batch == 3  # rows ran together ...
         assert batcher.steps < sum(len(r.tokens) for r in batched) * 0.6  # ... so far fewer steps than tokens
+    assert placed  # rows that joined took the places of rows that had left
     for a, b in zip(alone, batched):
         assert b.tokens == a.tokens and b.text == a.text and b.finish_reason == "length"
 
@@ -68,17 +77,20 @@ def test_stream_events_and_text(tiny):
 
 
 @pytest.mark.parametrize("preset", ["mistral-micro", "gemma-micro"])
-def test_capped_window_caches_join_and_trim(micro_bundle, preset):
-    """Windowed layers hold min(length, W) positions: rows of different lengths still match their runs alone."""
+def test_capped_window_caches_join_and_trim(micro_bundle, preset, monkeypatch):
+    """Windowed layers hold min(length, W) positions: rows of different lengths still match their runs alone, also
+    where a joining row fills a hole (the base Backend's place: these caches are not packed)."""
     rng = np.random.default_rng(0)
     with runtime.load(micro_bundle(preset).path) as session:
         V = session.vocab_size
-        prompts = [rng.integers(3, V, size=n).tolist() for n in (3, 17, 6, 11, 2, 25)]
-        options = [dict(max_new_tokens=n, ignore_eos=True) for n in (20, 4, 15, 9, 30, 6)]
+        prompts = [rng.integers(3, V, size=n).tolist() for n in (3, 17, 6, 11, 2, 25, 9, 4)]
+        options = [dict(max_new_tokens=n, ignore_eos=True) for n in (20, 4, 15, 9, 30, 6, 12, 8)]
         alone = [session.generate(p, **o) for p, o in zip(prompts, options)]
+        placed = _placed(session, monkeypatch)
         with runtime.Batcher(session, max_batch=4) as batcher:
             batched = _staggered(batcher, prompts, options)
     assert [b.tokens for b in batched] == [a.tokens for a in alone]
+    assert placed
 
 
 def test_context_limit_ends_a_row_as_it_would_alone(micro_bundle):

@@ -116,6 +116,71 @@ def test_regroup_and_drop_oldest_keep_each_rows_positions(sessions):
     _assert_caches_agree(sessions, cut, mask)
 
 
+def test_a_mixed_step_computes_its_two_forward_calls(sessions):
+    """forward_mixed (decode rows and one prompt row's chunk in one call of the mixed graph) against the bundle's
+    own graph run as two forward calls: logits and both caches, for a chunk from an empty cache and over a past,
+    for decode rows of different lengths, and for caches that another step already continued (values)."""
+    (plain, fast), rng = sessions, np.random.default_rng(7)
+    assert fast.prepare_mixed() and not plain.prepare_mixed()  # one call on the packed cache, two on the graph's
+    V = fast.vocab_size
+    ids, mask, pos = _left_padded(rng, [5, 11, 2], V)
+    rows = [plain.forward(ids, mask, position_ids=pos, last_logits_only=True)[1],
+            fast.forward(ids, mask, position_ids=pos, last_logits_only=True)[1]]
+    prompt_ids = rng.integers(0, V, (1, 17))
+    prompts = [None, None]
+    fed = 0
+    for step, n in enumerate([6, 1, 4, 6]):  # the prompt's chunks: from nothing, then over its own past
+        mask = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
+        nxt = rng.integers(0, V, (3, 1))
+        chunk, chunk_mask = prompt_ids[:, fed:fed + n], np.ones((1, fed + n), np.int64)
+        (a, ra), (pa, qa) = (plain.forward_mixed((nxt, mask, rows[0]), (chunk, chunk_mask, prompts[0])))
+        (b, rb), (pb, qb) = (fast.forward_mixed((nxt, mask, rows[1]), (chunk, chunk_mask, prompts[1])))
+        np.testing.assert_allclose(b, a, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(pb, pa, atol=ATOL, rtol=0)
+        assert b.shape == (3, 1, V) and pb.shape == (1, 1, V)
+        if step == 2:  # continue the old caches again (a branch): what the first continuation wrote is not read
+            again = fast.forward_mixed((nxt, mask, rows[1]), (chunk, chunk_mask, prompts[1]))
+            np.testing.assert_allclose(again[0][0], b, atol=ATOL, rtol=0)
+            np.testing.assert_allclose(again[1][0], pb, atol=ATOL, rtol=0)
+        rows, prompts, fed = [ra, rb], [qa, qb], fed + n
+        _assert_caches_agree(sessions, rows, mask)
+        _assert_caches_agree(sessions, prompts, np.ones((1, fed), np.int64))
+    # and the mixed step's caches go on as any other: a plain decode step of both
+    one = np.ones((3, 1), np.int64)
+    _step(sessions, rows, rng.integers(0, V, (3, 1)), np.concatenate([mask, one], axis=1), None, last_only=True)
+    with pytest.raises(KvforgeError, match="one new token per decode row"):
+        fast.forward_mixed((rng.integers(0, V, (3, 2)), np.concatenate([mask, one, one], axis=1), rows[1]),
+                           (chunk, np.ones((1, chunk.shape[1]), np.int64), None))
+
+
+def test_vacated_rows_are_filled_in_place(sessions):
+    """The batcher's holes: a row vacated (nothing moves) and filled by another cache's row (its own positions
+    copied in) gives, at the next steps, what the bundle's own graph gives over the same rows regrouped (the base
+    Backend's place). The packed place copies nothing but the new row: every other row's buffer is untouched."""
+    (plain, fast), rng = sessions, np.random.default_rng(3)
+    V = fast.vocab_size
+    ids, mask, pos = _left_padded(rng, [5, 11, 2], V)
+    caches = [s.forward(ids, mask, position_ids=pos, last_logits_only=True)[1] for s in (plain, fast)]
+    caches = [s.vacate_rows(c, [0]) for s, c in zip((plain, fast), caches)]
+    mask[0] = 0
+    new_ids = rng.integers(0, V, (1, 14))  # longer than the batch: the batch's columns grow on the left
+    parts = [s.forward(new_ids, last_logits_only=True)[1] for s in (plain, fast)]
+    before = [a.copy() for a in caches[1].values]
+    caches = [s.place_rows(c, [0], part) for s, c, part in zip((plain, fast), caches, parts)]
+    assert caches[1].length == 14 and caches[1].layout.lengths.tolist() == [14, 11, 2]
+    for a, b in zip(before, caches[1].values):  # rows 1 and 2 are where they were, and row 0 holds the new row
+        np.testing.assert_array_equal(b[1:, :, :11], a[1:, :, :11])
+    mask = np.concatenate([np.ones((1, 14), np.int64), np.pad(mask[1:], ((0, 0), (3, 0)))])
+    for _ in range(3):
+        mask = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
+        caches = _step(sessions, caches, rng.integers(0, V, (3, 1)), mask, None, last_only=True)
+    _assert_caches_agree(sessions, caches, mask)
+    with pytest.raises(KvforgeError, match="fills empty rows"):
+        fast.place_rows(caches[1], [1], parts[1])
+    with pytest.raises(KvforgeError, match="distinct rows"):
+        fast.place_rows(caches[1], [0, 0], parts[1])
+
+
 def test_masks_the_packed_cache_cannot_follow_are_refused(sessions):
     _, fast = sessions
     ids = np.arange(6, dtype=np.int64).reshape(1, 6)

@@ -65,17 +65,25 @@ def _workload(session, prompts, seed: int, cancel=(), max_batch: int = 4, **opti
 
 
 class _Forwards:
-    """Records each forward call's (rows, tokens fed per row, whether it carried a cache) on a session."""
+    """Records each forward call's (rows, tokens fed per row, whether it carried a cache) on a session; a mixed step
+    (forward_mixed) is recorded as its two parts, the decode rows' first, and counted in `mixed`."""
 
     def __init__(self, session, monkeypatch):
         self.calls: list[tuple[int, int, bool]] = []
-        real = session.forward
+        self.mixed = 0
+        real, real_mixed = session.forward, session.forward_mixed
 
         def forward(ids, mask, cache=None, **kwargs):
             self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
             return real(ids, mask, cache=cache, **kwargs)
 
+        def forward_mixed(rows, prompt):
+            self.calls += [(x[0].shape[0], x[0].shape[1], x[2] is not None) for x in (rows, prompt)]
+            self.mixed += 1
+            return real_mixed(rows, prompt)
+
         monkeypatch.setattr(session, "forward", forward)
+        monkeypatch.setattr(session, "forward_mixed", forward_mixed)
 
 
 def _check_against_alone(session, prompts, new, results, cancel=()):
@@ -225,6 +233,7 @@ def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny
     monkeypatch.undo()
     fed = [tokens for rows, tokens, _ in forwards.calls if rows == 1 and tokens > 1]
     assert max(fed) == 32 - 3 and sum(fed) >= 99  # 3 rows decode: 29 tokens left for the prompt per step
+    assert forwards.mixed >= 3  # the chunks were fed by the rows' decode steps (one call each on ONNX Runtime)
     assert results[-1].tokens == tiny.generate(prompt, max_new_tokens=3, ignore_eos=True).tokens
     forwards = _Forwards(tiny, monkeypatch)
     with runtime.Batcher(tiny, prefill_chunk=0, prefix_cache_tokens=0) as batcher:
