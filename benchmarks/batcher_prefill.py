@@ -7,9 +7,11 @@
 2. Inter-token latency of 8 decoding streams while a 4,096-token prompt arrives: each stream's intervals between
    tokens before the long prompt arrives (steady decode; their median) against those during its prefill (from
    its arrival to its first token; their p99). Target: p99 during <= 2x the median, with chunked prefill; the
-   same without chunking (prefill_chunk 0) is stated. Each --chunks value is one run; the long prompt's time to
-   first token is recorded beside it (what chunking costs the long prompt). The step floor says what one forward
-   of the long prompt's row costs beside the decode step (see step_floor).
+   same without chunking (prefill_chunk 0) is stated. Each --chunks value is one run, chunked ones with
+   mixed_steps (each chunk rides in the decode call); the long prompt's time to first token is recorded beside it
+   (what chunking costs the long prompt). The step floor says what a step carrying k prompt tokens over a
+   4,000-position cache costs beside the plain decode step, as one mixed call and as two calls (see step_floor),
+   and the decode profile where a decode step of 8 rows spends its kernel time.
 3. What the cache layout costs: 16 clients in-process (each prompt a shared 192-token prefix and a 64-token tail,
    128 new tokens, 2 requests per client), with the batcher's own clock of its forward calls and its cache copies
    (joins and leaves regroup the batch's cache; a restored prefix is copied into its row's cache): the share of
@@ -96,7 +98,8 @@ def itl_during_long_prefill(session, chunk: int) -> dict:
     prompts = [text_ids(session.tokenizer, 64, offset=100 * i) for i in range(STREAMS)]
     long_prompt = text_ids(session.tokenizer, LONG_TOKENS, offset=9000)
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
-    with runtime.Batcher(session, max_batch=STREAMS + 1, prefill_chunk=chunk, prefix_cache_tokens=0) as batcher:
+    with runtime.Batcher(session, max_batch=STREAMS + 1, prefill_chunk=chunk, prefix_cache_tokens=0,
+                         mixed_steps=bool(chunk)) as batcher:
         requests = [batcher.submit(p, max_new_tokens=decode_tokens, ignore_eos=True) for p in prompts]
 
         def follow(i):
@@ -127,7 +130,7 @@ def itl_during_long_prefill(session, chunk: int) -> dict:
     during.sort()
     p99 = during[min(len(during) - 1, int(0.99 * len(during)))] if during else float("nan")
     median = statistics.median(before)
-    return {"prefill_chunk": chunk, "streams": STREAMS, "long_prompt_tokens": LONG_TOKENS,
+    return {"prefill_chunk": chunk, "mixed_steps": bool(chunk), "streams": STREAMS, "long_prompt_tokens": LONG_TOKENS,
             "median_itl_before_s": median, "p99_itl_during_prefill_s": p99, "max_itl_during_prefill_s": max(during),
             "ratio_p99_to_median": p99 / median, "target_ratio": 2.0, "intervals_before": len(before),
             "intervals_during": len(during), "long_prompt_ttft_s": first - arrived}
@@ -172,6 +175,42 @@ def step_floor(session) -> dict:
         out["chunk_over_4000"].append({"tokens": new, "mixed_step_s": one_call, "two_calls_s": two_calls,
                                        "ratio_mixed": one_call / decode, "ratio_two_calls": two_calls / decode})
     return out
+
+
+def decode_profile(session, rows: int = STREAMS, past: int = 350, steps: int = 12) -> dict:
+    """Where a decode step of `rows` rows at ~`past` positions spends its kernel time (ONNX Runtime's profiler over
+    `steps` chained steps of the packed variant): per op type, ms per step and share."""
+    import collections
+    import json as _json
+
+    import numpy as np
+    import onnxruntime as ort
+
+    backend = session.backend
+    ids = np.asarray([text_ids(session.tokenizer, past, offset=500 * r) for r in range(rows)], np.int64)
+    _, cache = session.forward(ids, np.ones((rows, past), np.int64), last_logits_only=True)
+    opts = ort.SessionOptions()
+    opts.enable_profiling = True
+    opts.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "decode")
+    plain, backend.session = backend.session, ort.InferenceSession(str(backend.graph_path), opts,
+                                                                   providers=["CPUExecutionProvider"])
+    cache.layout.store.bound = None  # bind the buffers to the profiling session
+    try:
+        mask = np.ones((rows, past), np.int64)
+        for k in range(steps):
+            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+            x = np.asarray([text_ids(session.tokenizer, 1, offset=13 * k + r) for r in range(rows)], np.int64)
+            _, cache = session.forward(x, mask, cache=cache, last_logits_only=True)
+        events = _json.loads(Path(backend.session.end_profiling()).read_text())
+    finally:
+        backend.session = plain
+    by = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            by[e["args"]["op_name"]] += e["dur"] / 1e3 / steps
+    total = sum(by.values())
+    return {"rows": rows, "past": past, "kernel_ms_per_step": total,
+            "ops": [{"op": op, "ms_per_step": ms, "share": ms / total} for op, ms in by.most_common(8)]}
 
 
 def copy_share(session, clients: int = 16, per_client: int = 2) -> dict:
@@ -225,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--chunks", default="0,256,64,32,24")
+    parser.add_argument("--chunks", default="0,256,64,24,16")
     parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()
 
@@ -244,6 +283,8 @@ def main() -> None:
             print(result["paged_attention_on_cpu"])
             result["copy_share"] = copy_share(session)
             print(json.dumps(result["copy_share"]))
+            result["decode_profile"] = decode_profile(session)
+            print(json.dumps(result["decode_profile"]))
             result["step_floor"] = step_floor(session)
             print(json.dumps(result["step_floor"]))
             result["itl"] = []

@@ -446,11 +446,14 @@ _SERVE_OPTIONS = [
     click.option("--prefill-chunk", default=runtime.BatchOptions.prefill_chunk, show_default=True, type=click.IntRange(0),
                  help="Tokens fed per batch step, decode tokens included: longer prompts are prefilled in chunks "
                       "between decode steps (0: whole prompts)."),
+    click.option("--mixed-steps", is_flag=True, help="Feed a prompt chunk and the decode step in one forward call (ONNX "
+                 "Runtime: a second graph that holds the weights again; lower latency while long prompts prefill)."),
 ]
 
 
-def _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk) -> runtime.BatchOptions:
-    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
+def _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
+              mixed_steps) -> runtime.BatchOptions:
+    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
 
 
 def _serve_options(f):
@@ -469,10 +472,10 @@ def _serve_options(f):
 @click.option("--openai-host", default="127.0.0.1", show_default=True, help="The OpenAI API's address (0.0.0.0: every "
               "interface, as in a container).")
 def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block,
-           prefill_chunk, backend, force, openai_port, openai_host):
+           prefill_chunk, mixed_steps, backend, force, openai_port, openai_host):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
 
-    batching = _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
+    batching = _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
     repo = write_repository(bundle, out, model_name=model_name, instances=instances, batching=batching,
                             backend=backend, force=force, openai_port=openai_port, openai_host=openai_host)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
@@ -492,13 +495,14 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, pref
 @click.option("--api-key", envvar="KVFORGE_API_KEY", help="A key the OpenAI API's clients must send as a Bearer token "
               "(default: $KVFORGE_API_KEY; none: open).")
 def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
-          backend, host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key):
+          mixed_steps, backend, host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key):
     """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM,
     with the OpenAI API beside Triton's endpoints."""
 
     code = serving.serve(source, model_name, host=host, http_port=http_port, grpc_port=grpc_port,
                          metrics_port=metrics_port, instances=instances,
-                         batching=_batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk),
+                         batching=_batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
+                                            mixed_steps),
                          backend=backend,
                          openai_port=None if no_openai else openai_port, api_key=api_key, echo=click.echo)
     sys.exit(code)

@@ -124,7 +124,8 @@ class Backend(Runner):
         return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only)
 
     def prepare_mixed(self) -> bool:
-        """Whether forward_mixed computes its two parts in one call (made ready now, where that takes work)."""
+        """Make forward_mixed's one-call form ready where the backend has one (it is used once made ready); whether
+        it has."""
         return False
 
     def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False) -> tuple[tuple, tuple]:

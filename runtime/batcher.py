@@ -17,10 +17,11 @@ One scheduler thread owns the batch. Between two decode steps it
 - prefills admitted prompts within a per-step token budget (chunked prefill):
   prompts that fit the budget whole are prefilled together, and the first that
   does not gets a chunk of what is left; its next chunks come in the next
-  steps, fed by the running rows' decode step itself (Session.forward_mixed:
-  one call on ONNX Runtime's packed cache, two elsewhere), so a long prompt
-  delays their tokens by one chunk's time per step instead of by its whole
-  prefill.
+  steps, fed with the running rows' decode step (Session.forward_mixed: one
+  call with mixed_steps on ONNX Runtime's packed cache, else two), so a long
+  prompt delays their tokens by one chunk's time per step instead of by its
+  whole prefill. Rows that leave become holes (nothing moves) that joining
+  rows fill (only their own positions are copied).
   A prompt whose prefill is complete joins the running batch. Caches of
   different lengths are aligned right, each row left-padded (the attention mask
   hides the padding; position ids count each row's own tokens), so every row
@@ -55,7 +56,12 @@ Options:
   one; keys keep models apart);
 - prefill_chunk: the per-step token budget (default 256): the running rows'
   decode tokens count against it and prompts get the rest (at least one token a
-  step); 0 prefills every admitted prompt whole in the step it is admitted.
+  step); 0 prefills every admitted prompt whole in the step it is admitted;
+- mixed_steps: a prompt chunk and the running rows' decode step are one forward
+  call (Session.forward_mixed) where the backend can, instead of two calls that
+  each read every weight (default False: on ONNX Runtime's CPU provider this
+  loads a second graph of the bundle, which holds the weights a second time;
+  benchmarks/batcher_prefill.py measures both).
 
 BatchOptions holds these settings (all but prefix_cache) as one checked value,
 which the server writes into a model's configuration and reads back.
@@ -102,11 +108,16 @@ class BatchOptions:
     prefix_cache_tokens: int = 4096  # 0: no prefix cache
     prefix_block: int = 16
     prefill_chunk: int = 256  # 0: whole prompts
+    mixed_steps: bool = False  # a chunk and the decode step in one call: weights held twice on ONNX Runtime
 
     def __post_init__(self):
         for f in fields(self):
             value, least = getattr(self, f.name), 0 if f.name in ("prefix_cache_tokens", "prefill_chunk") else 1
             if value is None and f.name == "max_cache_tokens":
+                continue
+            if f.name == "mixed_steps":
+                if not isinstance(value, bool):
+                    raise KvforgeError(f"mixed_steps must be True or False, got {value!r}")
                 continue
             if not is_int(value) or value < least:
                 raise KvforgeError(f"{f.name} must be an int >= {least}, got {value!r}")
@@ -120,7 +131,11 @@ class BatchOptions:
         """Read back what params() wrote (other keys are ignored; a missing one takes its default)."""
         values = {}
         for f in fields(cls):
-            if f.name in params and params[f.name] != "":
+            if f.name == "mixed_steps" and f.name in params:
+                if params[f.name] not in ("True", "False"):
+                    raise KvforgeError(f"mixed_steps must be True or False, got {params[f.name]!r}")
+                values[f.name] = params[f.name] == "True"
+            elif f.name in params and params[f.name] != "":
                 try:
                     values[f.name] = int(params[f.name])
                 except ValueError:
@@ -320,8 +335,8 @@ class Batcher(RequestQueue):
 
     def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None,
                  prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk: int = 256):
-        options = BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk)
+                 prefill_chunk: int = 256, mixed_steps: bool = False):
+        options = BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
         super().__init__()
         self.session = session
         self.options = options
@@ -349,8 +364,9 @@ class Batcher(RequestQueue):
         windows = [w for w in session.io.windows if w is not None]
         self._window = min(windows) if windows else None  # capped layers: prefixes up to this many tokens only
         self._pins: dict[int, list[bytes]] = {}  # request id -> the cached blocks its row restored
-        if self.prefill_chunk:  # the mixed step's graph is built and loaded now, not in the first step that needs it
-            session.prepare_mixed()
+        # a chunk rides in the decode step's forward_mixed call: one call where the backend has it ready (on ONNX
+        # Runtime a second graph, loaded now, that holds the weights again), else two
+        self.mixed = options.mixed_steps and session.prepare_mixed()
 
     # -- the client's side --------------------------------------------------------------
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:

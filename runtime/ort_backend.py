@@ -178,6 +178,7 @@ class OnnxRuntimeBackend(Backend):
         return store, arrays
 
     def prepare_mixed(self) -> bool:
+        """Build (once, cached on disk) and load the mixed step's graph: a second session, holding the weights again."""
         if not self.packed or not self.variant:
             return False
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
@@ -188,7 +189,7 @@ class OnnxRuntimeBackend(Backend):
 
     def forward_mixed(self, decode, prompt, last_only: bool):
         (d_ids, d_mask, d_pos, d_cache), (p_ids, p_mask, p_pos, p_cache) = decode, prompt
-        if not self.prepare_mixed() or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
+        if not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
                 or p_ids.shape[0] != 1:
             return super().forward_mixed(decode, prompt, last_only)
         ort = _ort()

@@ -122,8 +122,9 @@ class Session(SessionLifecycle):
             return logits, present
 
     def forward_mixed(self, rows: tuple, prompt: tuple) -> tuple[tuple[np.ndarray, KVCache], tuple[np.ndarray, KVCache]]:
-        """A decode step of some rows and a chunk of another row's prompt as one step, where the backend can (the
-        ONNX Runtime backend's packed cache): each weight is read once for both. rows and prompt are each
+        """A decode step of some rows and a chunk of another row's prompt as one step: one call where the backend
+        can and prepare_mixed() made it ready (the ONNX Runtime backend's packed cache), each weight read once for
+        both; else the two forward calls. rows and prompt are each
         (input_ids, attention_mask, cache), as forward() takes them: rows one token per row, prompt one row.
         Returns ((logits, cache), (logits, cache)), the last position's logits of each, equal to what the two
         forward(..., last_logits_only=True) calls return (to rounding)."""

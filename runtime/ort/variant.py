@@ -374,6 +374,8 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path |
     target = directory / "model.onnx"
     if target.is_file():
         return target
+    if (directory / "none").is_file():  # a mixed graph this bundle cannot have (found once, remembered)
+        return None
     import onnx
 
     model = bundle.load_graph()
@@ -393,13 +395,16 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path |
     if attention and rewrite_attention(model, bundle, mixed):
         add_logits_rows(model)
     elif mixed:
-        return None
+        model = None
     else:
         add_logits_to_keep(model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:
-        big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD
-        onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
+        if model is None:
+            (tmp / "none").write_text("no mixed graph: some layer's attention or cache does not allow it\n")
+        else:
+            big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD
+            onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
         try:
             os.replace(tmp, directory)
         except OSError:  # another process built it first
@@ -407,4 +412,4 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path |
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
+    return target if model is not None else None

@@ -224,7 +224,8 @@ def test_chunked_prefill_and_prefix_cache_change_no_greedy_output(preset, micro_
 def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny, monkeypatch):
     prompt = list(range(3, 103))
     forwards = _Forwards(tiny, monkeypatch)
-    with runtime.Batcher(tiny, max_batch=4, prefill_chunk=32, prefix_cache_tokens=0) as batcher:
+    with runtime.Batcher(tiny, max_batch=4, prefill_chunk=32, prefix_cache_tokens=0, mixed_steps=True) as batcher:
+        assert batcher.mixed  # the packed cache's mixed graph: one call per chunk and decode step
         short = [batcher.submit(prompt[:5 + i], max_new_tokens=60, ignore_eos=True) for i in range(3)]
         for r in short:  # all three decode before the long prompt arrives
             next(iter(r))
@@ -233,7 +234,7 @@ def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny
     monkeypatch.undo()
     fed = [tokens for rows, tokens, _ in forwards.calls if rows == 1 and tokens > 1]
     assert max(fed) == 32 - 3 and sum(fed) >= 99  # 3 rows decode: 29 tokens left for the prompt per step
-    assert forwards.mixed >= 3  # the chunks were fed by the rows' decode steps (one call each on ONNX Runtime)
+    assert forwards.mixed >= 3  # the chunks were fed with the rows' decode steps (forward_mixed)
     assert results[-1].tokens == tiny.generate(prompt, max_new_tokens=3, ignore_eos=True).tokens
     forwards = _Forwards(tiny, monkeypatch)
     with runtime.Batcher(tiny, prefill_chunk=0, prefix_cache_tokens=0) as batcher:
@@ -242,6 +243,8 @@ def test_prefill_budget_counts_the_running_rows_and_zero_turns_chunking_off(tiny
     for bad in (dict(prefill_chunk=-1), dict(prefill_chunk=2.5), dict(prefill_chunk=True)):
         with pytest.raises(KvforgeError, match="prefill_chunk must be an int >= 0"):
             runtime.Batcher(tiny, **bad)
+    with pytest.raises(KvforgeError, match="mixed_steps must be True or False, got 1"):
+        runtime.Batcher(tiny, mixed_steps=1)
 
 
 @pytest.mark.slow

@@ -78,7 +78,8 @@ def test_stop_strings_hold_back_only_what_could_match(deltas, stops, released, s
 
 
 def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
-    batching = runtime.BatchOptions(max_batch=4, max_cache_tokens=4096, prefix_cache_tokens=0, prefill_chunk=64)
+    batching = runtime.BatchOptions(max_batch=4, max_cache_tokens=4096, prefix_cache_tokens=0, prefill_chunk=64,
+                                    mixed_steps=True)
     repo = write_repository(tiny_fp32.path, tmp_path / "repo", model_name="tiny-llm", instances=2, batching=batching)
     config = (repo / "tiny-llm" / "config.pbtxt").read_text()
     assert 'name: "tiny-llm"' in config and "decoupled: true" in config and "count: 2" in config
@@ -89,6 +90,8 @@ def test_the_repository_holds_config_model_and_bundle(tiny_fp32, tmp_path):
     assert runtime.BatchOptions.from_params(params) == batching  # what the model reads back is what was asked
     with pytest.raises(KvforgeError, match="prefill_chunk must be an integer, got 'many'"):
         runtime.BatchOptions.from_params({**params, "prefill_chunk": "many"})
+    with pytest.raises(KvforgeError, match="mixed_steps must be True or False, got 'yes'"):
+        runtime.BatchOptions.from_params({**params, "mixed_steps": "yes"})
     assert "kvforge.serving.triton_model import TritonPythonModel" in (repo / "tiny-llm" / "1" / "model.py").read_text()
     inside = repo / "tiny-llm" / "1" / "bundle"
     for f in tiny_fp32.path.iterdir():
