@@ -209,7 +209,8 @@ class Tokenizer:
         bad = [i for i in ids if i < 0]
         if bad:
             raise KvforgeError(f"token ids {bad[:8]} are negative; token ids start at 0")
-        return self.backend.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+        size = self.vocab_size  # once: the backend counts it on each call
+        return self.backend.decode([i for i in ids if i < size], skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, specials={self.special_tokens})"

@@ -229,7 +229,7 @@ class Request:
 @dataclass
 class _Row:
     request: Request
-    seen: np.ndarray  # prompt + generated ids (repetition penalty)
+    seen: list[int]  # prompt + generated ids (repetition penalty; a list: appending to an array copies it)
     rng: np.random.Generator
     logits: np.ndarray | None = None  # the next token's logits, (V,)
 
@@ -346,7 +346,7 @@ class Batcher(RequestQueue):
         self._batch = _Batch()
         self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not all fed yet
         self._chunk: tuple[_Prefill, int] | None = None  # a prompt chunk the next decode step feeds (mixed step)
-        self.mixed_steps = 0  # decode steps that also fed a prompt chunk
+        self.chunk_steps = 0  # decode steps that also fed a prompt chunk
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
         # seconds spent in prefill and decode forward calls, and in copying caches (joins, leaves, restored prefixes)
@@ -542,14 +542,14 @@ class Batcher(RequestQueue):
 
     def _complete(self, p: _Prefill) -> _Batch:
         r = p.request
-        row = _Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), p.logits[0, -1])
+        row = _Row(r, list(r.prompt), np.random.default_rng(r.config.seed), p.logits[0, -1])
         return _Batch([row], p.cache, _pending(np.ones((1, len(r.prompt)), np.int64)))
 
     def _prefill_full(self, requests: list[Request]) -> _Batch:
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
         with self._timed("prefill"):
             logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
-        rows = [_Row(r, np.asarray(r.prompt, np.int64), np.random.default_rng(r.config.seed), logits[i, -1])
+        rows = [_Row(r, list(r.prompt), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
         return _Batch(rows, cache, _pending(mask))
 
@@ -642,7 +642,7 @@ class Batcher(RequestQueue):
                 r._end("error", e)
                 leaving.append(i)
                 continue
-            row.seen = np.append(row.seen, token)
+            row.seen.append(token)
             r._emit(token, finish, None if scored is None else scored[0])
             if finish is not None:
                 leaving.append(i)
@@ -668,7 +668,7 @@ class Batcher(RequestQueue):
                     (nxt, batch.mask, batch.cache),
                     (np.asarray([p.request.prompt[p.fed:p.fed + n]], np.int64), np.ones((1, p.fed + n), np.int64), p.cache))
                 p.fed += n
-                self.mixed_steps += 1
+                self.chunk_steps += 1
         for row, lg in zip(batch.rows, logits[:, -1]):
             if row is not None:
                 row.logits = lg

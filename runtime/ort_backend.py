@@ -139,7 +139,7 @@ class OnnxRuntimeBackend(Backend):
         ort = _ort()
         layout = cache.layout
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
-        store, arrays = self._writable(cache, steps)
+        store, arrays = self._writable(cache, max(int(s.total[0]) for s in steps))
         B, T = input_ids.shape
         if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
             store.binding = self.session.io_binding()
@@ -168,13 +168,13 @@ class OnnxRuntimeBackend(Backend):
         layout = packed.Packed(steps[-1].lengths, store, store.version)
         return logits, KVCache(self.name, B, cache.length + T, arrays, layout=layout)
 
-    def _writable(self, cache: KVCache, steps: list[packed.Step]) -> tuple[packed.Store, list[np.ndarray]]:
-        """The store a step over `cache` writes (its own, or a copy where another step already continued this
-        cache), its buffers grown to hold what the steps write."""
+    def _writable(self, cache: KVCache, capacity: int) -> tuple[packed.Store, list[np.ndarray]]:
+        """The store a write over `cache` goes to (its own, or a copy where another step already continued this
+        cache), its buffers grown to hold `capacity` positions."""
         store = cache.layout.store  # its arrays are cache.values while no other step has continued this cache
         if cache.layout.version != store.version:
             store = packed.Store([a.copy() for a in cache.values])
-        arrays = store.arrays = packed.grown(store.arrays, max(int(s.total[0]) for s in steps), self.max_context)
+        arrays = store.arrays = packed.grown(store.arrays, capacity, self.max_context)
         return store, arrays
 
     def prepare_mixed(self) -> bool:
@@ -190,13 +190,13 @@ class OnnxRuntimeBackend(Backend):
     def forward_mixed(self, decode, prompt, last_only: bool):
         (d_ids, d_mask, d_pos, d_cache), (p_ids, p_mask, p_pos, p_cache) = decode, prompt
         if not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
-                or p_ids.shape[0] != 1:
+                or p_ids.shape[0] != 1 or d_cache.layout.store is p_cache.layout.store:  # (branches of one cache)
             return super().forward_mixed(decode, prompt, last_only)
         ort = _ort()
         (d_step,) = packed.plan(d_ids, d_pos, d_mask, d_cache.layout.lengths, d_cache.length, last_only)
         (p_step,) = packed.plan(p_ids, p_pos, p_mask, p_cache.layout.lengths, p_cache.length, last_only)
-        d_store, d_arrays = self._writable(d_cache, [d_step])
-        p_store, p_arrays = self._writable(p_cache, [p_step])
+        d_store, d_arrays = self._writable(d_cache, int(d_step.total[0]))
+        p_store, p_arrays = self._writable(p_cache, int(p_step.total[0]))
         R = d_ids.shape[0]
         binding = self._mixed.io_binding()
         for arrays, rename in ((d_arrays, str), (p_arrays, chunk_name)):
@@ -253,10 +253,7 @@ class OnnxRuntimeBackend(Backend):
         if cache.layout.lengths[rows].any():
             raise KvforgeError(f"place() fills empty rows; rows {rows} of this cache hold positions (vacate them first)")
         held = part.layout.lengths
-        store = cache.layout.store
-        if cache.layout.version != store.version:  # another step continued this cache: a copy of its own
-            store = packed.Store([a.copy() for a in cache.values])
-        arrays = store.arrays = packed.grown(store.arrays, int(held.max()), self.max_context)
+        store, arrays = self._writable(cache, int(held.max()))
         for a, b in zip(arrays, part.values):
             for r, i, n in zip(rows, range(part.batch), held.tolist()):
                 a[r, :, :n] = b[i, :, :n]

@@ -46,7 +46,7 @@ class SamplingConfig:
             raise KvforgeError("; ".join(problems))
 
 
-def apply_repetition_penalty(logits: np.ndarray, seen: list[np.ndarray], penalty: float) -> np.ndarray:
+def apply_repetition_penalty(logits: np.ndarray, seen: list, penalty: float) -> np.ndarray:
     """CTRL-style: a seen token's logit is divided by `penalty` if positive, multiplied if negative."""
     if penalty == 1.0:
         return logits

@@ -29,22 +29,33 @@ def _staggered(batcher, prompts, options, pause=0.005):
     return [r.result(timeout=120) for r in requests]
 
 
-def _placed(session, monkeypatch) -> list:
-    """Records the rows of each place_rows call (a join that filled holes left by rows that had gone)."""
+def _a_hole_is_filled(session, monkeypatch, prompts: list) -> None:
+    """A long row and a short one run; the short one ends, its place becomes a hole, and a third request that
+    arrives then fills it (place_rows, not a regroup) while the long row runs on: all three get their results
+    alone."""
+    options = [dict(max_new_tokens=n, ignore_eos=True) for n in (40, 3, 6)]
+    alone = [session.generate(p, **o) for p, o in zip(prompts, options)]
     calls, real = [], session.place_rows
     monkeypatch.setattr(session, "place_rows", lambda cache, rows, part: calls.append(rows) or real(cache, rows, part))
-    return calls
+    with runtime.Batcher(session, max_batch=2) as batcher:
+        long = batcher.submit(prompts[0], **options[0])
+        short = batcher.generate(prompts[1], **options[1])
+        assert not long.done  # (40 tokens: it runs on while the third joins)
+        third = batcher.generate(prompts[2], **options[2])
+        results = [long.result(timeout=120), short, third]
+    monkeypatch.undo()
+    assert [r.tokens for r in results] == [a.tokens for a in alone]
+    assert calls == [[1]]  # the third took the short row's place
 
 
 def test_joining_and_leaving_rows_get_their_single_request_results(tiny, monkeypatch):
     options = [dict(max_new_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     alone = [tiny.generate(p, **o) for p, o in zip(PROMPTS, options)]
-    placed = _placed(tiny, monkeypatch)
     with runtime.Batcher(tiny, max_batch=3) as batcher:
         batched = _staggered(batcher, PROMPTS, options)
         assert batcher.peak_batch == 3  # rows ran together ...
         assert batcher.steps < sum(len(r.tokens) for r in batched) * 0.6  # ... so far fewer steps than tokens
-    assert placed  # rows that joined took the places of rows that had left
+    _a_hole_is_filled(tiny, monkeypatch, PROMPTS[:3])
     for a, b in zip(alone, batched):
         assert b.tokens == a.tokens and b.text == a.text and b.finish_reason == "length"
 
@@ -83,14 +94,13 @@ def test_capped_window_caches_join_and_trim(micro_bundle, preset, monkeypatch):
     rng = np.random.default_rng(0)
     with runtime.load(micro_bundle(preset).path) as session:
         V = session.vocab_size
-        prompts = [rng.integers(3, V, size=n).tolist() for n in (3, 17, 6, 11, 2, 25, 9, 4)]
-        options = [dict(max_new_tokens=n, ignore_eos=True) for n in (20, 4, 15, 9, 30, 6, 12, 8)]
+        prompts = [rng.integers(3, V, size=n).tolist() for n in (3, 17, 6, 11, 2, 25)]
+        options = [dict(max_new_tokens=n, ignore_eos=True) for n in (20, 4, 15, 9, 30, 6)]
         alone = [session.generate(p, **o) for p, o in zip(prompts, options)]
-        placed = _placed(session, monkeypatch)
         with runtime.Batcher(session, max_batch=4) as batcher:
             batched = _staggered(batcher, prompts, options)
-    assert [b.tokens for b in batched] == [a.tokens for a in alone]
-    assert placed
+        assert [b.tokens for b in batched] == [a.tokens for a in alone]
+        _a_hole_is_filled(session, monkeypatch, prompts[:3])
 
 
 def test_context_limit_ends_a_row_as_it_would_alone(micro_bundle):
