@@ -712,7 +712,10 @@ class Batcher(RequestQueue):
         batch.cache = self.session.vacate_rows(batch.cache, leaving)
         if first:
             with self._timed("copy"):  # a packed cache only forgets the columns; others copy what they keep
-                batch.cache = self.session.drop_oldest(batch.cache, first)
+                try:
+                    batch.cache = self.session.drop_oldest(batch.cache, first)
+                except NotImplementedError:  # a backend that cannot drop positions (TensorRT): a regroup
+                    batch.cache = self.session.regroup_cache([(batch.cache, list(range(len(batch.rows))))], length)
             batch.mask = batch.mask[:, first:]
 
 

@@ -35,7 +35,7 @@ COMMANDS = {
     "bench": (lambda b, w: [b, "--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "2"],
               {k: REFUSE_BENCH for k in ("encoder", "encoder-decoder", "perceiver")}),
     "build": (lambda b, w: [b, "--dry-run"], {}),
-    "triton": (lambda b, w: [b, "-o", w / "repo"], {}),
+    "triton": (lambda b, w: [b, "-o", w / "repo", "--prefill-chunk", "64", "--mixed-steps"], {}),
     # every kind is served (serving/kinds.py): a server runs until a signal, tests/serving/test_triton.py runs them
     "serve": (lambda b, w: [b, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], {}),
 }
@@ -96,6 +96,10 @@ def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, exp
     else:
         assert result.exit_code == 0, result.output
         assert re.search(SUMMARY[command], result.output), result.output
+        if command == "triton":  # the batching flags reach the model's configuration
+            config = next((tmp_path / "repo").glob("*/config.pbtxt")).read_text()
+            assert 'key: "prefill_chunk" value: { string_value: "64" }' in config
+            assert 'key: "mixed_steps" value: { string_value: "True" }' in config
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
