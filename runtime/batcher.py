@@ -115,9 +115,9 @@ class BatchOptions:
             value, least = getattr(self, f.name), 0 if f.name in ("prefix_cache_tokens", "prefill_chunk") else 1
             if value is None and f.name == "max_cache_tokens":
                 continue
-            if f.name == "mixed_steps":
+            if isinstance(f.default, bool):  # a switch
                 if not isinstance(value, bool):
-                    raise KvforgeError(f"mixed_steps must be True or False, got {value!r}")
+                    raise KvforgeError(f"{f.name} must be True or False, got {value!r}")
                 continue
             if not is_int(value) or value < least:
                 raise KvforgeError(f"{f.name} must be an int >= {least}, got {value!r}")
@@ -131,9 +131,9 @@ class BatchOptions:
         """Read back what params() wrote (other keys are ignored; a missing one takes its default)."""
         values = {}
         for f in fields(cls):
-            if f.name == "mixed_steps" and f.name in params:
+            if isinstance(f.default, bool) and f.name in params:  # params() wrote str(True) or str(False)
                 if params[f.name] not in ("True", "False"):
-                    raise KvforgeError(f"mixed_steps must be True or False, got {params[f.name]!r}")
+                    raise KvforgeError(f"{f.name} must be True or False, got {params[f.name]!r}")
                 values[f.name] = params[f.name] == "True"
             elif f.name in params and params[f.name] != "":
                 try:
@@ -247,6 +247,11 @@ class _Batch:
     @property
     def live(self) -> list[_Row]:
         return [row for row in self.rows if row is not None]
+
+    @property
+    def live_at(self) -> list[int]:
+        """The live rows' places."""
+        return [i for i, row in enumerate(self.rows) if row is not None]
 
     @property
     def holes(self) -> list[int]:
@@ -529,10 +534,9 @@ class Batcher(RequestQueue):
         end = self._window_blocks(prompt)
         while fed < goal:
             upto = end if fed < end < goal else goal
-            ids = np.asarray([prompt[fed:upto]], np.int64)
+            ids, mask = _piece(prompt, fed, upto)
             with self._timed("prefill"):
-                p.logits, p.cache = self.session.forward(ids, np.ones((1, upto), np.int64), cache=p.cache,
-                                                         last_logits_only=True)
+                p.logits, p.cache = self.session.forward(ids, mask, cache=p.cache, last_logits_only=True)
             fed = p.fed = upto
             if fed == end and self.prefix_cache is not None:
                 keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
@@ -606,7 +610,7 @@ class Batcher(RequestQueue):
                 for i, row in zip(into, new.rows):
                     batch.rows[i] = row
                 return
-            live = [i for i, row in enumerate(batch.rows) if row is not None]
+            live = batch.live_at
             batch.cache = self.session.regroup_cache(
                 [(batch.cache, live), (new.cache, list(range(len(new.rows))))], length)
         batch.mask = np.concatenate([_left_pad(batch.mask[live], length + 1), _left_pad(new.mask, length + 1)])
@@ -615,7 +619,7 @@ class Batcher(RequestQueue):
     def _step(self, batch: _Batch) -> None:
         """Choose every row's next token, let finished rows go, and run one decode step for the rest."""
         context = self.session.max_context
-        live = [i for i, row in enumerate(batch.rows) if row is not None]
+        live = batch.live_at
         for i in live:
             if batch.rows[i].request.cancelled:
                 batch.rows[i].request._end("cancelled")
@@ -665,8 +669,7 @@ class Batcher(RequestQueue):
             else:  # the rows' decode step and a prompt's chunk as one step: the backend reads its weights once
                 p, n = chunk
                 (logits, batch.cache), (p.logits, p.cache) = self.session.forward_mixed(
-                    (nxt, batch.mask, batch.cache),
-                    (np.asarray([p.request.prompt[p.fed:p.fed + n]], np.int64), np.ones((1, p.fed + n), np.int64), p.cache))
+                    (nxt, batch.mask, batch.cache), (*_piece(p.request.prompt, p.fed, p.fed + n), p.cache))
                 p.fed += n
                 self.chunk_steps += 1
         for row, lg in zip(batch.rows, logits[:, -1]):
@@ -697,7 +700,7 @@ class Batcher(RequestQueue):
         self._unpin([batch.rows[i].request for i in leaving])
         for i in leaving:
             batch.rows[i] = None
-        live = [i for i, row in enumerate(batch.rows) if row is not None]
+        live = batch.live_at
         if not live:
             batch.rows, batch.cache, batch.mask = [], None, None
             return
@@ -723,6 +726,11 @@ def _blocks(arrays: list[np.ndarray], row: int, n: int, size: int):
     """k -> the k-th block of `size` positions of a row's first n tokens, from a cache's arrays (cache_arrays):
     position p of those n tokens sits at column (columns held) - n + p."""
     return lambda k: [a[row, :, a.shape[2] - n + k * size:a.shape[2] - n + (k + 1) * size] for a in arrays]
+
+
+def _piece(prompt: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt's tokens start..end as one row's step over its first `start` (ids, attention mask)."""
+    return np.asarray([prompt[start:end]], np.int64), np.ones((1, end), np.int64)
 
 
 def _pending(mask: np.ndarray) -> np.ndarray:

@@ -143,10 +143,7 @@ class OnnxRuntimeBackend(Backend):
         B, T = input_ids.shape
         if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
             store.binding = self.session.io_binding()
-            for past, present, array in zip(self.past_names, self.present_names, arrays):
-                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the array's own memory: written in place
-                store.binding.bind_ortvalue_input(past, buffer)
-                store.binding.bind_ortvalue_output(present, buffer)
+            self._bind_buffers(store.binding, arrays)
             store.bound = arrays
         binding = store.binding
         logits = None
@@ -167,6 +164,15 @@ class OnnxRuntimeBackend(Backend):
         store.version += 1
         layout = packed.Packed(steps[-1].lengths, store, store.version)
         return logits, KVCache(self.name, B, cache.length + T, arrays, layout=layout)
+
+    def _bind_buffers(self, binding, arrays: list[np.ndarray], name=str) -> None:
+        """Each cache array as both its layer's past input and present output (name(...) of them): the array's own
+        memory, which a step writes in place."""
+        ort = _ort()
+        for past, present, array in zip(self.past_names, self.present_names, arrays):
+            buffer = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_input(name(past), buffer)
+            binding.bind_ortvalue_output(name(present), buffer)
 
     def _writable(self, cache: KVCache, capacity: int) -> tuple[packed.Store, list[np.ndarray]]:
         """The store a write over `cache` goes to (its own, or a copy where another step already continued this
@@ -199,11 +205,8 @@ class OnnxRuntimeBackend(Backend):
         p_store, p_arrays = self._writable(p_cache, int(p_step.total[0]))
         R = d_ids.shape[0]
         binding = self._mixed.io_binding()
-        for arrays, rename in ((d_arrays, str), (p_arrays, chunk_name)):
-            for past, present, array in zip(self.past_names, self.present_names, arrays):
-                buffer = ort.OrtValue.ortvalue_from_numpy(array)  # written in place, as in _forward_packed
-                binding.bind_ortvalue_input(rename(past), buffer)
-                binding.bind_ortvalue_output(rename(present), buffer)
+        self._bind_buffers(binding, d_arrays)
+        self._bind_buffers(binding, p_arrays, chunk_name)
         rows = np.concatenate([d_step.logits_rows.reshape(1, -1), R + p_step.logits_rows], axis=1)
         for name, value in (("input_ids", np.concatenate([d_step.ids.reshape(1, -1), p_step.ids], axis=1)),
                             ("position_ids", np.concatenate([d_step.positions.reshape(1, -1), p_step.positions], axis=1)),
