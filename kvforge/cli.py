@@ -21,7 +21,7 @@ from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
 from kvforge.metrics import parse_tolerances
-from kvforge.runtime.bench import benchmark
+from kvforge.runtime.bench import benchmark, benchmark_speculative
 from kvforge.serving import repository_model, write_repository
 from kvforge.verify.check import check as run_check
 from kvforge.verify.check import write_check_report
@@ -351,20 +351,45 @@ def _sampling_options(f):
     return f
 
 
+def _speculative_options(f):
+    """--speculative and its settings (runtime/drafting.py), for generate and bench."""
+    for option in reversed([
+        click.option("--speculative", metavar="prompt-lookup|quantized|draft:PATH",
+                     help="Speculative decoding: draft tokens by prompt lookup, with the bundle's own calibrated "
+                          "sibling beside it (quantized), or with another bundle of the same tokenizer; the target "
+                          "checks them in one step. The output stays the target's."),
+        click.option("--draft-tokens", type=click.IntRange(1, 32), help="Tokens drafted per step (default: 8 for "
+                     "prompt lookup, 4 for a draft model)."),
+        click.option("--ngram", default=3, show_default=True, type=click.IntRange(1, 16),
+                     help="Prompt lookup: the longest n-gram matched."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _speculation(speculative, draft_tokens, ngram):
+    if not speculative:
+        return None
+    spec = runtime.parse_speculative(speculative)
+    return {"method": spec.method, "k": draft_tokens or spec.k, "ngram": ngram, "draft": spec.draft}
+
+
 @main.command()
 @click.argument("source")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", "as_chat", is_flag=True,
               help="Send the prompt as a user message through the model's chat template.")
 @_sampling_options
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
-             as_json):
+             speculative, draft_tokens, ngram, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
     session = runtime.load(source, backend=backend)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   repetition_penalty=repetition_penalty, seed=seed)
+                   repetition_penalty=repetition_penalty, seed=seed,
+                   speculative=_speculation(speculative, draft_tokens, ngram))
     tokens, text = [], []
     with session:
         events = (session.stream_chat([{"role": "user", "content": prompt}], **options) if as_chat
@@ -516,16 +541,31 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cac
 @click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--runs", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0))
+@_speculative_options
+@click.option("--prompt", help="With --speculative: the prompt text (a chat template's user message where the "
+              "bundle has one; default: a request to repeat a paragraph of built-in prose).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
-def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json):
-    """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS."""
+def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, speculative, draft_tokens, ngram, prompt,
+          as_json):
+    """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS. With --speculative:
+    greedy decode tokens/s with and without speculation on one prompt (batch 1), their ratio, the acceptance rate
+    and the tokens per step."""
 
     with runtime.load(bundle, backend=backend) as session:
         if not isinstance(session, runtime.Session):
             raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge bench` measures a decoder LM's "
                                "prefill and decode steps (time an encoder with kvforge.runtime's embed())")
-        result = benchmark(session, batch, prompt_len, new_tokens, runs, warmup)
-    if not as_json:
+        if speculative:
+            result = benchmark_speculative(session, _bench_prompt(session, prompt), new_tokens, runs, warmup,
+                                           _speculation(speculative, draft_tokens, ngram))
+        else:
+            result = benchmark(session, batch, prompt_len, new_tokens, runs, warmup)
+    if speculative and not as_json:
+        click.echo(f"{session.backend_name}: {result['prompt_len']}-token prompt, {new_tokens} new tokens, median of "
+                   f"{runs}: decode {result['plain_decode_tokens_per_s']:.1f} tok/s plain, "
+                   f"{result['speculative_decode_tokens_per_s']:.1f} tok/s speculative ({result['speedup']:.2f}x), "
+                   f"acceptance {result['acceptance_rate'] or 0:.2f}, {result['tokens_per_step'] or 0:.2f} tokens/step")
+    elif not as_json:
         decode = result["decode_tokens_per_s"]
         click.echo(
             f"{session.backend_name}: batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, median of {runs}: "
@@ -534,6 +574,19 @@ def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, as_json)
             f"TTFT {result['ttft_ms']:.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB"
         )
     click.echo(json.dumps(result))
+
+
+def _bench_prompt(session, prompt: str | None) -> list[int]:
+    if prompt is None:
+        from kvforge.texts import builtin_prose
+
+        text = builtin_prose("evaluation")[0][0]
+        start = text.index("\n\n", len(text) // 3) + 2  # a paragraph from the middle of the book
+        paragraph = text[start:start + 1200]
+        prompt = f"Repeat the following text exactly.\n\n{paragraph}"
+    if session.tokenizer is not None and session.tokenizer.chat_template:
+        return session.chat_ids([{"role": "user", "content": prompt}])
+    return session.encode(prompt)
 
 
 def _wide_console():

@@ -11,6 +11,7 @@ Importing this package imports no Torch; the torch backend loads it on activatio
 
 from .backend import Backend, KVCache
 from .batcher import BatchOptions, Batcher, Request
+from .drafting import Speculation, parse_speculative
 from .encoder_session import EncoderSession
 from .generate import GenerationConfig, GenerationResult, TokenEvent
 from .sampling import SamplingConfig
@@ -32,7 +33,9 @@ __all__ = [
     "Request",
     "SamplingConfig",
     "Session",
+    "Speculation",
     "TokenEvent",
     "available_backends",
     "load",
+    "parse_speculative",
 ]

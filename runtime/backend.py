@@ -175,6 +175,31 @@ class Backend(Runner):
         batch = sum(len(keep) for _, keep in parts)
         return KVCache(self.name, batch, length, self.from_numpy_impl(merged), parts[0][0].owner)
 
+    def rollback(self, before: KVCache, after: KVCache, length: int) -> KVCache:
+        """`after`, a continuation of `before` by one step, cut back to its first `length` positions
+        (before.length <= length <= after.length), every row the same: what speculative decoding keeps of a
+        verification step once it knows how many drafted tokens were accepted. An uncapped layer is a slice of
+        `after`. A capped (windowed) layer holds only its newest W positions, so the step may have pushed out
+        positions the cut cache holds again: those come back from `before`, followed by `after`'s new ones.
+        Raises NotImplementedError where neither holds them (a step of more new positions than the window): the
+        caller then feeds the kept tokens over `before` again (runtime/speculative.py)."""
+        if length == after.length:
+            return after
+        held_b, held_a, held = (self.io.cache_lengths(n) for n in (before.length, after.length, length))
+        per_layer = len(after.values) // len(held)
+        values = []
+        for j, (b, a) in enumerate(zip(before.values, after.values)):
+            layer = j // per_layer
+            lo, a_lo, b_lo = length - held[layer], after.length - held_a[layer], before.length - held_b[layer]
+            if lo >= a_lo:  # after still holds every position kept
+                values.append(self.slice_impl(a, lo - a_lo, length - a_lo))
+            elif lo >= b_lo and before.length >= a_lo:  # the oldest ones from before, the new ones from after
+                values.append(self.join_impl(self.slice_impl(b, lo - b_lo, held_b[layer]),
+                                             self.slice_impl(a, before.length - a_lo, length - a_lo)))
+            else:
+                raise NotImplementedError(f"layer {layer}'s window lost positions {lo}..{a_lo} that no cache holds")
+        return KVCache(self.name, after.batch, length, values, after.owner)
+
     def vacate(self, cache: KVCache, rows: list[int]) -> KVCache:
         """The cache with these rows emptied: they hold no position (their attention-mask rows must be all zeros
         from now on) and keep their place, for place() to fill. Nothing moves: the masks hide a row's positions
@@ -217,6 +242,14 @@ class Backend(Runner):
     def drop_oldest_impl(self, values: list[Any], drops: list[int]) -> list[Any]:
         """Each cache tensor without its first drops[j] positions."""
         raise NotImplementedError  # a backend without it ends a batch at the batch's width (generate.py)
+
+    def slice_impl(self, value, start: int, stop: int):
+        """A cache tensor's positions start..stop (axis 2), as this backend's tensor (here through numpy)."""
+        return self.from_numpy_impl([np.ascontiguousarray(self.to_numpy(value)[:, :, start:stop])])[0]
+
+    def join_impl(self, first, second):
+        """Two cache tensors' positions, one after the other (axis 2), as this backend's tensor."""
+        return self.from_numpy_impl([np.concatenate([self.to_numpy(first), self.to_numpy(second)], axis=2)])[0]
 
     def to_numpy(self, value) -> np.ndarray:
         raise NotImplementedError

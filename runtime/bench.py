@@ -73,3 +73,39 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
         "decode_ms_per_token": 1000 * med_decode / (new_tokens - 1) if new_tokens > 1 else None,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def _timed_stream(session: Session, prompt: list[int], new_tokens: int, speculative) -> tuple[float, float, list[int]]:
+    """(time to the first token, decode tokens/s after it, the tokens) of one greedy stream of new_tokens tokens."""
+    t0 = time.perf_counter()
+    first, tokens = None, []
+    for event in session.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative):
+        tokens.append(event.token)
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - t0, (len(tokens) - 1) / (end - first), tokens
+
+
+def benchmark_speculative(session: Session, prompt: list[int], new_tokens: int, runs: int, warmup: int,
+                          speculative) -> dict:
+    """Greedy decode tokens/s of one prompt (batch 1) with and without speculation, runs interleaved: medians,
+    their ratio, and what speculation did (acceptance rate, tokens per target step). `same_tokens`: whether the
+    two produced the same tokens (they must, to rounding)."""
+    if new_tokens < 2 or runs < 1:
+        raise KvforgeError(f"a speculative benchmark needs >= 2 new tokens and >= 1 run, got {new_tokens}, {runs}")
+    plain, fast, same = [], [], True
+    for i in range(warmup + runs):
+        _, a, tokens_a = _timed_stream(session, prompt, new_tokens, None)
+        _, b, tokens_b = _timed_stream(session, prompt, new_tokens, speculative)
+        same = same and tokens_a == tokens_b
+        if i >= warmup:
+            plain.append(a)
+            fast.append(b)
+    stats = session.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative).speculation
+    med_plain, med_fast = statistics.median(plain), statistics.median(fast)
+    return {"backend": session.backend_name, "prompt_len": len(prompt), "new_tokens": new_tokens, "runs": runs,
+            "speculative": {k: str(v) if k == "draft" and v is not None else v for k, v in dict(speculative).items()},
+            "plain_decode_tokens_per_s": med_plain, "speculative_decode_tokens_per_s": med_fast,
+            "speedup": med_fast / med_plain, "acceptance_rate": stats["acceptance_rate"],
+            "tokens_per_step": stats["tokens_per_step"], "same_tokens": same, "peak_rss_mb": peak_rss_mb()}

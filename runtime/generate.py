@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
 from .constrain import Constraint, ResponseFormat, constraint, masks, parse_response_format
+from .drafting import parse_speculative
 from .sampling import SamplingConfig, select, token_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,6 +42,11 @@ class GenerationConfig:
     # (id, log-probability). They are the log-softmax of the model's raw logits at that step: before the repetition
     # penalty, temperature, top-k/top-p and the response format's mask (what vLLM returns by default).
     logprobs: int | None = None
+    # Speculative decoding (runtime/drafting.py): "prompt-lookup", "quantized" (the bundle's own calibrated
+    # sibling drafts), "draft:PATH" (a bundle with the same tokenizer), or a dict {"method", "k", "ngram",
+    # "draft"} (draft: a path or an open Session). The output is the target's: greedy token for token, sampling
+    # in distribution.
+    speculative: Any = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -58,6 +64,10 @@ class GenerationConfig:
                                f"report per token), got {self.logprobs!r}")
         self.sampling = SamplingConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
         self.format = parse_response_format(self.response_format)
+        self.speculation = parse_speculative(self.speculative)
+        if self.speculation is not None and self.format is not None:
+            raise KvforgeError("speculative decoding does not combine with a response_format yet: the grammar "
+                               "would have to follow drafted tokens back; ask for one or the other")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> GenerationConfig:
@@ -78,6 +88,7 @@ class GenerationResult:
     text: str = ""
     logprobs: list[float] | None = None  # each token's log-probability (config.logprobs not None)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # each token's k most likely (id, log-probability)
+    speculation: dict | None = None  # with config.speculative: SpeculationStats.as_dict() (runtime/speculative.py)
 
 
 @dataclass
@@ -137,21 +148,18 @@ def generate_tokens(
 
 
 def _events(it) -> Iterator[TokenEvent]:
+    """One TokenEvent per token of the first row, whatever number of tokens each step added (a speculative step
+    adds several); each is held back until the next is known, so that the last one says it is."""
     pending = None
     for rows in it:
         row = rows[0]
-        if not row.tokens:
-            continue
-        if pending is not None and pending.index == len(row.tokens) - 1:
-            if row.finish:  # the same token, now known to be the last
-                pending.last, pending.finish_reason = True, row.finish
-            continue
-        if pending is not None:
-            yield pending
-        pending = TokenEvent(row.tokens[-1], len(row.tokens) - 1, False)
-        if row.logprobs is not None:
-            pending.logprob, pending.top_logprobs = row.logprobs[-1], row.top[-1]
-        if row.finish:
+        for index in range(pending.index + 1 if pending is not None else 0, len(row.tokens)):
+            if pending is not None:
+                yield pending
+            pending = TokenEvent(row.tokens[index], index, False)
+            if row.logprobs is not None:
+                pending.logprob, pending.top_logprobs = row.logprobs[index], row.top[index]
+        if row.finish and pending is not None:  # (a finish without a new token: the same token, now the last)
             pending.last, pending.finish_reason = True, row.finish
     if pending is not None:
         if not pending.last:

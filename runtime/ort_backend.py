@@ -232,6 +232,14 @@ class OnnxRuntimeBackend(Backend):
         return KVCache(self.name, cache.batch, cache.length - n, cache.values, cache.owner,
                        packed.Packed(lengths, cache.layout.store, cache.layout.version))
 
+    def rollback(self, before: KVCache, after: KVCache, length: int) -> KVCache:
+        if after.layout is None:
+            return super().rollback(before, after, length)
+        # Packed rows: only the lengths go back; the next step overwrites the positions let go.
+        lengths = np.maximum(after.layout.lengths - (after.length - length), 0)
+        return KVCache(self.name, after.batch, length, after.values, after.owner,
+                       packed.Packed(lengths, after.layout.store, after.layout.version))
+
     def regroup(self, parts, length: int) -> KVCache:
         if any((c.layout is not None) != self.packed for c, _ in parts):
             raise KvforgeError("regroup_cache takes caches this session made: packed and unpacked caches do not mix "

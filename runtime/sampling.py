@@ -85,24 +85,47 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs: list[np.random.Generator],
-           allowed: np.ndarray | None = None) -> np.ndarray:
-    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids; one generator per row;
-    `allowed` (B, V) bool: the tokens each row may take (None: all; every row allows at least one)."""
+def _processed(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, allowed: np.ndarray | None) -> np.ndarray:
     logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, cfg.repetition_penalty)
     if allowed is not None:
         logits = np.where(allowed, logits, np.float32(-np.inf))
-    if cfg.temperature == 0.0:
-        return logits.argmax(axis=-1)
+    return logits
+
+
+def _distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)  # <= 0: a tiny temperature gives -inf, not NaN
     with np.errstate(over="ignore"):
         scaled = _top_p(_top_k(shifted / cfg.temperature, cfg.top_k), cfg.top_p)
-    probs = _softmax(scaled)
+    return _softmax(scaled)
+
+
+def probabilities(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig,
+                  allowed: np.ndarray | None = None) -> np.ndarray:
+    """The distribution (B, V) float64 select() draws from at temperature > 0 (after the repetition penalty, the
+    mask, temperature, top-k and top-p); at temperature 0, all mass on select()'s argmax."""
+    logits = _processed(logits, seen, cfg, allowed)
+    if cfg.temperature == 0.0:
+        return np.eye(logits.shape[-1])[logits.argmax(axis=-1)]
+    return _distribution(logits, cfg)
+
+
+def draw(probs: np.ndarray, rngs: list[np.random.Generator]) -> np.ndarray:
+    """One token per row from distributions (B, V), one uniform of each row's generator."""
     u = np.array([[g.random()] for g in rngs])
     # the first token whose cumulative probability reaches u; rounding may leave the sum short of u, then the last
     # token that has any probability (never one the mask, top-k or top-p removed)
     last = probs.shape[-1] - 1 - (probs[:, ::-1] > 0).argmax(axis=-1)
     return np.minimum((np.cumsum(probs, axis=-1) < u).sum(axis=-1), last)
+
+
+def select(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfig, rngs: list[np.random.Generator],
+           allowed: np.ndarray | None = None) -> np.ndarray:
+    """One token per row from logits (B, V); `seen` holds each row's prompt + generated ids; one generator per row;
+    `allowed` (B, V) bool: the tokens each row may take (None: all; every row allows at least one)."""
+    logits = _processed(logits, seen, cfg, allowed)
+    if cfg.temperature == 0.0:
+        return logits.argmax(axis=-1)
+    return draw(_distribution(logits, cfg), rngs)
 
 
 def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -14,18 +14,22 @@ lock for each token's step only, never between tokens.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
+from kvforge.kinds import kind_name
 from kvforge.tensorrt_env import tensorrt_gpu_missing
 from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache, SessionLifecycle, torch_source
+from .drafting import DRAFTERS, check_vocabularies, quantized_sibling
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
 from .ort_backend import OnnxRuntimeBackend
+from .speculative import generate_speculative
 from .torch_backend import TorchBackend
 from .trt_backend import TensorRTBackend
 
@@ -84,6 +88,7 @@ class Session(SessionLifecycle):
         self.vocab_size = config["vocab_size"]
         self.max_context = io.max_context or config["max_seq_len"]
         self._lock = threading.RLock()
+        self._drafts: dict[str, Session] = {}  # draft sessions opened for speculative decoding, by path
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -207,6 +212,20 @@ class Session(SessionLifecycle):
             dropped.owner = self.model_id
             return dropped
 
+    def rollback(self, before: KVCache, after: KVCache, length: int) -> KVCache:
+        """`after` (one step's continuation of `before`) cut back to its first `length` positions, for every row
+        alike (Backend.rollback: the packed cache moves its lengths, a graph cache slices). Raises
+        NotImplementedError where a capped layer's window has let go positions the cut cache needs (feed the kept
+        tokens over `before` instead)."""
+        if any(c.owner not in (None, self.model_id) for c in (before, after)) or before.batch != after.batch:
+            raise KvforgeError("rollback takes two caches of this session with the same rows")
+        if not before.length <= length <= after.length:
+            raise KvforgeError(f"rollback keeps {before.length}..{after.length} positions, got {length}")
+        with self._lock:
+            cut = self.backend.rollback(before, after, length)
+            cut.owner = self.model_id
+            return cut
+
     def vacate_rows(self, cache: KVCache, rows: list[int]) -> KVCache:
         """The cache with these rows emptied and kept in place (Backend.vacate: moves nothing); their attention-mask
         rows must be all zeros from now on. Continue the cache returned, not the one given."""
@@ -280,7 +299,10 @@ class Session(SessionLifecycle):
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._prompts(prompt)
         with self._lock:
-            results = generate_tokens(self, rows, config, self._stop_ids(config))
+            if config.speculation is not None:
+                results = generate_speculative(self, rows, config, self._stop_ids(config), self._drafter(config))
+            else:
+                results = generate_tokens(self, rows, config, self._stop_ids(config))
         for r in results:
             r.text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
         return results[0] if single else results
@@ -295,6 +317,36 @@ class Session(SessionLifecycle):
         # thread that holds an open stream, or any other, may use the session meanwhile, and a stream left
         # unfinished holds nothing.
         yield from _stream_text(self, rows[0], config)
+
+    # -- speculative decoding --------------------------------------------------
+    def _drafter(self, config: GenerationConfig):
+        """A factory of fresh drafters for config.speculation (runtime/drafting.py), its draft session opened (once
+        per path, kept with this session) and its vocabulary checked first."""
+        spec = config.speculation
+        draft = self._draft_session(spec) if spec.method in ("draft", "quantized") else None
+        return lambda: DRAFTERS[spec.method](spec, self, draft)
+
+    def _draft_session(self, spec) -> "Session":
+        if spec.method == "draft" and not isinstance(spec.draft, (str, Path)):
+            draft = spec.draft
+        else:
+            path = Path(spec.draft) if spec.method == "draft" else quantized_sibling(Path(self.source), self.model_id)
+            key = str(path.resolve())
+            draft = self._drafts.get(key)
+            if draft is None:
+                from .loading import load  # loading imports this module
+
+                draft = load(path)
+                if not isinstance(draft, Session):
+                    raise KvforgeError(f"the draft {path} is {kind_name(draft.architecture)}; a draft is a decoder LM "
+                                       "bundle with the target's tokenizer")
+                check_vocabularies(self, draft)
+                self._drafts[key] = draft
+                return draft
+        if not isinstance(draft, Session):
+            raise KvforgeError(f"a draft session is a decoder Session, got {type(draft).__name__}")
+        check_vocabularies(self, draft)
+        return draft
 
     # -- chat ------------------------------------------------------------------
     def chat_ids(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
@@ -313,6 +365,9 @@ class Session(SessionLifecycle):
 
 def _stream_text(session: Session, prompt: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:
     text = TextStream(session.tokenizer)
-    for event in generate_tokens(session, [prompt], config, session._stop_ids(config), stream=True):
+    stop = session._stop_ids(config)
+    events = (generate_speculative(session, [prompt], config, stop, session._drafter(config), stream=True)
+              if config.speculation is not None else generate_tokens(session, [prompt], config, stop, stream=True))
+    for event in events:
         event.text = text.push(event.token, event.last)
         yield event

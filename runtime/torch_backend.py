@@ -67,6 +67,12 @@ class TorchBackend(Backend):
     def drop_oldest_impl(self, values, drops):
         return [v[:, :, n:].contiguous() if n else v for v, n in zip(values, drops)]
 
+    def slice_impl(self, value, start: int, stop: int):
+        return value[:, :, start:stop]
+
+    def join_impl(self, first, second):
+        return self._torch.cat([first, second], dim=2)
+
     def to_numpy(self, value) -> np.ndarray:
         return value.float().cpu().numpy()
 

@@ -1,0 +1,259 @@
+"""Speculative decoding's parts that know nothing of the loop: what a request asks for (`Speculation`), the drafters
+that propose tokens, and the acceptance rule that keeps the target model's output exact.
+
+A drafter proposes up to k tokens that may follow a context; the target then checks all of them in one forward
+(runtime/speculative.py). Drafters are registered in DRAFTERS by method name:
+
+- "prompt-lookup": the tokens that followed the latest earlier occurrence of the context's last n-gram (n from
+  `ngram` down to 1), in the prompt or the output so far. Costs no model call; pays off where the output copies
+  the input (rewrites, summaries, code edits).
+- "draft": another decoder bundle with the same tokenizer (checked: `check_vocabularies`) runs ahead greedily, or
+  sampling with the request's settings; its cache follows the accepted tokens (Session.rollback).
+- "quantized": "draft" with the target's own calibrated sibling (`quantized_sibling`: a bundle beside the
+  target whose lineage says it was calibrated from the target's graph; INT4 first, as it reads the fewest bytes).
+
+The acceptance rule (`verify`): greedy keeps a drafted token while it equals the target's argmax, then adds the
+target's own token; sampling uses speculative sampling (Leviathan et al., Chen et al.): accept drafted token d
+with probability min(1, p(d) / q(d)), else draw from max(0, p - q) normalized, and after all k accepted draw a
+bonus token from the target. p is the target's distribution after the request's repetition penalty,
+temperature, top-k and top-p (sampling.probabilities); q is the drafter's (one-hot for prompt lookup). The
+tokens out are then distributed as the target's own draws.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvforge.checks import is_int
+from kvforge.errors import KvforgeError
+
+from .sampling import SamplingConfig, draw, probabilities, select
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .backend import KVCache
+    from .session import Session
+
+METHODS = ("prompt-lookup", "draft", "quantized")
+DEFAULT_K = {"prompt-lookup": 8, "draft": 4, "quantized": 4}
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request asks of speculative decoding: the method, how many tokens a step drafts (k), the longest
+    n-gram prompt lookup matches, and the draft bundle (a path, or an open Session) for "draft"."""
+
+    method: str
+    k: int
+    ngram: int = 3
+    draft: Any = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise KvforgeError(f"speculative method {self.method!r} is not one of {list(METHODS)}")
+        if not is_int(self.k) or not 1 <= self.k <= MAX_K:
+            raise KvforgeError(f"speculative k (tokens drafted per step) must be an int in 1..{MAX_K}, got {self.k!r}")
+        if not is_int(self.ngram) or not 1 <= self.ngram <= 16:
+            raise KvforgeError(f"speculative ngram must be an int in 1..16, got {self.ngram!r}")
+        if (self.method == "draft") != (self.draft is not None):
+            raise KvforgeError("speculative method 'draft' takes a draft bundle (draft=PATH), and only it does"
+                               if self.method == "draft" else f"speculative method {self.method!r} takes no draft bundle")
+        if self.draft is not None and not isinstance(self.draft, (str, Path)) and not hasattr(self.draft, "forward"):
+            raise KvforgeError(f"a draft is a bundle path or an open decoder Session, got {type(self.draft).__name__}")
+
+
+def parse_speculative(value) -> Speculation | None:
+    """None, a Speculation, "prompt-lookup", "quantized", "draft:PATH", or a dict {"method", "k", "ngram",
+    "draft"} (k defaults per method: DEFAULT_K)."""
+    if value is None or isinstance(value, Speculation):
+        return value
+    if isinstance(value, str):
+        if value in ("", "none"):
+            return None
+        if value.startswith("draft:"):
+            value = {"method": "draft", "draft": value[len("draft:"):]}
+        else:
+            value = {"method": value}
+    if not isinstance(value, dict):
+        raise KvforgeError(f"speculative takes 'prompt-lookup', 'quantized', 'draft:PATH' or a dict, got {value!r}")
+    unknown = sorted(set(value) - {"method", "k", "ngram", "draft"})
+    if unknown:
+        raise KvforgeError(f"unknown speculative option(s) {unknown}; it takes method, k, ngram, draft")
+    method = value.get("method")
+    if method not in METHODS:
+        raise KvforgeError(f"speculative method {method!r} is not one of {list(METHODS)} (or draft:PATH)")
+    return Speculation(method, value.get("k") or DEFAULT_K[method], value.get("ngram", 3), value.get("draft"))
+
+
+# -- drafters ------------------------------------------------------------------------------------------------
+class PromptLookup:
+    """Drafts the tokens that followed the latest earlier occurrence of the context's last n tokens."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = ngram
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng) -> tuple[list[int], None]:
+        ids = np.asarray(context, np.int64)
+        for n in range(min(self.ngram, len(ids) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every n-gram that has a follower
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return ids[start:start + k].tolist(), None
+        return [], None
+
+    def close(self) -> None:
+        pass
+
+
+class DraftModel:
+    """Drafts with another decoder Session, greedily or sampling; its cache follows the accepted context."""
+
+    def __init__(self, session: Session, vocab_size: int):
+        self.session = session
+        self.vocab = min(vocab_size, session.vocab_size)  # tokens both models have
+        self.target_vocab = vocab_size
+        self.cache: KVCache | None = None  # holds self.held
+        self.anchor: KVCache | None = None  # holds the context of the last proposal (what rollback cuts back to)
+        self.held: list[int] = []
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng) -> tuple[list[int], np.ndarray | None]:
+        s = self.session
+        k = min(k, s.max_context - len(context))
+        if k < 1:
+            return [], None
+        same = 0
+        for a, b in zip(self.held, context[:-1]):  # at least the last token is fed anew (its logits are needed)
+            if a != b:
+                break
+            same += 1
+        cache = None
+        if self.cache is not None and self.anchor is not None and same >= self.anchor.length:
+            cache = keep(s, self.anchor, self.cache, same, self.held[self.anchor.length:])
+        elif same:  # the context left the anchor behind (not in one generation's loop): start over
+            same = 0
+        logits, cache = s.forward(np.asarray([context[same:]], np.int64), cache=cache, last_logits_only=True)
+        self.anchor, held = cache, list(context)
+        drafts, qs = [], []
+        for i in range(k):
+            last = logits[:, -1, :self.vocab]
+            seen = [np.asarray(held + drafts, np.int64)]
+            if sampling.temperature == 0.0:
+                token = int(select(last, seen, sampling, [rng])[0])
+            else:
+                q = probabilities(last, seen, sampling)
+                token = int(draw(q, [rng])[0])
+                qs.append(np.pad(q[0], (0, self.target_vocab - self.vocab)))
+            drafts.append(token)
+            if i < k - 1:
+                logits, cache = s.forward(np.asarray([[token]], np.int64), cache=cache, last_logits_only=True)
+                held.append(token)
+        self.cache, self.held = cache, held
+        return drafts, np.stack(qs) if qs else None
+
+    def close(self) -> None:
+        self.cache = self.anchor = None
+
+
+def keep(session: Session, before: KVCache, after: KVCache, length: int, tokens: list[int]) -> KVCache:
+    """`after` (before continued by `tokens`) cut back to `length` positions: Session.rollback, or where a capped
+    window let go of positions it needs, the kept tokens fed over `before` again."""
+    if length == after.length:
+        return after
+    try:
+        return session.rollback(before, after, length)
+    except NotImplementedError:
+        if length == before.length:
+            return before
+        _, cache = session.forward(np.asarray([tokens[:length - before.length]], np.int64), cache=before,
+                                   last_logits_only=True)
+        return cache
+
+
+DRAFTERS = {"prompt-lookup": lambda spec, target, draft: PromptLookup(spec.ngram),
+            "draft": lambda spec, target, draft: DraftModel(draft, target.vocab_size),
+            "quantized": lambda spec, target, draft: DraftModel(draft, target.vocab_size)}
+
+
+# -- the acceptance rule -------------------------------------------------------------------------------------
+def verify(logits: np.ndarray, drafts: list[int], q: np.ndarray | None, seen: list[int], sampling: SamplingConfig,
+           rng) -> list[int]:
+    """The tokens one verification step emits: the accepted drafts, then the target's correction (at the first
+    rejection) or bonus token (all accepted). logits (len(drafts) + 1, V): the target's raw logits after the
+    context's last token and after each draft; q (len(drafts), V): the drafter's distributions (None: each
+    draft was certain, as prompt lookup's)."""
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        history = [np.asarray(seen + out, np.int64)]
+        row = logits[i:i + 1]
+        if sampling.temperature == 0.0:
+            token = int(select(row, history, sampling, [rng])[0])
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                return out
+            continue
+        p = probabilities(row, history, sampling)[0]
+        if i == len(drafts):  # every draft accepted: the bonus token
+            out.append(int(draw(p[None], [rng])[0]))
+            return out
+        d = drafts[i]
+        qd = 1.0 if q is None else float(q[i, d])
+        if rng.random() * qd < p[d]:  # accept with probability min(1, p(d) / q(d))
+            out.append(d)
+            continue
+        if q is None:
+            residual = p.copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p - q[i], 0.0)
+        total = residual.sum()
+        out.append(int(draw((residual / total if total > 0 else p)[None], [rng])[0]))
+        return out
+    return out
+
+
+# -- drafts from bundles -------------------------------------------------------------------------------------
+def check_vocabularies(target: Session, draft: Session) -> None:
+    """A draft must read and write the target's token ids: both tokenizers' vocabularies (added tokens included)
+    are the same map."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        raise KvforgeError(f"speculative decoding checks that the draft's vocabulary is the target's; "
+                           f"{draft.source if draft.tokenizer is None else target.source} has no tokenizer to check")
+    a = target.tokenizer.backend.get_vocab(with_added_tokens=True)
+    b = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+    if a != b:
+        only = sorted(set(a.items()) ^ set(b.items()))[:4]
+        raise KvforgeError(f"the draft {draft.source} has another vocabulary than {target.source} ({len(b)} vs "
+                           f"{len(a)} tokens; differing entries such as {only}): a draft must share the target's "
+                           "tokenizer")
+
+
+_PRECISION_ORDER = {"int4": 0, "int8": 1, "fp8": 2}
+
+
+def quantized_sibling(target: Path, graph_sha256: str) -> Path:
+    """The bundle beside `target` (in its parent directory) calibrated from target's graph: INT4 first, then INT8,
+    then FP8, then the smallest graph."""
+    found = []
+    for manifest in sorted(target.resolve().parent.glob("*/kvforge.json")):
+        try:
+            m = json.loads(manifest.read_text())
+            last = (m.get("lineage") or [{}])[-1]
+            if last.get("stage") != "calibrate" or (last.get("input") or {}).get("sha256") != graph_sha256:
+                continue
+            precision = str((last.get("options") or {}).get("precision"))
+            size = sum(int(r.get("size", 0)) for r in (m.get("files") or {}).values())
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue  # not a readable bundle: not a candidate
+        found.append((_PRECISION_ORDER.get(precision, 3), size, manifest.parent))
+    if not found:
+        raise KvforgeError(f"speculative 'quantized' found no bundle beside {target} calibrated from it (looked for "
+                           f"*/kvforge.json in {target.resolve().parent} whose last lineage step calibrates "
+                           f"{graph_sha256[:12]}); calibrate one there (`kvforge calibrate {target} OUT --precision "
+                           "int4`) or pass draft:PATH")
+    return min(found)[2]
