@@ -473,12 +473,29 @@ _SERVE_OPTIONS = [
                       "between decode steps (0: whole prompts)."),
     click.option("--mixed-steps", is_flag=True, help="Feed a prompt chunk and the decode step in one forward call (ONNX "
                  "Runtime: a second graph that holds the weights again; lower latency while long prompts prefill)."),
+    click.option("--speculative", metavar="prompt-lookup|quantized|draft:PATH",
+                 help="Speculative decoding for every request that does not ask otherwise (each speculating row "
+                      "decodes beside the batch, its drafts checked in one step)."),
+    click.option("--draft-tokens", default=0, type=click.IntRange(0, 32),
+                 help="Tokens drafted per step (0: 8 for prompt lookup, 4 for a draft model)."),
 ]
 
 
-def _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
-              mixed_steps) -> runtime.BatchOptions:
-    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
+def _batching(bundle, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps,
+              speculative, draft_tokens) -> runtime.BatchOptions:
+    """The batcher's options; a draft named by --speculative (or found: quantized) becomes an absolute path, since the
+    model's process runs elsewhere (a repository's copy of the bundle)."""
+    if speculative:
+        spec = runtime.parse_speculative(speculative)
+        if spec.method == "quantized":
+            from kvforge.runtime.drafting import quantized_sibling
+
+            target = Bundle(Path(bundle))
+            speculative = f"draft:{quantized_sibling(target.path, target.manifest['files'][target.manifest['graph']]['sha256'])}"
+        elif spec.method == "draft":
+            speculative = f"draft:{Path(spec.draft).resolve()}"
+    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps,
+                                speculative or "", draft_tokens)
 
 
 def _serve_options(f):
@@ -497,10 +514,11 @@ def _serve_options(f):
 @click.option("--openai-host", default="127.0.0.1", show_default=True, help="The OpenAI API's address (0.0.0.0: every "
               "interface, as in a container).")
 def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block,
-           prefill_chunk, mixed_steps, backend, force, openai_port, openai_host):
+           prefill_chunk, mixed_steps, speculative, draft_tokens, backend, force, openai_port, openai_host):
     """Write a Triton Inference Server model repository that serves BUNDLE (generate extension, streaming)."""
 
-    batching = _batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
+    batching = _batching(bundle, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
+                         mixed_steps, speculative, draft_tokens)
     repo = write_repository(bundle, out, model_name=model_name, instances=instances, batching=batching,
                             backend=backend, force=force, openai_port=openai_port, openai_host=openai_host)
     click.echo(f"wrote {repo}: model {repository_model(repo)!r} ({instances} instance(s), batch {max_batch}); "
@@ -520,14 +538,15 @@ def triton(bundle, out, model_name, instances, max_batch, max_cache_tokens, pref
 @click.option("--api-key", envvar="KVFORGE_API_KEY", help="A key the OpenAI API's clients must send as a Bearer token "
               "(default: $KVFORGE_API_KEY; none: open).")
 def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
-          mixed_steps, backend, host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key):
+          mixed_steps, speculative, draft_tokens, backend, host, http_port, grpc_port, metrics_port, openai_port,
+          no_openai, api_key):
     """Serve SOURCE (a bundle, or a model source exported first) on Triton Inference Server until Ctrl-C/SIGTERM,
     with the OpenAI API beside Triton's endpoints."""
 
     code = serving.serve(source, model_name, host=host, http_port=http_port, grpc_port=grpc_port,
                          metrics_port=metrics_port, instances=instances,
-                         batching=_batching(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk,
-                                            mixed_steps),
+                         batching=_batching(source, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block,
+                                            prefill_chunk, mixed_steps, speculative, draft_tokens),
                          backend=backend,
                          openai_port=None if no_openai else openai_port, api_key=api_key, echo=click.echo)
     sys.exit(code)

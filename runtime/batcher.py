@@ -57,6 +57,12 @@ Options:
 - prefill_chunk: the per-step token budget (default 256): the running rows'
   decode tokens count against it and prompts get the rest (at least one token a
   step); 0 prefills every admitted prompt whole in the step it is admitted;
+- speculative, draft_tokens: the speculative decoding (runtime/drafting.py) of requests whose config does not
+  ask for one (GenerationConfig.speculative None; "none" asks for none), and its k. A request that speculates
+  is prefilled as any other, then decodes as a row of its own beside the batch: each scheduler step, after the
+  batch's decode step, it drafts and checks its drafts in one forward over its own cache (several new tokens
+  over a past is a batch-1 step for GroupQueryAttention), so rows with and without speculation run together.
+  `Batcher.speculation` sums what they did (steps, drafted and accepted tokens);
 - mixed_steps: a prompt chunk and the running rows' decode step are one forward
   call (Session.forward_mixed) where the backend can, instead of two calls that
   each read every weight (default False: on ONNX Runtime's CPU provider this
@@ -74,6 +80,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -87,10 +94,12 @@ from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
 from .constrain import Constraint, masks
+from .drafting import parse_speculative
 from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, end_of, left_padded,
                        row_constraints, step_logprobs)
 from .prefix_cache import PrefixCache, PrefixStats
 from .sampling import select
+from .speculative import SpeculationStats, Speculator
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import KVCache
@@ -109,11 +118,20 @@ class BatchOptions:
     prefix_block: int = 16
     prefill_chunk: int = 256  # 0: whole prompts
     mixed_steps: bool = False  # a chunk and the decode step in one call: weights held twice on ONNX Runtime
+    # the speculative decoding of requests that do not say (GenerationConfig.speculative None): "" (none),
+    # "prompt-lookup", "quantized" or "draft:PATH"; draft_tokens: k (0: the method's default)
+    speculative: str = ""
+    draft_tokens: int = 0
 
     def __post_init__(self):
         for f in fields(self):
-            value, least = getattr(self, f.name), 0 if f.name in ("prefix_cache_tokens", "prefill_chunk") else 1
+            value, least = getattr(self, f.name), 0 if f.name in ("prefix_cache_tokens", "prefill_chunk", "draft_tokens") else 1
             if value is None and f.name == "max_cache_tokens":
+                continue
+            if isinstance(f.default, str):  # a speculative method, checked as a request's would be
+                if not isinstance(value, str):
+                    raise KvforgeError(f"{f.name} must be a string, got {value!r}")
+                self.speculation()
                 continue
             if isinstance(f.default, bool):  # a switch
                 if not isinstance(value, bool):
@@ -121,6 +139,13 @@ class BatchOptions:
                 continue
             if not is_int(value) or value < least:
                 raise KvforgeError(f"{f.name} must be an int >= {least}, got {value!r}")
+
+    def speculation(self) -> dict | None:
+        """The default speculation as GenerationConfig.speculative takes it (None: none)."""
+        spec = parse_speculative(self.speculative)
+        if spec is None:
+            return None
+        return {"method": spec.method, "k": self.draft_tokens or spec.k, "ngram": spec.ngram, "draft": spec.draft}
 
     def params(self) -> dict[str, str]:
         """As string parameters (a Triton model's config.pbtxt); unset ones are left out."""
@@ -135,6 +160,8 @@ class BatchOptions:
                 if params[f.name] not in ("True", "False"):
                     raise KvforgeError(f"{f.name} must be True or False, got {params[f.name]!r}")
                 values[f.name] = params[f.name] == "True"
+            elif isinstance(f.default, str) and f.name in params:
+                values[f.name] = params[f.name]
             elif f.name in params and params[f.name] != "":
                 try:
                     values[f.name] = int(params[f.name])
@@ -159,6 +186,8 @@ class Request:
         self.logprobs: list[float] | None = [] if logprobs else None  # config.logprobs not None: per token
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if logprobs else None
         self._constraint = constraint  # the response format's matcher, dropped when the request ends
+        self._drafter = None  # config.speculation: a fresh drafter (made at submit(), so a bad draft is refused there)
+        self._speculator: Speculator | None = None  # config.speculation: the row, once its prompt is prefilled
         self._text = text
         self._events: queue.Queue = queue.Queue()
         self._done = threading.Event()
@@ -202,7 +231,8 @@ class Request:
         text = self._text.tokenizer.decode(self.tokens) if self._text.tokenizer is not None else ""
         return GenerationResult(list(self.tokens), self.finish_reason or "length", len(self.prompt), text,
                                 None if self.logprobs is None else list(self.logprobs),
-                                None if self.top_logprobs is None else list(self.top_logprobs))
+                                None if self.top_logprobs is None else list(self.top_logprobs),
+                                None if self._speculator is None else self._speculator.stats.as_dict())
 
     # -- the scheduler's side ---------------------------------------------------------
     def _emit(self, token: int, finish: str | None, scored: tuple[float, list[tuple[int, float]]] | None = None) -> None:
@@ -340,8 +370,9 @@ class Batcher(RequestQueue):
 
     def __init__(self, session: Session, max_batch: int = 8, max_cache_tokens: int | None = None,
                  prefix_cache_tokens: int = 4096, prefix_block: int = 16, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk: int = 256, mixed_steps: bool = False):
-        options = BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps)
+                 prefill_chunk: int = 256, mixed_steps: bool = False, speculative: str = "", draft_tokens: int = 0):
+        options = BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps,
+                               speculative, draft_tokens)
         super().__init__()
         self.session = session
         self.options = options
@@ -351,6 +382,10 @@ class Batcher(RequestQueue):
         self._batch = _Batch()
         self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not all fed yet
         self._chunk: tuple[_Prefill, int] | None = None  # a prompt chunk the next decode step feeds (mixed step)
+        # rows that speculate: each its own cache, stepped after the batch's decode step (runtime/speculative.py)
+        self._speculating: list[Request] = []
+        self.speculation = SpeculationStats()  # what every speculative row did, summed
+        self._default_speculation = options.speculation()
         self.chunk_steps = 0  # decode steps that also fed a prompt chunk
         self.steps = 0  # decode steps run (a test and a benchmark read these)
         self.peak_batch = 0
@@ -378,6 +413,8 @@ class Batcher(RequestQueue):
         """Queue one prompt (text or token ids); returns at once. Refuses what could never run."""
 
         config = config or GenerationConfig.from_kwargs(**kwargs)
+        if config.speculative is None and self._default_speculation is not None and config.format is None:
+            config = dataclasses.replace(config, speculative=self._default_speculation)
         rows, single = self.session._prompts(prompt)
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
@@ -390,7 +427,10 @@ class Batcher(RequestQueue):
         stop = self.session._stop_ids(config)
         # the response format's matcher now: one that does not compile for this tokenizer is refused here
         row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
-        return self._enqueue(Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row))
+        request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
+        if config.speculation is not None:  # the draft opened and its vocabulary checked now
+            request._drafter = self.session._drafter(config)()
+        return self._enqueue(request)
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -412,21 +452,21 @@ class Batcher(RequestQueue):
     @property
     def running(self) -> int:
         """Rows in the batch, and admitted requests whose prompts are still being prefilled."""
-        return len(self._batch.live) + len(self._prefilling)
+        return len(self._batch.live) + len(self._prefilling) + len(self._speculating)
 
     # -- the scheduler thread -----------------------------------------------------------
     def _run(self) -> None:
         batch = self._batch
         while True:
             with self._wake:
-                while not self._waiting and not batch.rows and not self._prefilling and not self._closing:
+                while not (self._waiting or batch.rows or self._prefilling or self._speculating or self._closing):
                     self._wake.wait()
                 if self._closing:
-                    ending = [row.request for row in batch.live] + [p.request for p in self._prefilling]
+                    ending = self._in_flight()
                     for r in ending:
                         r._end("cancelled")
                     self._unpin(ending)
-                    batch.rows, self._prefilling, self._chunk = [], collections.deque(), None
+                    batch.rows, self._prefilling, self._chunk, self._speculating = [], collections.deque(), None, []
                     return
                 self._prefilling.extend(_Prefill(r) for r in self._admit(batch))
             try:
@@ -434,19 +474,51 @@ class Batcher(RequestQueue):
                     self._prefill(batch, max(1, self.prefill_chunk - len(batch.live)) if self.prefill_chunk else None)
                 if batch.rows:
                     self._step(batch)
+                if self._speculating:
+                    self._speculate()
             except BaseException as e:  # a failed step fails the requests in it, not the batcher
                 error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
-                failed = [row.request for row in batch.live] + [p.request for p in self._prefilling]
+                failed = self._in_flight()
                 for r in failed:
                     r._end("error", error)
                 self._unpin(failed)
                 self._batch = batch = _Batch()
                 self._prefilling = collections.deque()
                 self._chunk = None
+                self._speculating = []
+
+    def _in_flight(self) -> list[Request]:
+        """Every admitted request not finished: the batch's rows, prompts being prefilled, speculating rows."""
+        return [row.request for row in self._batch.live] + [p.request for p in self._prefilling] + self._speculating
+
+    def _speculate(self) -> None:
+        """One speculative step of every speculating row (its first token, the first time), each over its own
+        cache: its drafts checked in one forward at batch 1 (runtime/speculative.py). A row that fails ends alone."""
+        for r in list(self._speculating):
+            sp = r._speculator
+            if r.cancelled:
+                r._end("cancelled")
+            elif not r.done:
+                before = (sp.stats.steps, sp.stats.drafted, sp.stats.accepted)
+                try:
+                    with self._timed("decode"):
+                        emitted = sp.step() if sp.tokens else sp.first()
+                except KvforgeError as e:
+                    r._end("error", e)
+                    emitted = []
+                for token, finish, scored in emitted:
+                    r._emit(token, finish, scored)
+                self.speculation.steps += sp.stats.steps - before[0]
+                self.speculation.drafted += sp.stats.drafted - before[1]
+                self.speculation.accepted += sp.stats.accepted - before[2]
+                self.speculation.tokens += len(emitted)
+            if r.done:
+                self._speculating.remove(r)
+                self._unpin([r])
 
     def _admit(self, batch: _Batch) -> list[Request]:
         """Waiting requests that fit now, in arrival order (the first that does not fit waits, and so do those after it)."""
-        held = sum(r.request.reserve for r in batch.live) + sum(p.request.reserve for p in self._prefilling)
+        held = sum(r.reserve for r in self._in_flight())
         admitted: list[Request] = []
         while self._waiting and self.running + len(admitted) < self.max_batch:
             nxt = self._waiting[0]
@@ -483,7 +555,8 @@ class Batcher(RequestQueue):
             if not p.started:
                 self._begin(p)
             rest = len(r.prompt) - p.fed
-            if p.cache is None and not self._window_blocks(r.prompt) and (left is None or rest <= left):
+            if p.cache is None and not self._window_blocks(r.prompt) and (left is None or rest <= left) \
+                    and r.config.speculation is None:  # (a speculating row keeps a cache of its own)
                 plain.append(r)  # a whole prompt from scratch: batched with the others
                 complete.append(p)
                 fed = rest
@@ -503,6 +576,7 @@ class Batcher(RequestQueue):
         if self.prefix_cache is not None:
             for part in parts:
                 self._cache_blocks(part)
+        parts = [part for part in parts if not self._speculates(part)]
         if parts:
             new = parts[0]
             for part in parts[1:]:  # the new rows aligned among themselves first: one regroup of the batch
@@ -690,8 +764,19 @@ class Batcher(RequestQueue):
         part = self._complete(p)
         if self.prefix_cache is not None:
             self._cache_blocks(part)
-        self._join(batch, part)
+        if not self._speculates(part):
+            self._join(batch, part)
         self._prefilling.remove(p)
+
+    def _speculates(self, part: _Batch) -> bool:
+        """A prefilled row that speculates becomes a speculating row (with its own cache) instead of joining."""
+        row = part.rows[0]
+        r = row.request
+        if r.config.speculation is None:
+            return False
+        r._speculator = Speculator(self.session, r.prompt, r.config, r.stop, r._drafter, part.cache, row.logits)
+        self._speculating.append(r)
+        return True
 
     def _retire(self, batch: _Batch, leaving: list[int]) -> None:
         """These rows leave. Their places become holes (nothing moves) unless holes would outnumber the live rows:

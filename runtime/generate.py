@@ -103,7 +103,9 @@ class TokenEvent:
 
 
 @dataclass
-class _Row:
+class RowState:
+    """One row of a generation loop: its prompt, what it generated so far, and why it ended."""
+
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
@@ -140,14 +142,14 @@ def generate_tokens(
     """Run the loop; returns results, or (stream=True) an iterator of TokenEvents for one row."""
     it = _loop(session, prompts, config, stop)
     if stream:
-        return _events(it)
+        return token_events(it)
     rows = None
     for rows in it:
         pass
     return [GenerationResult(r.tokens, r.finish or "length", len(r.prompt), "", r.logprobs, r.top) for r in rows]
 
 
-def _events(it) -> Iterator[TokenEvent]:
+def token_events(it) -> Iterator[TokenEvent]:
     """One TokenEvent per token of the first row, whatever number of tokens each step added (a speculative step
     adds several); each is held back until the next is known, so that the last one says it is."""
     pending = None
@@ -218,7 +220,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     check_prompts(session, prompts)
     constraints = row_constraints(config.format, session.tokenizer, session.vocab_size, stop, len(prompts))
     logprobs = config.logprobs is not None
-    rows = [_Row(list(p), logprobs=[] if logprobs else None, top=[] if logprobs else None, constraint=c)
+    rows = [RowState(list(p), logprobs=[] if logprobs else None, top=[] if logprobs else None, constraint=c)
             for p, c in zip(prompts, constraints)]
     if config.max_new_tokens == 0:
         yield rows

@@ -334,12 +334,11 @@ class Session(SessionLifecycle):
             key = str(path.resolve())
             draft = self._drafts.get(key)
             if draft is None:
-                from .loading import load  # loading imports this module
-
-                draft = load(path)
-                if not isinstance(draft, Session):
-                    raise KvforgeError(f"the draft {path} is {kind_name(draft.architecture)}; a draft is a decoder LM "
+                bundle = Bundle(path)
+                if not bundle.kind.kv_cache:
+                    raise KvforgeError(f"the draft {path} is {kind_name(bundle.kind.name)}; a draft is a decoder LM "
                                        "bundle with the target's tokenizer")
+                draft = open_decoder(bundle, "auto").activate()
                 check_vocabularies(self, draft)
                 self._drafts[key] = draft
                 return draft

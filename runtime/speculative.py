@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from .drafting import keep, verify
-from .generate import GenerationConfig, GenerationResult, _events, _Row, check_prompts, end_of, step_logprobs
+from .generate import GenerationConfig, GenerationResult, token_events, RowState, check_prompts, end_of, step_logprobs
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,54 +39,84 @@ class SpeculationStats:
                 "tokens_per_step": (self.tokens - 1) / self.steps if self.steps else None}
 
 
-def _take(row: _Row, tokens: list[int], logits: np.ndarray, config: GenerationConfig, stop: set[int],
-          context: int) -> int:
-    """Append tokens to the row one by one (logits[i]: the raw logits token i was chosen from) until one ends it;
-    how many it took."""
-    for i, token in enumerate(tokens):
-        row.tokens.append(token)
-        scored = step_logprobs(config, logits[i:i + 1], np.asarray([token]))
-        if scored is not None:
-            row.logprobs.append(scored[0][0])
-            row.top.append(scored[0][1])
-        row.finish = end_of(token, len(row.tokens), len(row.prompt), config, stop, context, None)
-        if row.finish:
-            return i + 1
-    return len(tokens)
+Emitted = tuple  # (token, finish reason or None, (log-probability, top alternatives) or None)
+
+
+class Speculator:
+    """One row's speculative decoding after its prompt's prefill: its cache (all of the context but its last
+    token), drafter, generators and stats. first() chooses the first token from the prefill's logits; each step()
+    drafts, verifies in one forward, cuts the cache back, and returns the tokens it emits (up to the one that
+    ends the row). Session.generate/stream and the continuous batcher both run rows through it."""
+
+    def __init__(self, session: Session, prompt: list[int], config: GenerationConfig, stop: set[int], drafter,
+                 cache, logits: np.ndarray, stats: SpeculationStats | None = None):
+        self.session, self.config, self.stop, self.drafter = session, config, stop, drafter
+        self.prompt, self.tokens = list(prompt), []
+        self.cache, self.logits = cache, logits  # logits (V,): the prefill's last position
+        self.stats = stats or SpeculationStats()
+        self.rng = np.random.default_rng(config.seed)
+        self.draft_rng = np.random.default_rng(None if config.seed is None else [config.seed, 1])
+        self.finish: str | None = None
+
+    def _emit(self, tokens: list[int], logits: np.ndarray) -> list[Emitted]:
+        """The tokens in order until one ends the row (logits[i]: the raw logits token i was chosen from)."""
+        out = []
+        for i, token in enumerate(tokens):
+            self.tokens.append(token)
+            scored = step_logprobs(self.config, logits[i:i + 1], np.asarray([token]))
+            self.finish = end_of(token, len(self.tokens), len(self.prompt), self.config, self.stop,
+                                 self.session.max_context, None)
+            out.append((token, self.finish, None if scored is None else scored[0]))
+            if self.finish:
+                self.drafter.close()
+                break
+        self.stats.tokens += len(out)
+        return out
+
+    def first(self) -> list[Emitted]:
+        token = int(select(self.logits[None], [np.asarray(self.prompt, np.int64)], self.config.sampling, [self.rng])[0])
+        return self._emit([token], self.logits[None])
+
+    def step(self) -> list[Emitted]:
+        s, config = self.session, self.config
+        context = self.prompt + self.tokens  # the cache holds all but its last token
+        k = min(config.speculation.k, config.max_new_tokens - len(self.tokens) - 1, s.max_context - len(context))
+        drafts, q = self.drafter.propose(context, k, config.sampling, self.draft_rng) if k > 0 else ([], None)
+        feed = [context[-1], *drafts]
+        logits, after = s.forward(np.asarray([feed], np.int64), cache=self.cache)
+        out = verify(logits[0], drafts, q, context, config.sampling, self.rng)
+        self.stats.steps += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += len(out) - 1
+        emitted = self._emit(out, logits[0])
+        if not self.finish:  # keep the context's last token and the accepted drafts
+            self.cache = keep(s, self.cache, after, len(context) + len(out) - 1, feed)
+        return emitted
 
 
 def speculative_rows(session: Session, prompt: list[int], config: GenerationConfig, stop: set[int], drafter,
-                     stats: SpeculationStats) -> Iterator[list[_Row]]:
+                     stats: SpeculationStats) -> Iterator[list[RowState]]:
     """One row's generation with speculation; yields [row] after every step (the last yield is final)."""
     check_prompts(session, [prompt])
-    spec = config.speculation
     logprobs = config.logprobs is not None
-    row = _Row(list(prompt), logprobs=[] if logprobs else None, top=[] if logprobs else None)
+    row = RowState(list(prompt), logprobs=[] if logprobs else None, top=[] if logprobs else None)
     if config.max_new_tokens == 0:
         yield [row]
         return
-    rng = np.random.default_rng(config.seed)
-    draft_rng = np.random.default_rng(None if config.seed is None else [config.seed, 1])
     logits, cache = session.forward(np.asarray([prompt], np.int64), last_logits_only=True)
-    first = int(select(logits[:, -1], [np.asarray(prompt, np.int64)], config.sampling, [rng])[0])
-    stats.tokens += _take(row, [first], logits[:, -1], config, stop, session.max_context)
-    yield [row]
-    while not row.finish:
-        context = row.prompt + row.tokens  # the cache holds all but its last token
-        k = min(spec.k, config.max_new_tokens - len(row.tokens) - 1, session.max_context - len(context))
-        drafts, q = drafter.propose(context, k, config.sampling, draft_rng) if k > 0 else ([], None)
-        feed = [context[-1], *drafts]
-        logits, after = session.forward(np.asarray([feed], np.int64), cache=cache)
-        out = verify(logits[0], drafts, q, context, config.sampling, rng)
-        taken = _take(row, out, logits[0], config, stop, session.max_context)
-        stats.steps += 1
-        stats.drafted += len(drafts)
-        stats.accepted += len(out) - 1
-        stats.tokens += taken
+    speculator = Speculator(session, prompt, config, stop, drafter, cache, logits[0, -1], stats)
+    emitted = speculator.first()
+    while True:
+        for token, finish, scored in emitted:
+            row.tokens.append(token)
+            if scored is not None:
+                row.logprobs.append(scored[0])
+                row.top.append(scored[1])
+            row.finish = finish
         yield [row]
-        if not row.finish:  # keep the context's last token and the accepted drafts
-            cache = keep(session, cache, after, len(context) + len(out) - 1, feed)
-    drafter.close()
+        if row.finish:
+            return
+        emitted = speculator.step()
 
 
 def generate_speculative(session: Session, prompts: list[list[int]], config: GenerationConfig, stop: set[int],
@@ -94,7 +124,7 @@ def generate_speculative(session: Session, prompts: list[list[int]], config: Gen
     """Session.generate/stream with config.speculation: results (each with its speculation stats), or (stream)
     the one row's TokenEvents. make_drafter() makes a fresh drafter for each row."""
     if stream:
-        return _events(speculative_rows(session, prompts[0], config, stop, make_drafter(), SpeculationStats()))
+        return token_events(speculative_rows(session, prompts[0], config, stop, make_drafter(), SpeculationStats()))
     check_prompts(session, prompts)
     results = []
     for prompt in prompts:

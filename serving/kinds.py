@@ -117,6 +117,11 @@ class Service:
         """The runner's prefix cache (runtime.PrefixCache), or None: none, or prefix caching off."""
         return getattr(self.runner, "prefix_cache", None)
 
+    @property
+    def speculation(self):
+        """What the runner's speculating rows did (runtime.speculative.SpeculationStats), or None: no such runner."""
+        return getattr(self.runner, "speculation", None)
+
     def submit(self, prompt: list[int], config):
         return self.runner.submit(prompt, config)
 

@@ -1,7 +1,8 @@
 """OpenAI's API over a served bundle: requests checked into jobs, and results shaped as OpenAI's objects.
 
 Kept free of HTTP: openai_app.py serves it. What a request may say follows OpenAI's reference (and vLLM's
-extensions `top_k`, `repetition_penalty`, `ignore_eos`); a field OpenAI defines that kvforge does not implement
+extensions `top_k`, `repetition_penalty`, `ignore_eos`, and kvforge's `speculative`: "prompt-lookup" or "none",
+overriding the server's --speculative); a field OpenAI defines that kvforge does not implement
 (`logit_bias`, non-zero `presence_penalty`/`frequency_penalty`, `echo`, `suffix`, `best_of` > 1, an
 `encoding_format` other than float/base64) and any unknown field is refused by name with a 400, never ignored
 silently. Errors carry OpenAI's error object and the HTTP status its client maps to an exception class.
@@ -22,7 +23,7 @@ from kvforge.errors import KvforgeError
 from kvforge.runtime import GenerationConfig
 from kvforge.runtime.generate import MAX_TOP_LOGPROBS
 
-from .requests import StopText
+from .requests import CLIENT_SPECULATION, StopText
 from .tools import (check_chat_messages, check_tool_choice, check_tools, parse_tool_calls, render_chat, tool_constraint,
                     tool_format)
 
@@ -34,7 +35,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's /v1/completions default; chat default
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "logprobs",
           "response_format", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "repetition_penalty",
-          "ignore_eos"} | IGNORED
+          "ignore_eos", "speculative"} | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "tool_parser"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -123,7 +124,9 @@ def _sampling(body: dict) -> dict[str, Any]:
                 top_k=max(top_k, 0),
                 repetition_penalty=float(_field(body, "repetition_penalty", lambda v: _finite(v) and v > 0,
                                                 "a number > 0", 1.0)),
-                ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False))
+                ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False),
+                speculative=_field(body, "speculative", lambda v: v in CLIENT_SPECULATION, " or ".join(
+                    map(repr, CLIENT_SPECULATION)) + " (a draft model is the server's --speculative)", None))
 
 
 def _stops(body: dict) -> list[str]:

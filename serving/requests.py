@@ -31,7 +31,9 @@ INPUTS = {
     "stop": ("TYPE_STRING", [-1]),
     "stream": ("TYPE_BOOL", [1]),
     "ignore_eos": ("TYPE_BOOL", [1]),  # as vLLM's sampling parameter: a fixed length (benchmarks)
+    "speculative": ("TYPE_STRING", [1]),  # "prompt-lookup" or "none": overrides the server's --speculative
 }
+CLIENT_SPECULATION = ("prompt-lookup", "none")  # what a request may ask for itself: nothing that opens a file
 OUTPUTS = {
     "text_output": ("TYPE_STRING", [1]),
     "token_ids": ("TYPE_INT64", [-1]),
@@ -98,7 +100,11 @@ def parse(inputs: dict, service: Service) -> Job:
                    top_k=_scalar(inputs, "top_k", int, 0),
                    repetition_penalty=_scalar(inputs, "repetition_penalty", float, 1.0),
                    seed=_scalar(inputs, "seed", int, None),
-                   ignore_eos=bool(_scalar(inputs, "ignore_eos", bool, False)))
+                   ignore_eos=bool(_scalar(inputs, "ignore_eos", bool, False)),
+                   speculative=_scalar(inputs, "speculative", str, None))
+    if options["speculative"] not in (None, *CLIENT_SPECULATION):
+        raise BadRequest(f"speculative takes {' or '.join(map(repr, CLIENT_SPECULATION))}, got "
+                         f"{options['speculative']!r} (a draft model is the server's --speculative)")
     try:
         config = GenerationConfig(**options)
     except KvforgeError as e:

@@ -14,7 +14,10 @@ kvforge_generated_tokens_total, kvforge_requests_total{finish_reason}, and the
 prefix cache's kvforge_prefix_cache_hit_tokens_total (prompt tokens restored
 instead of prefilled), kvforge_prefix_cache_blocks (blocks held) and
 kvforge_prefix_cache_pinned_blocks (blocks running rows restored from: 0 once
-they have all left).
+they have all left), and speculative decoding's kvforge_speculative_steps_total
+(verification steps), kvforge_speculative_drafted_tokens_total and
+kvforge_speculative_accepted_tokens_total (accepted / drafted is the acceptance
+rate; (accepted + steps) / steps the tokens per step).
 """
 
 from __future__ import annotations
@@ -89,12 +92,20 @@ class TritonPythonModel:
                              kind=family.GAUGE),
             "pinned": family(name="kvforge_prefix_cache_pinned_blocks", description="Prefix-cache blocks that running "
                              "rows restored from", kind=family.GAUGE),
+            "steps": family(name="kvforge_speculative_steps_total", description="Speculative decoding's verification "
+                            "steps", kind=family.COUNTER),
+            "drafted": family(name="kvforge_speculative_drafted_tokens_total", description="Tokens drafted for "
+                              "speculative decoding", kind=family.COUNTER),
+            "accepted": family(name="kvforge_speculative_accepted_tokens_total", description="Drafted tokens the "
+                               "model accepted", kind=family.COUNTER),
         }
         self.rows_metric = self.families["rows"].Metric(labels={})
         self.waiting_metric = self.families["waiting"].Metric(labels={})
         self.tokens_metric = self.families["tokens"].Metric(labels={})
         self.prefix_metrics = {name: self.families[name].Metric(labels={}) for name in ("hit", "blocks", "pinned")}
         self.hit_tokens = 0  # the prefix cache's count last put in the counter
+        self.spec_metrics = {name: self.families[name].Metric(labels={}) for name in ("steps", "drafted", "accepted")}
+        self.spec_counted = dict.fromkeys(self.spec_metrics, 0)  # the batcher's counts last put in the counters
         self.finish_metrics: dict[str, object] = {}
 
     def execute(self, requests):
@@ -217,6 +228,13 @@ class TritonPythonModel:
                     self.hit_tokens = stats.hit_tokens
                     self.prefix_metrics["blocks"].set(stats.cached_blocks)
                     self.prefix_metrics["pinned"].set(cache.pinned())
+                spec = self.service.speculation
+                if spec is not None:
+                    for name, metric in self.spec_metrics.items():
+                        now = getattr(spec, name)
+                        if now > self.spec_counted[name]:
+                            metric.increment(now - self.spec_counted[name])
+                            self.spec_counted[name] = now
 
     def finalize(self):
         self.closing.set()
@@ -230,6 +248,7 @@ class TritonPythonModel:
         self.session.deactivate()
         self.rows_metric = self.waiting_metric = self.tokens_metric = None  # metrics go before their families
         self.prefix_metrics.clear()
+        self.spec_metrics.clear()
         self.finish_metrics.clear()
         self.families.clear()
 

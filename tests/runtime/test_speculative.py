@@ -228,6 +228,48 @@ def test_speculative_sampling_follows_the_targets_joint_distribution(micro_bundl
     assert _p_value(counts, np.array([joint[c] for c in cells])) > ALPHA
 
 
+# -- the continuous batcher -------------------------------------------------------------------------------------
+def test_the_batcher_runs_speculative_and_plain_rows_together(tiny_fp32, tiny_int8):
+    """Six requests at once, max_batch 4: plain rows, prompt lookup, the quantized sibling, and a sampled speculative
+    row. Each equals its result alone (Session.generate with the same settings: greedy ones also plain
+    decoding's tokens), and the batcher's counters add up the speculative rows' own."""
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(", "class Stack:", "import os\nimport sys\nimport os",
+               "def fib(n):", "for i in range(10):\n    for i in range(10):", "x = 1"]
+    settings = [dict(), dict(speculative="prompt-lookup"), dict(speculative="quantized"), dict(),
+                dict(speculative={"method": "prompt-lookup", "k": 3}, temperature=0.8, seed=7),
+                dict(speculative="quantized", max_new_tokens=5)]
+    with runtime.load(tiny_fp32.path) as s:
+        alone = [s.generate(p, **{"max_new_tokens": 24, **o}) for p, o in zip(prompts, settings)]
+        with runtime.Batcher(s, max_batch=4) as batcher:
+            requests = [batcher.submit(p, **{"max_new_tokens": 24, **o}) for p, o in zip(prompts, settings)]
+            results = [r.result(timeout=120) for r in requests]
+            totals = batcher.speculation
+    for a, b, o in zip(alone, results, settings):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
+        assert (b.speculation is None) == ("speculative" not in o)
+    for a, o, p in zip(alone, settings, prompts):
+        if "speculative" in o and "temperature" not in o:
+            assert a.tokens == s.generate(p, max_new_tokens=o.get("max_new_tokens", 24)).tokens
+    speculated = [r.speculation for r in results if r.speculation]
+    assert totals.drafted == sum(x["drafted"] for x in speculated) > 0
+    assert totals.accepted == sum(x["accepted"] for x in speculated) > 0
+    assert totals.steps == sum(x["steps"] for x in speculated)
+
+
+def test_a_batchers_default_speculation_and_a_request_that_declines_it(tiny_fp32):
+    with runtime.load(tiny_fp32.path) as s, runtime.Batcher(s, speculative="prompt-lookup", draft_tokens=3) as batcher:
+        on = batcher.submit("def add(a, b):", max_new_tokens=12).result(timeout=60)
+        off = batcher.submit("def add(a, b):", max_new_tokens=12, speculative="none").result(timeout=60)
+        framed = batcher.submit("x", max_new_tokens=12, response_format={"type": "json_object"}).result(timeout=60)
+    assert on.tokens == off.tokens and on.speculation is not None and off.speculation is None
+    assert framed.speculation is None  # a response format decodes plainly under a default speculation
+    options = runtime.BatchOptions(speculative="draft:/some/bundle", draft_tokens=5)
+    assert runtime.BatchOptions.from_params(options.params()) == options
+    assert options.speculation() == {"method": "draft", "k": 5, "ngram": 3, "draft": "/some/bundle"}
+    with pytest.raises(KvforgeError, match="is not one of"):
+        runtime.BatchOptions(speculative="eagle")
+
+
 # -- the real model ------------------------------------------------------------------------------------------
 def test_smollm2_speculation_is_exact_and_accepts_most_copied_tokens(smollm2_fp32_bundle):
     """SmolLM2-135M-Instruct asked to repeat a sentence: prompt lookup gives its plain greedy reply token for token
@@ -244,7 +286,9 @@ def test_smollm2_speculation_is_exact_and_accepts_most_copied_tokens(smollm2_fp3
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------
-def test_cli_generate_and_bench_speculate(tiny_fp32):
+def test_cli_generate_and_bench_speculate(tiny_fp32, tiny_int8):
+    """generate --speculative prints plain decoding's tokens; bench --speculative (the calibrated sibling, which
+    tiny_int8 is) reports the same tokens, an acceptance rate and tokens per step; a bad method is one line."""
     from kvforge.cli import main
 
     runner = CliRunner()

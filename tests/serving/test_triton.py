@@ -248,7 +248,9 @@ def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
 
     http_port, grpc_port, metrics_port, openai_port = free_port(), free_port(), free_port(), free_port()
     # SIGTERM's run also serves the OpenAI API (in the model's process, over the same batcher); SIGINT's does not
-    openai_args = ["--openai-port", str(openai_port), "--api-key", "k3y"] if sig == signal.SIGTERM else ["--no-openai"]
+    # (and speculates by prompt lookup unless a request says "none")
+    openai_args = (["--openai-port", str(openai_port), "--api-key", "k3y", "--speculative", "prompt-lookup",
+                    "--draft-tokens", "4"] if sig == signal.SIGTERM else ["--no-openai"])
     proc = subprocess.Popen([sys.executable, "-m", "kvforge", "serve", str(tiny_fp32.path), "--model-name", MODEL,
                              "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
                              *openai_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -275,6 +277,20 @@ def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
             metrics = types.SimpleNamespace(metrics_port=metrics_port)
             assert _metric(metrics, "kvforge_generated_tokens_total") == 6
             assert _metric(metrics, "kvforge_requests_total", '{finish_reason="length"}') == 2
+            # a prompt that repeats itself: the server's prompt lookup drafts and the output is plain decoding's
+            echo = "one two three four, one two three four, one two three four, one two"
+            spec, plain = (client.completions.create(model=MODEL, prompt=echo, max_tokens=24, temperature=0,
+                                                     extra_body={"ignore_eos": True, **extra})
+                           for extra in ({}, {"speculative": "none"}))
+            assert spec.choices[0].text == plain.choices[0].text and spec.usage.completion_tokens == 24
+            deadline = time.monotonic() + 5  # the model's watcher moves the counters every 0.1 s
+            while not _metric(metrics, "kvforge_speculative_steps_total") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            steps, drafted, accepted = (_metric(metrics, f"kvforge_speculative_{n}_total")
+                                        for n in ("steps", "drafted_tokens", "accepted_tokens"))
+            assert 0 < steps < 24 + 3 + 3 and 0 < accepted <= drafted  # some of the 24 came several to a step
+            with pytest.raises(openai.BadRequestError, match="speculative"):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"speculative": "draft:/tmp"})
         else:
             with pytest.raises((urllib.error.URLError, OSError)):
                 urllib.request.urlopen(f"http://127.0.0.1:{openai_port}/v1/models", timeout=2)
