@@ -101,7 +101,7 @@ GROUNDED = {
 FREE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
         "Explain how photosynthesis works to a ten-year-old.",
         "Give me five tips for learning a new language, with a sentence on each."]
-DRAFT_KS = (2, 4)
+DRAFT_KS = (2, 3, 4)
 
 
 def decode_rate(session, ids, speculative) -> tuple[float, list[int]]:
@@ -166,7 +166,7 @@ def main() -> int:
         bandwidth.append(bandwidth_gbs())
         for target in ("fp32", "int8"):
             for k in DRAFT_KS:
-                spec = {"method": "draft", "draft": sessions["int4"], "k": k}
+                spec = {"method": "draft", "draft": str(ours["int4"].path), "k": k}  # opened as kvforge opens drafts
                 result_groups[f"{target}-drafted-by-int4/k{k}"] = (target, measure(sessions[target], free, spec, args.runs))
                 print(target, k, f"{result_groups[f'{target}-drafted-by-int4/k{k}'][1]['speedup']:.2f}x", flush=True)
         bandwidth.append(bandwidth_gbs())

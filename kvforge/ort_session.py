@@ -93,8 +93,10 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
 
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
-                 threads: int | None = None):
-    """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs."""
+                 threads: int | None = None, spinning: bool = True):
+    """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs.
+    spinning=False: its threads stop spinning when a run ends (ORT's session.force_spinning_stop), so that they do
+    not take the cores from another session that runs in turn with it (a speculative draft and its target)."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -108,6 +110,8 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         opts.intra_op_num_threads = threads
     for key, value in session_config(quant_format, providers).items():
         opts.add_session_config_entry(key, value)
+    if not spinning:
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     try:
         return ort.InferenceSession(
             model if isinstance(model, bytes) else str(model), opts, providers=providers or ["CPUExecutionProvider"],

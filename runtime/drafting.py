@@ -52,6 +52,9 @@ class Speculation:
     k: int
     ngram: int = 3
     draft: Any = None
+    # adapt the tokens drafted per step to what is accepted (Hugging Face's assisted generation "heuristic"
+    # schedule): one fewer after a step that rejected any, two more (up to k) after one that accepted all
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -63,13 +66,15 @@ class Speculation:
         if (self.method == "draft") != (self.draft is not None):
             raise KvforgeError("speculative method 'draft' takes a draft bundle (draft=PATH), and only it does"
                                if self.method == "draft" else f"speculative method {self.method!r} takes no draft bundle")
+        if not isinstance(self.adaptive, bool):
+            raise KvforgeError(f"speculative adaptive must be true or false, got {self.adaptive!r}")
         if self.draft is not None and not isinstance(self.draft, (str, Path)) and not hasattr(self.draft, "forward"):
             raise KvforgeError(f"a draft is a bundle path or an open decoder Session, got {type(self.draft).__name__}")
 
 
 def parse_speculative(value) -> Speculation | None:
     """None, a Speculation, "prompt-lookup", "quantized", "draft:PATH", or a dict {"method", "k", "ngram",
-    "draft"} (k defaults per method: DEFAULT_K)."""
+    "draft", "adaptive"} (k defaults per method: DEFAULT_K)."""
     if value is None or isinstance(value, Speculation):
         return value
     if isinstance(value, str):
@@ -81,13 +86,14 @@ def parse_speculative(value) -> Speculation | None:
             value = {"method": value}
     if not isinstance(value, dict):
         raise KvforgeError(f"speculative takes 'prompt-lookup', 'quantized', 'draft:PATH' or a dict, got {value!r}")
-    unknown = sorted(set(value) - {"method", "k", "ngram", "draft"})
+    unknown = sorted(set(value) - {"method", "k", "ngram", "draft", "adaptive"})
     if unknown:
-        raise KvforgeError(f"unknown speculative option(s) {unknown}; it takes method, k, ngram, draft")
+        raise KvforgeError(f"unknown speculative option(s) {unknown}; it takes method, k, ngram, draft, adaptive")
     method = value.get("method")
     if method not in METHODS:
         raise KvforgeError(f"speculative method {method!r} is not one of {list(METHODS)} (or draft:PATH)")
-    return Speculation(method, value.get("k") or DEFAULT_K[method], value.get("ngram", 3), value.get("draft"))
+    return Speculation(method, value.get("k") or DEFAULT_K[method], value.get("ngram", 3), value.get("draft"),
+                       value.get("adaptive", True))
 
 
 # -- drafters ------------------------------------------------------------------------------------------------

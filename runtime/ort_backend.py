@@ -26,10 +26,10 @@ _OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    option_names = ("device", "threads", "optimization", "variant", "attention")
+    option_names = ("device", "threads", "optimization", "variant", "attention", "spinning")
 
     def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
-                 variant: bool = True, attention: str = "auto", **options):
+                 variant: bool = True, attention: str = "auto", spinning: bool = True, **options):
         super().__init__(config, io, **options)
         if device not in ("auto", "cpu", "cuda"):
             raise KvforgeError(f"onnxruntime device {device!r} is not one of 'auto', 'cpu', 'cuda'")
@@ -49,6 +49,9 @@ class OnnxRuntimeBackend(Backend):
         self.max_context = io.max_context or config["max_seq_len"]
         self.device = device
         self.threads = threads
+        if not isinstance(spinning, bool):
+            raise KvforgeError(f"spinning must be True or False, got {spinning!r}")
+        self.spinning = spinning  # False: the threads stop spinning after each run (a draft beside its target)
         self.optimization = optimization
         self.session = None
         self.kv_dtype = io.input(io.past[0][0]).dtype if io.past else "float32"
@@ -81,7 +84,8 @@ class OnnxRuntimeBackend(Backend):
             self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"])
         else:
             self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
-        self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads)
+        self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads,
+                                    self.spinning)
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
         self.packed = SEQLENS in names
@@ -190,7 +194,7 @@ class OnnxRuntimeBackend(Backend):
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
             path = variant_path(self.bundle, attention=True, mixed=True)
             self._mixed = make_session(path, self.quant_format, ["CPUExecutionProvider"], self.optimization,
-                                       self.threads) if path is not None else False
+                                       self.threads, self.spinning) if path is not None else False
         return self._mixed is not False
 
     def forward_mixed(self, decode, prompt, last_only: bool):

@@ -338,7 +338,9 @@ class Session(SessionLifecycle):
                 if not bundle.kind.kv_cache:
                     raise KvforgeError(f"the draft {path} is {kind_name(bundle.kind.name)}; a draft is a decoder LM "
                                        "bundle with the target's tokenizer")
-                draft = open_decoder(bundle, "auto").activate()
+                # on ONNX Runtime its threads stop spinning after each step: they would take the cores from the
+                # target's verification step that follows (benchmarks/speculative_smollm2.py)
+                draft = open_decoder(bundle, "auto", **({} if bundle.is_engine else {"spinning": False})).activate()
                 check_vocabularies(self, draft)
                 self._drafts[key] = draft
                 return draft

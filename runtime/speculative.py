@@ -57,6 +57,7 @@ class Speculator:
         self.rng = np.random.default_rng(config.seed)
         self.draft_rng = np.random.default_rng(None if config.seed is None else [config.seed, 1])
         self.finish: str | None = None
+        self.k = config.speculation.k  # tokens to draft next (adaptive: moves with what is accepted, up to k)
 
     def _emit(self, tokens: list[int], logits: np.ndarray) -> list[Emitted]:
         """The tokens in order until one ends the row (logits[i]: the raw logits token i was chosen from)."""
@@ -80,7 +81,7 @@ class Speculator:
     def step(self) -> list[Emitted]:
         s, config = self.session, self.config
         context = self.prompt + self.tokens  # the cache holds all but its last token
-        k = min(config.speculation.k, config.max_new_tokens - len(self.tokens) - 1, s.max_context - len(context))
+        k = min(self.k, config.max_new_tokens - len(self.tokens) - 1, s.max_context - len(context))
         drafts, q = self.drafter.propose(context, k, config.sampling, self.draft_rng) if k > 0 else ([], None)
         feed = [context[-1], *drafts]
         logits, after = s.forward(np.asarray([feed], np.int64), cache=self.cache)
@@ -88,6 +89,8 @@ class Speculator:
         self.stats.steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += len(out) - 1
+        if config.speculation.adaptive and drafts:
+            self.k = min(self.k + 2, config.speculation.k) if len(out) - 1 == len(drafts) else max(1, self.k - 1)
         emitted = self._emit(out, logits[0])
         if not self.finish:  # keep the context's last token and the accepted drafts
             self.cache = keep(s, self.cache, after, len(context) + len(out) - 1, feed)

@@ -167,6 +167,21 @@ def test_drafts_that_cannot_serve_are_refused(tiny_fp32, micro_bundle):
             runtime.GenerationConfig(speculative=bad)
 
 
+def test_the_adaptive_schedule_drafts_less_for_a_draft_that_misses(micro_bundle):
+    """A draft of another design (mostly rejected): with a fixed k every step drafts k; the adaptive schedule (one
+    fewer after a rejection, two more after a step that accepts all) drafts fewer; both give plain decoding's tokens."""
+    with runtime.load(micro_bundle("llama3-micro").path) as s:
+        draft = str(micro_bundle("gpt2-micro").path)
+        plain = _greedy(s, ECHO, 30)
+        fixed = _greedy(s, ECHO, 30, {"method": "draft", "draft": draft, "k": 4, "adaptive": False})
+        adaptive = _greedy(s, ECHO, 30, {"method": "draft", "draft": draft, "k": 4})
+    assert fixed.tokens == adaptive.tokens == plain.tokens
+    assert fixed.speculation["drafted"] >= 4 * (fixed.speculation["steps"] - 3)  # (the last steps near max_new_tokens)
+    assert adaptive.speculation["drafted"] < fixed.speculation["drafted"]
+    with pytest.raises(KvforgeError, match="adaptive must be true or false"):
+        runtime.GenerationConfig(speculative={"method": "prompt-lookup", "adaptive": "yes"})
+
+
 def test_prompt_lookup_drafts_what_followed_the_latest_match():
     lookup = PromptLookup(ngram=3)
     greedy = SamplingConfig()

@@ -438,6 +438,20 @@ def test_continuous_batching_on_a_stand_in_engine_matches_onnxruntime(micro, sta
         assert got == [ref.generate(p, **o).tokens for p, o in zip(prompts, options)]
 
 
+def test_speculative_decoding_on_a_stand_in_engine_matches_onnxruntime(micro, standin, tmp_path):
+    """Verification steps of several tokens over a past and their rollback through host copies (the base
+    Backend.rollback) on TensorRT: drafted by an ONNX Runtime session of the same model, the engine's greedy
+    tokens are ONNX Runtime's plain ones."""
+    standin(RELEASES[-1])
+    engine = build(micro.path, tmp_path / "e", max_batch=4, max_context=128, opt_context=64)
+    prompt = [5, 77, 123, 9, 5, 77, 123, 9, 5, 77]
+    with runtime.load(engine.path) as s, runtime.load(micro.path, variant=False) as ref:
+        for spec in ({"method": "draft", "draft": ref, "k": 3}, {"method": "prompt-lookup", "k": 5}):
+            got = s.generate(prompt, max_new_tokens=30, ignore_eos=True, speculative=spec)
+            assert got.tokens == ref.generate(prompt, max_new_tokens=30, ignore_eos=True).tokens
+            assert got.speculation["drafted"] > 0
+
+
 def test_an_engine_of_another_release_is_refused(micro, standin, tmp_path):
     standin("10.16")
     engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=32)
