@@ -148,7 +148,8 @@ class DraftModel:
         drafts, qs = [], []
         for i in range(k):
             last = logits[:, -1, :self.vocab]
-            seen = [np.asarray(held + drafts, np.int64)]
+            history = np.asarray(held + drafts, np.int64)
+            seen = [history[history < self.vocab]]  # (ids only the target has cannot be penalized here)
             if sampling.temperature == 0.0:
                 token = int(select(last, seen, sampling, [rng])[0])
             else:

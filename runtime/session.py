@@ -323,7 +323,8 @@ class Session(SessionLifecycle):
         """A factory of fresh drafters for config.speculation (runtime/drafting.py), its draft session opened (once
         per path, kept with this session) and its vocabulary checked first."""
         spec = config.speculation
-        draft = self._draft_session(spec) if spec.method in ("draft", "quantized") else None
+        with self._lock:  # (a batcher's submit() may call this from any thread: one draft session per path)
+            draft = self._draft_session(spec) if spec.method in ("draft", "quantized") else None
         return lambda: DRAFTERS[spec.method](spec, self, draft)
 
     def _draft_session(self, spec) -> "Session":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from .drafting import keep, verify
-from .generate import GenerationConfig, GenerationResult, token_events, RowState, check_prompts, end_of, step_logprobs
+from .generate import GenerationConfig, GenerationResult, RowState, check_prompts, end_of, step_logprobs, token_events
 from .sampling import select
 
 if TYPE_CHECKING:  # pragma: no cover
