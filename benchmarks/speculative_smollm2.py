@@ -105,13 +105,11 @@ DRAFT_KS = (2, 3, 4)
 
 
 def decode_rate(session, ids, speculative) -> tuple[float, list[int]]:
-    t0 = time.perf_counter()
-    first, tokens = None, []
-    for event in session.stream(ids, max_new_tokens=NEW_TOKENS, speculative=speculative):
-        tokens.append(event.token)
-        if first is None:
-            first = time.perf_counter()
-    return (len(tokens) - 1) / (time.perf_counter() - first), tokens
+    """Decode tokens/s of one greedy stream (to EOS or NEW_TOKENS) and its tokens, as `kvforge bench` times them."""
+    from kvforge.runtime.bench import timed_stream
+
+    _, rate, tokens = timed_stream(session, ids, NEW_TOKENS, speculative, ignore_eos=False)
+    return rate, tokens
 
 
 def measure(session, prompts: list[list[int]], speculative, runs: int) -> dict:

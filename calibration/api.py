@@ -118,7 +118,7 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
                 "stage": "calibrate",
                 "tool": f"kvforge {kvforge.__version__}",
                 "time": now_utc(),
-                "input": {"source": str(bundle.path.resolve()), "kind": "bundle", "sha256": bundle.manifest["files"][bundle.manifest["graph"]]["sha256"]},
+                "input": {"source": str(bundle.path.resolve()), "kind": "bundle", "sha256": bundle.graph_sha256},
                 "options": options,
                 "seconds": {"total": round(time.time() - started, 2)},
             }],

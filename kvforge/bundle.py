@@ -226,6 +226,12 @@ class Bundle:
         return is_engine_bundle(self.manifest)
 
     @property
+    def graph_sha256(self) -> str | None:
+        """The sha256 the manifest records for the graph file: the model's identity (caches, lineage, a repository's
+        record), None where it records none."""
+        return self.manifest.get("files", {}).get(self.manifest.get("graph"), {}).get("sha256")
+
+    @property
     def recorded_source(self) -> str | None:
         """The model source the first stage read (a preset name or a checkpoint path), when recorded."""
         lineage = self.manifest.get("lineage") or [{}]

@@ -22,6 +22,7 @@ from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
 from kvforge.metrics import parse_tolerances
 from kvforge.runtime.bench import benchmark, benchmark_speculative
+from kvforge.runtime.drafting import DRAFTERS, speculation_options
 from kvforge.serving import repository_model, write_repository
 from kvforge.verify.check import check as run_check
 from kvforge.verify.check import write_check_report
@@ -351,6 +352,9 @@ def _sampling_options(f):
     return f
 
 
+_DEFAULT_KS = ", ".join(f"{kind.default_k} for {name}" for name, kind in DRAFTERS.items())
+
+
 def _speculative_options(f):
     """--speculative and its settings (runtime/drafting.py), for generate and bench."""
     for option in reversed([
@@ -358,8 +362,7 @@ def _speculative_options(f):
                      help="Speculative decoding: draft tokens by prompt lookup, with the bundle's own calibrated "
                           "sibling beside it (quantized), or with another bundle of the same tokenizer; the target "
                           "checks them in one step. The output stays the target's."),
-        click.option("--draft-tokens", type=click.IntRange(1, 32), help="Tokens drafted per step (default: 8 for "
-                     "prompt lookup, 4 for a draft model)."),
+        click.option("--draft-tokens", type=click.IntRange(1, 32), help=f"Tokens drafted per step (default: {_DEFAULT_KS})."),
         click.option("--ngram", default=3, show_default=True, type=click.IntRange(1, 16),
                      help="Prompt lookup: the longest n-gram matched."),
     ]):
@@ -368,10 +371,7 @@ def _speculative_options(f):
 
 
 def _speculation(speculative, draft_tokens, ngram):
-    if not speculative:
-        return None
-    spec = runtime.parse_speculative(speculative)
-    return {"method": spec.method, "k": draft_tokens or spec.k, "ngram": ngram, "draft": spec.draft}
+    return speculation_options(speculative, draft_tokens or 0, ngram)
 
 
 @main.command()
@@ -477,7 +477,7 @@ _SERVE_OPTIONS = [
                  help="Speculative decoding for every request that does not ask otherwise (each speculating row "
                       "decodes beside the batch, its drafts checked in one step)."),
     click.option("--draft-tokens", default=0, type=click.IntRange(0, 32),
-                 help="Tokens drafted per step (0: 8 for prompt lookup, 4 for a draft model)."),
+                 help=f"Tokens drafted per step (0: {_DEFAULT_KS})."),
 ]
 
 
@@ -485,15 +485,10 @@ def _batching(bundle, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_b
               speculative, draft_tokens) -> runtime.BatchOptions:
     """The batcher's options; a draft named by --speculative (or found: quantized) becomes an absolute path, since the
     model's process runs elsewhere (a repository's copy of the bundle)."""
-    if speculative:
-        spec = runtime.parse_speculative(speculative)
-        if spec.method == "quantized":
-            from kvforge.runtime.drafting import quantized_sibling
-
-            target = Bundle(Path(bundle))
-            speculative = f"draft:{quantized_sibling(target.path, target.manifest['files'][target.manifest['graph']]['sha256'])}"
-        elif spec.method == "draft":
-            speculative = f"draft:{Path(spec.draft).resolve()}"
+    spec = runtime.parse_speculative(speculative)
+    where = DRAFTERS[spec.method].draft(spec, Path(bundle)) if spec is not None else None
+    if where is not None:
+        speculative = f"draft:{Path(where).resolve()}"
     return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps,
                                 speculative or "", draft_tokens)
 

@@ -94,7 +94,7 @@ from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
 from .constrain import Constraint, masks
-from .drafting import parse_speculative
+from .drafting import speculation_options
 from .generate import (GenerationConfig, GenerationResult, TextStream, TokenEvent, check_prompts, end_of, left_padded,
                        row_constraints, step_logprobs)
 from .prefix_cache import PrefixCache, PrefixStats
@@ -142,10 +142,7 @@ class BatchOptions:
 
     def speculation(self) -> dict | None:
         """The default speculation as GenerationConfig.speculative takes it (None: none)."""
-        spec = parse_speculative(self.speculative)
-        if spec is None:
-            return None
-        return {"method": spec.method, "k": self.draft_tokens or spec.k, "ngram": spec.ngram, "draft": spec.draft}
+        return speculation_options(self.speculative, self.draft_tokens)
 
     def params(self) -> dict[str, str]:
         """As string parameters (a Triton model's config.pbtxt); unset ones are left out."""

@@ -75,11 +75,13 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
     }
 
 
-def _timed_stream(session: Session, prompt: list[int], new_tokens: int, speculative) -> tuple[float, float, list[int]]:
-    """(time to the first token, decode tokens/s after it, the tokens) of one greedy stream of new_tokens tokens."""
+def timed_stream(session: Session, prompt: list[int], new_tokens: int, speculative,
+                 ignore_eos: bool = True) -> tuple[float, float, list[int]]:
+    """(time to the first token, decode tokens/s after it, the tokens) of one greedy stream of up to new_tokens
+    tokens (exactly that many with ignore_eos)."""
     t0 = time.perf_counter()
     first, tokens = None, []
-    for event in session.stream(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative):
+    for event in session.stream(prompt, max_new_tokens=new_tokens, ignore_eos=ignore_eos, speculative=speculative):
         tokens.append(event.token)
         if first is None:
             first = time.perf_counter()
@@ -96,8 +98,8 @@ def benchmark_speculative(session: Session, prompt: list[int], new_tokens: int, 
         raise KvforgeError(f"a speculative benchmark needs >= 2 new tokens and >= 1 run, got {new_tokens}, {runs}")
     plain, fast, same = [], [], True
     for i in range(warmup + runs):
-        _, a, tokens_a = _timed_stream(session, prompt, new_tokens, None)
-        _, b, tokens_b = _timed_stream(session, prompt, new_tokens, speculative)
+        _, a, tokens_a = timed_stream(session, prompt, new_tokens, None)
+        _, b, tokens_b = timed_stream(session, prompt, new_tokens, speculative)
         same = same and tokens_a == tokens_b
         if i >= warmup:
             plain.append(a)

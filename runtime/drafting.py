@@ -2,7 +2,9 @@
 that propose tokens, and the acceptance rule that keeps the target model's output exact.
 
 A drafter proposes up to k tokens that may follow a context; the target then checks all of them in one forward
-(runtime/speculative.py). Drafters are registered in DRAFTERS by method name:
+(runtime/speculative.py). Drafters are registered in DRAFTERS by method name, each a `DrafterKind`: how to make
+one, where its draft bundle is (none, the request's, or one found beside the target), its default k, and whether
+the request names a draft:
 
 - "prompt-lookup": the tokens that followed the latest earlier occurrence of the context's last n-gram (n from
   `ngram` down to 1), in the prompt or the output so far. Costs no model call; pays off where the output copies
@@ -25,10 +27,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from kvforge.bundle import Bundle
 from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
@@ -38,8 +41,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import KVCache
     from .session import Session
 
-METHODS = ("prompt-lookup", "draft", "quantized")
-DEFAULT_K = {"prompt-lookup": 8, "draft": 4, "quantized": 4}
 MAX_K = 32
 
 
@@ -57,15 +58,15 @@ class Speculation:
     adaptive: bool = True
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise KvforgeError(f"speculative method {self.method!r} is not one of {list(METHODS)}")
+        if self.method not in DRAFTERS:
+            raise KvforgeError(f"speculative method {self.method!r} is not one of {list(DRAFTERS)}")
         if not is_int(self.k) or not 1 <= self.k <= MAX_K:
             raise KvforgeError(f"speculative k (tokens drafted per step) must be an int in 1..{MAX_K}, got {self.k!r}")
         if not is_int(self.ngram) or not 1 <= self.ngram <= 16:
             raise KvforgeError(f"speculative ngram must be an int in 1..16, got {self.ngram!r}")
-        if (self.method == "draft") != (self.draft is not None):
-            raise KvforgeError("speculative method 'draft' takes a draft bundle (draft=PATH), and only it does"
-                               if self.method == "draft" else f"speculative method {self.method!r} takes no draft bundle")
+        if DRAFTERS[self.method].named_draft != (self.draft is not None):
+            raise KvforgeError(f"speculative method {self.method!r} takes a draft bundle (draft=PATH)"
+                               if self.draft is None else f"speculative method {self.method!r} takes no draft bundle")
         if not isinstance(self.adaptive, bool):
             raise KvforgeError(f"speculative adaptive must be true or false, got {self.adaptive!r}")
         if self.draft is not None and not isinstance(self.draft, (str, Path)) and not hasattr(self.draft, "forward"):
@@ -74,7 +75,7 @@ class Speculation:
 
 def parse_speculative(value) -> Speculation | None:
     """None, a Speculation, "prompt-lookup", "quantized", "draft:PATH", or a dict {"method", "k", "ngram",
-    "draft", "adaptive"} (k defaults per method: DEFAULT_K)."""
+    "draft", "adaptive"} (k defaults per method: DrafterKind.default_k)."""
     if value is None or isinstance(value, Speculation):
         return value
     if isinstance(value, str):
@@ -90,10 +91,19 @@ def parse_speculative(value) -> Speculation | None:
     if unknown:
         raise KvforgeError(f"unknown speculative option(s) {unknown}; it takes method, k, ngram, draft, adaptive")
     method = value.get("method")
-    if method not in METHODS:
-        raise KvforgeError(f"speculative method {method!r} is not one of {list(METHODS)} (or draft:PATH)")
-    return Speculation(method, value.get("k") or DEFAULT_K[method], value.get("ngram", 3), value.get("draft"),
+    if method not in DRAFTERS:
+        raise KvforgeError(f"speculative method {method!r} is not one of {list(DRAFTERS)} (or draft:PATH)")
+    return Speculation(method, value.get("k") or DRAFTERS[method].default_k, value.get("ngram", 3), value.get("draft"),
                        value.get("adaptive", True))
+
+
+def speculation_options(value, k: int = 0, ngram: int | None = None) -> dict | None:
+    """parse_speculative(value) as the dict GenerationConfig.speculative takes (None: none), with k (0: the
+    method's default) and ngram (None: the value's) set: what the CLI's options and BatchOptions make."""
+    spec = parse_speculative(value)
+    if spec is None:
+        return None
+    return {"method": spec.method, "k": k or spec.k, "ngram": spec.ngram if ngram is None else ngram, "draft": spec.draft}
 
 
 # -- drafters ------------------------------------------------------------------------------------------------
@@ -182,9 +192,27 @@ def keep(session: Session, before: KVCache, after: KVCache, length: int, tokens:
         return cache
 
 
-DRAFTERS = {"prompt-lookup": lambda spec, target, draft: PromptLookup(spec.ngram),
-            "draft": lambda spec, target, draft: DraftModel(draft, target.vocab_size),
-            "quantized": lambda spec, target, draft: DraftModel(draft, target.vocab_size)}
+@dataclass(frozen=True)
+class DrafterKind:
+    """A drafting method: `make(spec, target session, draft session or None)` makes a fresh drafter;
+    `draft(spec, target bundle path)` says where its draft bundle is (a path, an open Session, or None: it needs
+    none); `default_k` is its tokens per step; `named_draft`: the request names the draft (spec.draft)."""
+
+    make: Callable[[Speculation, Any, Any], Any]
+    draft: Callable[[Speculation, Path], Any]
+    default_k: int
+    named_draft: bool = False
+
+
+def _draft_model(spec: Speculation, target, draft) -> DraftModel:
+    return DraftModel(draft, target.vocab_size)
+
+
+DRAFTERS = {
+    "prompt-lookup": DrafterKind(lambda spec, target, draft: PromptLookup(spec.ngram), lambda spec, target: None, 8),
+    "draft": DrafterKind(_draft_model, lambda spec, target: spec.draft, 4, named_draft=True),
+    "quantized": DrafterKind(_draft_model, lambda spec, target: quantized_sibling(target), 4),
+}
 
 
 # -- the acceptance rule -------------------------------------------------------------------------------------
@@ -243,9 +271,13 @@ def check_vocabularies(target: Session, draft: Session) -> None:
 _PRECISION_ORDER = {"int4": 0, "int8": 1, "fp8": 2}
 
 
-def quantized_sibling(target: Path, graph_sha256: str) -> Path:
-    """The bundle beside `target` (in its parent directory) calibrated from target's graph: INT4 first, then INT8,
-    then FP8, then the smallest graph."""
+def quantized_sibling(target: Path) -> Path:
+    """The bundle beside the bundle `target` (in its parent directory) calibrated from target's graph: INT4 first,
+    then INT8, then FP8, then the smallest graph."""
+    if not Bundle.is_bundle(target):
+        raise KvforgeError(f"speculative 'quantized' looks for a calibrated bundle beside the bundle it drafts for; "
+                           f"{target} is not a bundle (pass draft:PATH)")
+    graph_sha256 = Bundle(target).graph_sha256
     found = []
     for manifest in sorted(target.resolve().parent.glob("*/kvforge.json")):
         try:

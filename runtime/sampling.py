@@ -104,8 +104,10 @@ def probabilities(logits: np.ndarray, seen: list[np.ndarray], cfg: SamplingConfi
     """The distribution (B, V) float64 select() draws from at temperature > 0 (after the repetition penalty, the
     mask, temperature, top-k and top-p); at temperature 0, all mass on select()'s argmax."""
     logits = _processed(logits, seen, cfg, allowed)
-    if cfg.temperature == 0.0:
-        return np.eye(logits.shape[-1])[logits.argmax(axis=-1)]
+    if cfg.temperature == 0.0:  # (one-hot rows: an identity matrix of the vocabulary would be V x V)
+        probs = np.zeros(logits.shape, np.float64)
+        np.put_along_axis(probs, logits.argmax(axis=-1)[:, None], 1.0, axis=-1)
+        return probs
     return _distribution(logits, cfg)
 
 

@@ -26,7 +26,7 @@ from kvforge.tensorrt_env import tensorrt_gpu_missing
 from kvforge.tokenizer import Tokenizer
 
 from .backend import Backend, KVCache, SessionLifecycle, torch_source
-from .drafting import DRAFTERS, check_vocabularies, quantized_sibling
+from .drafting import DRAFTERS, check_vocabularies
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .speculative import generate_speculative
@@ -69,8 +69,7 @@ def open_decoder(bundle: Bundle, backend: str, **options) -> "Session":
     else:
         src = torch_source(bundle, options.pop("source", None))
         impl = TorchBackend(config, io, src, dtype=dtype, **options)
-    graph_record = bundle.manifest.get("files", {}).get(bundle.manifest.get("graph"), {})
-    model_id = graph_record.get("sha256") or str(bundle.path.resolve())  # caches pass between sessions of one model only
+    model_id = bundle.graph_sha256 or str(bundle.path.resolve())  # caches pass between sessions of one model only
     return Session(impl, tokenizer, config, io, str(bundle.path), model_id)
 
 
@@ -299,10 +298,7 @@ class Session(SessionLifecycle):
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._prompts(prompt)
         with self._lock:
-            if config.speculation is not None:
-                results = generate_speculative(self, rows, config, self._stop_ids(config), self._drafter(config))
-            else:
-                results = generate_tokens(self, rows, config, self._stop_ids(config))
+            results = self._generation(rows, config)
         for r in results:
             r.text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
         return results[0] if single else results
@@ -318,20 +314,31 @@ class Session(SessionLifecycle):
         # unfinished holds nothing.
         yield from _stream_text(self, rows[0], config)
 
+    def _generation(self, rows: list[list[int]], config: GenerationConfig, stream: bool = False):
+        """The generation loop for config: speculative (runtime/speculative.py) or plain (runtime/generate.py);
+        results, or (stream) the one row's TokenEvents."""
+        stop = self._stop_ids(config)
+        if config.speculation is not None:
+            return generate_speculative(self, rows, config, stop, self._drafter(config), stream)
+        return generate_tokens(self, rows, config, stop, stream)
+
     # -- speculative decoding --------------------------------------------------
     def _drafter(self, config: GenerationConfig):
         """A factory of fresh drafters for config.speculation (runtime/drafting.py), its draft session opened (once
         per path, kept with this session) and its vocabulary checked first."""
         spec = config.speculation
+        kind = DRAFTERS[spec.method]
         with self._lock:  # (a batcher's submit() may call this from any thread: one draft session per path)
-            draft = self._draft_session(spec) if spec.method in ("draft", "quantized") else None
-        return lambda: DRAFTERS[spec.method](spec, self, draft)
+            where = kind.draft(spec, Path(self.source))
+            draft = None if where is None else self._draft_session(where)
+        return lambda: kind.make(spec, self, draft)
 
-    def _draft_session(self, spec) -> "Session":
-        if spec.method == "draft" and not isinstance(spec.draft, (str, Path)):
-            draft = spec.draft
+    def _draft_session(self, where) -> "Session":
+        """The draft session at `where`: an open Session (checked), or a bundle path (opened once, kept)."""
+        if not isinstance(where, (str, Path)):
+            draft = where
         else:
-            path = Path(spec.draft) if spec.method == "draft" else quantized_sibling(Path(self.source), self.model_id)
+            path = Path(where)
             key = str(path.resolve())
             draft = self._drafts.get(key)
             if draft is None:
@@ -367,9 +374,6 @@ class Session(SessionLifecycle):
 
 def _stream_text(session: Session, prompt: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:
     text = TextStream(session.tokenizer)
-    stop = session._stop_ids(config)
-    events = (generate_speculative(session, [prompt], config, stop, session._drafter(config), stream=True)
-              if config.speculation is not None else generate_tokens(session, [prompt], config, stop, stream=True))
-    for event in events:
+    for event in session._generation([prompt], config, stream=True):
         event.text = text.push(event.token, event.last)
         yield event

@@ -113,8 +113,7 @@ def write_repository(bundle: str | os.PathLike, out: str | os.PathLike, *, model
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         (tmp / RECORD).write_text(json.dumps({
             "files": files,  # what --force may replace: every file written here (kvforge.bundle.owned_entries)
-            "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.manifest.get("files", {})
-            .get(source.manifest.get("graph"), {}).get("sha256"), "instances": instances,
+            "model_name": name, "bundle": str(source.path.resolve()), "graph_sha256": source.graph_sha256, "instances": instances,
             "batching": dataclasses.asdict(batching), "backend": backend, "openai_port": openai_port,
             "kind": source.kind.name, "written": now_utc()}, indent=2) + "\n")
     return Path(out)
