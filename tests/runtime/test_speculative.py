@@ -186,7 +186,8 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     lookup = PromptLookup(ngram=3)
     greedy = SamplingConfig()
     assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, greedy, None)[0] == [7, 5, 1]
-    assert lookup.propose([4, 5, 6, 7, 8, 5], 2, greedy, None)[0] == [6, 7]  # down to a 1-gram
+    assert lookup.propose([4, 5, 6, 7, 8, 5], 2, greedy, None)[0] == [6]  # down to a 1-gram, which drafts one
+    assert lookup.propose([4, 5, 6, 7, 8, 4, 5], 4, greedy, None)[0] == [6, 7, 8, 4]  # a 2-gram drafts k
     assert lookup.propose([4, 5, 6], 2, greedy, None)[0] == []
 
 
