@@ -21,6 +21,7 @@ from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
 from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, trained_dir
+from kvforge.model_defs.lora import add_slots
 from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.outputs import check_output_path, staged_bundle
 
@@ -30,6 +31,7 @@ from .lint import lint, merge_lint
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA
 
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_LORA_RANK = 1024
 
 # progress(phase, done, total): phases "load", "export", "lint", "validate", "write"
 Progress = Callable[[str, int, int], None]
@@ -88,6 +90,8 @@ def export(
     external_data: bool | None = None,
     force: bool = False,
     dequantize: bool = False,
+    lora_max_rank: int | None = None,
+    lora_targets: list[str] | None = None,
     progress: Progress | None = None,
 ) -> Bundle:
     """Export SOURCE (anything `model_defs.load` takes) to a validated ONNX bundle at OUT.
@@ -97,12 +101,20 @@ def export(
     A pre-quantized source (a GGUF file, a quantized Hugging Face checkpoint) keeps its codes: the validated
     float graph of its dequantized weights gets each quantized weight back as codes behind a DequantizeLinear
     (export/checkpoint_codes.py); `dequantize` writes the float bundle instead, to calibrate it.
+    lora_max_rank: give the targeted linear layers (lora_targets: short names such as q, v, gate; None: those of
+    q, k, v, o, gate, up, down the model has) LoRA slots, inputs that take adapters of rank up to it per row
+    (model_defs/lora.py); validation runs them with a random adapter.
     """
 
     if dtype not in DTYPES:
         raise KvforgeError(f"dtype {dtype!r} is not one of {DTYPES}")
     if not 18 <= opset <= 24:
         raise KvforgeError(f"opset {opset} is outside the supported range 18..24 (the exporter needs >= 18, TensorRT 10.15 reads <= 24)")
+    if lora_max_rank is not None and (isinstance(lora_max_rank, bool) or not isinstance(lora_max_rank, int)
+                                      or not 1 <= lora_max_rank <= MAX_LORA_RANK):
+        raise KvforgeError(f"lora max rank must be an int in 1..{MAX_LORA_RANK}, got {lora_max_rank!r}")
+    if lora_targets is not None and lora_max_rank is None:
+        raise KvforgeError("lora targets choose the layers that get LoRA slots: give a lora max rank too")
     check_output_path(out, force, [source])  # fail before any work
     progress = progress or (lambda phase, done, total: None)
     source = DEFAULT_MODEL if source is None else source
@@ -117,10 +129,19 @@ def export(
                            f"float32), not {dtype}: leave --dtype out, or pass --dequantize for a {dtype} bundle")
     cfg = reference.config
     max_context = resolve_max_context(cfg, max_context)
+    plan = EXPORTS[kind_of(cfg).name]
+    targets = None
+    if lora_max_rank is not None:
+        if plan.lora_io is None:
+            raise KvforgeError(f"LoRA slots are made for decoders; this model is {kind_of(cfg).article}")
+        if quantized is not None:
+            raise KvforgeError("LoRA slots over a pre-quantized checkpoint's codes are not made yet: pass --dequantize "
+                               "(and calibrate the bundle) for a quantized base with slots")
+        slots = add_slots(reference, lora_targets)
+        targets = sorted({s.rsplit(".", 1)[-1].removesuffix("_proj") for s in slots})
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
-    plan = EXPORTS[kind_of(cfg).name]
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
         graphs = plan.write(model, tmp, opset, external_data)
@@ -142,6 +163,8 @@ def export(
         if tokenizer is not None:
             tokenizer.save(tmp)
         io = plan.io_spec(cfg, model.dtype, max_context)
+        if lora_max_rank is not None:
+            io = plan.lora_io(io, model, lora_max_rank, targets)
         precision = {"dtype": dtype, "quantization": quantization}
         ecosystem = write_ecosystem_files(
             tmp, cfg.to_dict(), io, graphs.main, precision, tokenizer,
@@ -153,7 +176,8 @@ def export(
             "time": now_utc(),
             "input": source_digest(source),
             "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data,
-                        "dequantize": dequantize},
+                        "dequantize": dequantize,
+                        **({"lora_max_rank": lora_max_rank, "lora_targets": targets} if lora_max_rank else {})},
             "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
             "seconds": {"export": round(export_seconds, 2), "total": round(time.time() - started, 2)},
         }

@@ -15,6 +15,7 @@ from .encoder_export import export_encoder_onnx, validate_encoder
 from .encoder_export import io_spec as encoder_io_spec
 from .onnx_export import export_onnx
 from .onnx_export import io_spec as decoder_io_spec
+from .onnx_export import with_lora_inputs
 from .seq2seq_export import DECODER_GRAPH, ENCODER_GRAPH, export_seq2seq_onnx, validate_seq2seq
 from .seq2seq_export import io_spec as seq2seq_io_spec
 from .validate import validate as validate_decoder
@@ -37,6 +38,8 @@ class KindExport(NamedTuple):
     validate: Callable[..., dict[str, Any]]
     # (config, torch dtype, max context) -> the IO contract
     io_spec: Callable[[Any, Any, int], IOSpec]
+    # (io, model with slots, max rank, targets) -> io with the LoRA inputs; None: the kind takes no LoRA slots
+    lora_io: Callable[[IOSpec, Any, int, list[str]], IOSpec] | None = None
 
 
 def _one_graph(export_fn) -> Callable[[Any, Path, int, bool | None], Graphs]:
@@ -76,7 +79,7 @@ _ENCODER = KindExport(_one_graph(export_encoder_onnx), _one_graph_validation(val
                       lambda cfg, dtype, max_context: encoder_io_spec(cfg, max_context))  # token ids in, floats out
 
 EXPORTS: dict[str, KindExport] = {
-    "decoder": KindExport(_one_graph(export_onnx), _validate_decoder, decoder_io_spec),
+    "decoder": KindExport(_one_graph(export_onnx), _validate_decoder, decoder_io_spec, with_lora_inputs),
     "encoder": _ENCODER,
     "perceiver": _ENCODER,
     "encoder-decoder": KindExport(_write_seq2seq, _validate_seq2seq, seq2seq_io_spec),

@@ -24,6 +24,14 @@ newest positions): its past is [batch_size, kv_heads, past_sequence_length_wW,
 head_dim] with past_sequence_length_wW = min(past, W), and its present holds
 total_sequence_length_wW = min(total, W) positions. The IO spec's
 kv_cache.windows says which layers are capped.
+
+A model with LoRA slots (model_defs/lora.py, `export --lora-max-rank`) takes, after the cache,
+
+    lora_ids                  int64       [batch_size]  each row's adapter in the stacks below
+    lora.{slot}.a             model dtype [lora_adapters, in_features, lora_rank]   per slot (module name)
+    lora.{slot}.b             model dtype [lora_adapters, lora_rank, out_features]
+
+and io.extra.lora records the slots, their targets and the max rank.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import torch
 
 from kvforge.bundle import BATCH, PAST, SEQ, TOTAL, IOSpec, TensorSpec, window_dims
 from kvforge.errors import KvforgeError
+from kvforge.adapters import IDS, slot_input_names
+from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
 # capped cache's example past (min(W, 4)) must differ from them too: a window
@@ -64,8 +74,18 @@ def cache_names(cfg, prefix: str) -> list[list[str]]:
     return [[f"{prefix}.{i}.{name}" for name, _, _ in cfg.cache_entries(i)] for i in range(cfg.n_layers)]
 
 
-def input_names(cfg) -> list[str]:
-    return ["input_ids", "attention_mask", "position_ids"] + [n for layer in cache_names(cfg, "past_key_values") for n in layer]
+# the LoRA inputs' dynamic dimensions, and their example sizes for tracing (distinct from the others above)
+LORA_ADAPTERS, LORA_RANK = "lora_adapters", "lora_rank"
+_EX_ADAPTERS, _EX_RANK = 9, 11
+
+
+def lora_input_names(slots: list[str]) -> list[str]:
+    return [IDS] + [n for s in slots for n in slot_input_names(s)] if slots else []
+
+
+def input_names(cfg, slots: list[str] | None = None) -> list[str]:
+    return (["input_ids", "attention_mask", "position_ids"] + [n for layer in cache_names(cfg, "past_key_values") for n in layer]
+            + lora_input_names(slots or []))
 
 
 def output_names(cfg) -> list[str]:
@@ -101,6 +121,20 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     return IOSpec(inputs, outputs, past, present, max_context=max_context, windows=windows)
 
 
+def with_lora_inputs(io: IOSpec, model, max_rank: int, targets: list[str]) -> IOSpec:
+    """`io` with the LoRA slots' inputs of `model` (add_slots) and the io.extra.lora record."""
+    kv = _NP_DTYPES[model.dtype]
+    shapes = slot_shapes(model)
+    io.inputs.append(TensorSpec(IDS, "int64", [BATCH]))
+    for slot, (fan_in, fan_out) in shapes.items():
+        a, b = slot_input_names(slot)
+        io.inputs.append(TensorSpec(a, kv, [LORA_ADAPTERS, fan_in, LORA_RANK]))
+        io.inputs.append(TensorSpec(b, kv, [LORA_ADAPTERS, LORA_RANK, fan_out]))
+    io.extra["lora"] = {"max_rank": max_rank, "targets": list(targets), "ids": IDS,
+                        "slots": {slot: [fan_in, fan_out] for slot, (fan_in, fan_out) in shapes.items()}}
+    return io
+
+
 class FlatKVModel(torch.nn.Module):
     """The model with flat tensor inputs and outputs, in IO-contract order."""
 
@@ -108,13 +142,22 @@ class FlatKVModel(torch.nn.Module):
         super().__init__()
         self.model = model
         self.sizes = [len(model.config.cache_entries(i)) for i in range(model.config.n_layers)]  # tensors per layer
+        self.slots = list(getattr(model, "lora_slots", None) or [])
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids, attention_mask, position_ids, *rest):
+        """rest: the cache, then (a model with LoRA slots) lora_ids and each slot's A and B; without them the
+        slots take what the model's feed holds (model_defs.lora.feeding)."""
         cache, at = [], 0
         for n in self.sizes:
-            cache.append(tuple(past[at:at + n]))
+            cache.append(tuple(rest[at:at + n]))
             at += n
-        logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
+        lora = rest[at:]
+        if lora:
+            weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
+            with feeding(self.model, LoraFeed(lora[0], weights)):
+                logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
+        else:
+            logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
         return (logits, *[t for kv in present for t in kv])
 
 
@@ -136,7 +179,7 @@ def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, see
     return (ids, mask, positions, *cache)
 
 
-def _rename_dims(graph, cfg) -> None:
+def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
     """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names."""
     import onnx_ir as ir
 
@@ -157,6 +200,12 @@ def _rename_dims(graph, cfg) -> None:
     for window, names in zip(windows, cache_names(cfg, "past_key_values")):
         for name in names:
             symbol[sym(name, 2)] = PAST if window is None else window_dims(window)[0]
+    if slots:
+        symbol.setdefault(sym(IDS, 0), BATCH)
+        for slot in slots:
+            a, b = slot_input_names(slot)
+            for name, axis, dim in ((a, 0, LORA_ADAPTERS), (a, 2, LORA_RANK), (b, 0, LORA_ADAPTERS), (b, 1, LORA_RANK)):
+                symbol.setdefault(sym(name, axis), dim)
     symbol.pop(None, None)
     # A capped present's length is an expression of the exporter's (Max(0, ... - Max(...))): named here.
     for window, names in zip(windows, cache_names(cfg, "present")):
@@ -176,7 +225,7 @@ def _rename_dims(graph, cfg) -> None:
             continue
         dims = [d if isinstance(d, int) else rename(str(d)) for d in v.shape]
         v.shape = ir.Shape(dims)
-    known = {BATCH, SEQ, PAST, TOTAL} | {d for w in windows if w is not None for d in window_dims(w)}
+    known = {BATCH, SEQ, PAST, TOTAL, LORA_ADAPTERS, LORA_RANK} | {d for w in windows if w is not None for d in window_dims(w)}
     unknown = {str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in known}
     if unknown:
         shapes = {v.name: [str(d) for d in v.shape] for v in values.values() if v.shape is not None}
@@ -265,15 +314,29 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     args = example_inputs(cfg, dtype, batch, seq, past, capped_past=4)
     dyn = torch.export.Dim.DYNAMIC
     n_past = sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers))
+    rest = [{0: dyn, 2: dyn} for _ in range(n_past)]
+    if flat.slots:
+        args = args + lora_example(model, batch)
+        rest += [{0: dyn}] + [{0: dyn, 2: dyn} if j % 2 == 0 else {0: dyn, 1: dyn} for j in range(2 * len(flat.slots))]
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},
         "attention_mask": {0: dyn, 1: dyn},
         "position_ids": {0: dyn, 1: dyn},
-        "past": tuple({0: dyn, 2: dyn} for _ in range(n_past)),
+        "rest": tuple(rest),
     }
-    program = trace(flat, args, dynamic_shapes, input_names(cfg), output_names(cfg), opset)
-    _rename_dims(program.model.graph, cfg)
+    program = trace(flat, args, dynamic_shapes, input_names(cfg, flat.slots), output_names(cfg), opset)
+    _rename_dims(program.model.graph, cfg, flat.slots)
     return save_program(program, path, external_data)
+
+
+def lora_example(model, batch: int, adapters: int = _EX_ADAPTERS, rank: int = _EX_RANK, seed: int = 0) -> tuple:
+    """Seeded LoRA inputs (lora_ids, then each slot's A and B) for `batch` rows over `adapters` stacked ones."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, adapters, (batch,), generator=gen)]
+    for fan_in, fan_out in slot_shapes(model).values():
+        out.append((0.02 * torch.randn(adapters, fan_in, rank, generator=gen)).to(model.dtype))
+        out.append((0.02 * torch.randn(adapters, rank, fan_out, generator=gen)).to(model.dtype))
+    return tuple(out)
 
 
 def save_program(program, path: Path, external_data: bool | None = None) -> Path:

@@ -63,6 +63,7 @@ trained `tiny` model the tests require >= 30 of 32 for both.)
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,8 @@ import torch
 
 from kvforge import metrics
 from kvforge.errors import KvforgeError
+from kvforge.adapters import IDS, slot_input_names
+from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
 
 from .bf16 import emulate_bfloat16
 from .onnx_export import FlatKVModel, input_names, output_names
@@ -87,6 +90,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
 LOCKSTEP_STEPS = 32
 POOL_ROWS = 4  # distinct token sequences; the largest batch of any case
 PROMPT = 8  # the lockstep's prefill
+VALIDATION_RANK = 4  # the random adapter a graph with LoRA slots is validated with
 
 
 @dataclass
@@ -126,12 +130,25 @@ class OrtRunner:
         # float32, and bfloat16 emulated in float32 on values rounded to bfloat16
         return t.to(getattr(torch, self.dtype)).float().numpy()
 
+    # a graph with LoRA slots: its adapters' feeds for a batch (validate sets it)
+    lora: LoraFeed | None = None
+
+    def _lora_feeds(self, batch: int) -> dict[str, np.ndarray]:
+        if self.lora is None:
+            return {}
+        feeds = {IDS: np.zeros(batch, np.int64)}
+        for slot, (a, b) in self.lora.weights.items():
+            names = slot_input_names(slot)
+            feeds[names[0]], feeds[names[1]] = self.cast(a), self.cast(b)
+        return feeds
+
     def run(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
-        return self.session.run(None, _feeds(args, self.names, self.cast))
+        return self.session.run(None, {**_feeds(args, self.names, self.cast), **self._lora_feeds(args[0].shape[0])})
 
     def step(self, base: tuple[torch.Tensor, ...], past: list[np.ndarray]) -> list[np.ndarray]:
         """input_ids, attention_mask, position_ids from Torch plus a cache already in the graph's dtype."""
-        return self.session.run(None, {**_feeds(base, self.names[:3], lambda t: t.numpy()), **dict(zip(self.names[3:], past))})
+        return self.session.run(None, {**_feeds(base, self.names[:3], lambda t: t.numpy()), **dict(zip(self.names[3:], past)),
+                                       **self._lora_feeds(base[0].shape[0])})
 
 
 def _fit(case: Case, max_context: int) -> Case:
@@ -194,10 +211,21 @@ def validate(
     cfg = reference.config
     tol = TOLERANCES[dtype]
     runner = OrtRunner(path, dtype)
-    if runner.names != input_names(cfg):
-        raise KvforgeError(f"graph inputs {runner.names} do not follow the IO contract {input_names(cfg)}")
     flat = FlatKVModel(reference).eval()
+    if runner.names != input_names(cfg, flat.slots):
+        raise KvforgeError(f"graph inputs {runner.names} do not follow the IO contract {input_names(cfg, flat.slots)}")
     ref64 = None if dtype != "float32" else reference64 if reference64 is not None else Float64Reference(reference)
+    with contextlib.ExitStack() as lora:
+        if flat.slots:  # the slots run with a random adapter on every row, in the graph and the references alike
+            runner.lora = validation_feed(reference, VALIDATION_RANK)
+            for model in [reference] + ([ref64.flat.model] if ref64 is not None else []):
+                lora.enter_context(feeding(model, runner.lora))
+        return _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases,
+                         lockstep, text, reference)
+
+
+def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases, lockstep, text,
+              reference) -> dict[str, Any]:
     grid = _grid(cfg, max_context)
     unknown = set(cases or ()) - {c.name for c in grid}
     if unknown:

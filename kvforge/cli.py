@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from kvforge import runtime, serving
+from kvforge.adapters import list_adapters, lora_spec, remove_adapter
 from kvforge.bundle import Bundle
 from kvforge.calibration import calibrate as calibrate_bundle
 from kvforge.calibration.auto import recipe_summary
@@ -149,14 +150,21 @@ def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
 @click.option("--dequantize", is_flag=True,
               help="A pre-quantized SOURCE (GGUF, GPTQ, AWQ, compressed-tensors, FP8) as a float bundle, to calibrate; "
                    "by default its codes are kept.")
+@click.option("--lora-max-rank", type=click.IntRange(1, 1024),
+              help="Give the linear layers LoRA slots: inputs that take adapters up to this rank, chosen per row "
+                   "(kvforge lora add; one bundle serves every adapter).")
+@click.option("--lora-targets", metavar="q,k,v,o,gate,up,down",
+              help="The layers that get slots, by short name (default: those of q,k,v,o,gate,up,down the model has).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(source, out, dtype, opset, max_context, external_data, force, dequantize, quiet):
+def export(source, out, dtype, opset, max_context, external_data, force, dequantize, lora_max_rank, lora_targets, quiet):
     """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""
     from kvforge.export import export as export_bundle
 
+    targets = [t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None
     with PhaseProgress(enabled=not quiet) as progress:
         bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
-                               force=force, dequantize=dequantize, progress=progress)
+                               force=force, dequantize=dequantize, lora_max_rank=lora_max_rank, lora_targets=targets,
+                               progress=progress)
     lint_result = bundle.manifest["lint"]
     quant = bundle.quantization
     if quant:
@@ -381,15 +389,16 @@ def _speculation(speculative, draft_tokens, ngram):
               help="Send the prompt as a user message through the model's chat template.")
 @_sampling_options
 @_speculative_options
+@click.option("--adapter", help="A LoRA adapter of the bundle by name (kvforge lora add).")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
-             speculative, draft_tokens, ngram, as_json):
+             speculative, draft_tokens, ngram, adapter, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
     session = runtime.load(source, backend=backend)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty, seed=seed,
-                   speculative=_speculation(speculative, draft_tokens, ngram))
+                   speculative=_speculation(speculative, draft_tokens, ngram), adapter=adapter)
     tokens, text = [], []
     with session:
         events = (session.stream_chat([{"role": "user", "content": prompt}], **options) if as_chat
@@ -696,6 +705,52 @@ def pipeline(source, workdir, precisions, calibration_data, random_data, force, 
     console.print(f"report: {result.workdir / 'report.json'}" + (f" (+ {', '.join(pictures)})" if pictures else ""))
     if not result.passed:
         sys.exit(1)
+
+
+@main.group()
+def lora():
+    """A bundle's LoRA adapters (the bundle exported with --lora-max-rank): add, list, remove."""
+
+
+@lora.command("add")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.argument("adapter", type=click.Path(exists=True, file_okay=False))
+@click.option("--name", required=True, help="The adapter's name (what generate --adapter and requests name).")
+@click.option("--force", is_flag=True, help="Replace an adapter of that name.")
+def lora_add(bundle, adapter, name, force):
+    """Check the PEFT adapter ADAPTER (adapter_config.json, adapter_model.safetensors) against BUNDLE's slots and
+    store it beside the graph."""
+    from kvforge.export.lora import add_adapter  # torch: the adapter is read through the model's weight names
+
+    info = add_adapter(bundle, adapter, name, force=force)
+    click.echo(f"added adapter {info.name} (rank {info.rank}, {len(info.slots)} slots) to {bundle}")
+
+
+@lora.command("list")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per adapter.")
+def lora_list(bundle, as_json):
+    """BUNDLE's adapters."""
+    b = Bundle(bundle)
+    spec = lora_spec(b)
+    adapters = list_adapters(b)
+    if as_json:
+        for a in adapters:
+            click.echo(json.dumps(a.as_dict()))
+        return
+    click.echo(f"{bundle}: LoRA slots on {', '.join(spec['targets'])} up to rank {spec['max_rank']}; "
+               f"{len(adapters)} adapter(s)")
+    for a in adapters:
+        click.echo(f"  {a.name}: rank {a.rank}, {len(a.slots)} slots" + (f", from {a.source}" if a.source else ""))
+
+
+@lora.command("remove")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False))
+@click.argument("name")
+def lora_remove(bundle, name):
+    """Remove adapter NAME from BUNDLE."""
+    remove_adapter(Bundle(bundle), name)
+    click.echo(f"removed adapter {name} from {bundle}")
 
 
 if __name__ == "__main__":  # pragma: no cover

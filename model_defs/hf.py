@@ -47,7 +47,7 @@ def config_from_hf(hf: dict[str, Any]):
         raise KvforgeError(f"{family} config.json lacks the key {e.args[0]!r}") from e
 
 
-def _source_name(table, family: str, ours: str) -> tuple[str, Any]:
+def source_name(table, family: str, ours: str) -> tuple[str, Any]:
     """The checkpoint name and transform that feed the kvforge parameter `ours`."""
     layer = re.match(r"layers\.(\d+)\.(.*)", ours)
     key = f"layers.{{i}}.{layer.group(2)}" if layer else ours
@@ -62,7 +62,7 @@ def _source_name(table, family: str, ours: str) -> tuple[str, Any]:
     return name.format(**indices) if layer or expert else name, transform
 
 
-def _normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint names as the weight table writes them: the wrapper's prefix added to files saved from the
     base model (not to the heads' names), and older releases' names replaced by their aliases."""
     spec = FAMILIES[family]
@@ -142,7 +142,7 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     Raises one KvforgeError that lists every missing tensor, every unused one
     and every shape mismatch.
     """
-    tensors = _normalize_names(family, tensors)
+    tensors = normalize_names(family, tensors)
     spec = FAMILIES[family]
     table = spec.weights(hf_config or {}, model.config)
     tied = tied_parameters(model)
@@ -152,7 +152,7 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
     out, used, missing, shapes = {}, set(), [], []
     expected = model.state_dict()
     for ours in wanted:
-        name, transform = _source_name(table, family, ours)
+        name, transform = source_name(table, family, ours)
         if name not in tensors:  # the same tied tensor, saved under another of its names
             name = next((other for other in partners.get(name, ()) if other in tensors), name)
         if name not in tensors:
@@ -173,7 +173,7 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
                    if k not in used and not any(p.search(k) for p in _IGNORED) and not k.startswith(leftovers))
     # Copies of a used tensor: some exports write the tied head anyway (a copy of the embedding), and some
     # families save one tied tensor under two names. Accept a copy only if it really is equal.
-    copies = [(_source_name(table, family, ours)[0], _source_name(table, family, spec.embedding)[0]) for ours in tied]
+    copies = [(source_name(table, family, ours)[0], source_name(table, family, spec.embedding)[0]) for ours in tied]
     copies += [(a, b) for a, others in partners.items() for b in others]
     differ = []
     for copy, name in copies:
@@ -205,14 +205,14 @@ def codes_for_parameters(model: torch.nn.Module, family: str, quantized: Quantiz
     spec = FAMILIES[family]
     table = spec.weights(hf_config or {}, model.config)
     partners = _tied_names(spec.duplicates)
-    rename = lambda name: _normalize_names(family, {name: None}).popitem()[0]  # noqa: E731
+    rename = lambda name: normalize_names(family, {name: None}).popitem()[0]  # noqa: E731
     codes = {rename(name): c for name, c in quantized.codes.items()}
     converted = {rename(name): e for name, e in quantized.converted.items()}
     kept_float = {rename(name): why for name, why in quantized.kept_float.items()}
     layouts = {rename(name): fn for name, fn in quantized.layouts.items()}
     out = QuantizedCheckpoint(quantized.format, quantized.config)
     for ours, value in state.items():
-        name, transform = _source_name(table, family, ours)
+        name, transform = source_name(table, family, ours)
         name = next((n for n in [name, *partners.get(name, ())] if n in codes or n in kept_float), name)
         if name in kept_float:
             out.kept_float[ours] = kept_float[name]

@@ -115,25 +115,27 @@ class Backend(Runner):
     # -- inference -------------------------------------------------------------
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache,
-        last_only: bool = False,
+        last_only: bool = False, lora: dict[str, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, KVCache]:
-        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T."""
+        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T. lora: a
+        graph with LoRA slots' inputs (runtime/lora.py AdapterSet.feeds), by input name."""
         self.check_active()
         if cache.backend != self.name:
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
-        return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only)
+        return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only, lora)
 
     def prepare_mixed(self) -> bool:
         """Make forward_mixed's one-call form ready where the backend has one (it is used once made ready); whether
         it has."""
         return False
 
-    def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False) -> tuple[tuple, tuple]:
+    def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False, lora: tuple = (None, None)
+                      ) -> tuple[tuple, tuple]:
         """A mixed step: `decode` and `prompt` are each (input_ids, attention_mask, position_ids, cache) of a
         forward(), the first one token for each of its rows, the second one row's prompt tokens (a chunk);
         returns each part's (logits, cache), as their two forward() calls would. A backend that can computes
         both in one call (every weight read once); this one makes the two calls."""
-        return (self.forward(*decode, last_only), self.forward(*prompt, last_only))
+        return (self.forward(*decode, last_only, lora[0]), self.forward(*prompt, last_only, lora[1]))
 
     def empty_cache(self, batch: int) -> KVCache:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
@@ -233,7 +235,8 @@ class Backend(Runner):
         return KVCache(self.name, arrays[0].shape[0], length, self.from_numpy_impl(values))
 
     # -- hooks -----------------------------------------------------------------
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only) -> tuple[np.ndarray, KVCache]:
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only, lora=None
+                     ) -> tuple[np.ndarray, KVCache]:
         raise NotImplementedError
 
     def empty_cache_impl(self, batch: int) -> list[Any]:

@@ -424,10 +424,19 @@ class Batcher(RequestQueue):
         stop = self.session._stop_ids(config)
         # the response format's matcher now: one that does not compile for this tokenizer is refused here
         row, = row_constraints(config.format, self.session.tokenizer, self.session.vocab_size, stop, 1)
+        if config.adapter is not None:  # read (and checked against the bundle's slots) now, not in the loop
+            self.session.load_adapter(config.adapter)
         request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
         if config.speculation is not None:  # the draft opened and its vocabulary checked now
             request._drafter = self.session._drafter(config)()
         return self._enqueue(request)
+
+    def _space(self, request: Request) -> bytes:
+        """The prefix cache's namespace of a request's blocks: the model's, and its adapter's (an adapter computes
+        other keys and values for the same tokens)."""
+        if request.config.adapter is None:
+            return self._namespace
+        return PrefixCache.namespace(self._namespace.hex(), f"lora:{request.config.adapter}")
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -591,7 +600,7 @@ class Batcher(RequestQueue):
         limit = len(r.prompt) - 1  # at least the last token is fed: its logits choose the first new one
         if self._window is not None:
             limit = min(limit, self._window)
-        hit = self.prefix_cache.lookup(self._namespace, r.prompt, limit)
+        hit = self.prefix_cache.lookup(self._space(r), r.prompt, limit)
         if hit.blocks:
             self._pins[r.id] = hit.keys
             with self._timed("copy"):
@@ -607,10 +616,11 @@ class Batcher(RequestQueue):
             upto = end if fed < end < goal else goal
             ids, mask = _piece(prompt, fed, upto)
             with self._timed("prefill"):
-                p.logits, p.cache = self.session.forward(ids, mask, cache=p.cache, last_logits_only=True)
+                p.logits, p.cache = self.session.forward(ids, mask, cache=p.cache, last_logits_only=True,
+                                                         adapters=p.request.config.adapters(1))
             fed = p.fed = upto
             if fed == end and self.prefix_cache is not None:
-                keys, first = self.prefix_cache.missing(self._namespace, prompt, end)
+                keys, first = self.prefix_cache.missing(self._space(p.request), prompt, end)
                 if first < len(keys):
                     self.prefix_cache.insert(keys, prompt, first,
                                              _blocks(self.session.cache_arrays(p.cache), 0, end, self.prefix_cache.block_size))
@@ -623,7 +633,8 @@ class Batcher(RequestQueue):
     def _prefill_full(self, requests: list[Request]) -> _Batch:
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
         with self._timed("prefill"):
-            logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True)
+            logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True,
+                                                 adapters=[r.config.adapter for r in requests])
         rows = [_Row(r, list(r.prompt), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
         return _Batch(rows, cache, _pending(mask))
@@ -646,7 +657,7 @@ class Batcher(RequestQueue):
             if n > held:  # some layer no longer holds the first positions: no block chain can start
                 continue
             upto = n if self._window is None else min(n, self._window)
-            keys, first = pc.missing(self._namespace, row.request.prompt, upto)
+            keys, first = pc.missing(self._space(row.request), row.request.prompt, upto)
             if first < len(keys):
                 todo.append((i, row, keys, first))
         if not todo:
@@ -734,13 +745,16 @@ class Batcher(RequestQueue):
         if holes:  # a hole feeds a dummy token that attends to itself alone (its mask row is zeros between steps)
             batch.mask[holes, -1] = 1
         nxt = np.array([[row.request.tokens[-1] if row is not None else 0] for row in batch.rows], np.int64)
+        adapters = [row.request.config.adapter if row is not None else None for row in batch.rows]
         with self._timed("decode"):
             if chunk is None:
-                logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True)
+                logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True,
+                                                           adapters=adapters)
             else:  # the rows' decode step and a prompt's chunk as one step: the backend reads its weights once
                 p, n = chunk
                 (logits, batch.cache), (p.logits, p.cache) = self.session.forward_mixed(
-                    (nxt, batch.mask, batch.cache), (*_piece(p.request.prompt, p.fed, p.fed + n), p.cache))
+                    (nxt, batch.mask, batch.cache), (*_piece(p.request.prompt, p.fed, p.fed + n), p.cache),
+                    (adapters, p.request.config.adapters(1)))
                 p.fed += n
                 self.chunk_steps += 1
         for row, lg in zip(batch.rows, logits[:, -1]):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvforge.adapters import check_name
 from kvforge.checks import is_int
 from kvforge.errors import KvforgeError
 
@@ -47,6 +48,9 @@ class GenerationConfig:
     # "draft"} (draft: a path or an open Session). The output is the target's: greedy token for token, sampling
     # in distribution.
     speculative: Any = None
+    # A LoRA adapter of the bundle (kvforge lora add; the bundle exported with --lora-max-rank) by name: every row
+    # of the call runs with it. None: the base model.
+    adapter: str | None = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -62,12 +66,18 @@ class GenerationConfig:
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise KvforgeError(f"logprobs must be None or an int in 0..{MAX_TOP_LOGPROBS} (how many alternatives to "
                                f"report per token), got {self.logprobs!r}")
+        if self.adapter is not None:
+            check_name(self.adapter)
         self.sampling = SamplingConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
         self.format = parse_response_format(self.response_format)
         self.speculation = parse_speculative(self.speculative)
         if self.speculation is not None and self.format is not None:
             raise KvforgeError("speculative decoding does not combine with a response_format yet: the grammar "
                                "would have to follow drafted tokens back; ask for one or the other")
+
+    def adapters(self, rows: int) -> list[str | None] | None:
+        """Session.forward's adapters for `rows` rows of this call."""
+        return None if self.adapter is None else [self.adapter] * rows
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> GenerationConfig:
@@ -228,7 +238,8 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
     B = len(rows)
     rngs = [np.random.default_rng(config.seed) for _ in rows]  # one per row: a row samples what it would alone
     ids, mask = left_padded(session, prompts)
-    logits, cache = session.forward(ids, mask, last_logits_only=True)
+    adapters = config.adapters(B)
+    logits, cache = session.forward(ids, mask, last_logits_only=True, adapters=adapters)
     seen = [np.asarray(r.prompt, np.int64) for r in rows]
     last = logits[:, -1]
 
@@ -267,7 +278,7 @@ def _loop(session: Session, prompts: list[list[int]], config: GenerationConfig, 
         # Finished rows keep a slot in the batch; what they are fed is ignored.
         nxt = np.array([[r.tokens[-1]] for r in rows], np.int64)
         mask = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
-        logits, cache = session.forward(nxt, mask, cache=cache, last_logits_only=True)
+        logits, cache = session.forward(nxt, mask, cache=cache, last_logits_only=True, adapters=adapters)
         last = logits[:, -1]
 
 

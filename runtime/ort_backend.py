@@ -13,6 +13,8 @@ from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
 from kvforge.ort_session import make_session
 
+from kvforge.adapters import IDS
+
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
 from .ort.attention import CHUNK_SEQLENS, CHUNK_TOTAL, LOGITS_ROWS, SEQLENS, TOTAL, chunk_name
@@ -114,14 +116,16 @@ class OnnxRuntimeBackend(Backend):
         ort = _ort()
         return [ort.OrtValue.ortvalue_from_numpy(z, self.device_name, 0) for z in self._zeros(batch)]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
         if (cache.layout is not None) != self.packed:
             made, runs = ("a packed", "the bundle's attention") if cache.layout is not None else ("an unpacked", "a packed cache")
             raise KvforgeError(f"this is {made} cache, and this session runs {runs} (attention={self.attention!r}, "
                                f"variant={self.variant}): continue a cache on a session loaded with the same options")
         if self.packed:
-            return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only)
+            return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only, lora)
         binding = self.session.io_binding()
+        for name, value in (lora or {}).items():
+            binding.bind_cpu_input(name, value)
         if self.variant:
             binding.bind_cpu_input(KEEP_INPUT, np.array([1 if last_only else input_ids.shape[1]], np.int64))
         binding.bind_cpu_input("input_ids", input_ids)
@@ -139,7 +143,7 @@ class OnnxRuntimeBackend(Backend):
         present = [outputs[n] for n in self.present_names]
         return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
 
-    def _forward_packed(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+    def _forward_packed(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
         ort = _ort()
         layout = cache.layout
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
@@ -149,7 +153,16 @@ class OnnxRuntimeBackend(Backend):
             store.binding = self.session.io_binding()
             self._bind_buffers(store.binding, arrays)
             store.bound = arrays
+            store.lora = None
         binding = store.binding
+        if lora:
+            stacks = next(v for k, v in lora.items() if k != IDS)
+            if store.lora is not stacks:  # the stacks change only when an adapter loads: bound once till then
+                for name, value in lora.items():
+                    if name != IDS:
+                        binding.bind_cpu_input(name, value)
+                store.lora = stacks
+            binding.bind_cpu_input(IDS, lora[IDS])
         logits = None
         for step in steps:
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
@@ -188,6 +201,8 @@ class OnnxRuntimeBackend(Backend):
         return store, arrays
 
     def prepare_mixed(self) -> bool:
+        if self.io.extra.get("lora"):  # the mixed step's one line of tokens has no rows to give adapters
+            return False
         """Build (once, cached on disk) and load the mixed step's graph: a second session, holding the weights again."""
         if not self.packed or not self.variant:
             return False
@@ -197,11 +212,11 @@ class OnnxRuntimeBackend(Backend):
                                        self.threads, self.spinning) if path is not None else False
         return self._mixed is not False
 
-    def forward_mixed(self, decode, prompt, last_only: bool):
+    def forward_mixed(self, decode, prompt, last_only: bool, lora: tuple = (None, None)):
         (d_ids, d_mask, d_pos, d_cache), (p_ids, p_mask, p_pos, p_cache) = decode, prompt
-        if not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
+        if lora != (None, None) or not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
                 or p_ids.shape[0] != 1 or d_cache.layout.store is p_cache.layout.store:  # (branches of one cache)
-            return super().forward_mixed(decode, prompt, last_only)
+            return super().forward_mixed(decode, prompt, last_only, lora)
         ort = _ort()
         (d_step,) = packed.plan(d_ids, d_pos, d_mask, d_cache.layout.lengths, d_cache.length, last_only)
         (p_step,) = packed.plan(p_ids, p_pos, p_mask, p_cache.layout.lengths, p_cache.length, last_only)

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from kvforge.adapters import slot_input_names
 from kvforge.bundle import Bundle, IOSpec
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_name
@@ -28,6 +29,7 @@ from kvforge.tokenizer import Tokenizer
 from .backend import Backend, KVCache, SessionLifecycle, torch_source
 from .drafting import DRAFTERS, check_vocabularies
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
+from .lora import AdapterSet, no_slots
 from .ort_backend import OnnxRuntimeBackend
 from .speculative import generate_speculative
 from .torch_backend import TorchBackend
@@ -49,6 +51,12 @@ def available_backends() -> list[str]:
     if importlib.util.find_spec("torch"):
         found.append("torch")
     return found
+
+
+def _lora_dtype(io: IOSpec, lora: dict[str, Any]) -> str:
+    """The dtype the graph takes its LoRA stacks in (the model's)."""
+    first = next(iter(lora["slots"]))
+    return io.input(slot_input_names(first)[0]).dtype
 
 
 def open_decoder(bundle: Bundle, backend: str, **options) -> "Session":
@@ -88,6 +96,8 @@ class Session(SessionLifecycle):
         self.max_context = io.max_context or config["max_seq_len"]
         self._lock = threading.RLock()
         self._drafts: dict[str, Session] = {}  # draft sessions opened for speculative decoding, by path
+        lora = io.extra.get("lora")
+        self.adapters = AdapterSet(lora, source, _lora_dtype(io, lora)) if lora else None  # None: no LoRA slots
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -113,25 +123,29 @@ class Session(SessionLifecycle):
         position_ids: np.ndarray | None = None,
         cache: KVCache | None = None,
         last_logits_only: bool = False,
+        adapters: list[str | None] | None = None,
     ) -> tuple[np.ndarray, KVCache]:
         """One graph step, validated against the IO spec: float32 logits (B, T, V) and the new cache.
 
         last_logits_only: return (B, 1, V), the last position's logits only (what
         generation needs); on ONNX Runtime the other positions are not computed.
+        adapters: each row's LoRA adapter (a name in the bundle's adapters/, None: none; the bundle needs slots).
         """
         with self._lock:
             step = self._checked_step(input_ids, attention_mask, position_ids, cache)
-            logits, present = self.backend.forward(*step, last_logits_only)
+            logits, present = self.backend.forward(*step, last_logits_only, self._lora(adapters, step[0].shape[0]))
             present.owner = self.model_id
             return logits, present
 
-    def forward_mixed(self, rows: tuple, prompt: tuple) -> tuple[tuple[np.ndarray, KVCache], tuple[np.ndarray, KVCache]]:
+    def forward_mixed(self, rows: tuple, prompt: tuple, adapters: tuple = (None, None)
+                      ) -> tuple[tuple[np.ndarray, KVCache], tuple[np.ndarray, KVCache]]:
         """A decode step of some rows and a chunk of another row's prompt as one step: one call where the backend
         can and prepare_mixed() made it ready (the ONNX Runtime backend's packed cache), each weight read once for
         both; else the two forward calls. rows and prompt are each
         (input_ids, attention_mask, cache), as forward() takes them: rows one token per row, prompt one row.
         Returns ((logits, cache), (logits, cache)), the last position's logits of each, equal to what the two
-        forward(..., last_logits_only=True) calls return (to rounding)."""
+        forward(..., last_logits_only=True) calls return (to rounding). adapters: the rows' and the prompt's, as
+        forward takes them."""
         (r_ids, r_mask, r_cache), (p_ids, p_mask, p_cache) = rows, prompt
         with self._lock:
             decode = self._checked_step(r_ids, r_mask, None, r_cache)
@@ -141,7 +155,8 @@ class Session(SessionLifecycle):
                                    f"input_ids {decode[0].shape} and {chunk[0].shape}")
             if decode[3] is chunk[3]:
                 raise KvforgeError("forward_mixed takes two different caches")
-            parts = self.backend.forward_mixed(decode, chunk, True)
+            lora = (self._lora(adapters[0], decode[0].shape[0]), self._lora(adapters[1], 1))
+            parts = self.backend.forward_mixed(decode, chunk, True, lora if self.adapters is not None else (None, None))
             for _, cache in parts:
                 cache.owner = self.model_id
             return parts
@@ -152,6 +167,20 @@ class Session(SessionLifecycle):
         with self._lock:
             self.backend.activate()
             return self.backend.prepare_mixed()
+
+    def load_adapter(self, name: str) -> None:
+        """Read the bundle's adapter `name` into this session now (else its first step that names it does)."""
+        with self._lock:
+            if self.adapters is None:
+                no_slots([name], self.source)
+            self.adapters.load(name)
+
+    def _lora(self, adapters: list[str | None] | None, batch: int) -> dict[str, np.ndarray] | None:
+        """The LoRA inputs of a step (None for a bundle without slots, which takes no adapter)."""
+        if self.adapters is None:
+            no_slots(adapters, self.source)
+            return None
+        return self.adapters.feeds(adapters, batch)
 
     def _checked_step(self, input_ids, attention_mask, position_ids, cache) -> tuple:
         """forward()'s inputs checked against the IO spec and the cache (under the lock): ids, mask, positions, cache."""
@@ -318,6 +347,8 @@ class Session(SessionLifecycle):
         """The generation loop for config: speculative (runtime/speculative.py) or plain (runtime/generate.py);
         results, or (stream) the one row's TokenEvents."""
         stop = self._stop_ids(config)
+        if config.adapter is not None:  # read and checked before any step
+            self.load_adapter(config.adapter)
         if config.speculation is not None:
             return generate_speculative(self, rows, config, stop, self._drafter(config), stream)
         return generate_tokens(self, rows, config, stop, stream)

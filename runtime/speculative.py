@@ -84,7 +84,7 @@ class Speculator:
         k = min(self.k, config.max_new_tokens - len(self.tokens) - 1, s.max_context - len(context))
         drafts, q = self.drafter.propose(context, k, config.sampling, self.draft_rng) if k > 0 else ([], None)
         feed = [context[-1], *drafts]
-        logits, after = s.forward(np.asarray([feed], np.int64), cache=self.cache)
+        logits, after = s.forward(np.asarray([feed], np.int64), cache=self.cache, adapters=config.adapters(1))
         out = verify(logits[0], drafts, q, context, config.sampling, self.rng)
         self.stats.steps += 1
         self.stats.drafted += len(drafts)
@@ -93,7 +93,7 @@ class Speculator:
             self.k = min(self.k + 2, config.speculation.k) if len(out) - 1 == len(drafts) else max(1, self.k - 1)
         emitted = self._emit(out, logits[0])
         if not self.finish:  # keep the context's last token and the accepted drafts
-            self.cache = keep(s, self.cache, after, len(context) + len(out) - 1, feed)
+            self.cache = keep(s, self.cache, after, len(context) + len(out) - 1, feed, config.adapters(1))
         return emitted
 
 
@@ -106,7 +106,7 @@ def speculative_rows(session: Session, prompt: list[int], config: GenerationConf
     if config.max_new_tokens == 0:
         yield [row]
         return
-    logits, cache = session.forward(np.asarray([prompt], np.int64), last_logits_only=True)
+    logits, cache = session.forward(np.asarray([prompt], np.int64), last_logits_only=True, adapters=config.adapters(1))
     speculator = Speculator(session, prompt, config, stop, drafter, cache, logits[0, -1], stats)
     emitted = speculator.first()
     while True:

@@ -37,6 +37,11 @@ class TorchBackend(Backend):
         model, _ = load(self.source, dtype=self.dtype)
         if model.config.to_dict() != self.config:
             raise KvforgeError(f"the source {self.source!r} builds a model whose config differs from the bundle's")
+        lora = self.io.extra.get("lora")
+        if lora:  # the bundle's LoRA slots on the reference (model_defs/lora.py), fed what the graph is fed
+            from kvforge.model_defs.lora import add_slots
+
+            add_slots(model, lora["targets"])
         self.model = model.to(self.device)
 
     def deactivate_impl(self) -> None:
@@ -45,14 +50,14 @@ class TorchBackend(Backend):
     def empty_cache_impl(self, batch: int):
         return [t for kv in self.model.empty_cache(batch) for t in kv]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
         torch = self._torch
         dev = self.device
         past, at = [], 0
         for layer in self.io.past:  # per layer: (key, value), or (latent,)
             past.append(tuple(cache.values[at:at + len(layer)]))
             at += len(layer)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._feeding(lora):
             logits, present = self.model(
                 torch.from_numpy(input_ids).to(dev),
                 torch.from_numpy(attention_mask).to(dev),
@@ -63,6 +68,22 @@ class TorchBackend(Backend):
         if last_only:
             logits = logits[:, -1:]
         return logits.float().cpu().numpy(), KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], values)
+
+    def _feeding(self, lora):
+        """The LoRA inputs (by graph input name) as the reference's slots take them."""
+        import contextlib
+
+        if not lora:
+            return contextlib.nullcontext()
+        from kvforge.adapters import IDS, slot_input_names
+        from kvforge.model_defs.lora import LoraFeed, feeding
+
+        torch, dev = self._torch, self.device
+        weights = {}
+        for slot in self.model.lora_slots:
+            a, b = slot_input_names(slot)
+            weights[slot] = (torch.from_numpy(lora[a]).to(dev), torch.from_numpy(lora[b]).to(dev))
+        return feeding(self.model, LoraFeed(torch.from_numpy(lora[IDS]).to(dev), weights))
 
     def drop_oldest_impl(self, values, drops):
         return [v[:, :, n:].contiguous() if n else v for v, n in zip(values, drops)]

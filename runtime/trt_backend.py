@@ -298,7 +298,10 @@ class TensorRTBackend(Backend):
         values = self.io.dim_values(batch, 0, 0)
         return [DeviceTensor(0, concrete_shape(self.io.input(n).shape, values, n), self.dtypes[n]) for n in self.past_names]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
+        if lora:
+            raise KvforgeError("LoRA adapters on a TensorRT engine are not served yet: run the bundle with slots on "
+                               "onnxruntime (the engine build's profiles over rank and adapters are to come)")
         self._check_alive(cache.values)
         B, T = input_ids.shape
         index, stepwise = plan_step(self.profiles, self.io, B, T, cache.length)

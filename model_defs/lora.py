@@ -1,0 +1,280 @@
+"""LoRA slots: low-rank adapters as inputs of the model, chosen per row, so that one exported graph serves every
+adapter and a batch mixes them (the design TensorRT-LLM and ONNX Runtime GenAI use for multi-LoRA).
+
+A targeted linear layer y = x W^T + b gains, per batch row r,
+
+    y[r] += (x[r] @ A[ids[r]]) @ B[ids[r]]
+
+where A (adapters, in, rank) and B (adapters, rank, out) are the stacked adapters one forward is given (the
+scaling alpha/r already folded into B) and ids (batch,) picks each row's. A row without an adapter points at an
+all-zero one. The rank is the stack's own (up to the bundle's max rank): an adapter of rank 16 is fed as rank
+16, not padded to the maximum, so a step reads only the adapters' real weights.
+
+Slots are plain nn.Linear modules whose class is swapped for LoraLinear: their parameters keep their names, so
+checkpoints, weight tables and exported initializer names are those of the model without slots. The stacked
+tensors reach the layers through the model's LoraFeed, set for one forward by `feeding()`.
+
+`peft_adapter()` reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) into
+kvforge's slots through the family's Hugging Face weight table: each module's delta W = scale * B A is carried
+through the same transform as the base weight (row splits of fused q/k/v, transposes of Conv1D layouts, head
+permutations), then factored again to its rank (an SVD in float64, exact to float32 rounding: the transforms
+only select, permute and transpose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from kvforge.adapters import stacked
+from kvforge.errors import KvforgeError
+
+from .hf import normalize_names, source_name
+from .hf_families import FAMILIES
+
+# what `--lora-targets` names, as kvforge's module names: q -> q_proj (attention), gate -> gate_proj (FFN) ...
+DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoraFeed:
+    """One forward's adapters: ids (batch,) int64 and, per slot name, (A (n, in, r), B (n, r, out)). ids None:
+    every row takes adapter 0 (export validation's feed, whatever the case's batch)."""
+
+    ids: torch.Tensor | None
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear with a LoRA slot (its class swapped in place by add_slots: same parameters, same names)."""
+
+    lora_slot: str
+    lora_owner: list  # [the model]: a list, so that the model is not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        feed = self.lora_owner[0].lora_feed
+        if feed is None:
+            return y
+        a, b = feed.weights[self.lora_slot]
+        if feed.ids is None:
+            return y + torch.matmul(torch.matmul(x, a[0].to(x.dtype)), b[0].to(x.dtype))
+        a = a.index_select(0, feed.ids).to(x.dtype)  # (B, in, r)
+        b = b.index_select(0, feed.ids).to(x.dtype)  # (B, r, out)
+        return y + torch.matmul(torch.matmul(x, a), b)
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The layers' linear layers that can take a slot: not the experts of a mixture (they run on tokens gathered
+    across rows), nor the embedding or the head."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.startswith("layers.") and ".experts." not in name
+            and name.endswith("_proj")}
+
+
+def target_modules(model: nn.Module, targets: tuple[str, ...] | list[str] | None = None) -> dict[str, nn.Linear]:
+    """kvforge's linear layers that the short target names select ("q" -> every layer's ...q_proj), by module
+    name; None: those of DEFAULT_TARGETS the model has (a GPT-2 has no gate)."""
+    linears = _linears(model)
+    have = sorted({n.rsplit(".", 1)[-1].removesuffix("_proj") for n in linears})
+    if targets is None:
+        targets = [t for t in DEFAULT_TARGETS if t in have]
+    missing = sorted(set(targets) - set(have))
+    if missing:
+        raise KvforgeError(f"LoRA target(s) {missing} are not linear layers of this model; it has {have}")
+    leaves = {f"{t}_proj" for t in targets}
+    return {name: m for name, m in linears.items() if name.rsplit(".", 1)[-1] in leaves}
+
+
+def add_slots(model: nn.Module, targets: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """Give `model`'s targeted linear layers LoRA slots (in place); returns the slot names (the module names)."""
+    slots = target_modules(model, targets)
+    for name, module in slots.items():
+        module.__class__ = LoraLinear
+        module.lora_slot = name
+        module.lora_owner = [model]
+    model.lora_feed = None
+    model.lora_slots = list(slots)
+    return list(slots)
+
+
+@contextlib.contextmanager
+def feeding(model: nn.Module, feed: LoraFeed | None) -> Iterator[None]:
+    """Run forwards of `model` with `feed`'s adapters (None: the slots add nothing)."""
+    before = getattr(model, "lora_feed", None)
+    model.lora_feed = feed
+    try:
+        yield
+    finally:
+        model.lora_feed = before
+
+
+def slot_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per slot: (in features, out features)."""
+    modules = dict(model.named_modules())
+    return {s: (modules[s].in_features, modules[s].out_features) for s in model.lora_slots}
+
+
+def torch_feed(ids, adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], model: nn.Module) -> LoraFeed:
+    """A LoraFeed of `adapters` (kvforge/adapters.py's stack: adapter 0 all zeros, then these) for rows `ids`."""
+    as_numpy = [{s: (a.numpy(), b.numpy()) for s, (a, b) in ad.items()} for ad in adapters]
+    stacks = stacked({"slots": slot_shapes(model)}, as_numpy)
+    return LoraFeed(torch.as_tensor(ids, dtype=torch.int64),
+                    {s: (torch.from_numpy(a), torch.from_numpy(b)) for s, (a, b) in stacks.items()})
+
+
+def validation_feed(model: nn.Module, rank: int, seed: int = 0) -> LoraFeed:
+    """A random adapter of `rank` on every slot, small enough to keep the activations in range and large enough
+    to move the logits, fed to every row (ids None): what export validation runs the slots with."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for slot, (fan_in, fan_out) in slot_shapes(model).items():
+        a = torch.randn(1, fan_in, rank, generator=gen) / math.sqrt(fan_in)
+        b = torch.randn(1, rank, fan_out, generator=gen) * (0.05 / math.sqrt(rank))
+        weights[slot] = (a, b)
+    return LoraFeed(None, weights)
+
+
+# -- PEFT adapters ----------------------------------------------------------------------------------------------
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass
+class PeftAdapter:
+    """A PEFT LoRA adapter in kvforge's slots: per slot (A (in, r), B (r, out)) with the scaling folded into B."""
+
+    rank: int
+    slots: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    config: dict[str, Any]
+
+
+def read_adapter_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / "adapter_config.json"
+    if not path.is_file():
+        raise KvforgeError(f"{directory} is not a PEFT adapter: it has no adapter_config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KvforgeError(f"{path} is not readable JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise KvforgeError(f"{path} holds {type(config).__name__}, not an object")
+    kind = config.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise KvforgeError(f"{path}: peft_type {kind!r} is not a LoRA adapter")
+    if config.get("modules_to_save"):
+        raise KvforgeError(f"{path}: modules_to_save {config['modules_to_save']} trains whole modules beside the "
+                           "low-rank ones; kvforge serves adapters over one base, so it takes LoRA weights only")
+    if config.get("use_dora"):
+        raise KvforgeError(f"{path}: DoRA adapters (use_dora) rescale the base weights; kvforge takes plain LoRA")
+    if config.get("bias", "none") != "none":
+        raise KvforgeError(f"{path}: bias={config['bias']!r} trains the base's biases; kvforge takes bias='none'")
+    for key in ("lora_alpha", "r"):
+        if key in config and not isinstance(config[key], (int, float)):
+            raise KvforgeError(f"{path}: {key} must be a number, got {config[key]!r}")
+    return config
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    directory = Path(directory)
+    path = directory / "adapter_model.safetensors"
+    if not path.is_file():
+        pickled = [p.name for p in directory.glob("adapter_model*.bin")] + [p.name for p in directory.glob("*.pt")]
+        if pickled:
+            raise KvforgeError(f"{directory} holds its weights as a pickle ({pickled[0]}), which kvforge does not "
+                               "load (it can run code); save the adapter with safetensors (PEFT's default, "
+                               "save_pretrained(..., safe_serialization=True))")
+        raise KvforgeError(f"{directory} has no adapter_model.safetensors")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise KvforgeError(f"{path} is not a readable safetensors file: {e}") from e
+
+
+def _alpha(config: dict[str, Any], module: str) -> float:
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            return float(value)
+    return float(config.get("lora_alpha", 8))
+
+
+def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict[str, Any] | None = None,
+                 max_rank: int | None = None) -> PeftAdapter:
+    """`directory`'s PEFT LoRA adapter in the slots of `model` (a Transformer with add_slots), whose weights follow
+    the Hugging Face family `family`'s weight table. Refuses, naming the problem: no LoRA weights, a module the
+    model has no slot for, shapes of another base, a rank above max_rank, weights that are not finite."""
+    directory = Path(directory)
+    config = read_adapter_config(directory)
+    tensors = _read_tensors(directory)
+    if family not in FAMILIES:
+        raise KvforgeError(f"LoRA adapters are read through a Hugging Face family's weight names; this model's "
+                           f"family {family!r} is not one of them")
+    spec = FAMILIES[family]
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _PEFT_KEY.match(key)
+        if m is None:
+            raise KvforgeError(f"{directory}: {key!r} is not a LoRA weight (lora_A / lora_B); kvforge takes LoRA "
+                               "weights only")
+        pairs.setdefault(m.group("module"), {})[m.group("which")] = t
+    if not pairs:
+        raise KvforgeError(f"{directory}: adapter_model.safetensors holds no LoRA weights")
+    # the kvforge slot each checkpoint weight feeds, through the family's table
+    table = spec.weights(hf_config or {}, model.config)
+    fed_by: dict[str, list[tuple[str, Any]]] = {}
+    for slot in model.lora_slots:
+        name, transform = source_name(table, family, f"{slot}.weight")
+        fed_by.setdefault(name, []).append((slot, transform))
+    shapes = slot_shapes(model)
+    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
+    slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise KvforgeError(f"{directory}: {module} has lora_{''.join(sorted(ab))} but not both A and B")
+        a, b = ab["A"].double(), ab["B"].double()
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise KvforgeError(f"{directory}: {module}'s lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                               "a rank-r pair (r x in, out x r)")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise KvforgeError(f"{directory}: {module}'s LoRA weights hold NaN or infinite values")
+        r = a.shape[0]
+        if max_rank is not None and r > max_rank:
+            raise KvforgeError(f"{directory}: {module} has rank {r}, above the bundle's LoRA max rank {max_rank} "
+                               "(export with a larger --lora-max-rank)")
+        weight = normalize_names(family, {f"{module}.weight": None}).popitem()[0]
+        targets = fed_by.get(weight)
+        if not targets:
+            covered = sorted({n.rsplit(".", 1)[-1] for n in model.lora_slots})
+            raise KvforgeError(f"{directory}: the adapter trains {module}, which has no LoRA slot in this bundle "
+                               f"(its slots are the layers' {covered}; export with --lora-targets covering it)")
+        scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
+        delta = scale * (b @ a)  # (out, in): nn.Linear's layout
+        if fan_in_fan_out:
+            delta = delta.T  # the checkpoint stores this module (GPT-2's Conv1D) as (in, out)
+        for slot, transform in targets:
+            try:
+                ours = delta if transform is None else transform(delta, model.config)
+            except (RuntimeError, ValueError) as e:
+                raise KvforgeError(f"{directory}: {module}'s LoRA delta {tuple(delta.shape)} does not fit this "
+                                   f"model's {slot} ({e}): an adapter of another base model?") from e
+            fan_in, fan_out = shapes[slot]
+            if tuple(ours.shape) != (fan_out, fan_in):
+                raise KvforgeError(f"{directory}: {module}'s LoRA delta gives {slot} the shape {tuple(ours.shape)}, "
+                                   f"but this model's is {(fan_out, fan_in)}: an adapter of another base model?")
+            u, s, vh = torch.linalg.svd(ours, full_matrices=False)
+            slot_a = vh[:r].T  # (in, r)
+            slot_b = (u[:, :r] * s[:r]).T  # (r, out)
+            slots[slot] = (slot_a.float().contiguous(), slot_b.float().contiguous())
+            rank = max(rank, r)
+    return PeftAdapter(rank, slots, config)

@@ -1,0 +1,160 @@
+"""LoRA slots on the Torch reference against PEFT (the oracle): an adapter read into kvforge's slots gives the
+logits of PEFT's merged model; rows of one batch take different adapters; bad adapters are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvforge.errors import KvforgeError
+from kvforge.model_defs import load
+from kvforge.model_defs.lora import add_slots, feeding, peft_adapter, torch_feed
+
+from ..conftest import make_hf_model
+
+ATOL = 1e-4
+VOCAB = 300
+# family -> (PEFT target_modules, adapter rank); ranks differ, and stay below the slots' max rank of 8
+FAMILIES = {
+    "llama": ("all-linear", 4),
+    "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 3),  # fused q/k/v and gate/up
+    "gpt2": (["c_attn", "c_proj", "c_fc"], 5),  # Conv1D: (in, out) weights, fan_in_fan_out
+    "gemma2": (["q_proj", "v_proj"], 2),  # two of seven: the others' slots stay zero
+    "falcon": (["query_key_value", "dense"], 4),  # fused heads, grouped per kv head
+}
+
+
+def _adapter(family: str, targets, rank: int, path, seed: int = 0):
+    """A PEFT adapter of `family`'s test model with random A and B (B is zero at PEFT's default init), saved to
+    `path`; returns PEFT's merged model."""
+    from peft import LoraConfig, get_peft_model
+
+    hf = make_hf_model(family)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank + 1, target_modules=targets, init_lora_weights=False,
+                        fan_in_fan_out=family == "gpt2", lora_dropout=0.0)
+    torch.manual_seed(seed + 7)
+    peft_model = get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape))
+    peft_model.save_pretrained(path)
+    return peft_model.merge_and_unload().eval()
+
+
+def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_an_adapter_in_the_slots_gives_pefts_merged_logits(family, hf_checkpoint, tmp_path):
+    targets, rank = FAMILIES[family]
+    merged = _adapter(family, targets, rank, tmp_path / "adapter")
+    ours, _ = load(hf_checkpoint(family))
+    ids = _ids(2, 9, seed=1)
+    base = ours(ids)[0]
+    slots = add_slots(ours)
+    assert slots and all(ours.get_submodule(s).weight is not None for s in slots)
+    hf_config = json.loads((hf_checkpoint(family) / "config.json").read_text())
+    adapter = peft_adapter(tmp_path / "adapter", ours, family, hf_config, max_rank=8)
+    assert adapter.rank == rank
+    expected = merged(ids).logits
+    with feeding(ours, torch_feed([1, 1], [adapter.slots], ours)):
+        got = ours(ids)[0]
+    assert (got - expected).abs().max() < ATOL
+    assert (got - base).abs().max() > 100 * ATOL  # the adapter changed the logits
+    # slots fed nothing, or an all-zero adapter, are the model without slots
+    assert torch.equal(ours(ids)[0], base)
+    with feeding(ours, torch_feed([0, 0], [adapter.slots], ours)):
+        assert torch.equal(ours(ids)[0], base)
+
+
+@torch.no_grad()
+def test_rows_of_one_batch_take_their_own_adapters(hf_checkpoint, tmp_path):
+    """Three adapters (ranks 2, 4 and 6, padded to one stack) and a row without: each row equals its merged model."""
+    merged = [_adapter("llama", "all-linear", r, tmp_path / f"a{r}", seed=r) for r in (2, 4, 6)]
+    ours, _ = load(hf_checkpoint("llama"))
+    base = [ours(_ids(1, 7, seed=i))[0] for i in range(4)]
+    add_slots(ours)
+    adapters = [peft_adapter(tmp_path / f"a{r}", ours, "llama", max_rank=8).slots for r in (2, 4, 6)]
+    ids = torch.cat([_ids(1, 7, seed=i) for i in range(4)])
+    feed = torch_feed([1, 2, 3, 0], adapters, ours)
+    assert feed.weights[ours.lora_slots[0]][0].shape[-1] == 6  # the largest rank among them, not a maximum
+    with feeding(ours, feed):
+        got = ours(ids)[0]
+    for row in range(3):
+        assert (got[row] - merged[row](ids[row:row + 1]).logits[0]).abs().max() < ATOL
+    assert (got[3] - base[3][0]).abs().max() < 1e-5
+
+
+def _refusal(tmp_path, edit, match, max_rank=8, targets=None):
+    _adapter("llama", "all-linear", 4, tmp_path / "bad")
+    edit(tmp_path / "bad")
+    ours, _ = load(make_hf_checkpoint_dir(tmp_path))
+    add_slots(ours, targets)
+    with pytest.raises(KvforgeError, match=match):
+        peft_adapter(tmp_path / "bad", ours, "llama", max_rank=max_rank)
+
+
+def make_hf_checkpoint_dir(tmp_path):
+    path = tmp_path / "base"
+    if not path.exists():
+        make_hf_model("llama").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _set_config(key, value):
+    def edit(d):
+        config = json.loads((d / "adapter_config.json").read_text())
+        config[key] = value
+        (d / "adapter_config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _nan(d):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+
+
+def _pickle_only(d):
+    tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(d / "adapter_model.safetensors"))
+    torch.save(tensors, d / "adapter_model.bin")
+    (d / "adapter_model.safetensors").unlink()
+
+
+def _other_base(d):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "q_proj.lora_A" in k)
+    tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] + 8)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("edit, match, max_rank, targets", [
+    (lambda d: None, "rank 4, above the bundle's LoRA max rank 2", 2, None),
+    (lambda d: None, "has no LoRA slot in this bundle", 8, ["q", "v"]),
+    (_set_config("modules_to_save", ["lm_head"]), "modules_to_save", 8, None),
+    (_set_config("use_dora", True), "DoRA", 8, None),
+    (_set_config("peft_type", "IA3"), "not a LoRA adapter", 8, None),
+    (_nan, "NaN or infinite", 8, None),
+    (_pickle_only, "pickle", 8, None),
+    (_other_base, "another base model|not a rank-r pair", 8, None),
+], ids=["rank", "target", "modules_to_save", "dora", "not-lora", "nan", "pickle", "other-base"])
+def test_bad_adapters_are_refused_by_name(tmp_path, edit, match, max_rank, targets):
+    _refusal(tmp_path, edit, match, max_rank, targets)
+
+
+def test_targets_the_model_lacks_are_refused(hf_checkpoint):
+    ours, _ = load(hf_checkpoint("gpt2"))
+    with pytest.raises(KvforgeError, match=r"\['gate'\] are not linear layers of this model"):
+        add_slots(ours, ["q", "gate"])
+    assert {s.rsplit(".", 1)[-1] for s in add_slots(ours)} == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                                                               "down_proj"}

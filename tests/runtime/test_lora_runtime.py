@@ -1,0 +1,142 @@
+"""Multi-LoRA through the exported graph: a Llama bundle exported with LoRA slots, PEFT adapters made locally and
+added with `kvforge lora add`, run on ONNX Runtime (packed cache and the bundle's own attention) and on Torch,
+against PEFT's merged models (the oracle); rows of one batch with different adapters; the slots fed no adapter
+against the bundle exported without slots."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvforge import runtime
+from kvforge.adapters import list_adapters
+from kvforge.bundle import Bundle
+from kvforge.cli import main
+from kvforge.errors import KvforgeError
+from kvforge.export import export
+
+from ..conftest import make_hf_model
+
+ATOL = 1e-4
+RANKS = {"a2": 2, "a4": 4, "a6": 6}  # adapter name -> its rank; the slots' max rank is 8
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120, 64], [200, 1, 33, 12, 90], [15, 250, 7]]
+
+
+def _peft(rank: int, path, seed: int, targets="all-linear"):
+    """A PEFT adapter of the llama test model with random A and B, saved at `path`; returns the merged model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_hf_model("llama"), LoraConfig(r=rank, lora_alpha=rank + 3, target_modules=targets,
+                                                              init_lora_weights=False, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def lora_bundle(hf_checkpoint, hf_bundle, tmp_path_factory):
+    """(bundle with slots and three adapters added, merged PEFT models by adapter name)."""
+    root = tmp_path_factory.mktemp("lora")
+    bundle = export(str(hf_checkpoint("llama")), root / "slots", lora_max_rank=8)
+    merged = {}
+    for i, (name, rank) in enumerate(RANKS.items()):
+        merged[name] = _peft(rank, root / f"peft-{name}", seed=i)
+        result = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(root / f"peft-{name}"), "--name", name])
+        assert result.exit_code == 0, result.output
+    return bundle, merged, root
+
+
+def _logits(session, prompt, adapter=None):
+    logits, _ = session.forward(np.asarray([prompt], np.int64), adapters=None if adapter is None else [adapter])
+    return logits[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"attention": "graph"}, {"backend": "torch"}], ids=["packed", "graph", "torch"])
+def test_an_adapter_gives_pefts_merged_logits(lora_bundle, options):
+    bundle, merged, _ = lora_bundle
+    with runtime.load(bundle.path, **options) as session:
+        session.forward(np.asarray([PROMPTS[0]], np.int64))
+        assert getattr(session.backend, "packed", False) == (options == {})  # the ORT variant's GroupQueryAttention takes the slots too
+        for name, model in merged.items():
+            expected = model(torch.tensor([PROMPTS[0]])).logits[0].detach().numpy()
+            got = _logits(session, PROMPTS[0], name)
+            assert np.abs(got - expected).max() < ATOL, name
+        base = make_hf_model("llama")(torch.tensor([PROMPTS[0]])).logits[0].detach().numpy()
+        assert np.abs(_logits(session, PROMPTS[0]) - base).max() < ATOL
+        assert np.abs(_logits(session, PROMPTS[0], "a4") - base).max() > 100 * ATOL
+
+
+def test_the_slots_fed_no_adapter_are_the_bundle_without_slots(lora_bundle, hf_bundle):
+    bundle, _, _ = lora_bundle
+    with runtime.load(bundle.path) as slots, runtime.load(hf_bundle("llama").path) as plain:
+        for prompt in PROMPTS:
+            assert np.abs(_logits(slots, prompt) - _logits(plain, prompt)).max() < 1e-5
+        assert slots.generate(PROMPTS[1], max_new_tokens=12).tokens == plain.generate(PROMPTS[1], max_new_tokens=12).tokens
+        with pytest.raises(KvforgeError, match="has no LoRA slots"):
+            plain.generate(PROMPTS[1], max_new_tokens=2, adapter="a2")
+
+
+def test_a_batch_mixes_adapters_and_equals_each_row_alone(lora_bundle):
+    """One forward of four rows (three adapters and none), and the continuous batcher with the four requests at
+    once, equal each row run alone."""
+    bundle, _, _ = lora_bundle
+    adapters = ["a2", "a4", "a6", None]
+    with runtime.load(bundle.path) as session:
+        alone = [session.generate(p, max_new_tokens=10, ignore_eos=True, adapter=a) for p, a in zip(PROMPTS, adapters)]
+        width = max(map(len, PROMPTS))
+        ids = np.array([[0] * (width - len(p)) + p for p in PROMPTS], np.int64)
+        mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS], np.int64)
+        logits, _ = session.forward(ids, mask, adapters=adapters, last_logits_only=True)
+        for i, (p, a) in enumerate(zip(PROMPTS, adapters)):
+            assert np.abs(logits[i, -1] - _logits(session, p, a)[-1]).max() < ATOL
+        with runtime.Batcher(session, max_batch=4) as batcher:
+            requests = [batcher.submit(p, max_new_tokens=10, ignore_eos=True, adapter=a) for p, a in zip(PROMPTS, adapters)]
+            together = [r.result(timeout=120) for r in requests]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert len({tuple(r.tokens) for r in alone}) == 4  # the adapters made the rows differ
+
+
+def test_an_adapter_added_while_a_session_runs_is_served_and_one_removed_is_gone(lora_bundle, tmp_path):
+    bundle, merged, root = lora_bundle
+    with runtime.load(bundle.path) as session:
+        expected = session.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True, adapter="a6").tokens
+        with pytest.raises(KvforgeError, match=r"has no adapter 'nope'; it has \['a2', 'a4', 'a6'\]"):
+            session.generate(PROMPTS[2], max_new_tokens=2, adapter="nope")
+        late = _peft(3, tmp_path / "late", seed=11, targets=["q_proj", "v_proj"])
+        add = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "late"), "--name", "late"])
+        assert add.exit_code == 0, add.output
+        expected_late = late(torch.tensor([PROMPTS[3]])).logits[0].detach().numpy()
+        assert np.abs(_logits(session, PROMPTS[3], "late") - expected_late).max() < ATOL  # served without a restart
+        removed = CliRunner().invoke(main, ["lora", "remove", str(bundle.path), "late"])
+        assert removed.exit_code == 0 and "late" not in [a.name for a in list_adapters(bundle)]
+    with runtime.load(bundle.path) as session:
+        again = session.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True, adapter="a6").tokens
+    assert again == expected
+    listing = CliRunner().invoke(main, ["lora", "list", str(bundle.path), "--json"])
+    assert [json.loads(line)["name"] for line in listing.output.splitlines()] == sorted(RANKS)
+    assert {json.loads(line)["name"]: json.loads(line)["rank"] for line in listing.output.splitlines()} == RANKS
+
+
+def test_bad_adapters_change_nothing(lora_bundle, tmp_path, hf_bundle):
+    bundle, _, root = lora_bundle
+    _peft(8, tmp_path / "ok", seed=5)
+    before = sorted(a.name for a in list_adapters(bundle))
+    files = {p: p.stat().st_mtime_ns for p in Bundle(bundle.path).path.iterdir() if p.is_file()}
+    for args, message in [
+        ([str(bundle.path), str(tmp_path / "ok"), "--name", "a2"], "already has an adapter 'a2'"),
+        ([str(hf_bundle("llama").path), str(tmp_path / "ok"), "--name", "x"], "has no LoRA slots"),
+        ([str(bundle.path), str(root / "slots"), "--name", "x"], "has no adapter_config.json"),
+        ([str(bundle.path), str(tmp_path / "ok"), "--name", "../x"], "adapter name"),
+    ]:
+        result = CliRunner().invoke(main, ["lora", "add", *args])
+        assert result.exit_code != 0 and message in result.output, (args, result.output)
+    assert sorted(a.name for a in list_adapters(bundle)) == before
+    assert {p: p.stat().st_mtime_ns for p in Bundle(bundle.path).path.iterdir() if p.is_file()} == files
