@@ -27,9 +27,9 @@ kv_cache.windows says which layers are capped.
 
 A model with LoRA slots (model_defs/lora.py, `export --lora-max-rank`) takes, after the cache,
 
-    lora_ids                  int64       [batch_size]  each row's adapter in the stacks below
-    lora.{slot}.a             model dtype [lora_adapters, in_features, lora_rank]   per slot (module name)
-    lora.{slot}.b             model dtype [lora_adapters, lora_rank, out_features]
+    lora_mask                 model dtype [batch_size, lora_width]  1 over each row's adapter's columns
+    lora.{slot}.a             model dtype [in_features, lora_width]   per slot (module name): the adapters'
+    lora.{slot}.b             model dtype [lora_width, out_features]  A and B side by side along their ranks
 
 and io.extra.lora records the slots, their targets and the max rank.
 """
@@ -45,7 +45,7 @@ import torch
 
 from kvforge.bundle import BATCH, PAST, SEQ, TOTAL, IOSpec, TensorSpec, window_dims
 from kvforge.errors import KvforgeError
-from kvforge.adapters import IDS, slot_input_names
+from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
@@ -74,13 +74,14 @@ def cache_names(cfg, prefix: str) -> list[list[str]]:
     return [[f"{prefix}.{i}.{name}" for name, _, _ in cfg.cache_entries(i)] for i in range(cfg.n_layers)]
 
 
-# the LoRA inputs' dynamic dimensions, and their example sizes for tracing (distinct from the others above)
-LORA_ADAPTERS, LORA_RANK = "lora_adapters", "lora_rank"
-_EX_ADAPTERS, _EX_RANK = 9, 11
+# the LoRA inputs' dynamic dimension (the adapters' ranks side by side), and its example size for tracing
+# (distinct from the others above)
+LORA_WIDTH = "lora_width"
+_EX_WIDTH = 11
 
 
 def lora_input_names(slots: list[str]) -> list[str]:
-    return [IDS] + [n for s in slots for n in slot_input_names(s)] if slots else []
+    return [MASK] + [n for s in slots for n in slot_input_names(s)] if slots else []
 
 
 def input_names(cfg, slots: list[str] | None = None) -> list[str]:
@@ -125,12 +126,12 @@ def with_lora_inputs(io: IOSpec, model, max_rank: int, targets: list[str]) -> IO
     """`io` with the LoRA slots' inputs of `model` (add_slots) and the io.extra.lora record."""
     kv = _NP_DTYPES[model.dtype]
     shapes = slot_shapes(model)
-    io.inputs.append(TensorSpec(IDS, "int64", [BATCH]))
+    io.inputs.append(TensorSpec(MASK, kv, [BATCH, LORA_WIDTH]))
     for slot, (fan_in, fan_out) in shapes.items():
         a, b = slot_input_names(slot)
-        io.inputs.append(TensorSpec(a, kv, [LORA_ADAPTERS, fan_in, LORA_RANK]))
-        io.inputs.append(TensorSpec(b, kv, [LORA_ADAPTERS, LORA_RANK, fan_out]))
-    io.extra["lora"] = {"max_rank": max_rank, "targets": list(targets), "ids": IDS,
+        io.inputs.append(TensorSpec(a, kv, [fan_in, LORA_WIDTH]))
+        io.inputs.append(TensorSpec(b, kv, [LORA_WIDTH, fan_out]))
+    io.extra["lora"] = {"max_rank": max_rank, "targets": list(targets), "mask": MASK,
                         "slots": {slot: [fan_in, fan_out] for slot, (fan_in, fan_out) in shapes.items()}}
     return io
 
@@ -145,7 +146,7 @@ class FlatKVModel(torch.nn.Module):
         self.slots = list(getattr(model, "lora_slots", None) or [])
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
-        """rest: the cache, then (a model with LoRA slots) lora_ids and each slot's A and B; without them the
+        """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
         slots take what the model's feed holds (model_defs.lora.feeding)."""
         cache, at = [], 0
         for n in self.sizes:
@@ -201,11 +202,12 @@ def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
         for name in names:
             symbol[sym(name, 2)] = PAST if window is None else window_dims(window)[0]
     if slots:
-        symbol.setdefault(sym(IDS, 0), BATCH)
+        symbol.setdefault(sym(MASK, 0), BATCH)
+        symbol.setdefault(sym(MASK, 1), LORA_WIDTH)
         for slot in slots:
             a, b = slot_input_names(slot)
-            for name, axis, dim in ((a, 0, LORA_ADAPTERS), (a, 2, LORA_RANK), (b, 0, LORA_ADAPTERS), (b, 1, LORA_RANK)):
-                symbol.setdefault(sym(name, axis), dim)
+            for name, axis in ((a, 1), (b, 0)):
+                symbol.setdefault(sym(name, axis), LORA_WIDTH)
     symbol.pop(None, None)
     # A capped present's length is an expression of the exporter's (Max(0, ... - Max(...))): named here.
     for window, names in zip(windows, cache_names(cfg, "present")):
@@ -225,7 +227,7 @@ def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
             continue
         dims = [d if isinstance(d, int) else rename(str(d)) for d in v.shape]
         v.shape = ir.Shape(dims)
-    known = {BATCH, SEQ, PAST, TOTAL, LORA_ADAPTERS, LORA_RANK} | {d for w in windows if w is not None for d in window_dims(w)}
+    known = {BATCH, SEQ, PAST, TOTAL, LORA_WIDTH} | {d for w in windows if w is not None for d in window_dims(w)}
     unknown = {str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in known}
     if unknown:
         shapes = {v.name: [str(d) for d in v.shape] for v in values.values() if v.shape is not None}
@@ -317,7 +319,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     rest = [{0: dyn, 2: dyn} for _ in range(n_past)]
     if flat.slots:
         args = args + lora_example(model, batch)
-        rest += [{0: dyn}] + [{0: dyn, 2: dyn} if j % 2 == 0 else {0: dyn, 1: dyn} for j in range(2 * len(flat.slots))]
+        rest += [{0: dyn, 1: dyn}] + [{1: dyn} if j % 2 == 0 else {0: dyn} for j in range(2 * len(flat.slots))]
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},
         "attention_mask": {0: dyn, 1: dyn},
@@ -329,13 +331,13 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     return save_program(program, path, external_data)
 
 
-def lora_example(model, batch: int, adapters: int = _EX_ADAPTERS, rank: int = _EX_RANK, seed: int = 0) -> tuple:
-    """Seeded LoRA inputs (lora_ids, then each slot's A and B) for `batch` rows over `adapters` stacked ones."""
+def lora_example(model, batch: int, width: int = _EX_WIDTH, seed: int = 0) -> tuple:
+    """Seeded LoRA inputs (lora_mask, then each slot's A and B) for `batch` rows over `width` columns."""
     gen = torch.Generator().manual_seed(seed)
-    out = [torch.randint(0, adapters, (batch,), generator=gen)]
+    out = [(torch.rand(batch, width, generator=gen) > 0.5).to(model.dtype)]
     for fan_in, fan_out in slot_shapes(model).values():
-        out.append((0.02 * torch.randn(adapters, fan_in, rank, generator=gen)).to(model.dtype))
-        out.append((0.02 * torch.randn(adapters, rank, fan_out, generator=gen)).to(model.dtype))
+        out.append((0.02 * torch.randn(fan_in, width, generator=gen)).to(model.dtype))
+        out.append((0.02 * torch.randn(width, fan_out, generator=gen)).to(model.dtype))
     return tuple(out)
 
 

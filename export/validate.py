@@ -74,7 +74,7 @@ import torch
 
 from kvforge import metrics
 from kvforge.errors import KvforgeError
-from kvforge.adapters import IDS, slot_input_names
+from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
 
 from .bf16 import emulate_bfloat16
@@ -136,7 +136,8 @@ class OrtRunner:
     def _lora_feeds(self, batch: int) -> dict[str, np.ndarray]:
         if self.lora is None:
             return {}
-        feeds = {IDS: np.zeros(batch, np.int64)}
+        rank = next(iter(self.lora.weights.values()))[0].shape[1]
+        feeds = {MASK: self.cast(torch.ones(batch, rank))}
         for slot, (a, b) in self.lora.weights.items():
             names = slot_input_names(slot)
             feeds[names[0]], feeds[names[1]] = self.cast(a), self.cast(b)

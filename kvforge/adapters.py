@@ -27,7 +27,7 @@ import numpy as np
 from .bundle import Bundle, sha256_file
 from .errors import KvforgeError
 
-IDS = "lora_ids"  # the graph input: each row's adapter in the stacks
+MASK = "lora_mask"  # the graph input: per row, 1 over the columns of its adapter in the concatenated ranks
 ADAPTERS = "adapters"
 WEIGHTS, RECORD = "adapter.safetensors", "adapter.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -46,7 +46,7 @@ class AdapterInfo:
 
 
 def slot_input_names(slot: str) -> tuple[str, str]:
-    """The graph inputs of one slot: its stacked A and B."""
+    """The graph inputs of one slot: its adapters' A and B, concatenated along the rank."""
     return f"lora.{slot}.a", f"lora.{slot}.b"
 
 
@@ -182,19 +182,37 @@ def remove_adapter(bundle: Bundle, name: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def stacked(spec: dict[str, Any], adapters: list[dict[str, tuple[np.ndarray, np.ndarray]]], dtype=np.float32
-            ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per slot of the bundle, A (1 + n, in, r) and B (1 + n, r, out): index 0 all zeros (rows without an
-    adapter), then the adapters in order, each padded with zeros to the largest rank among them (at least 1)."""
-    rank = max([1] + [a.shape[1] for ad in adapters for a, _ in ad.values()])
+def rank_of(adapter: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
+    """The columns an adapter takes in the concatenated inputs: its largest slot's rank."""
+    return max(a.shape[1] for a, _ in adapter.values())
+
+
+def concatenated(spec: dict[str, Any], adapters: list[dict[str, tuple[np.ndarray, np.ndarray]]], dtype=np.float32
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per slot of the bundle, A (in, W) and B (W, out): the adapters side by side along the rank, adapter j in
+    columns offsets[j]:offsets[j] + rank_of(j) (zeros where its slot's rank is smaller, or it has no such slot).
+    No adapter: W = 1, all zeros."""
+    width = sum(rank_of(ad) for ad in adapters) or 1
     out = {}
     for slot, (fan_in, fan_out) in spec["slots"].items():
-        a = np.zeros((1 + len(adapters), fan_in, rank), dtype)
-        b = np.zeros((1 + len(adapters), rank, fan_out), dtype)
-        for n, ad in enumerate(adapters, start=1):
+        a = np.zeros((fan_in, width), dtype)
+        b = np.zeros((width, fan_out), dtype)
+        at = 0
+        for ad in adapters:
             if slot in ad:
                 r = ad[slot][0].shape[1]
-                a[n, :, :r] = ad[slot][0]
-                b[n, :r, :] = ad[slot][1]
+                a[:, at:at + r] = ad[slot][0]
+                b[at:at + r, :] = ad[slot][1]
+            at += rank_of(ad)
         out[slot] = (a, b)
     return out
+
+
+def row_mask(ranks: list[int], rows: list[int | None], dtype=np.float32) -> np.ndarray:
+    """(rows, W): row i is 1 over the columns of adapter rows[i] (an index into `ranks`; None: all 0)."""
+    offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(int)
+    mask = np.zeros((len(rows), max(int(offsets[-1]), 1)), dtype)
+    for i, j in enumerate(rows):
+        if j is not None:
+            mask[i, offsets[j]:offsets[j + 1]] = 1
+    return mask

@@ -49,8 +49,8 @@ IO = Rec({
         "cross_cache": Rec({"inputs": CACHE_NAMES, "encoder_outputs": CACHE_NAMES}, required=("inputs", "encoder_outputs")),
         "max_source_length": POSITIVE,
         # LoRA slots (export --lora-max-rank): per slot (a module name) its [in, out] features
-        "lora": Rec({"max_rank": POSITIVE, "targets": ListOf(str), "ids": str, "slots": DictOf(ListOf(POSITIVE))},
-                    required=("max_rank", "targets", "ids", "slots")),
+        "lora": Rec({"max_rank": POSITIVE, "targets": ListOf(str), "mask": str, "slots": DictOf(ListOf(POSITIVE))},
+                    required=("max_rank", "targets", "mask", "slots")),
     }),
 }, required=("inputs", "outputs", "kv_cache"))
 

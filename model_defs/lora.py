@@ -1,17 +1,20 @@
 """LoRA slots: low-rank adapters as inputs of the model, chosen per row, so that one exported graph serves every
 adapter and a batch mixes them (the design TensorRT-LLM and ONNX Runtime GenAI use for multi-LoRA).
 
-A targeted linear layer y = x W^T + b gains, per batch row r,
+A targeted linear layer y = x W^T + b gains
 
-    y[r] += (x[r] @ A[ids[r]]) @ B[ids[r]]
+    y += ((x @ A) * mask[:, None, :]) @ B
 
-where A (adapters, in, rank) and B (adapters, rank, out) are the stacked adapters one forward is given (the
-scaling alpha/r already folded into B) and ids (batch,) picks each row's. A row without an adapter points at an
-all-zero one. The rank is the stack's own (up to the bundle's max rank): an adapter of rank 16 is fed as rank
-16, not padded to the maximum, so a step reads only the adapters' real weights.
+where A (in, W) and B (W, out) are the adapters of one forward side by side along their ranks (W the sum of
+their ranks; the scaling alpha/r already folded into B) and mask (batch, W) is 1 over the columns of each row's
+own adapter, 0 elsewhere (all 0: no adapter). A step reads each adapter it serves once, whichever rows take it,
+and only those: an adapter of rank 16 is fed as 16 columns, not padded to the bundle's max rank, and no per-row
+copy of the weights is made (a gather of each row's adapter would copy them, then read them again). The other
+adapters' columns are exact zeros in a row's sum, so a row computes what it computes alone (to the GEMM's
+summation order).
 
 Slots are plain nn.Linear modules whose class is swapped for LoraLinear: their parameters keep their names, so
-checkpoints, weight tables and exported initializer names are those of the model without slots. The stacked
+checkpoints, weight tables and exported initializer names are those of the model without slots. The adapter
 tensors reach the layers through the model's LoraFeed, set for one forward by `feeding()`.
 
 `peft_adapter()` reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) into
@@ -34,7 +37,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from kvforge.adapters import stacked
+from kvforge.adapters import concatenated, rank_of, row_mask
 from kvforge.errors import KvforgeError
 
 from .hf import normalize_names, source_name
@@ -46,10 +49,10 @@ DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 @dataclass
 class LoraFeed:
-    """One forward's adapters: ids (batch,) int64 and, per slot name, (A (n, in, r), B (n, r, out)). ids None:
-    every row takes adapter 0 (export validation's feed, whatever the case's batch)."""
+    """One forward's adapters: mask (batch, W) and, per slot name, (A (in, W), B (W, out)). mask None: every row
+    takes all W columns (export validation's feed, whatever the case's batch)."""
 
-    ids: torch.Tensor | None
+    mask: torch.Tensor | None
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -65,11 +68,10 @@ class LoraLinear(nn.Linear):
         if feed is None:
             return y
         a, b = feed.weights[self.lora_slot]
-        if feed.ids is None:
-            return y + torch.matmul(torch.matmul(x, a[0].to(x.dtype)), b[0].to(x.dtype))
-        a = a.index_select(0, feed.ids).to(x.dtype)  # (B, in, r)
-        b = b.index_select(0, feed.ids).to(x.dtype)  # (B, r, out)
-        return y + torch.matmul(torch.matmul(x, a), b)
+        h = torch.matmul(x, a.to(x.dtype))  # (B, T, W): every adapter's down-projection
+        if feed.mask is not None:
+            h = h * feed.mask.to(x.dtype)[:, None, :]  # each row keeps its own adapter's columns
+        return y + torch.matmul(h, b.to(x.dtype))
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -123,22 +125,24 @@ def slot_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {s: (modules[s].in_features, modules[s].out_features) for s in model.lora_slots}
 
 
-def torch_feed(ids, adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], model: nn.Module) -> LoraFeed:
-    """A LoraFeed of `adapters` (kvforge/adapters.py's stack: adapter 0 all zeros, then these) for rows `ids`."""
+def torch_feed(rows: list[int | None], adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+               model: nn.Module) -> LoraFeed:
+    """A LoraFeed of `adapters` (side by side as kvforge/adapters.py lays them out) for rows taking adapter
+    rows[i] (an index into adapters; None: none)."""
     as_numpy = [{s: (a.numpy(), b.numpy()) for s, (a, b) in ad.items()} for ad in adapters]
-    stacks = stacked({"slots": slot_shapes(model)}, as_numpy)
-    return LoraFeed(torch.as_tensor(ids, dtype=torch.int64),
-                    {s: (torch.from_numpy(a), torch.from_numpy(b)) for s, (a, b) in stacks.items()})
+    joined = concatenated({"slots": slot_shapes(model)}, as_numpy)
+    mask = row_mask([rank_of(ad) for ad in as_numpy], rows)
+    return LoraFeed(torch.from_numpy(mask), {s: (torch.from_numpy(a), torch.from_numpy(b)) for s, (a, b) in joined.items()})
 
 
 def validation_feed(model: nn.Module, rank: int, seed: int = 0) -> LoraFeed:
     """A random adapter of `rank` on every slot, small enough to keep the activations in range and large enough
-    to move the logits, fed to every row (ids None): what export validation runs the slots with."""
+    to move the logits, fed to every row (mask None): what export validation runs the slots with."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for slot, (fan_in, fan_out) in slot_shapes(model).items():
-        a = torch.randn(1, fan_in, rank, generator=gen) / math.sqrt(fan_in)
-        b = torch.randn(1, rank, fan_out, generator=gen) * (0.05 / math.sqrt(rank))
+        a = torch.randn(fan_in, rank, generator=gen) / math.sqrt(fan_in)
+        b = torch.randn(rank, fan_out, generator=gen) * (0.05 / math.sqrt(rank))
         weights[slot] = (a, b)
     return LoraFeed(None, weights)
 

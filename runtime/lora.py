@@ -1,55 +1,59 @@
-"""A session's LoRA adapters: which are loaded, stacked as the graph's LoRA inputs (export/onnx_export.py).
+"""A session's LoRA adapters: which are loaded, and each step's LoRA inputs (export/onnx_export.py).
 
-Every loaded adapter sits in one stack per slot, after an all-zero adapter 0 for rows without one, so that a
-batch mixes any of them and a step feeds the same arrays until another adapter loads (the ONNX Runtime backend
-then binds them once). The stack's rank is the largest loaded adapter's, not the bundle's max rank. Adapters load
+A step feeds the adapters its rows take, side by side along their ranks, and a mask that gives each row its own
+adapter's columns: each adapter the batch uses is read once per step, and no other. The joined arrays are kept per
+set of adapters (a few sets: the batch's changes only when a row with another adapter joins or leaves), so a
+decode loop feeds the same arrays step after step (the ONNX Runtime backend then binds them once). Adapters load
 from the bundle's adapters/ on first use: one added with `kvforge lora add` while a server runs is served by its
 next request that names it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from kvforge.adapters import IDS, check_name, read_adapter, slot_input_names, stacked
+from kvforge.adapters import MASK, check_name, concatenated, rank_of, read_adapter, row_mask, slot_input_names
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
+JOINED_SETS = 8  # sets of adapters whose joined inputs are kept
+
 
 class AdapterSet:
-    """The adapters a session has loaded and their stacked inputs (`arrays`, replaced whole when one loads)."""
+    """The adapters a session has loaded, and the joined inputs of the sets of them that steps used lately."""
 
     def __init__(self, spec: dict[str, Any], bundle_path: str, dtype: str = "float32"):
         self.spec = spec
         self.bundle_path = bundle_path
         self.dtype = np.float16 if dtype == "float16" else np.float32
-        self.names: list[str] = []
         self.slots: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-        self.arrays: dict[str, np.ndarray] = self._stack()
-
-    def _stack(self) -> dict[str, np.ndarray]:
-        out = {}
-        for slot, (a, b) in stacked(self.spec, [self.slots[n] for n in self.names], self.dtype).items():
-            names = slot_input_names(slot)
-            out[names[0]], out[names[1]] = a, b
-        return out
+        self._joined: OrderedDict[tuple[str, ...], dict[str, np.ndarray]] = OrderedDict()
 
     def load(self, name: str) -> None:
-        """Read adapter `name` from the bundle (checked against its slots) into the stack."""
-        if name in self.slots:
-            return
-        _, slots = read_adapter(Bundle(self.bundle_path), check_name(name))
-        self.slots[name] = slots
-        self.names.append(name)
-        self.arrays = self._stack()
+        """Read adapter `name` from the bundle (checked against its slots)."""
+        if name not in self.slots:
+            _, self.slots[name] = read_adapter(Bundle(self.bundle_path), check_name(name))
 
     def unload(self, name: str) -> None:
-        if name in self.slots:
-            del self.slots[name]
-            self.names.remove(name)
-            self.arrays = self._stack()
+        self.slots.pop(name, None)
+        for key in [k for k in self._joined if name in k]:
+            del self._joined[key]
+
+    def _inputs(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        joined = self._joined.get(names)
+        if joined is None:
+            joined = {}
+            for slot, (a, b) in concatenated(self.spec, [self.slots[n] for n in names], self.dtype).items():
+                a_name, b_name = slot_input_names(slot)
+                joined[a_name], joined[b_name] = a, b
+            self._joined[names] = joined
+            while len(self._joined) > JOINED_SETS:
+                self._joined.popitem(last=False)
+        self._joined.move_to_end(names)
+        return joined
 
     def feeds(self, adapters: list[str | None] | None, batch: int) -> dict[str, np.ndarray]:
         """The LoRA inputs of a step of `batch` rows, row i taking adapters[i] (None: none)."""
@@ -57,11 +61,12 @@ class AdapterSet:
             adapters = [None] * batch
         if len(adapters) != batch:
             raise KvforgeError(f"adapters names {len(adapters)} rows' adapters for a step of {batch} rows")
-        for name in adapters:
-            if name is not None:
-                self.load(name)
-        ids = np.asarray([0 if name is None else 1 + self.names.index(name) for name in adapters], np.int64)
-        return {IDS: ids, **self.arrays}
+        names = tuple(dict.fromkeys(a for a in adapters if a is not None))
+        for name in names:
+            self.load(name)
+        mask = row_mask([rank_of(self.slots[n]) for n in names], [None if a is None else names.index(a) for a in adapters],
+                        self.dtype)
+        return {MASK: mask, **self._inputs(names)}
 
 
 def no_slots(adapters: list[str | None] | None, source: str) -> None:

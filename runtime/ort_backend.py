@@ -13,7 +13,7 @@ from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
 from kvforge.ort_session import make_session
 
-from kvforge.adapters import IDS
+from kvforge.adapters import MASK
 
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
@@ -156,13 +156,13 @@ class OnnxRuntimeBackend(Backend):
             store.lora = None
         binding = store.binding
         if lora:
-            stacks = next(v for k, v in lora.items() if k != IDS)
+            stacks = next(v for k, v in lora.items() if k != MASK)
             if store.lora is not stacks:  # the stacks change only when an adapter loads: bound once till then
                 for name, value in lora.items():
-                    if name != IDS:
+                    if name != MASK:
                         binding.bind_cpu_input(name, value)
                 store.lora = stacks
-            binding.bind_cpu_input(IDS, lora[IDS])
+            binding.bind_cpu_input(MASK, lora[MASK])
         logits = None
         for step in steps:
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),

@@ -75,7 +75,7 @@ class TorchBackend(Backend):
 
         if not lora:
             return contextlib.nullcontext()
-        from kvforge.adapters import IDS, slot_input_names
+        from kvforge.adapters import MASK, slot_input_names
         from kvforge.model_defs.lora import LoraFeed, feeding
 
         torch, dev = self._torch, self.device
@@ -83,7 +83,7 @@ class TorchBackend(Backend):
         for slot in self.model.lora_slots:
             a, b = slot_input_names(slot)
             weights[slot] = (torch.from_numpy(lora[a]).to(dev), torch.from_numpy(lora[b]).to(dev))
-        return feeding(self.model, LoraFeed(torch.from_numpy(lora[IDS]).to(dev), weights))
+        return feeding(self.model, LoraFeed(torch.from_numpy(lora[MASK]).to(dev), weights))
 
     def drop_oldest_impl(self, values, drops):
         return [v[:, :, n:].contiguous() if n else v for v, n in zip(values, drops)]

@@ -62,27 +62,27 @@ def test_an_adapter_in_the_slots_gives_pefts_merged_logits(family, hf_checkpoint
     adapter = peft_adapter(tmp_path / "adapter", ours, family, hf_config, max_rank=8)
     assert adapter.rank == rank
     expected = merged(ids).logits
-    with feeding(ours, torch_feed([1, 1], [adapter.slots], ours)):
+    with feeding(ours, torch_feed([0, 0], [adapter.slots], ours)):
         got = ours(ids)[0]
     assert (got - expected).abs().max() < ATOL
     assert (got - base).abs().max() > 100 * ATOL  # the adapter changed the logits
     # slots fed nothing, or an all-zero adapter, are the model without slots
     assert torch.equal(ours(ids)[0], base)
-    with feeding(ours, torch_feed([0, 0], [adapter.slots], ours)):
+    with feeding(ours, torch_feed([None, None], [adapter.slots], ours)):  # its columns masked off
         assert torch.equal(ours(ids)[0], base)
 
 
 @torch.no_grad()
 def test_rows_of_one_batch_take_their_own_adapters(hf_checkpoint, tmp_path):
-    """Three adapters (ranks 2, 4 and 6, padded to one stack) and a row without: each row equals its merged model."""
+    """Three adapters (ranks 2, 4 and 6, side by side) and a row without: each row equals its merged model."""
     merged = [_adapter("llama", "all-linear", r, tmp_path / f"a{r}", seed=r) for r in (2, 4, 6)]
     ours, _ = load(hf_checkpoint("llama"))
     base = [ours(_ids(1, 7, seed=i))[0] for i in range(4)]
     add_slots(ours)
     adapters = [peft_adapter(tmp_path / f"a{r}", ours, "llama", max_rank=8).slots for r in (2, 4, 6)]
     ids = torch.cat([_ids(1, 7, seed=i) for i in range(4)])
-    feed = torch_feed([1, 2, 3, 0], adapters, ours)
-    assert feed.weights[ours.lora_slots[0]][0].shape[-1] == 6  # the largest rank among them, not a maximum
+    feed = torch_feed([0, 1, 2, None], adapters, ours)
+    assert feed.weights[ours.lora_slots[0]][0].shape[-1] == 2 + 4 + 6  # their ranks side by side, no padding
     with feeding(ours, feed):
         got = ours(ids)[0]
     for row in range(3):
