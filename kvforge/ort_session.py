@@ -132,9 +132,18 @@ def prefill_feeds(batch: np.ndarray, config: dict, io, dtype: str) -> dict[str, 
             feeds["token_type_ids"] = np.zeros((b, t), np.int64)
         return feeds
     np_dtype = np.float16 if dtype == "float16" else np.float32
-    return {
+    feeds = {
         "input_ids": batch,
         "attention_mask": np.ones((b, t), np.int64),
         "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
         **{n: np.zeros(shape, np_dtype) for n, shape in io.cache_shapes(b).items()},
     }
+    lora = io.extra.get("lora")
+    if lora:  # LoRA slots: no adapter (the base model's own statistics)
+        from .adapters import concatenated, row_mask, slot_input_names
+
+        feeds[lora["mask"]] = row_mask([], [None] * b, np_dtype)
+        for slot, (a, b_) in concatenated(lora, [], np_dtype).items():
+            names = slot_input_names(slot)
+            feeds[names[0]], feeds[names[1]] = a, b_
+    return feeds
