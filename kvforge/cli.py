@@ -632,15 +632,16 @@ def _wide_console():
               help="Override a default bound (floor for agreements/cosines, ceiling for errors); repeatable.")
 @click.option("--per-layer", is_flag=True, help="Rank decoder blocks by their contribution to the error.")
 @click.option("--random-data", is_flag=True, help="Seeded random tokens instead of text.")
+@click.option("--adapter", help="Run CANDIDATE with this LoRA adapter of its own, against the reference with it merged.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), callback=_writable_file, help="Write the report here, with -drift.png (and -layers.png) beside it.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data,
+def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data, adapter,
             json_file, quiet):
     """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
     with PhaseProgress(enabled=not quiet) as progress:
         report = compare_artifacts(candidate, reference, data=data, backend=backend, steps=steps, prompts=prompts,
                                    max_tokens=max_tokens, seq_len=seq_len, tolerances=parse_tolerances(list(tolerances)),
-                                   per_layer=per_layer, random_data=random_data, progress=progress)
+                                   per_layer=per_layer, random_data=random_data, adapter=adapter, progress=progress)
     console = _wide_console()
     print_compare(report.result, console)
     if json_file:

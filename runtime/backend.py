@@ -234,6 +234,12 @@ class Backend(Runner):
         values = [np.ascontiguousarray(a[:, :, a.shape[2] - held[j // per_layer]:]) for j, a in enumerate(arrays)]
         return KVCache(self.name, arrays[0].shape[0], length, self.from_numpy_impl(values))
 
+    def merge_lora(self, slots: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Add an adapter's deltas to the model's weights (a reference with the adapter merged): the Torch
+        backend's; a graph's weights are the bundle's."""
+        raise KvforgeError(f"the {self.name} backend runs the bundle's weights; an adapter is merged into the Torch "
+                           "reference only")
+
     # -- hooks -----------------------------------------------------------------
     def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only, lora=None
                      ) -> tuple[np.ndarray, KVCache]:

@@ -69,6 +69,17 @@ class TorchBackend(Backend):
             logits = logits[:, -1:]
         return logits.float().cpu().numpy(), KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], values)
 
+    def merge_lora(self, slots) -> None:
+        """W += (A B)^T for each slot (module name) of an adapter: the model with the adapter merged, as PEFT's
+        merge_and_unload makes it."""
+        self.check_active()
+        torch = self._torch
+        with torch.no_grad():
+            for slot, (a, b) in slots.items():
+                weight = self.model.get_submodule(slot).weight
+                delta = torch.from_numpy(np.asarray(a, np.float64) @ np.asarray(b, np.float64)).T
+                weight.add_(delta.to(weight.dtype).to(weight.device))
+
     def _feeding(self, lora):
         """The LoRA inputs (by graph input name) as the reference's slots take them."""
         import contextlib

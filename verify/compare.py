@@ -37,13 +37,16 @@ def compare(
     seed: int = 0,
     progress=None,
     reference_runs=None,
+    adapter: str | None = None,
     **backend_options,
 ) -> Report:
     """Compare a bundle run on `backend` with the Torch reference (REF: a bundle or a model source;
     default: the source the candidate was exported from). Returns a Report; report.passed applies
     the precision's default tolerances, updated with `tolerances`. reference_runs: a
     compare_decoder.ReferenceRuns that keeps a decoder reference's outputs for the next comparison of an
-    artifact of the same model on the same data (what a pipeline or check does)."""
+    artifact of the same model on the same data (what a pipeline or check does). adapter: a LoRA adapter of the
+    candidate (a bundle with slots) that it runs with, against the reference with that adapter merged into its
+    weights (decoders)."""
     if steps < 1 or prompts < 1 or prompt_len < 1:
         raise KvforgeError(f"steps, prompts and prompt_len must be >= 1, got {steps}, {prompts}, {prompt_len}")
     if not Bundle.is_bundle(candidate):
@@ -52,7 +55,9 @@ def compare(
     comparer = COMPARERS[cand_bundle.kind.name]
     options = {"steps": steps, "prompts": prompts, "prompt_len": prompt_len, "max_tokens": max_tokens, "seq_len": seq_len,
                "batch_size": batch_size, "tolerances": tolerances, "per_layer": per_layer, "random_data": random_data,
-               "seed": seed, "reference_runs": reference_runs}
+               "seed": seed, "reference_runs": reference_runs, "adapter": adapter}
+    if adapter is not None and "adapter" not in comparer.options:
+        raise KvforgeError(f"LoRA adapters are served by decoders; {candidate} is {cand_bundle.kind.article}")
     if per_layer and "per_layer" not in comparer.options:
         raise KvforgeError(f"--per-layer attributes a decoder's error to its blocks; {candidate} is {cand_bundle.kind.article}")
     return comparer.run(candidate, reference, data, backend, progress=progress, **{k: options[k] for k in comparer.options},

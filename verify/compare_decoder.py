@@ -113,6 +113,38 @@ def _reference_session(candidate: Bundle, reference):
     return runtime.load(reference, backend="torch"), str(reference)
 
 
+class _Adapted:
+    """A session whose every step runs with one LoRA adapter."""
+
+    def __init__(self, session, adapter: str):
+        self._session, self.adapter = session, adapter
+        session.load_adapter(adapter)  # refused now, by name, if the bundle lacks slots or the adapter
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def __enter__(self):
+        self._session.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._session.__exit__(*exc)
+
+    def forward(self, input_ids, *args, **kwargs):
+        return self._session.forward(input_ids, *args, adapters=[self.adapter] * len(input_ids), **kwargs)
+
+
+def _with_adapter(cand, ref, cand_bundle: Bundle, adapter: str):
+    """The candidate stepping with `adapter`, and the reference with it merged into its weights (W += (A B)^T per
+    slot): an oracle that computes the adapter another way than the slots do."""
+    from kvforge.adapters import read_adapter
+
+    _, slots = read_adapter(cand_bundle, adapter)
+    ref.activate()
+    ref.backend.merge_lora(slots)
+    return _Adapted(cand, adapter), ref
+
+
 def data_line(r: dict[str, Any]) -> str:
     """What a decoder's report measured on, for people."""
     return f"{r['data']}, {r['tokens']} tokens; decode: {r['prompts']} prompts x {r['steps']} steps"
@@ -189,10 +221,12 @@ def compare_decoder(
     seed: int = 0,
     progress=None,
     reference_runs: ReferenceRuns | None = None,
+    adapter: str | None = None,
     **backend_options,
 ) -> Report:
     """A decoder bundle on `backend` against the Torch reference: windows, lockstep decode, free running.
-    reference_runs: the reference's outputs kept across the comparisons of several artifacts (pipeline, check)."""
+    reference_runs: the reference's outputs kept across the comparisons of several artifacts (pipeline, check).
+    adapter: the candidate's LoRA adapter to run with, merged into the reference's weights."""
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     cand_bundle = Bundle(candidate)
@@ -200,6 +234,11 @@ def compare_decoder(
     bounds = {**DEFAULT_TOLERANCES.get(precision, {}), **(tolerances or {})}
     cand = runtime.load(candidate, backend=backend, **backend_options)
     ref, ref_name = _reference_session(cand_bundle, reference)
+    if adapter is not None:
+        if per_layer:
+            raise KvforgeError("--per-layer reads the graph's blocks without LoRA inputs; leave it out with --adapter")
+        cand, ref = _with_adapter(cand, ref, cand_bundle, adapter)
+        ref_name, reference_runs = f"{ref_name} with adapter {adapter} merged", None  # not the plain reference's runs
     with cand, ref:
         _check_same_model(cand, ref)
         max_context = min(cand.max_context, ref.max_context)

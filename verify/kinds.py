@@ -24,7 +24,7 @@ _ENCODER = Comparer(compare_encoder.compare_encoder, ("max_tokens", "seq_len", "
 COMPARERS: dict[str, Comparer] = {
     "decoder": Comparer(compare_decoder.compare_decoder, ("steps", "prompts", "prompt_len", "max_tokens", "seq_len",
                                                           "batch_size", "tolerances", "per_layer", "random_data", "seed",
-                                                          "reference_runs"),
+                                                          "reference_runs", "adapter"),
                         compare_decoder.data_line),
     "encoder": _ENCODER,
     "perceiver": _ENCODER,

@@ -140,3 +140,26 @@ def test_bad_adapters_change_nothing(lora_bundle, tmp_path, hf_bundle):
         assert result.exit_code != 0 and message in result.output, (args, result.output)
     assert sorted(a.name for a in list_adapters(bundle)) == before
     assert {p: p.stat().st_mtime_ns for p in Bundle(bundle.path).path.iterdir() if p.is_file()} == files
+
+
+def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_with_it_merged(lora_bundle, tmp_path):
+    """The slotted bundle calibrated to INT8 (the adapters stay float inputs), the adapter added to it: `compare`
+    against the Torch reference with the adapter merged into its weights passes INT8's tolerances; the FP32 bundle
+    with the adapter matches the merged reference to FP32's tolerances (the merge computes the adapter another way;
+    unmerged, the adapter moves the logits far beyond them: test_an_adapter_gives_pefts_merged_logits)."""
+    from kvforge.calibration import calibrate
+    from kvforge.verify.compare import compare
+
+    bundle, _, root = lora_bundle
+    int8 = calibrate(bundle.path, tmp_path / "int8", precision="int8", random_data=True)
+    assert int8.manifest["io"]["extra"]["lora"] == bundle.manifest["io"]["extra"]["lora"]
+    add = CliRunner().invoke(main, ["lora", "add", str(int8.path), str(root / "peft-a4"), "--name", "a4"])
+    assert add.exit_code == 0, add.output
+    options = dict(random_data=True, steps=8, prompts=2, max_tokens=256, seq_len=64)
+    quantized = compare(int8.path, adapter="a4", **options)
+    assert quantized.passed, quantized.result["failures"]
+    float_slots = compare(bundle.path, adapter="a4", **options)
+    assert float_slots.passed and float_slots.result["greedy_agreement"] == 1.0, float_slots.result["failures"]
+    assert "with adapter a4 merged" in float_slots.result["reference"]
+    with pytest.raises(KvforgeError, match="has no adapter 'zz'"):
+        compare(bundle.path, adapter="zz", **options)
