@@ -22,6 +22,7 @@ from kvforge.bundle import (
     IOSpec,
     window_dims,
 )
+from kvforge.adapters import LORA_WIDTH
 from kvforge.errors import KvforgeError
 from kvforge.onnx_graph import TYPE_NAMES, value_types
 from kvforge.tensorrt_env import (
@@ -99,13 +100,21 @@ class BuildOptions:
 def profile_points(limits: Limits, io: IOSpec) -> dict[str, dict[str, dict[str, int]]]:
     """The symbolic dimensions' values at each corner of the two profiles (capped caches: min(past, W), min(total, W))."""
     L = limits
+    lora = io.extra.get("lora")
+    # LoRA slots: the step's adapters side by side, from one column (none) to every row its own at the max rank
+    widths = {"min": 1, "opt": lora["max_rank"] * L.opt_batch, "max": lora["max_rank"] * L.max_batch} if lora else None
 
-    def point(batch: int, seq: int, past: int) -> dict[str, int]:
-        return io.dim_values(batch, seq, past)
+    def point(batch: int, seq: int, past: int, corner: str) -> dict[str, int]:
+        values = io.dim_values(batch, seq, past)
+        if widths:
+            values[LORA_WIDTH] = widths[corner]
+        return values
 
     return {
-        PREFILL: {"min": point(1, 1, 0), "opt": point(L.opt_batch, L.opt_context, 0), "max": point(L.max_batch, L.max_context, 0)},
-        DECODE: {"min": point(1, 1, 0), "opt": point(L.opt_batch, 1, L.opt_context - 1), "max": point(L.max_batch, 1, L.max_context - 1)},
+        PREFILL: {"min": point(1, 1, 0, "min"), "opt": point(L.opt_batch, L.opt_context, 0, "opt"),
+                  "max": point(L.max_batch, L.max_context, 0, "max")},
+        DECODE: {"min": point(1, 1, 0, "min"), "opt": point(L.opt_batch, 1, L.opt_context - 1, "opt"),
+                 "max": point(L.max_batch, 1, L.max_context - 1, "max")},
     }
 
 

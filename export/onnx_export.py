@@ -45,7 +45,7 @@ import torch
 
 from kvforge.bundle import BATCH, PAST, SEQ, TOTAL, IOSpec, TensorSpec, window_dims
 from kvforge.errors import KvforgeError
-from kvforge.adapters import MASK, slot_input_names
+from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
@@ -74,9 +74,7 @@ def cache_names(cfg, prefix: str) -> list[list[str]]:
     return [[f"{prefix}.{i}.{name}" for name, _, _ in cfg.cache_entries(i)] for i in range(cfg.n_layers)]
 
 
-# the LoRA inputs' dynamic dimension (the adapters' ranks side by side), and its example size for tracing
-# (distinct from the others above)
-LORA_WIDTH = "lora_width"
+# the LoRA inputs' example width for tracing (distinct from the sizes above)
 _EX_WIDTH = 11
 
 

@@ -28,6 +28,7 @@ from .bundle import Bundle, sha256_file
 from .errors import KvforgeError
 
 MASK = "lora_mask"  # the graph input: per row, 1 over the columns of its adapter in the concatenated ranks
+LORA_WIDTH = "lora_width"  # the inputs' dynamic dimension: the step's adapters' ranks side by side
 ADAPTERS = "adapters"
 WEIGHTS, RECORD = "adapter.safetensors", "adapter.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -754,7 +754,7 @@ class Batcher(RequestQueue):
                 p, n = chunk
                 (logits, batch.cache), (p.logits, p.cache) = self.session.forward_mixed(
                     (nxt, batch.mask, batch.cache), (*_piece(p.request.prompt, p.fed, p.fed + n), p.cache),
-                    (adapters, p.request.config.adapters(1)))
+                    adapters=(adapters, p.request.config.adapters(1)))
                 p.fed += n
                 self.chunk_steps += 1
         for row, lg in zip(batch.rows, logits[:, -1]):

@@ -17,6 +17,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from kvforge.adapters import list_adapters
+from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.kinds import check_registry
 from kvforge.runtime import BatchOptions, Batcher
@@ -103,6 +105,17 @@ class Service:
     @property
     def generates(self) -> bool:
         return self.runner is not None
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters the bundle holds now (read at each call: one added while the server runs is served
+        by its next request); none for a bundle without slots."""
+        if getattr(self.session, "adapters", None) is None:
+            return []
+        return [a.name for a in list_adapters(Bundle(self.session.source))]
+
+    def served_models(self, model_name: str) -> list[str]:
+        """What requests may name: the model, and `model:adapter` for each of its adapters."""
+        return [model_name] + [f"{model_name}:{a}" for a in self.adapters()]
 
     @property
     def running(self) -> int:

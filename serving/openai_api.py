@@ -157,10 +157,16 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt: int, service, defaul
     return room if default is None else min(default, room)
 
 
-def _configs(body: dict, max_tokens: int, response_format: dict | None, logprobs: int | None) -> list[GenerationConfig]:
+def adapter_of(model: str, served: list[str]) -> str | None:
+    """The LoRA adapter a served model name selects: `base:adapter` (served[0] is the base model's name)."""
+    return model[len(served[0]) + 1:] if model != served[0] else None
+
+
+def _configs(body: dict, max_tokens: int, response_format: dict | None, logprobs: int | None,
+             adapter: str | None = None) -> list[GenerationConfig]:
     n = _field(body, "n", lambda v: is_int(v) and 1 <= v <= MAX_N, f"an int in 1..{MAX_N}", 1)
     seed = _field(body, "seed", lambda v: is_int(v) and v >= 0, "an int >= 0", None)
-    options = dict(max_new_tokens=max_tokens, **_sampling(body))
+    options = dict(max_new_tokens=max_tokens, adapter=adapter, **_sampling(body))
     try:
         GenerationConfig(**options)
     except KvforgeError as e:
@@ -238,7 +244,7 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     if forced is not None and fmt_given is not None:
         raise ApiError("'response_format' and a forced tool call ('tool_choice' required or a named function) "
                        "cannot both constrain the reply", param="response_format")
-    configs = _configs(body, max_tokens, forced or fmt_given, logprobs)
+    configs = _configs(body, max_tokens, forced or fmt_given, logprobs, adapter_of(model, served))
     return Job(True, model, prompt, configs, stream, usage, _stops(body), logprobs,
                tools if tools and tool_choice != "none" else None, fmt, "chatcmpl-" + secrets.token_hex(12))
 
@@ -273,7 +279,7 @@ def completion_job(body: Any, service, served: list[str]) -> Job:
                       f"an int in 0..{COMPLETIONS_MAX_LOGPROBS}", None)
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), service, DEFAULT_COMPLETION_TOKENS)
     stream, usage = _stream(body)
-    configs = _configs(body, max_tokens, _response_format(body), logprobs)
+    configs = _configs(body, max_tokens, _response_format(body), logprobs, adapter_of(model, served))
     return Job(False, model, ids, configs, stream, usage, _stops(body), logprobs, id="cmpl-" + secrets.token_hex(12))
 
 

@@ -154,8 +154,10 @@ def create_app(get_service: Callable[[], Any], model_name: str, api_key: str | N
 
     async def models(request):
         service = service_or_error(request)
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "kvforge", "kind": service.kind.name}]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kvforge", "kind": service.kind.name,
+             **({"parent": model_name} if name != model_name else {})}
+            for name in service.served_models(model_name)]})
 
     async def health(request):
         return JSONResponse({"status": "ok" if get_service() is not None else "loading"},
@@ -169,7 +171,7 @@ def create_app(get_service: Callable[[], Any], model_name: str, api_key: str | N
         service = service_or_error(request)
         body = await body_of(request)
         generating(service)
-        job = make_job(body, service, [model_name])
+        job = make_job(body, service, service.served_models(model_name))
         try:
             gen = Generation(service, job)
         except KvforgeError as e:

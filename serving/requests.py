@@ -32,6 +32,7 @@ INPUTS = {
     "stream": ("TYPE_BOOL", [1]),
     "ignore_eos": ("TYPE_BOOL", [1]),  # as vLLM's sampling parameter: a fixed length (benchmarks)
     "speculative": ("TYPE_STRING", [1]),  # "prompt-lookup" or "none": overrides the server's --speculative
+    "adapter": ("TYPE_STRING", [1]),  # a LoRA adapter of the bundle by name (kvforge lora add)
 }
 CLIENT_SPECULATION = ("prompt-lookup", "none")  # what a request may ask for itself: nothing that opens a file
 OUTPUTS = {
@@ -101,7 +102,8 @@ def parse(inputs: dict, service: Service) -> Job:
                    repetition_penalty=_scalar(inputs, "repetition_penalty", float, 1.0),
                    seed=_scalar(inputs, "seed", int, None),
                    ignore_eos=bool(_scalar(inputs, "ignore_eos", bool, False)),
-                   speculative=_scalar(inputs, "speculative", str, None))
+                   speculative=_scalar(inputs, "speculative", str, None),
+                   adapter=_scalar(inputs, "adapter", str, None))
     if options["speculative"] not in (None, *CLIENT_SPECULATION):
         raise BadRequest(f"speculative takes {' or '.join(map(repr, CLIENT_SPECULATION))}, got "
                          f"{options['speculative']!r} (a draft model is the server's --speculative)")

@@ -22,6 +22,7 @@ from kvforge.export import export
 from ..conftest import make_hf_model
 
 ATOL = 1e-4
+HF = dict(vocab_size=4096)  # the test Llama with tiny's tokenizer (4096 tokens), so that text prompts work
 RANKS = {"a2": 2, "a4": 4, "a6": 6}  # adapter name -> its rank; the slots' max rank is 8
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120, 64], [200, 1, 33, 12, 90], [15, 250, 7]]
 
@@ -30,7 +31,7 @@ def _peft(rank: int, path, seed: int, targets="all-linear"):
     """A PEFT adapter of the llama test model with random A and B, saved at `path`; returns the merged model."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(make_hf_model("llama"), LoraConfig(r=rank, lora_alpha=rank + 3, target_modules=targets,
+    model = get_peft_model(make_hf_model("llama", **HF), LoraConfig(r=rank, lora_alpha=rank + 3, target_modules=targets,
                                                               init_lora_weights=False, lora_dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -42,10 +43,19 @@ def _peft(rank: int, path, seed: int, targets="all-linear"):
 
 
 @pytest.fixture(scope="module")
-def lora_bundle(hf_checkpoint, hf_bundle, tmp_path_factory):
-    """(bundle with slots and three adapters added, merged PEFT models by adapter name)."""
+def lora_bundle(tmp_path_factory):
+    """(bundle with slots and three adapters added, merged PEFT models by adapter name, work directory); the same
+    checkpoint's bundle without slots is root/plain."""
+    import shutil
+
+    from kvforge.model_defs.checkpoint import trained_dir
+
     root = tmp_path_factory.mktemp("lora")
-    bundle = export(str(hf_checkpoint("llama")), root / "slots", lora_max_rank=8)
+    make_hf_model("llama", **HF).save_pretrained(root / "hf", safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_dir("tiny") / name, root / "hf" / name)
+    export(root / "hf", root / "plain")
+    bundle = export(root / "hf", root / "slots", lora_max_rank=8)
     merged = {}
     for i, (name, rank) in enumerate(RANKS.items()):
         merged[name] = _peft(rank, root / f"peft-{name}", seed=i)
@@ -69,14 +79,14 @@ def test_an_adapter_gives_pefts_merged_logits(lora_bundle, options):
             expected = model(torch.tensor([PROMPTS[0]])).logits[0].detach().numpy()
             got = _logits(session, PROMPTS[0], name)
             assert np.abs(got - expected).max() < ATOL, name
-        base = make_hf_model("llama")(torch.tensor([PROMPTS[0]])).logits[0].detach().numpy()
+        base = make_hf_model("llama", **HF)(torch.tensor([PROMPTS[0]])).logits[0].detach().numpy()
         assert np.abs(_logits(session, PROMPTS[0]) - base).max() < ATOL
         assert np.abs(_logits(session, PROMPTS[0], "a4") - base).max() > 100 * ATOL
 
 
-def test_the_slots_fed_no_adapter_are_the_bundle_without_slots(lora_bundle, hf_bundle):
-    bundle, _, _ = lora_bundle
-    with runtime.load(bundle.path) as slots, runtime.load(hf_bundle("llama").path) as plain:
+def test_the_slots_fed_no_adapter_are_the_bundle_without_slots(lora_bundle):
+    bundle, _, root = lora_bundle
+    with runtime.load(bundle.path) as slots, runtime.load(root / "plain") as plain:
         for prompt in PROMPTS:
             assert np.abs(_logits(slots, prompt) - _logits(plain, prompt)).max() < 1e-5
         assert slots.generate(PROMPTS[1], max_new_tokens=12).tokens == plain.generate(PROMPTS[1], max_new_tokens=12).tokens
@@ -125,14 +135,14 @@ def test_an_adapter_added_while_a_session_runs_is_served_and_one_removed_is_gone
     assert {json.loads(line)["name"]: json.loads(line)["rank"] for line in listing.output.splitlines()} == RANKS
 
 
-def test_bad_adapters_change_nothing(lora_bundle, tmp_path, hf_bundle):
+def test_bad_adapters_change_nothing(lora_bundle, tmp_path):
     bundle, _, root = lora_bundle
     _peft(8, tmp_path / "ok", seed=5)
     before = sorted(a.name for a in list_adapters(bundle))
     files = {p: p.stat().st_mtime_ns for p in Bundle(bundle.path).path.iterdir() if p.is_file()}
     for args, message in [
         ([str(bundle.path), str(tmp_path / "ok"), "--name", "a2"], "already has an adapter 'a2'"),
-        ([str(hf_bundle("llama").path), str(tmp_path / "ok"), "--name", "x"], "has no LoRA slots"),
+        ([str(root / "plain"), str(tmp_path / "ok"), "--name", "x"], "has no LoRA slots"),
         ([str(bundle.path), str(root / "slots"), "--name", "x"], "has no adapter_config.json"),
         ([str(bundle.path), str(tmp_path / "ok"), "--name", "../x"], "adapter name"),
     ]:
@@ -163,3 +173,66 @@ def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_w
     assert "with adapter a4 merged" in float_slots.result["reference"]
     with pytest.raises(KvforgeError, match="has no adapter 'zz'"):
         compare(bundle.path, adapter="zz", **options)
+
+
+def test_kvforge_generate_adapter_streams_what_session_generate_gives(lora_bundle):
+    bundle, _, _ = lora_bundle
+    with runtime.load(bundle.path) as session:
+        expected = session.generate("def add(a, b):", max_new_tokens=8, ignore_eos=True, adapter="a4").tokens
+        base = session.generate("def add(a, b):", max_new_tokens=8, ignore_eos=True).tokens
+    result = CliRunner().invoke(main, ["generate", str(bundle.path), "--prompt", "def add(a, b):", "--max-new-tokens",
+                                       "8", "--adapter", "a4", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output.strip().splitlines()[-1])["tokens"]
+    assert got[:len(expected)] == expected and expected != base
+
+
+def test_the_openai_api_serves_adapters_as_models_and_lists_one_added_while_it_runs(lora_bundle, tmp_path):
+    """GET /v1/models lists `slots:NAME` per adapter; a completion naming one equals Session.generate with it; an
+    adapter added while the server runs is listed and served; an unknown one is a 404 (official openai client)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from kvforge.serving.kinds import Service
+    from kvforge.serving.openai_app import OpenAIServer
+
+    bundle, _, _ = lora_bundle
+    prompt = "def add(a, b):"
+    with runtime.load(bundle.path) as session:
+        expected = {a: session.generate(prompt, max_new_tokens=8, adapter=a).text for a in (None, "a2", "a6")}
+        service = Service(session, bundle.kind, runtime.BatchOptions(max_batch=4))
+        server = OpenAIServer(lambda: service, "slots").start()
+        try:
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+            assert [m.id for m in client.models.list().data] == ["slots", "slots:a2", "slots:a4", "slots:a6"]
+            for adapter, text in expected.items():
+                model = "slots" if adapter is None else f"slots:{adapter}"
+                out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+                assert out.choices[0].text == text, adapter
+            _peft(2, tmp_path / "new", seed=21)
+            assert CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "new"), "--name", "new"]).exit_code == 0
+            assert "slots:new" in [m.id for m in client.models.list().data]
+            with_new = client.completions.create(model="slots:new", prompt=prompt, max_tokens=8, temperature=0)
+            assert with_new.choices[0].text == session.generate(prompt, max_new_tokens=8, adapter="new").text
+            with pytest.raises(openai.NotFoundError, match="slots:gone"):
+                client.completions.create(model="slots:gone", prompt=prompt, max_tokens=4)
+        finally:
+            server.stop()
+            service.close()
+            CliRunner().invoke(main, ["lora", "remove", str(bundle.path), "new"])
+
+
+def test_the_engine_plan_gains_the_lora_inputs_with_profiles_over_their_width(lora_bundle):
+    """`kvforge build --dry-run` (no TensorRT here): both profiles size lora_mask and every slot's A and B from one
+    column (no adapter) up to every row its own adapter at the max rank, and shape inference passes at every
+    corner."""
+    bundle, _, _ = lora_bundle
+    result = CliRunner().invoke(main, ["build", str(bundle.path), "--dry-run", "--json", "--max-batch", "4",
+                                       "--max-context", "64", "--opt-context", "16"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    slot = next(iter(bundle.manifest["io"]["extra"]["lora"]["slots"]))
+    fan_in = bundle.manifest["io"]["extra"]["lora"]["slots"][slot][0]
+    for profile in plan["profiles"]:
+        assert profile["shapes"]["lora_mask"] == {"min": [1, 1], "opt": [1, 8], "max": [4, 32]}
+        assert profile["shapes"][f"lora.{slot}.a"] == {"min": [fan_in, 1], "opt": [fan_in, 8], "max": [fan_in, 32]}
+    assert plan["shape_check"]["points"] == 6 and plan["lint"]["passed"]

@@ -77,10 +77,10 @@ class _Forwards:
             self.calls.append((ids.shape[0], ids.shape[1], cache is not None))
             return real(ids, mask, cache=cache, **kwargs)
 
-        def forward_mixed(rows, prompt):
+        def forward_mixed(rows, prompt, **kwargs):
             self.calls += [(x[0].shape[0], x[0].shape[1], x[2] is not None) for x in (rows, prompt)]
             self.mixed += 1
-            return real_mixed(rows, prompt)
+            return real_mixed(rows, prompt, **kwargs)
 
         monkeypatch.setattr(session, "forward", forward)
         monkeypatch.setattr(session, "forward_mixed", forward_mixed)
