@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvforge.adapters import MASK
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
 from kvforge.ort_session import make_session
-
-from kvforge.adapters import MASK
 
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
@@ -157,11 +156,11 @@ class OnnxRuntimeBackend(Backend):
         binding = store.binding
         if lora:
             stacks = next(v for k, v in lora.items() if k != MASK)
-            if store.lora is not stacks:  # the stacks change only when an adapter loads: bound once till then
+            if store.lora is None or store.lora[0] is not stacks:  # the same set of adapters: bound once
                 for name, value in lora.items():
                     if name != MASK:
                         binding.bind_cpu_input(name, value)
-                store.lora = stacks
+                store.lora = (stacks, lora)  # (the arrays stay alive while bound)
             binding.bind_cpu_input(MASK, lora[MASK])
         logits = None
         for step in steps:
@@ -201,10 +200,9 @@ class OnnxRuntimeBackend(Backend):
         return store, arrays
 
     def prepare_mixed(self) -> bool:
-        if self.io.extra.get("lora"):  # the mixed step's one line of tokens has no rows to give adapters
-            return False
-        """Build (once, cached on disk) and load the mixed step's graph: a second session, holding the weights again."""
-        if not self.packed or not self.variant:
+        """Build (once, cached on disk) and load the mixed step's graph: a second session, holding the weights again.
+        None for a graph with LoRA slots: the mixed step's one line of tokens has no rows to give adapters."""
+        if not self.packed or not self.variant or self.io.extra.get("lora"):
             return False
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
             path = variant_path(self.bundle, attention=True, mixed=True)

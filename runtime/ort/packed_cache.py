@@ -47,7 +47,7 @@ class Store:
     version: int = 0
     binding: object = None  # the backend's IO binding of these arrays as past and present (made once per arrays)
     bound: list | None = None  # the arrays `binding` binds
-    lora: object = None  # the LoRA stacks `binding` binds (one of them, for its identity)
+    lora: tuple | None = None  # (one of the LoRA inputs `binding` binds, for its identity; all of them)
 
 
 @dataclass
