@@ -14,6 +14,7 @@ import torch
 
 from kvforge.adapters import AdapterInfo, lora_spec, write_adapter
 from kvforge.bundle import Bundle
+from kvforge.ecosystem import HF_CONFIG
 from kvforge.errors import KvforgeError
 from kvforge.model_defs.architectures import build, config_from_dict
 from kvforge.model_defs.lora import add_slots, peft_adapter
@@ -51,11 +52,10 @@ def add_adapter(bundle_path: str | Path, adapter: str | Path, name: str, force: 
 
 def _base_config(bundle: Bundle) -> dict:
     """The Hugging Face config.json the bundle was exported from, where it kept one (some weight tables read it)."""
-    for entry in (bundle.manifest.get("ecosystem") or {}).values():
-        path = entry.get("config") if isinstance(entry, dict) else None
-        if path and (bundle.path / path).is_file():
-            try:
-                return json.loads((bundle.path / path).read_text())
-            except (OSError, ValueError):
-                return {}
+    path = bundle.path / HF_CONFIG
+    if path.is_file() and HF_CONFIG in bundle.manifest["files"]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
     return {}

@@ -45,12 +45,18 @@ def _first(value):
     return value[0] if isinstance(value, list) and value else value
 
 
+LORA_REASON = ("this bundle's LoRA slots take kvforge's inputs (lora_mask and each slot's A and B), which neither "
+               "ONNX Runtime GenAI nor Optimum feeds; export without --lora-max-rank for them")
+
+
 def genai_config(model: dict[str, Any], io: IOSpec, graph: str, precision: dict[str, Any],
                  tokenizer: Tokenizer | None) -> tuple[dict[str, Any] | None, str | None]:
     """(genai_config.json's content, None), or (None, why GenAI cannot run this bundle). Special ids the
     model config does not name come from the tokenizer."""
     if not kind_of(model).ecosystem:
         return None, f"ONNX Runtime GenAI's config describes decoder LMs; this bundle is {kind_name(model['architecture'])}"
+    if io.extra.get("lora"):
+        return None, LORA_REASON
     if any(w is not None for w in io.windows):
         return None, ("ONNX Runtime GenAI sizes every present tensor past + new positions, and this bundle's windowed "
                       "layers keep capped caches of min(past + new, W) positions")
@@ -173,6 +179,8 @@ def write_ecosystem_files(directory: Path, model: dict[str, Any], io: IOSpec, gr
             record["optimum"] = {"config": HF_CONFIG, "model_type": "llama", "reason": None, "from": "kvforge (a Llama config)"}
         else:
             record["optimum"] = {"config": None, "model_type": None, "reason": why, "from": None}
+    if io.extra.get("lora"):  # config.json stays (kvforge lora add reads the family's weight names by it)
+        record["optimum"] = {**record["optimum"], "config": None, "reason": LORA_REASON}
     if record["optimum"]["config"] and not (directory / HF_GENERATION_CONFIG).is_file():
         gen = {k: model.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if model.get(k) is not None}
         (directory / HF_GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")

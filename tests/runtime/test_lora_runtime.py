@@ -56,6 +56,9 @@ def lora_bundle(tmp_path_factory):
         shutil.copy(trained_dir("tiny") / name, root / "hf" / name)
     export(root / "hf", root / "plain")
     bundle = export(root / "hf", root / "slots", lora_max_rank=8)
+    for peer in ("onnxruntime_genai", "optimum"):  # they would not feed the slots: said, not written as runnable
+        assert bundle.manifest["ecosystem"][peer]["config"] is None
+        assert "LoRA slots" in bundle.manifest["ecosystem"][peer]["reason"]
     merged = {}
     for i, (name, rank) in enumerate(RANKS.items()):
         merged[name] = _peft(rank, root / f"peft-{name}", seed=i)
