@@ -70,8 +70,10 @@ def adapter_dir(bundle: Bundle, name: str) -> Path:
     return bundle.path / ADAPTERS / check_name(name)
 
 
-def list_adapters(bundle: Bundle) -> list[AdapterInfo]:
-    root = bundle.path / ADAPTERS
+def list_adapters(bundle: Bundle | str | Path) -> list[AdapterInfo]:
+    """The adapters stored beside a bundle (a Bundle, or its directory: the server lists them per request without
+    reading the manifest again)."""
+    root = Path(getattr(bundle, "path", bundle)) / ADAPTERS
     if not root.is_dir():
         return []
     out = []

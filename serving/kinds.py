@@ -18,7 +18,6 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from kvforge.adapters import list_adapters
-from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 from kvforge.kinds import check_registry
 from kvforge.runtime import BatchOptions, Batcher
@@ -111,7 +110,7 @@ class Service:
         by its next request); none for a bundle without slots."""
         if getattr(self.session, "adapters", None) is None:
             return []
-        return [a.name for a in list_adapters(Bundle(self.session.source))]
+        return [a.name for a in list_adapters(self.session.source)]
 
     def served_models(self, model_name: str) -> list[str]:
         """What requests may name: the model, and `model:adapter` for each of its adapters."""
