@@ -21,7 +21,7 @@ from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
 from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, trained_dir
-from kvforge.model_defs.lora import add_slots
+from kvforge.model_defs.lora import add_slots, target_names
 from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.outputs import check_output_path, staged_bundle
 
@@ -138,7 +138,7 @@ def export(
             raise KvforgeError("LoRA slots over a pre-quantized checkpoint's codes are not made yet: pass --dequantize "
                                "(and calibrate the bundle) for a quantized base with slots")
         slots = add_slots(reference, lora_targets)
-        targets = sorted({s.rsplit(".", 1)[-1].removesuffix("_proj") for s in slots})
+        targets = target_names(slots)
     model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 

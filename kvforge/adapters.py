@@ -211,6 +211,21 @@ def concatenated(spec: dict[str, Any], adapters: list[dict[str, tuple[np.ndarray
     return out
 
 
+def graph_inputs(spec: dict[str, Any], adapters: list[dict[str, tuple[np.ndarray, np.ndarray]]], dtype=np.float32
+                 ) -> dict[str, np.ndarray]:
+    """concatenated(...) by the graph's input names (slot_input_names)."""
+    out = {}
+    for slot, (a, b) in concatenated(spec, adapters, dtype).items():
+        a_name, b_name = slot_input_names(slot)
+        out[a_name], out[b_name] = a, b
+    return out
+
+
+def no_adapter_inputs(spec: dict[str, Any], rows: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """A step's LoRA inputs when no row has an adapter (what a slotted graph is fed to run as its base model)."""
+    return {MASK: row_mask([], [None] * rows, dtype), **graph_inputs(spec, [], dtype)}
+
+
 def row_mask(ranks: list[int], rows: list[int | None], dtype=np.float32) -> np.ndarray:
     """(rows, W): row i is 1 over the columns of adapter rows[i] (an index into `ranks`; None: all 0)."""
     offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(int)

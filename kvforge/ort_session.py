@@ -140,10 +140,7 @@ def prefill_feeds(batch: np.ndarray, config: dict, io, dtype: str) -> dict[str, 
     }
     lora = io.extra.get("lora")
     if lora:  # LoRA slots: no adapter (the base model's own statistics)
-        from .adapters import concatenated, row_mask, slot_input_names
+        from .adapters import no_adapter_inputs
 
-        feeds[lora["mask"]] = row_mask([], [None] * b, np_dtype)
-        for slot, (a, b_) in concatenated(lora, [], np_dtype).items():
-            names = slot_input_names(slot)
-            feeds[names[0]], feeds[names[1]] = a, b_
+        feeds.update(no_adapter_inputs(lora, b, np_dtype))
     return feeds

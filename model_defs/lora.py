@@ -82,11 +82,16 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
             and name.endswith("_proj")}
 
 
+def target_names(modules) -> list[str]:
+    """The short target names of these module names ("layers.0.attn.q_proj" -> "q"), sorted, each once."""
+    return sorted({n.rsplit(".", 1)[-1].removesuffix("_proj") for n in modules})
+
+
 def target_modules(model: nn.Module, targets: tuple[str, ...] | list[str] | None = None) -> dict[str, nn.Linear]:
     """kvforge's linear layers that the short target names select ("q" -> every layer's ...q_proj), by module
     name; None: those of DEFAULT_TARGETS the model has (a GPT-2 has no gate)."""
     linears = _linears(model)
-    have = sorted({n.rsplit(".", 1)[-1].removesuffix("_proj") for n in linears})
+    have = target_names(linears)
     if targets is None:
         targets = [t for t in DEFAULT_TARGETS if t in have]
     missing = sorted(set(targets) - set(have))

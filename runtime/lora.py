@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.adapters import MASK, check_name, concatenated, rank_of, read_adapter, row_mask, slot_input_names
+from kvforge.adapters import MASK, check_name, graph_inputs, rank_of, read_adapter, row_mask
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
@@ -45,11 +45,7 @@ class AdapterSet:
     def _inputs(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         joined = self._joined.get(names)
         if joined is None:
-            joined = {}
-            for slot, (a, b) in concatenated(self.spec, [self.slots[n] for n in names], self.dtype).items():
-                a_name, b_name = slot_input_names(slot)
-                joined[a_name], joined[b_name] = a, b
-            self._joined[names] = joined
+            joined = self._joined[names] = graph_inputs(self.spec, [self.slots[n] for n in names], self.dtype)
             while len(self._joined) > JOINED_SETS:
                 self._joined.popitem(last=False)
         self._joined.move_to_end(names)
