@@ -7,7 +7,10 @@ shapes a decode step feeds them, for three ways to give each row its own adapter
   side along their ranks (W = adapters x rank); every row is multiplied by every adapter, then masked;
 - gather: y = (x @ A[ids]) @ B[ids], A [n, in, r] stacked, each row's adapter gathered (a copy per row);
 - transposed mask: the mask form with the adapters as the GEMMs' first operand (A^T [W, in] @ x^T), so that ORT
-  does not pack the adapter weights on every call.
+  does not pack the adapter weights on every call;
+- row-wise: each row's own adapter stacked per row, A [B, in, r] and B [B, r, out], a batched MatMul (what a
+  per-row gather gives, with the copy made once per set of adapters instead of every step); rows sharing an
+  adapter read it once each.
 
 Each case runs --runs times after a warm-up (median). Alongside: the bytes of the adapters a step must read at
 least once, over this machine's read bandwidth measured in the same run, which bounds any formulation from below.
@@ -32,7 +35,7 @@ from runtime_125m import bandwidth_gbs  # noqa: E402
 
 SLOTS = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)] * 30
 RANK = 16
-CASES = {"batch 1, one adapter": (1, 1), "batch 8, 8 adapters": (8, 8)}  # (rows, distinct adapters)
+CASES = {"batch 1, one adapter": (1, 1), "batch 8, 8 adapters": (8, 8), "batch 8, one adapter": (8, 1)}  # (rows, distinct adapters)
 
 
 def _model(kind: str):
@@ -42,10 +45,11 @@ def _model(kind: str):
     f = TP.FLOAT
     inputs = [helper.make_tensor_value_info("x", f, ["B", 576]), helper.make_tensor_value_info("x2", f, ["B", 1536])]
     nodes, outs = [], []
+    if kind in ("gather", "rowwise"):
+        nodes += [helper.make_node("Unsqueeze", ["x", "one"], ["x3"]), helper.make_node("Unsqueeze", ["x2", "one"], ["x23"])]
     if kind == "gather":
         inputs.append(helper.make_tensor_value_info("ids", TP.INT64, ["B"]))
-        nodes += [helper.make_node("Unsqueeze", ["x", "one"], ["x3"]), helper.make_node("Unsqueeze", ["x2", "one"], ["x23"])]
-    else:
+    elif kind != "rowwise":
         inputs.append(helper.make_tensor_value_info("mask", f, ["B", "W"]))
     if kind == "transposed":
         nodes += [helper.make_node("Transpose", [n], [n + "T"], perm=[1, 0]) for n in ("x", "x2", "mask")]
@@ -60,13 +64,17 @@ def _model(kind: str):
             inputs += [helper.make_tensor_value_info(a, f, ["W", fi]), helper.make_tensor_value_info(b, f, [fo, "W"])]
             nodes += [helper.make_node("MatMul", [a, x + "T"], [f"h{i}"]), helper.make_node("Mul", [f"h{i}", "maskT"], [f"m{i}"]),
                       helper.make_node("MatMul", [b, f"m{i}"], [f"t{i}"]), helper.make_node("Transpose", [f"t{i}"], [f"y{i}"], perm=[1, 0])]
+        elif kind == "rowwise":
+            inputs += [helper.make_tensor_value_info(a, f, ["B", fi, "R"]), helper.make_tensor_value_info(b, f, ["B", "R", fo])]
+            nodes += [helper.make_node("MatMul", [x + "3", a], [f"h{i}"]), helper.make_node("MatMul", [f"h{i}", b], [f"t{i}"]),
+                      helper.make_node("Squeeze", [f"t{i}", "one"], [f"y{i}"])]
         else:
             inputs += [helper.make_tensor_value_info(a, f, ["N", fi, "R"]), helper.make_tensor_value_info(b, f, ["N", "R", fo])]
             nodes += [helper.make_node("Gather", [a, "ids"], [f"ga{i}"], axis=0), helper.make_node("Gather", [b, "ids"], [f"gb{i}"], axis=0),
                       helper.make_node("MatMul", [x + "3", f"ga{i}"], [f"h{i}"]), helper.make_node("MatMul", [f"h{i}", f"gb{i}"], [f"y{i}"])]
         outs.append(f"y{i}")
     nodes.append(helper.make_node("Concat", outs, ["out"], axis=-1))  # every slot's output is used
-    inits = [helper.make_tensor("one", TP.INT64, [1], [1])] if kind == "gather" else []
+    inits = [helper.make_tensor("one", TP.INT64, [1], [1])] if kind in ("gather", "rowwise") else []
     graph = helper.make_graph(nodes, kind, inputs, [helper.make_tensor_value_info("out", f, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -76,7 +84,9 @@ def _model(kind: str):
 def _feeds(kind: str, rows: int, adapters: int, rng) -> dict[str, np.ndarray]:
     width = adapters * RANK
     feeds = {"x": rng.standard_normal((rows, 576), np.float32), "x2": rng.standard_normal((rows, 1536), np.float32)}
-    if kind == "gather":
+    if kind == "rowwise":
+        pass
+    elif kind == "gather":
         feeds["ids"] = np.arange(rows, dtype=np.int64) % adapters
     else:
         mask = np.zeros((rows, width), np.float32)
@@ -89,6 +99,8 @@ def _feeds(kind: str, rows: int, adapters: int, rng) -> dict[str, np.ndarray]:
             a, b = (fi, width), (width, fo)
         elif kind == "transposed":
             a, b = (width, fi), (fo, width)
+        elif kind == "rowwise":
+            a, b = (rows, fi, RANK), (rows, RANK, fo)
         else:
             a, b = (adapters, fi, RANK), (adapters, RANK, fo)
         feeds[f"a{i}"] = 0.02 * rng.standard_normal(a, np.float32)
@@ -106,7 +118,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     bandwidth = [bandwidth_gbs()]
     ms: dict[str, dict[str, float]] = {}
-    for kind in ("mask", "gather", "transposed"):
+    for kind in ("mask", "gather", "transposed", "rowwise"):
         session = make_session(_model(kind))
         for case, (rows, adapters) in CASES.items():
             feeds = _feeds(kind, rows, adapters, rng)
