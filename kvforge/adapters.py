@@ -41,6 +41,7 @@ class AdapterInfo:
     slots: list[str]
     source: str | None
     path: Path
+    sha256: str | None = None  # of its weights file: what tells one version of a name from another
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "rank": self.rank, "slots": len(self.slots), "source": self.source}
@@ -86,7 +87,8 @@ def list_adapters(bundle: Bundle | str | Path) -> list[AdapterInfo]:
 def _info(directory: Path) -> AdapterInfo:
     try:
         record = json.loads((directory / RECORD).read_text())
-        return AdapterInfo(directory.name, int(record["rank"]), list(record["slots"]), record.get("source"), directory)
+        return AdapterInfo(directory.name, int(record["rank"]), list(record["slots"]), record.get("source"), directory,
+                           record.get("sha256"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise KvforgeError(f"adapter {directory} is damaged: {RECORD} does not read ({type(e).__name__}: {e})") from e
 

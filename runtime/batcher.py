@@ -436,7 +436,8 @@ class Batcher(RequestQueue):
         other keys and values for the same tokens)."""
         if request.config.adapter is None:
             return self._namespace
-        return PrefixCache.namespace(self._namespace.hex(), f"lora:{request.config.adapter}")
+        name = request.config.adapter  # and its version: blocks of an adapter replaced since are not reused
+        return PrefixCache.namespace(self._namespace.hex(), f"lora:{name}:{self.session.adapter_version(name)}")
 
     @contextlib.contextmanager
     def _timed(self, what: str):

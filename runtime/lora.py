@@ -5,7 +5,9 @@ adapter's columns: each adapter the batch uses is read once per step, and no oth
 set of adapters (a few sets: the batch's changes only when a row with another adapter joins or leaves), so a
 decode loop feeds the same arrays step after step (the ONNX Runtime backend then binds them once). Adapters load
 from the bundle's adapters/ on first use: one added with `kvforge lora add` while a server runs is served by its
-next request that names it.
+next request that names it. A request naming an adapter checks the bundle's copy again (a stat of its record): one
+replaced with `lora add --force` is read again, then serves every row that names it (rows already decoding
+included); one removed is refused to new requests, while rows already decoding with it finish with it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.adapters import MASK, check_name, graph_inputs, rank_of, read_adapter, row_mask
+from kvforge.adapters import MASK, RECORD, adapter_dir, check_name, graph_inputs, rank_of, read_adapter, row_mask
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
 
@@ -30,15 +32,29 @@ class AdapterSet:
         self.bundle_path = bundle_path
         self.dtype = np.float16 if dtype == "float16" else np.float32
         self.slots: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self.versions: dict[str, str | None] = {}  # name -> the sha256 of the weights loaded under it
+        self._seen: dict[str, tuple[int, int, int]] = {}  # name -> its record file's (inode, mtime, size) when read
         self._joined: OrderedDict[tuple[str, ...], dict[str, np.ndarray]] = OrderedDict()
 
     def load(self, name: str) -> None:
-        """Read adapter `name` from the bundle (checked against its slots)."""
-        if name not in self.slots:
-            _, self.slots[name] = read_adapter(Bundle(self.bundle_path), check_name(name))
+        """Make adapter `name` the bundle's copy now (checked against its slots): read it if it is not loaded or
+        the bundle's copy was replaced since; refuse it if the bundle no longer has it."""
+        bundle = Bundle(self.bundle_path)
+        try:
+            st = (adapter_dir(bundle, check_name(name)) / RECORD).stat()
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            seen = None  # gone: read_adapter names what the bundle has
+        if seen is not None and self._seen.get(name) == seen and name in self.slots:
+            return
+        info, slots = read_adapter(bundle, name)
+        self.unload(name)
+        self.slots[name], self.versions[name], self._seen[name] = slots, info.sha256, seen
 
     def unload(self, name: str) -> None:
         self.slots.pop(name, None)
+        self.versions.pop(name, None)
+        self._seen.pop(name, None)
         for key in [k for k in self._joined if name in k]:
             del self._joined[key]
 
@@ -57,9 +73,10 @@ class AdapterSet:
             adapters = [None] * batch
         if len(adapters) != batch:
             raise KvforgeError(f"adapters names {len(adapters)} rows' adapters for a step of {batch} rows")
-        names = tuple(dict.fromkeys(a for a in adapters if a is not None))
+        names = tuple(sorted({a for a in adapters if a is not None}))  # a set's joined inputs, in any row order
         for name in names:
-            self.load(name)
+            if name not in self.slots:  # loaded ones are not checked again each step (load_adapter does, per request)
+                self.load(name)
         mask = row_mask([rank_of(self.slots[n]) for n in names], [None if a is None else names.index(a) for a in adapters],
                         self.dtype)
         return {MASK: mask, **self._inputs(names)}

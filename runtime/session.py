@@ -175,6 +175,10 @@ class Session(SessionLifecycle):
                 no_slots([name], self.source)
             self.adapters.load(name)
 
+    def adapter_version(self, name: str) -> str | None:
+        """The sha256 of the weights this session serves as adapter `name` (None: not loaded)."""
+        return None if self.adapters is None else self.adapters.versions.get(name)
+
     def _lora(self, adapters: list[str | None] | None, batch: int) -> dict[str, np.ndarray] | None:
         """The LoRA inputs of a step (None for a bundle without slots, which takes no adapter)."""
         if self.adapters is None:

@@ -117,7 +117,7 @@ def test_a_batch_mixes_adapters_and_equals_each_row_alone(lora_bundle):
     assert len({tuple(r.tokens) for r in alone}) == 4  # the adapters made the rows differ
 
 
-def test_an_adapter_added_while_a_session_runs_is_served_and_one_removed_is_gone(lora_bundle, tmp_path):
+def test_an_adapter_added_replaced_or_removed_while_a_session_runs_is_served_as_the_bundle_has_it(lora_bundle, tmp_path):
     bundle, merged, root = lora_bundle
     with runtime.load(bundle.path) as session:
         expected = session.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True, adapter="a6").tokens
@@ -128,8 +128,23 @@ def test_an_adapter_added_while_a_session_runs_is_served_and_one_removed_is_gone
         assert add.exit_code == 0, add.output
         expected_late = late(torch.tensor([PROMPTS[3]])).logits[0].detach().numpy()
         assert np.abs(_logits(session, PROMPTS[3], "late") - expected_late).max() < ATOL  # served without a restart
+        first_tokens = session.generate(PROMPTS[3], max_new_tokens=6, ignore_eos=True, adapter="late").tokens
+        # replaced under the same name: the next request that names it is served the new weights
+        newer = _peft(5, tmp_path / "newer", seed=12, targets=["k_proj", "down_proj"])
+        force = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "newer"), "--name", "late", "--force"])
+        assert force.exit_code == 0, force.output
+        with torch.no_grad():
+            ids = list(PROMPTS[3])
+            for _ in range(6):
+                ids.append(int(newer(torch.tensor([ids])).logits[0, -1].argmax()))
+        replaced_tokens = session.generate(PROMPTS[3], max_new_tokens=6, ignore_eos=True, adapter="late").tokens
+        assert replaced_tokens == ids[len(PROMPTS[3]):] and replaced_tokens != first_tokens
+        expected_newer = newer(torch.tensor([PROMPTS[3]])).logits[0].detach().numpy()
+        assert np.abs(_logits(session, PROMPTS[3], "late") - expected_newer).max() < ATOL
         removed = CliRunner().invoke(main, ["lora", "remove", str(bundle.path), "late"])
         assert removed.exit_code == 0 and "late" not in [a.name for a in list_adapters(bundle)]
+        with pytest.raises(KvforgeError, match=r"has no adapter 'late'"):  # refused to new requests at once
+            session.generate(PROMPTS[3], max_new_tokens=2, adapter="late")
     with runtime.load(bundle.path) as session:
         again = session.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True, adapter="a6").tokens
     assert again == expected
