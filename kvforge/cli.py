@@ -154,7 +154,8 @@ def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
               help="Give the linear layers LoRA slots: inputs that take adapters up to this rank, chosen per row "
                    "(kvforge lora add; one bundle serves every adapter).")
 @click.option("--lora-targets", metavar="q,k,v,o,gate,up,down",
-              help="The layers that get slots, by short name (default: those of q,k,v,o,gate,up,down the model has).")
+              help="The layers that get slots, by short name (default: those of q,k,v,o,gate,up,down the model has; "
+                   "a mixture's routed experts only when named: experts.gate,experts.up,experts.down).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def export(source, out, dtype, opset, max_context, external_data, force, dequantize, lora_max_rank, lora_targets, quiet):
     """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""

@@ -42,54 +42,34 @@ from kvforge.errors import KvforgeError
 
 from .hf import normalize_names, source_name
 from .hf_families import FAMILIES
+from .lora_slots import LoraFeed, LoraLinear
 
 # what `--lora-targets` names, as kvforge's module names: q -> q_proj (attention), gate -> gate_proj (FFN) ...
 DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-@dataclass
-class LoraFeed:
-    """One forward's adapters: mask (batch, W) and, per slot name, (A (in, W), B (W, out)). mask None: every row
-    takes all W columns (export validation's feed, whatever the case's batch)."""
-
-    mask: torch.Tensor | None
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-class LoraLinear(nn.Linear):
-    """An nn.Linear with a LoRA slot (its class swapped in place by add_slots: same parameters, same names)."""
-
-    lora_slot: str
-    lora_owner: list  # [the model]: a list, so that the model is not registered as a submodule
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        feed = self.lora_owner[0].lora_feed
-        if feed is None:
-            return y
-        a, b = feed.weights[self.lora_slot]
-        h = torch.matmul(x, a.to(x.dtype))  # (B, T, W): every adapter's down-projection
-        if feed.mask is not None:
-            h = h * feed.mask.to(x.dtype)[:, None, :]  # each row keeps its own adapter's columns
-        return y + torch.matmul(h, b.to(x.dtype))
-
-
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The layers' linear layers that can take a slot: not the experts of a mixture (they run on tokens gathered
-    across rows), nor the embedding or the head."""
+    """The layers' linear layers that can take a slot (the projections: not the embedding, the head, a router)."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.startswith("layers.") and ".experts." not in name
-            and name.endswith("_proj")}
+            if isinstance(m, nn.Linear) and name.startswith("layers.") and name.endswith("_proj")}
+
+
+def _short(module: str) -> str:
+    """A module's target name: "layers.0.attn.q_proj" -> "q"; a mixture's routed experts take their own,
+    "layers.1.ffn.experts.experts.3.gate_proj" -> "experts.gate" (opt-in: a mixture has many)."""
+    leaf = module.rsplit(".", 1)[-1].removesuffix("_proj")
+    return f"experts.{leaf}" if ".experts." in module else leaf
 
 
 def target_names(modules) -> list[str]:
-    """The short target names of these module names ("layers.0.attn.q_proj" -> "q"), sorted, each once."""
-    return sorted({n.rsplit(".", 1)[-1].removesuffix("_proj") for n in modules})
+    """The short target names of these module names, sorted, each once."""
+    return sorted({_short(n) for n in modules})
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...] | list[str] | None = None) -> dict[str, nn.Linear]:
-    """kvforge's linear layers that the short target names select ("q" -> every layer's ...q_proj), by module
-    name; None: those of DEFAULT_TARGETS the model has (a GPT-2 has no gate)."""
+    """kvforge's linear layers that the short target names select ("q" -> every layer's ...q_proj; "experts.down"
+    -> every routed expert's down_proj), by module name; None: those of DEFAULT_TARGETS the model has (a GPT-2 has
+    no gate; a mixture's routed experts are targets only when named)."""
     linears = _linears(model)
     have = target_names(linears)
     if targets is None:
@@ -97,8 +77,7 @@ def target_modules(model: nn.Module, targets: tuple[str, ...] | list[str] | None
     missing = sorted(set(targets) - set(have))
     if missing:
         raise KvforgeError(f"LoRA target(s) {missing} are not linear layers of this model; it has {have}")
-    leaves = {f"{t}_proj" for t in targets}
-    return {name: m for name, m in linears.items() if name.rsplit(".", 1)[-1] in leaves}
+    return {name: m for name, m in linears.items() if _short(name) in set(targets)}
 
 
 def add_slots(model: nn.Module, targets: tuple[str, ...] | list[str] | None = None) -> list[str]:
@@ -154,6 +133,79 @@ def validation_feed(model: nn.Module, rank: int, seed: int = 0) -> LoraFeed:
 
 # -- PEFT adapters ----------------------------------------------------------------------------------------------
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+# PEFT's LoRA on parameters (target_parameters: transformers' fused experts, (experts, out, in) tensors): one
+# wrapper per parameter, nested, so each pair after the first sits under more ".base_layer"s
+_PARAM_WRAPPER = re.compile(r"\.base_layer$")
+# the fused experts' parameters a kvforge slot takes: per expert, (out, in) rows -> kvforge's expert layers
+_FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _check_rank(directory: Path, module: str, r: int, max_rank: int | None) -> None:
+    if max_rank is not None and r > max_rank:
+        raise KvforgeError(f"{directory}: {module} has rank {r}, above the bundle's LoRA max rank {max_rank} "
+                           "(export with a larger --lora-max-rank)")
+
+
+def _wraps_parameters(config: dict[str, Any], module: str) -> bool:
+    """Whether `module` is one that the adapter's target_parameters name a parameter of."""
+    return any(f"{module}.{t.rsplit('.', 1)[-1]}".endswith(t) for t in config.get("target_parameters") or [])
+
+
+def _expert_deltas(directory: Path, module: str, a: torch.Tensor, b: torch.Tensor, model: nn.Module,
+                   config: dict[str, Any], max_rank: int | None) -> dict[str, tuple[torch.Tensor, int]]:
+    """A PEFT LoRA on a fused experts parameter (transformers' gate_up_proj or down_proj of a mixture, each
+    expert's (out, in) stacked): lora_A (r x experts, in) and lora_B (out, r x experts), expert e's delta
+    scale * B[:, :, e] @ A[e] (PEFT's ParamWrapper), as kvforge's per-expert slots. Which of the module's
+    parameters a pair is follows from its shapes (gate_up: in = hidden, out = 2 x expert width; down: the
+    reverse), which never coincide."""
+    owner = module
+    while _PARAM_WRAPPER.search(owner):
+        owner = _PARAM_WRAPPER.sub("", owner)
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", owner + ".")
+    params = [t.rsplit(".", 1)[-1] for t in config.get("target_parameters") or []
+              if f"{owner}.{t.rsplit('.', 1)[-1]}".endswith(t)]
+    shapes = slot_shapes(model)
+    experts = {}  # expert index -> {kvforge layer: (in, out)}
+    if layer is not None:
+        pattern = re.compile(rf"^layers\.{layer.group(1)}\.ffn\.experts\.experts\.(\d+)\.(\w+_proj)$")
+        for slot, shape in shapes.items():
+            m = pattern.match(slot)
+            if m:
+                experts.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+    unknown = [p for p in params if p not in _FUSED_EXPERTS]
+    if layer is None or unknown or not params:
+        raise KvforgeError(f"{directory}: the adapter trains the parameter(s) {unknown or params or [module]} of "
+                           f"{owner} (target_parameters), which kvforge maps only for a mixture's fused experts "
+                           f"({sorted(_FUSED_EXPERTS)})")
+    if not experts:
+        raise KvforgeError(f"{directory}: the adapter trains the experts of {owner}, which have no LoRA slots in this "
+                           "bundle (export with --lora-targets naming experts.gate, experts.up, experts.down)")
+    n = len(experts)
+    r, rest = divmod(a.shape[0], n)
+    fan_in, fan_out = a.shape[1], b.shape[0]
+    some = next(iter(experts.values()))
+    fits = {p: (sum(some.get(k, (0, 0))[1] for k in _FUSED_EXPERTS[p]), some.get(_FUSED_EXPERTS[p][0], (0, 0))[0])
+            for p in params}  # parameter -> (out, in) of one expert
+    which = [p for p, (out, inp) in fits.items() if (out, inp) == (fan_out, fan_in)]
+    if rest or r < 1 or len(which) != 1:
+        raise KvforgeError(f"{directory}: {module}'s lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit none "
+                           f"of {owner}'s {n} experts' parameters {params}: an adapter of another base model?")
+    param = which[0]
+    _check_rank(directory, f"{owner}.{param}", r, max_rank)
+    scale = _alpha(config, f"{owner}.{param}") / (math.sqrt(r) if config.get("use_rslora") else r)
+    a3, b3 = a.reshape(n, r, fan_in), b.reshape(fan_out, r, n)
+    out: dict[str, tuple[torch.Tensor, int]] = {}
+    for e, layers in sorted(experts.items()):
+        delta = scale * (b3[:, :, e] @ a3[e])  # (out, in)
+        at = 0
+        for kind in _FUSED_EXPERTS[param]:
+            if kind not in layers:
+                raise KvforgeError(f"{directory}: the adapter trains {owner}.{param}, but expert {e}'s {kind} has no "
+                                   "LoRA slot in this bundle (export with --lora-targets covering it)")
+            rows = layers[kind][1]
+            out[f"layers.{layer.group(1)}.ffn.experts.experts.{e}.{kind}"] = (delta[at:at + rows], r)
+            at += rows
+    return out
 
 
 @dataclass
@@ -246,8 +298,7 @@ def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict
         fed_by.setdefault(name, []).append((slot, transform))
     shapes = slot_shapes(model)
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
-    slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    rank = 0
+    deltas: dict[str, tuple[torch.Tensor, int]] = {}  # slot -> (its delta (out, in), float64; the adapter's rank)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise KvforgeError(f"{directory}: {module} has lora_{''.join(sorted(ab))} but not both A and B")
@@ -257,16 +308,17 @@ def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict
                                "a rank-r pair (r x in, out x r)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvforgeError(f"{directory}: {module}'s LoRA weights hold NaN or infinite values")
+        if _PARAM_WRAPPER.search(module) or _wraps_parameters(config, module):
+            deltas.update(_expert_deltas(directory, module, a, b, model, config, max_rank))
+            continue
         r = a.shape[0]
-        if max_rank is not None and r > max_rank:
-            raise KvforgeError(f"{directory}: {module} has rank {r}, above the bundle's LoRA max rank {max_rank} "
-                               "(export with a larger --lora-max-rank)")
+        _check_rank(directory, module, r, max_rank)
         weight = normalize_names(family, {f"{module}.weight": None}).popitem()[0]
         targets = fed_by.get(weight)
         if not targets:
-            covered = sorted({n.rsplit(".", 1)[-1] for n in model.lora_slots})
             raise KvforgeError(f"{directory}: the adapter trains {module}, which has no LoRA slot in this bundle "
-                               f"(its slots are the layers' {covered}; export with --lora-targets covering it)")
+                               f"(its slots are {target_names(model.lora_slots)}; export with --lora-targets "
+                               "covering it)")
         scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
         delta = scale * (b @ a)  # (out, in): nn.Linear's layout
         if fan_in_fan_out:
@@ -277,13 +329,15 @@ def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict
             except (RuntimeError, ValueError) as e:
                 raise KvforgeError(f"{directory}: {module}'s LoRA delta {tuple(delta.shape)} does not fit this "
                                    f"model's {slot} ({e}): an adapter of another base model?") from e
-            fan_in, fan_out = shapes[slot]
-            if tuple(ours.shape) != (fan_out, fan_in):
-                raise KvforgeError(f"{directory}: {module}'s LoRA delta gives {slot} the shape {tuple(ours.shape)}, "
-                                   f"but this model's is {(fan_out, fan_in)}: an adapter of another base model?")
-            u, s, vh = torch.linalg.svd(ours, full_matrices=False)
-            slot_a = vh[:r].T  # (in, r)
-            slot_b = (u[:, :r] * s[:r]).T  # (r, out)
-            slots[slot] = (slot_a.float().contiguous(), slot_b.float().contiguous())
-            rank = max(rank, r)
+            deltas[slot] = (ours, r)
+    slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for slot, (delta, r) in deltas.items():
+        fan_in, fan_out = shapes[slot]
+        if tuple(delta.shape) != (fan_out, fan_in):
+            raise KvforgeError(f"{directory}: the LoRA delta for {slot} has the shape {tuple(delta.shape)}, but this "
+                               f"model's is {(fan_out, fan_in)}: an adapter of another base model?")
+        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        slots[slot] = (vh[:r].T.float().contiguous(), (u[:, :r] * s[:r]).T.float().contiguous())  # (in, r), (r, out)
+        rank = max(rank, r)
     return PeftAdapter(rank, slots, config)

