@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import kvforge
+from kvforge.adapters import copy_adapters
 from kvforge.bundle import Bundle, now_utc, sha256_file, write_manifest
+from kvforge.ecosystem import HF_CONFIG
 from kvforge.errors import KvforgeError
 from kvforge.outputs import check_output_path, staged_bundle
 from kvforge.tensorrt_env import (
@@ -261,9 +263,10 @@ def build(bundle, out, *, max_batch: int | None = None, max_context: int | None 
     progress("write", 0, 1)
     with staged_bundle(out, force, [plan["bundle"]]) as tmp:
         (tmp / ENGINE_FILE).write_bytes(engine_bytes)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", HF_CONFIG):  # config.json: `kvforge lora add` reads it
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
+        copy_adapters(source.path, tmp)  # a slotted bundle's adapters: the engine serves them, and takes more
         opts = {k: v for k, v in asdict(options).items() if k != "timing_cache"}
         manifest = engine_manifest(
             source.manifest, source_path=str(source.path), tensorrt_version=trt.__version__, gpu_name=device["name"],

@@ -187,6 +187,17 @@ def remove_adapter(bundle: Bundle, name: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+def copy_adapters(source: Path, directory: Path) -> list[str]:
+    """Copy the bundle at `source`'s adapters (whole ones: not one being staged or removed) into the bundle being
+    written at `directory` (an engine built from it serves them too); returns their names."""
+    names = []
+    for d in sorted((Path(source) / ADAPTERS).glob("*")):
+        if d.is_dir() and not d.name.startswith(".") and (d / RECORD).is_file():
+            shutil.copytree(d, Path(directory) / ADAPTERS / d.name)
+            names.append(d.name)
+    return names
+
+
 def rank_of(adapter: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
     """The columns an adapter takes in the concatenated inputs: its largest slot's rank."""
     return max(a.shape[1] for a, _ in adapter.values())

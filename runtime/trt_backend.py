@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvforge.adapters import LORA_WIDTH, MASK
 from kvforge.bundle import BATCH, Bundle
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError, MissingDependencyError
@@ -43,6 +44,7 @@ from kvforge.tensorrt_env import (
 from .backend import Backend, KVCache
 
 _ALIGN = 256  # TensorRT wants 256-byte aligned tensor addresses; cudaMalloc gives that
+LORA_SETS = 2  # sets of adapters whose device copies are kept (each set is up to max_batch adapters)
 CACHE_GRANULE = 128  # cache buffers are sized in steps of this many tokens (then doubled as needed)
 
 
@@ -63,8 +65,10 @@ def _polygraphy_cuda():
     return cuda
 
 
-def step_shapes(io, batch: int, seq: int, past: int) -> dict[str, tuple[int, ...]]:
-    values = io.dim_values(batch, seq, past)
+def step_shapes(io, batch: int, seq: int, past: int, extra: dict[str, int] | None = None) -> dict[str, tuple[int, ...]]:
+    """The step's input shapes; `extra` sizes dimensions the step's inputs have beyond batch and lengths (a LoRA
+    step's lora_width)."""
+    values = {**io.dim_values(batch, seq, past), **(extra or {})}
     return {t.name: concrete_shape(t.shape, values, t.name) for t in io.inputs}
 
 
@@ -78,12 +82,13 @@ def _violation(profile: dict, shapes: dict[str, tuple[int, ...]], io) -> str | N
             if not lo <= v <= hi:
                 dim = io.input(name).shape[axis]
                 what = f"{dim} = {v}" if isinstance(dim, str) else f"dimension {axis} of {name} = {v}"
-                flag = "--max-batch" if dim == BATCH else "--max-context"
+                flag = "--max-batch" if dim in (BATCH, LORA_WIDTH) else "--max-context"
                 return f"{what} is outside {lo}..{hi} of the engine's {profile['name']!r} profile (rebuild with a larger {flag})"
     return None
 
 
-def plan_step(profiles: list[dict], io, batch: int, seq: int, past: int) -> tuple[int, bool]:
+def plan_step(profiles: list[dict], io, batch: int, seq: int, past: int,
+              extra: dict[str, int] | None = None) -> tuple[int, bool]:
     """(profile index, stepwise) for a step of `seq` tokens over a past of `past`.
 
     Decode (seq == 1) prefers the decode profile, anything longer the prefill
@@ -93,13 +98,13 @@ def plan_step(profiles: list[dict], io, batch: int, seq: int, past: int) -> tupl
     by_name = {p["name"]: i for i, p in enumerate(profiles)}
     order = [DECODE, PREFILL] if seq == 1 else [PREFILL, DECODE]
     order = [by_name[n] for n in order if n in by_name] + [i for i in range(len(profiles)) if profiles[i]["name"] not in order]
-    shapes = step_shapes(io, batch, seq, past)
+    shapes = step_shapes(io, batch, seq, past, extra)
     for i in order:
         if _violation(profiles[i], shapes, io) is None:
             return i, False
     if seq > 1 and DECODE in by_name:
         i = by_name[DECODE]
-        first, last = step_shapes(io, batch, 1, past), step_shapes(io, batch, 1, past + seq - 1)
+        first, last = step_shapes(io, batch, 1, past, extra), step_shapes(io, batch, 1, past + seq - 1, extra)
         if _violation(profiles[i], first, io) is None and _violation(profiles[i], last, io) is None:
             return i, True
     raise KvforgeError(f"a step of batch {batch}, {seq} new tokens over a past of {past} does not fit this engine: "
@@ -278,6 +283,7 @@ class TensorRTBackend(Backend):
         self.pool = BufferPool(alloc)
         self.scratch = BufferPool(alloc, keep_idle=1)  # inputs and logits: one set, reused every step
         self.dummy = _DeviceBuffer(cuda, _ALIGN)  # the address of empty (zero-volume) tensors
+        self._lora_sets: dict[tuple, tuple[dict, dict]] = {}  # adapters' device copies, by the arrays' identity
         self.context.set_optimization_profile_async(0, self.stream.ptr)
         self.active_profile = 0
 
@@ -290,6 +296,10 @@ class TensorRTBackend(Backend):
         self.runtime = None
         self.pool.close()
         self.scratch.close()
+        for _, buffers in self._lora_sets.values():
+            for buf in buffers.values():
+                buf.free()
+        self._lora_sets = {}
         self.dummy.free()
         self.stream.free()
 
@@ -299,22 +309,42 @@ class TensorRTBackend(Backend):
         return [DeviceTensor(0, concrete_shape(self.io.input(n).shape, values, n), self.dtypes[n]) for n in self.past_names]
 
     def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
-        if lora:
-            raise KvforgeError("LoRA adapters on a TensorRT engine are not served yet: run the bundle with slots on "
-                               "onnxruntime (the engine build's profiles over rank and adapters are to come)")
         self._check_alive(cache.values)
         B, T = input_ids.shape
-        index, stepwise = plan_step(self.profiles, self.io, B, T, cache.length)
+        extra = {LORA_WIDTH: lora[MASK].shape[1]} if lora else None
+        index, stepwise = plan_step(self.profiles, self.io, B, T, cache.length, extra)
         if not stepwise:
-            return self._run(index, input_ids, attention_mask, position_ids, cache, last_only)
+            return self._run(index, input_ids, attention_mask, position_ids, cache, last_only, lora)
         kept = []
         for i in range(T):
             total = cache.length + 1
-            logits, cache = self._run(index, input_ids[:, i:i + 1], attention_mask[:, :total], position_ids[:, i:i + 1], cache, True)
+            logits, cache = self._run(index, input_ids[:, i:i + 1], attention_mask[:, :total], position_ids[:, i:i + 1], cache,
+                                      True, lora)
             kept.append(logits)
         return (kept[-1] if last_only else np.concatenate(kept, axis=1)), cache
 
-    def _run(self, index: int, ids, mask, pos, cache: KVCache, last_only: bool):
+    def _lora_weights(self, lora: dict[str, np.ndarray]) -> dict[str, _DeviceBuffer]:
+        """A step's adapters' A and B on the device: uploaded once per set of adapters (the session passes the same
+        joined arrays step after step, runtime/lora.py), the last LORA_SETS sets kept."""
+        arrays = {n: a for n, a in lora.items() if n != MASK and n in self.engine_inputs}
+        key = tuple((n, id(a)) for n, a in sorted(arrays.items()))
+        held = self._lora_sets.pop(key, None)
+        if held is None:
+            copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind
+            buffers = {}
+            for name, a in arrays.items():
+                arr = np.ascontiguousarray(a, dtype=self.dtypes[name])
+                buffers[name] = _DeviceBuffer(self._cuda, max(arr.nbytes, _ALIGN))
+                copy(buffers[name].ptr, arr.ctypes.data, arr.nbytes, kind.HostToDevice, self.stream.ptr)
+            self.stream.synchronize()
+            held = (arrays, buffers)  # the arrays kept alive: their ids stay theirs while the key is held
+            while len(self._lora_sets) >= LORA_SETS:
+                for buf in self._lora_sets.pop(next(iter(self._lora_sets)))[1].values():
+                    buf.free()
+        self._lora_sets[key] = held
+        return held[1]
+
+    def _run(self, index: int, ids, mask, pos, cache: KVCache, last_only: bool, lora=None):
         cuda, ctx, stream = self._cuda, self.context, self.stream
         copy, kind = cuda.wrapper().memcpy, cuda.MemcpyKind
         B, T = ids.shape
@@ -323,6 +353,11 @@ class TensorRTBackend(Backend):
             self.active_profile = index
         # inputs the engine kept (TensorRT drops inputs that no output depends on), in the engine's dtypes
         host = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+        if lora:
+            host[MASK] = lora[MASK]  # the rows' mask: small, copied each step; the adapters stay on the device
+            for name, buf in self._lora_weights(lora).items():
+                self._set_shape(name, lora[name].shape)
+                ctx.set_tensor_address(name, buf.ptr)
         host = {n: np.ascontiguousarray(a, dtype=self.dtypes[n]) for n, a in host.items() if n in self.engine_inputs}
         for name, arr in host.items():
             self._set_shape(name, arr.shape)

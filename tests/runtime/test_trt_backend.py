@@ -452,6 +452,47 @@ def test_speculative_decoding_on_a_stand_in_engine_matches_onnxruntime(micro, st
             assert got.speculation["drafted"] > 0
 
 
+def test_lora_adapters_on_a_stand_in_engine_match_onnxruntime(standin, tmp_path):
+    """A bundle with LoRA slots built into an engine (profiles over lora_width): rows with different adapters and
+    none, prefill and decode, equal ONNX Runtime on the bundle; each set of adapters goes to the device once."""
+    from kvforge.adapters import list_adapters, lora_spec, write_adapter
+
+    _, cuda = standin(RELEASES[-1])
+    bundle = export("mistral-micro", tmp_path / "slots", lora_max_rank=4)
+    rng = np.random.default_rng(1)
+    for name, rank in (("a", 2), ("b", 4)):
+        slots = {slot: ((0.2 * rng.standard_normal((fan_in, rank))).astype(np.float32),
+                        (0.2 * rng.standard_normal((rank, fan_out))).astype(np.float32))
+                 for slot, (fan_in, fan_out) in lora_spec(bundle)["slots"].items()}
+        write_adapter(bundle, name, slots, {"source": "random"})
+    engine = build(bundle.path, tmp_path / "e", max_batch=4, max_context=64, opt_context=32)
+    ids = rng.integers(0, 259, (3, 6), dtype=np.int64)
+    rows = ["a", None, "b"]
+    with runtime.load(engine.path) as s, runtime.load(bundle.path, variant=False) as ref:
+        logits, cache = s.forward(ids, adapters=rows)
+        want, ref_cache = ref.forward(ids, adapters=rows)
+        np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
+        base, _ = ref.forward(ids)
+        assert np.abs(want[0] - base[0]).max() > 1e-2 and np.abs(want[2] - base[2]).max() > 1e-2
+        np.testing.assert_allclose(logits[1], base[1], atol=1e-5, rtol=0)  # the row without an adapter
+        before = cuda.allocations
+        for i in range(3):
+            step, cache = s.forward(ids[:, i:i + 1], cache=cache, adapters=rows)
+            want_step, ref_cache = ref.forward(ids[:, i:i + 1], cache=ref_cache, adapters=rows)
+            np.testing.assert_allclose(step, want_step, atol=1e-5, rtol=0)
+        assert cuda.allocations - before <= 2 * 4 + 4  # the cache's buffers: the adapters were not uploaded again
+        got = s.generate([[5, 77, 123], [9, 9]], max_new_tokens=12, ignore_eos=True, adapter="b")
+        assert [r.tokens for r in got] == [r.tokens for r in ref.generate([[5, 77, 123], [9, 9]], max_new_tokens=12,
+                                                                          ignore_eos=True, adapter="b")]
+    # the engine bundle holds the adapters it was built with, and takes more without a rebuild
+    assert sorted(a.name for a in list_adapters(engine)) == ["a", "b"]
+    write_adapter(engine, "c", slots, {"source": "random"})
+    with runtime.load(engine.path) as s, runtime.load(bundle.path, variant=False) as ref:
+        write_adapter(bundle, "c", slots, {"source": "random"})
+        np.testing.assert_allclose(s.forward(ids, adapters=["c"] * 3)[0], ref.forward(ids, adapters=["c"] * 3)[0],
+                                   atol=1e-5, rtol=0)
+
+
 def test_an_engine_of_another_release_is_refused(micro, standin, tmp_path):
     standin("10.16")
     engine = build(micro.path, tmp_path / "e", max_batch=2, max_context=32)
