@@ -287,3 +287,47 @@ def test_a_mixtures_experts_take_adapters_through_the_exported_graph(tmp_path):
     assert np.abs(logits[0] - expected).max() < ATOL
     assert np.abs(logits[1] - plain).max() < ATOL
     assert np.abs(expected - base(torch.from_numpy(prompts[:1])).logits[0].detach().numpy()).max() > 100 * ATOL
+
+
+def test_kvforge_serve_on_triton_takes_adapters_by_input_and_by_openai_model_name(lora_bundle):
+    """The real Triton server (kvforge serve's repository) over the slotted bundle: the generate endpoint's
+    `adapter` input and the OpenAI front in its process (`slots:NAME`) each give Session.generate's text with
+    that adapter; an unknown adapter is a 400 naming it."""
+    import urllib.error
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    serving = pytest.importorskip("kvforge.serving")
+    from kvforge.errors import MissingDependencyError
+    from kvforge.serving.server import free_port
+
+    try:
+        serving.triton_distribution()
+    except MissingDependencyError as e:
+        pytest.skip(f"needs the serve extra: {e}")
+    bundle, _, root = lora_bundle
+    prompt = "def add(a, b):"
+    with runtime.load(bundle.path) as session:
+        expected = {a: session.generate(prompt, max_new_tokens=6, adapter=a).text for a in (None, "a4", "a6")}
+    assert len(set(expected.values())) == 3  # each adapter changes the text, so each answer shows which one ran
+    port = free_port()
+    repo = serving.write_repository(bundle.path, root / "repo", model_name="slots", openai_port=port)
+    with serving.TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0) as server:
+        def generate(body):
+            req = urllib.request.Request(server.url("/v2/models/slots/generate"), data=json.dumps(body).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+        for adapter, text in expected.items():
+            body = {"text_input": prompt, "max_tokens": 6, **({"adapter": adapter} if adapter else {})}
+            status, answer = generate(body)
+            assert status == 200 and answer["text_output"] == text, (adapter, answer)
+        status, answer = generate({"text_input": prompt, "max_tokens": 2, "adapter": "nope"})
+        assert status == 400 and "has no adapter 'nope'" in answer["error"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["slots", "slots:a2", "slots:a4", "slots:a6"]
+        for adapter in ("a4", "a6"):
+            out = client.completions.create(model=f"slots:{adapter}", prompt=prompt, max_tokens=6, temperature=0)
+            assert out.choices[0].text == expected[adapter]
