@@ -170,22 +170,32 @@ def test_bad_adapters_change_nothing(lora_bundle, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in Bundle(bundle.path).path.iterdir() if p.is_file()} == files
 
 
-def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_with_it_merged(lora_bundle, tmp_path):
-    """The slotted bundle calibrated to INT8 (the adapters stay float inputs), the adapter added to it: `compare`
-    against the Torch reference with the adapter merged into its weights passes INT8's tolerances; the FP32 bundle
+@pytest.mark.parametrize("precision", ["int8", "fp8", "int4"])
+def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_with_it_merged(lora_bundle, tmp_path,
+                                                                                               precision):
+    """The slotted bundle calibrated to INT8, FP8 or INT4 weight-only (the adapters stay float inputs), the adapter
+    added to it: `compare` against the Torch reference with the adapter merged into its weights passes INT8's
+    tolerances, and for each precision agrees with it as well as the base without the adapter agrees with the plain
+    reference; the FP32 bundle
     with the adapter matches the merged reference to FP32's tolerances (the merge computes the adapter another way;
     unmerged, the adapter moves the logits far beyond them: test_an_adapter_gives_pefts_merged_logits)."""
     from kvforge.calibration import calibrate
     from kvforge.verify.compare import compare
 
     bundle, _, root = lora_bundle
-    int8 = calibrate(bundle.path, tmp_path / "int8", precision="int8", random_data=True)
+    int8 = calibrate(bundle.path, tmp_path / precision, precision=precision, random_data=True)
     assert int8.manifest["io"]["extra"]["lora"] == bundle.manifest["io"]["extra"]["lora"]
     add = CliRunner().invoke(main, ["lora", "add", str(int8.path), str(root / "peft-a4"), "--name", "a4"])
     assert add.exit_code == 0, add.output
     options = dict(random_data=True, steps=8, prompts=2, max_tokens=256, seq_len=64)
     quantized = compare(int8.path, adapter="a4", **options)
-    assert quantized.passed, quantized.result["failures"]
+    if precision == "int8":
+        assert quantized.passed, quantized.result["failures"]
+    # FP8 and INT4 of this random-weight model miss their own tolerances already without an adapter (its flat
+    # logits flip near-ties); what is asked of the adapter is to add no error of its own: the base against
+    # the merged reference agrees as well as the base alone against the plain reference
+    plain = compare(int8.path, **options)
+    assert quantized.result["top1_agreement"] >= plain.result["top1_agreement"] - 0.05, (quantized.result, plain.result)
     float_slots = compare(bundle.path, adapter="a4", **options)
     assert float_slots.passed and float_slots.result["greedy_agreement"] == 1.0, float_slots.result["failures"]
     assert "with adapter a4 merged" in float_slots.result["reference"]
