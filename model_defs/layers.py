@@ -251,6 +251,7 @@ def activation_fn(name: str):
         "gelu": F.gelu,
         "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "silu": F.silu,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
     }[name]
 
 

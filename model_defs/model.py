@@ -141,7 +141,10 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
+        """inputs_embeds (B, T, C): the embeddings to start from instead of embed(input_ids) (a vision-language
+        model's text with its image features merged in); the embedding scale and norm still apply."""
         cfg = self.config
         B, T = input_ids.shape
         if attention_mask is None:
@@ -154,7 +157,7 @@ class Transformer(nn.Module):
             # so a left-padded row gets the positions it would have alone.
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -T:]
 
-        x = self.embed(input_ids)  # (B, T, C)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         if self.positions is not None:

@@ -1,0 +1,278 @@
+"""Vision-language models: a ViT image encoder, a projector into the decoder's width, and the decoder reading text
+embeddings with image features merged in at the image-token positions (LLaVA's design; issue 37).
+
+    pixel_values   float32 (N, C, H, W)     N images, preprocessed (kvforge/images.py)
+    image features float32 (N, P, C_text)   P per image: the patches (and the class token, strategy "full")
+    input_ids      int64   (B, T)           each image stands as P image tokens where its features go
+
+The image encoder is the encoder layers' pre-norm `Block` (model_defs/model.py) around the same `Attention`, with
+every patch seeing every patch, after a patch embedding (a strided convolution), an optional class token and
+learned positions, and an optional norm on the embeddings (CLIP's pre_layrnorm). Its features are the hidden state
+of one layer (`feature_layer`, counted as transformers counts hidden_states: 0 is the embeddings, -1 the last
+layer), so the layers after it are not built; CLIP's class token is dropped from them unless the strategy is "full".
+
+The merge is written for graphs: each image token takes the next row of the flattened features in reading order
+(row by row, then position), found by a running count of image tokens, and every other token keeps its text
+embedding; a step without images (decode) passes zero features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvforge.errors import KvforgeError
+
+from .config import ConfigDict, ModelConfig
+from .layers import Attention, activation_fn, build_ffn, build_norm
+from .model import Block, Transformer, build_model
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "quick_gelu")
+FEATURE_SELECT = ("default", "full")  # default: the patches only (CLIP's class token dropped); full: every position
+
+
+@dataclass
+class VisionConfig(ConfigDict):
+    """A ViT image encoder (CLIP, SigLIP)."""
+
+    image_size: int
+    patch_size: int
+    dim: int
+    n_layers: int  # the layers the checkpoint has (those after feature_layer are not built)
+    n_heads: int
+    ffn_dim: int
+    channels: int = 3
+    class_token: bool = True  # CLIP: a learned class embedding before the patches; SigLIP: none
+    patch_bias: bool = False  # the patch convolution's bias (SigLIP has one, CLIP not)
+    pre_norm: bool = True  # a norm on the embeddings (CLIP's pre_layrnorm)
+    post_norm: bool = False  # a norm on the features (SigLIP / Idefics take the last layer through post_layernorm)
+    norm_eps: float = 1e-5
+    activation: str = "quick_gelu"
+    feature_layer: int = -1  # hidden_states index: 0 the embeddings, k the k-th layer's output, -1 the last
+    feature_select: str = "default"
+    head_dim: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # what the shared components read, fixed for image encoders
+    norm: str = "layernorm"
+    norm_bias: bool = True
+    norm_placement: str = "pre"
+    gated_ffn: bool = False
+    ffn_bias: bool = True
+    qkv_bias: bool = True
+    out_bias: bool = True
+    attn_scale: float | None = None
+    n_kv_heads: int | None = None
+    residual_scale: float = 1.0
+    attn_softcap: None = None
+    dropout: float = 0.0
+
+    ARCHITECTURE: ClassVar[str] = "vision"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0 \
+                and self.dim % self.n_heads == 0:
+            self.head_dim = self.dim // self.n_heads
+        self.n_kv_heads = self.n_heads
+        problems = self.problems()
+        if problems:
+            raise KvforgeError("invalid vision config:\n  " + "\n  ".join(problems))
+
+    def problems(self) -> list[str]:
+        problems = []
+        for name in ("image_size", "patch_size", "dim", "n_layers", "n_heads", "ffn_dim", "channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if problems:
+            return problems
+        if self.head_dim is None:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        if self.image_size % self.patch_size:
+            problems.append(f"image_size={self.image_size} is not a whole number of patch_size={self.patch_size} "
+                            "patches")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.feature_select not in FEATURE_SELECT:
+            problems.append(f"feature_select={self.feature_select!r} is not one of {FEATURE_SELECT}")
+        if not -self.n_layers - 1 <= self.feature_layer <= self.n_layers:
+            problems.append(f"feature_layer={self.feature_layer} is not a hidden state of {self.n_layers} layers "
+                            f"({-self.n_layers - 1}..{self.n_layers})")
+        return problems
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def positions(self) -> int:
+        return self.patches + (1 if self.class_token else 0)
+
+    @property
+    def layers_used(self) -> int:
+        """The layers up to the feature layer (those after it do not change the features)."""
+        return self.feature_layer % (self.n_layers + 1)
+
+    @property
+    def feature_tokens(self) -> int:
+        """Features per image."""
+        return self.patches + (1 if self.class_token and self.feature_select == "full" else 0)
+
+
+class PatchEmbeddings(nn.Module):
+    """A strided convolution over the image's patches, a class token in front (CLIP), learned positions."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch = nn.Conv2d(cfg.channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
+        self.class_embedding = nn.Parameter(torch.zeros(cfg.dim)) if cfg.class_token else None
+        self.positions = nn.Embedding(cfg.positions, cfg.dim)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if tuple(pixel_values.shape[1:]) != (cfg.channels, cfg.image_size, cfg.image_size):
+            raise KvforgeError(f"pixel_values of shape {tuple(pixel_values.shape)}: this image encoder takes "
+                               f"(images, {cfg.channels}, {cfg.image_size}, {cfg.image_size})")
+        x = self.patch(pixel_values.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # (N, patches, C)
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
+        return x + self.positions.weight.to(x.dtype)[None]
+
+
+class VisionTransformer(nn.Module):
+    """pixel_values (N, C, H, W) -> the feature layer's hidden states (N, feature_tokens, dim)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = PatchEmbeddings(cfg)
+        self.pre_norm = build_norm(cfg) if cfg.pre_norm else None
+        self.layers = nn.ModuleList(Block(cfg, Attention(cfg), build_ffn(cfg)) for _ in range(cfg.layers_used))
+        self.post_norm = build_norm(cfg) if cfg.post_norm else None
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.embed(pixel_values)
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
+        mask = torch.ones(x.shape[0], 1, x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        for layer in self.layers:
+            x, _ = layer(x, mask, None, None)
+        if self.post_norm is not None:
+            x = self.post_norm(x)
+        if self.config.class_token and self.config.feature_select == "default":
+            x = x[:, 1:]
+        return x
+
+
+class MLPProjector(nn.Module):
+    """LLaVA's projector: linear -> activation -> linear, from the image encoder's width to the decoder's."""
+
+    def __init__(self, vision_dim: int, text_dim: int, activation: str, bias: bool = True):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
+        self.act = activation_fn(activation)
+        self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
+                         image_token_id: int) -> torch.Tensor:
+    """embeds (B, T, C) with the image tokens' rows replaced by features (M, C), taken in reading order; a token
+    beyond the features given (or any, when M = 0) takes a zero row. Callers check that the counts agree."""
+    B, T, C = embeds.shape
+    is_image = input_ids == image_token_id  # (B, T)
+    order = torch.cumsum(is_image.reshape(-1).to(torch.int64), 0) - 1  # each image token's row in features
+    padded = torch.cat([features.to(embeds.dtype).reshape(-1, C), embeds.new_zeros(1, C)])  # row M: zeros
+    rows = torch.where(is_image.reshape(-1), order.clamp(max=padded.shape[0] - 1), padded.shape[0] - 1)
+    return torch.where(is_image[..., None], padded[rows].reshape(B, T, C), embeds)
+
+
+@dataclass
+class VisionLanguageConfig(ConfigDict):
+    vision: dict[str, Any]  # VisionConfig's fields
+    decoder: dict[str, Any]  # ModelConfig's fields
+    image_token_id: int
+    projector: str = "mlp"  # LLaVA's two-layer MLP
+    projector_activation: str = "gelu"
+    projector_bias: bool = True
+    family: str = "kvforge"
+    architecture: str = "vision-language"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    ARCHITECTURE: ClassVar[str] = "vision-language"
+
+    def __post_init__(self) -> None:
+        # the parts' configs, as dicts in the fields (the manifest's form) and as checked configs beside them
+        if not isinstance(self.vision, dict):
+            self.vision = self.vision.to_dict()
+        if not isinstance(self.decoder, dict):
+            self.decoder = self.decoder.to_dict()
+        self.vision_config = VisionConfig.from_dict(self.vision)
+        self.decoder_config = ModelConfig.from_dict(self.decoder)
+        problems = []
+        if self.projector != "mlp":
+            problems.append(f"projector={self.projector!r} is not one kvforge builds ('mlp')")
+        if self.projector_activation not in ACTIVATIONS:
+            problems.append(f"projector_activation={self.projector_activation!r} is not one of {ACTIVATIONS}")
+        if not (isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.decoder_config.vocab_size):
+            problems.append(f"image_token_id={self.image_token_id!r} is outside the vocabulary "
+                            f"(size {self.decoder_config.vocab_size})")
+        if problems:
+            raise KvforgeError("invalid vision-language config:\n  " + "\n  ".join(problems))
+
+    @property
+    def image_tokens(self) -> int:
+        """The image tokens (features) each image stands as."""
+        return self.vision_config.feature_tokens
+
+
+class VisionLanguageModel(nn.Module):
+    """image_features(pixel_values) -> (N, P, C_text); forward(input_ids, image_features, ...) -> the decoder's
+    (logits, presents) over the text embeddings with the features merged in."""
+
+    def __init__(self, cfg: VisionLanguageConfig):
+        super().__init__()
+        self.config = cfg
+        self.vision = VisionTransformer(cfg.vision_config)
+        self.projector = MLPProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_activation,
+                                      cfg.projector_bias)
+        self.decoder: Transformer = build_model(cfg.decoder_config)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision(pixel_values))
+
+    def embeddings(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's input embeddings: the text's, with image features at the image tokens."""
+        embeds = self.decoder.embed(input_ids)
+        if image_features is None:
+            image_features = embeds.new_zeros(0, embeds.shape[-1])
+        return merge_image_features(embeds, input_ids, image_features, self.config.image_token_id)
+
+    def forward(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values=None, pixel_values: torch.Tensor | None = None):
+        if pixel_values is not None:
+            if image_features is not None:
+                raise KvforgeError("pass pixel_values or image_features, not both")
+            image_features = self.image_features(pixel_values)
+        if image_features is not None:
+            count = int((input_ids == self.config.image_token_id).sum())
+            given = image_features.shape[0] * image_features.shape[1] if image_features.ndim == 3 else image_features.shape[0]
+            if count != given:
+                raise KvforgeError(f"the prompt has {count} image tokens but {given} image features were given "
+                                   f"({self.config.image_tokens} per image)")
+        return self.decoder(input_ids, attention_mask, position_ids, past_key_values,
+                            inputs_embeds=self.embeddings(input_ids, image_features))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_vision_language(cfg: VisionLanguageConfig) -> VisionLanguageModel:
+    return VisionLanguageModel(cfg)

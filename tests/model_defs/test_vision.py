@@ -1,0 +1,123 @@
+"""Vision-language models on the Torch reference against transformers (the oracle): a LLaVA (CLIP image encoder,
+MLP projector, Llama decoder) made locally with random weights, every one perturbed; image features, the merged
+embeddings and the logits on prefill and cached decode, with one and two images and a batch, within 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.errors import KvforgeError
+from kvforge.model_defs.hf_vision import load_vision_language
+
+ATOL = 1e-4
+IMAGE_TOKEN = 299
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30,
+              patch_size=10, projection_dim=16, layer_norm_eps=1e-5)
+TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6)
+PATCHES = 9  # (30 / 10) ** 2
+
+
+def make_llava(path, seed: int = 0, **overrides):
+    """A transformers LLaVA with seeded random weights, every one perturbed (zero biases and unit norms would hide a
+    mapping that drops or swaps them), saved at `path`; returns it in eval mode."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=LlamaConfig(**TEXT),
+                         image_token_index=IMAGE_TOKEN, **overrides)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model
+
+
+def _prompt(images: int, seed: int, text: int = 5) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(3, 290, (text,), generator=gen)]
+    for _ in range(images):
+        parts += [torch.full((PATCHES,), IMAGE_TOKEN), torch.randint(3, 290, (3,), generator=gen)]
+    return torch.cat(parts)[None]
+
+
+def _pixels(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 3, 30, 30, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava") / "hf"
+    return make_llava(path), load_vision_language(path)
+
+
+@torch.no_grad()
+def test_image_features_and_the_merged_embeddings_are_transformers(llava):
+    hf, ours = llava
+    pixels = _pixels(2, seed=1)
+    expected = hf.model.get_image_features(pixel_values=pixels)
+    expected = torch.cat(list(expected.pooler_output if hasattr(expected, "pooler_output") else expected))
+    got = ours.image_features(pixels)
+    assert got.shape == (2, PATCHES, TEXT["hidden_size"])
+    assert (got.reshape(-1, got.shape[-1]) - expected.reshape(-1, got.shape[-1])).abs().max() < ATOL
+    ids = _prompt(2, seed=2)
+    embeds = hf.model.get_input_embeddings()(ids)
+    mask = (ids == IMAGE_TOKEN)[..., None].expand_as(embeds)
+    merged = embeds.masked_scatter(mask, expected.reshape(-1, embeds.shape[-1]))
+    assert (ours.embeddings(ids, got) - merged).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("images", [1, 2])
+@torch.no_grad()
+def test_prefill_and_cached_decode_logits_are_transformers(llava, images):
+    hf, ours = llava
+    ids, pixels = _prompt(images, seed=3), _pixels(images, seed=4)
+    expected = hf(input_ids=ids, pixel_values=pixels, use_cache=True)
+    logits, cache = ours(ids, pixel_values=pixels)
+    assert (logits - expected.logits).abs().max() < ATOL
+    past = expected.past_key_values
+    for step in range(3):  # decode: text tokens over the image's cache, no features
+        nxt = expected.logits[:, -1].argmax(-1, keepdim=True)
+        expected = hf(input_ids=nxt, past_key_values=past, use_cache=True)
+        past = expected.past_key_values
+        logits, cache = ours(nxt, past_key_values=cache)
+        assert (logits - expected.logits).abs().max() < ATOL, step
+
+
+@torch.no_grad()
+def test_a_batch_of_rows_with_their_own_images_is_each_row_alone(llava):
+    hf, ours = llava
+    ids = torch.cat([_prompt(1, seed=5), _prompt(1, seed=6)])
+    pixels = _pixels(2, seed=7)
+    expected = hf(input_ids=ids, pixel_values=pixels).logits
+    logits, _ = ours(ids, pixel_values=pixels)
+    assert (logits - expected).abs().max() < ATOL
+    alone, _ = ours(ids[1:], pixel_values=pixels[1:])
+    assert (logits[1:] - alone).abs().max() < 1e-5
+    with pytest.raises(KvforgeError, match="has 18 image tokens but 9 image features"):
+        ours(ids, pixel_values=pixels[:1])
+
+
+def test_llava_checkpoints_are_read_strictly(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_llava(tmp_path / "full", vision_feature_select_strategy="full", vision_feature_layer=-1)
+    model = load_vision_language(tmp_path / "full")
+    assert model.config.image_tokens == PATCHES + 1 and len(model.vision.layers) == 3
+    tensors = load_file(str(tmp_path / "full" / "model.safetensors"))
+    del tensors[next(k for k in tensors if k.endswith("layers.1.mlp.fc1.weight") and "vision" in k)]
+    tensors["multi_modal_projector.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "full" / "model.safetensors"))
+    with pytest.raises(KvforgeError, match=r"missing tensors \(1\).*layers.1.mlp.fc1.weight(.|\n)*unexpected tensors "
+                                           r"\(1\).*multi_modal_projector.extra.weight"):
+        load_vision_language(tmp_path / "full")
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    config["vision_feature_layer"] = [-2, -1]
+    (tmp_path / "full" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KvforgeError, match="several layers"):
+        load_vision_language(tmp_path / "full")
