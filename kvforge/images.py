@@ -1,0 +1,191 @@
+"""Images for vision-language models: read from a path, bytes or a data URL, and preprocessed into pixel_values
+as the family's Hugging Face image processor does, with Pillow and NumPy only (no Torch; issue 37).
+
+The processing is read from the checkpoint's preprocessor_config.json (`ImageProcessing.from_hf`) and recorded in
+the bundle. CLIP's processor (LLaVA's): convert to RGB (transparency composited onto white), resize (the shortest
+edge to `size["shortest_edge"]`, the other in proportion and truncated, or to `size["height"] x size["width"]`)
+with Pillow's resampling filter, center crop (zero-padded where the image is smaller), rescale (x 1/255, in
+float64 then float32), normalize per channel ((x - mean) / std in float32). Pillow does the resizing, as in
+transformers' Pillow backend, so pixel_values agree with it to float32 rounding.
+
+Options a processor has that change its output and that are not built here are refused by name rather than
+ignored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import KvforgeError
+
+PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
+_OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# keys of a preprocessor_config.json that say nothing about the pixels (or that this processing reads)
+_INERT = {"image_processor_type", "processor_class", "feature_extractor_type", "data_format", "input_data_format",
+          "return_tensors", "device", "disable_grouping", "default_to_square", "image_seq_length", "patch_size",
+          "vision_feature_select_strategy", "num_additional_image_tokens", "use_square_size", "backend"}
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as e:  # a dependency of kvforge: only a broken install lacks it
+        raise KvforgeError("reading images needs Pillow (pip install pillow)") from e
+    return Image
+
+
+@dataclass
+class ImageProcessing:
+    """What turns an image into pixel_values (CLIP's processor; field names as preprocessor_config.json's)."""
+
+    size: dict[str, int] = field(default_factory=lambda: {"shortest_edge": 224})
+    crop_size: dict[str, int] = field(default_factory=lambda: {"height": 224, "width": 224})
+    do_resize: bool = True
+    do_center_crop: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+    resample: int = 3  # Pillow's filter: 3 = BICUBIC (CLIP's), 2 = BILINEAR
+    rescale_factor: float = 1 / 255
+    image_mean: list[float] = field(default_factory=lambda: list(_OPENAI_CLIP_MEAN))
+    image_std: list[float] = field(default_factory=lambda: list(_OPENAI_CLIP_STD))
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.do_resize and not (set(self.size) == {"shortest_edge"} or set(self.size) == {"height", "width"}):
+            problems.append(f"size={self.size}: kvforge resizes to a shortest edge or to a height and width")
+        if self.do_center_crop and set(self.crop_size) != {"height", "width"}:
+            problems.append(f"crop_size={self.crop_size} needs height and width")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)):
+                setattr(self, name, [float(value)] * 3)
+            elif isinstance(value, (list, tuple)) and len(value) == 3:
+                setattr(self, name, [float(v) for v in value])
+            else:
+                problems.append(f"{name}={value!r} is not three channel values")
+        if any(s == 0 for s in self.image_std if isinstance(self.image_std, list)):
+            problems.append("image_std has a zero")
+        if self.resample not in (0, 1, 2, 3, 4, 5):
+            problems.append(f"resample={self.resample!r} is not one of Pillow's filters (0..5)")
+        if problems:
+            raise KvforgeError("image processing: " + "; ".join(problems))
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "ImageProcessing":
+        """From a checkpoint's preprocessor_config.json (CLIP's image processor)."""
+        kind = config.get("image_processor_type", "CLIPImageProcessor")
+        if kind not in PROCESSORS:
+            raise KvforgeError(f"image_processor_type={kind!r} is not one kvforge reproduces ({list(PROCESSORS)})")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(k for k in config if k not in known and k not in _INERT)
+        if unknown:
+            raise KvforgeError(f"the image processor's options {unknown} change pixel_values in ways kvforge does not "
+                               "reproduce")
+        if config.get("default_to_square") and "shortest_edge" in (config.get("size") or {}):
+            raise KvforgeError("default_to_square with a shortest_edge size is not reproduced")
+        return cls(**{k: v for k, v in config.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        """(height, width) of the pixel_values this gives."""
+        if self.do_center_crop:
+            return self.crop_size["height"], self.crop_size["width"]
+        if self.do_resize and "height" in self.size:
+            return self.size["height"], self.size["width"]
+        raise KvforgeError("this image processing keeps each image's own size")
+
+    def __call__(self, images: list[Any]) -> np.ndarray:
+        """pixel_values (N, 3, H, W) float32 of images (Pillow images, paths, bytes or data URLs)."""
+        return np.stack([self.one(load_image(im)) for im in images]).astype(np.float32, copy=False)
+
+    def one(self, image) -> np.ndarray:
+        if self.do_convert_rgb:
+            image = to_rgb(image)
+        elif image.mode not in ("RGB",):
+            raise KvforgeError(f"an image in mode {image.mode!r} with do_convert_rgb off: kvforge takes RGB")
+        if self.do_resize:
+            image = image.resize(self._resized(image.height, image.width)[::-1], resample=self.resample)
+        x = np.moveaxis(np.asarray(image), -1, 0)  # (C, H, W) uint8
+        if self.do_center_crop:
+            x = center_crop(x, self.crop_size["height"], self.crop_size["width"])
+        if self.do_rescale:
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            x = x if np.issubdtype(x.dtype, np.floating) else x.astype(np.float32)
+            mean = np.asarray(self.image_mean, x.dtype)[:, None, None]
+            std = np.asarray(self.image_std, x.dtype)[:, None, None]
+            x = (x - mean) / std
+        return x
+
+    def _resized(self, height: int, width: int) -> tuple[int, int]:
+        if "height" in self.size:
+            return self.size["height"], self.size["width"]
+        target = self.size["shortest_edge"]
+        short, long = (width, height) if width <= height else (height, width)
+        new_long = int(target * long / short)
+        return (new_long, target) if width <= height else (target, new_long)
+
+
+def to_rgb(image):
+    """RGB, with any transparency composited onto white (as transformers converts)."""
+    Image = _pil()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(C, H, W) cropped about its center to (C, height, width), zero-padded where it is smaller."""
+    h, w = x.shape[-2:]
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0 and top + height <= h and left + width <= w:
+        return x[..., top:top + height, left:left + width]
+    new_h, new_w = max(height, h), max(width, w)
+    padded = np.zeros(x.shape[:-2] + (new_h, new_w), x.dtype)
+    pad_top, pad_left = math.ceil((new_h - h) / 2), math.ceil((new_w - w) / 2)
+    padded[..., pad_top:pad_top + h, pad_left:pad_left + w] = x
+    top, left = top + pad_top, left + pad_left
+    return padded[..., max(0, top):min(new_h, top + height), max(0, left):min(new_w, left + width)]
+
+
+def load_image(source: Any):
+    """A Pillow image from a Pillow image, a file path, raw bytes or a data URL (data:image/png;base64,...)."""
+    Image = _pil()
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, str) and source.startswith("data:"):
+        head, _, payload = source.partition(",")
+        if ";base64" not in head:
+            raise KvforgeError("an image data URL must be base64 (data:image/png;base64,...)")
+        try:
+            source = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise KvforgeError(f"an image data URL's payload is not base64: {e}") from e
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise KvforgeError("kvforge does not fetch images from the network: pass a file or a data URL")
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(source))
+        else:
+            image = Image.open(Path(source))
+        image.load()
+    except FileNotFoundError as e:
+        raise KvforgeError(f"no image at {source}") from e
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        where = "the image bytes" if isinstance(source, (bytes, bytearray)) else str(source)
+        raise KvforgeError(f"{where} is not an image Pillow can read: {e}") from e
+    return image
