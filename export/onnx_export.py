@@ -178,8 +178,9 @@ def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, see
     return (ids, mask, positions, *cache)
 
 
-def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
-    """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names."""
+def _rename_dims(graph, cfg, slots: list[str] | None = None, extra: dict[str, dict[int, str]] | None = None) -> None:
+    """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names; `extra` names the dynamic axes of
+    inputs beyond the contract's (input -> {axis: name})."""
     import onnx_ir as ir
 
     values = {v.name: v for v in list(graph.inputs) + list(graph.outputs)}
@@ -206,6 +207,9 @@ def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
             a, b = slot_input_names(slot)
             for name, axis in ((a, 1), (b, 0)):
                 symbol.setdefault(sym(name, axis), LORA_WIDTH)
+    for name, axes in (extra or {}).items():
+        for axis, dim in axes.items():
+            symbol.setdefault(sym(name, axis), dim)
     symbol.pop(None, None)
     # A capped present's length is an expression of the exporter's (Max(0, ... - Max(...))): named here.
     for window, names in zip(windows, cache_names(cfg, "present")):
@@ -226,6 +230,7 @@ def _rename_dims(graph, cfg, slots: list[str] | None = None) -> None:
         dims = [d if isinstance(d, int) else rename(str(d)) for d in v.shape]
         v.shape = ir.Shape(dims)
     known = {BATCH, SEQ, PAST, TOTAL, LORA_WIDTH} | {d for w in windows if w is not None for d in window_dims(w)}
+    known |= {d for axes in (extra or {}).values() for d in axes.values()}
     unknown = {str(d) for v in values.values() for d in (v.shape or []) if not isinstance(d, int) and str(d) not in known}
     if unknown:
         shapes = {v.name: [str(d) for d in v.shape] for v in values.values() if v.shape is not None}

@@ -244,6 +244,10 @@ class VisionLanguageModel(nn.Module):
                                       cfg.projector_bias)
         self.decoder: Transformer = build_model(cfg.decoder_config)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.dtype
+
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision(pixel_values))
 

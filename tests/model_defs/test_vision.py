@@ -121,3 +121,46 @@ def test_llava_checkpoints_are_read_strictly(tmp_path):
     (tmp_path / "full" / "config.json").write_text(json.dumps(config))
     with pytest.raises(KvforgeError, match="several layers"):
         load_vision_language(tmp_path / "full")
+
+
+def test_the_two_graphs_export_validate_and_run_as_transformers(llava, tmp_path):
+    """vision.onnx and decoder.onnx of the LLaVA on ONNX Runtime: validation against the Torch reference passes,
+    and a prefill with two images then cached decode steps give transformers' logits (1e-4)."""
+    import numpy as np
+
+    from kvforge.export.vision_export import (DECODER_GRAPH, FEATURES, VISION_GRAPH, export_vision_language_onnx,
+                                              io_spec, validate_vision_language)
+    from kvforge.ort_session import make_session
+
+    hf, ours = llava
+    export_vision_language_onnx(ours, tmp_path, opset=21)
+    report = validate_vision_language(tmp_path, ours, "float32", 256)
+    assert report["passed"], report["failures"]
+    assert report["greedy"]["matching"] == report["greedy"]["steps"] > 0
+    io = io_spec(ours.config, torch.float32, 256)
+    vision, decoder = make_session(str(tmp_path / VISION_GRAPH)), make_session(str(tmp_path / DECODER_GRAPH))
+    assert [i.name for i in decoder.get_inputs()] == [t.name for t in io.inputs]
+    assert [str(d) for d in decoder.get_inputs()[-1].shape] == ["image_feature_rows", str(TEXT["hidden_size"])]
+    ids, pixels = _prompt(2, seed=8), _pixels(2, seed=9)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, pixel_values=pixels, use_cache=True)
+    features = vision.run(None, {"pixel_values": pixels.numpy()})[0]
+    names = [i.name for i in decoder.get_inputs()]
+    past = {n: np.zeros((1, 2, 0, 12), np.float32) for n in names if n.startswith("past_key_values")}
+    mask = np.ones(ids.shape, np.int64)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask, "position_ids": np.arange(ids.shape[1])[None],
+             FEATURES: features.reshape(-1, features.shape[-1]), **past}
+    out = decoder.run(None, feeds)
+    assert np.abs(out[0] - expected.logits.numpy()).max() < ATOL
+    hf_past = expected.past_key_values
+    for step in range(2):
+        nxt = expected.logits[:, -1:].argmax(-1)
+        with torch.no_grad():
+            expected = hf(input_ids=nxt, past_key_values=hf_past, use_cache=True)
+        hf_past = expected.past_key_values
+        mask = np.ones((1, mask.shape[1] + 1), np.int64)
+        feeds = {"input_ids": nxt.numpy(), "attention_mask": mask, "position_ids": np.asarray([[mask.shape[1] - 1]]),
+                 FEATURES: np.zeros((0, TEXT["hidden_size"]), np.float32),
+                 **dict(zip([n for n in names if n.startswith("past_key_values")], out[1:]))}
+        out = decoder.run(None, feeds)
+        assert np.abs(out[0] - expected.logits.numpy()).max() < ATOL, step
