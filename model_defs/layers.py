@@ -219,29 +219,31 @@ class CrossAttention(nn.Module):
     per source and feeds them to every step.
     """
 
-    def __init__(self, cfg, memory_dim: int | None = None):
+    def __init__(self, cfg, memory_dim: int | None = None, kv_heads: int | None = None):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.kv_heads = cfg.n_heads if kv_heads is None else kv_heads  # fewer: grouped queries (Idefics2's resampler)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         memory_dim = cfg.dim if memory_dim is None else memory_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(memory_dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(memory_dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(memory_dim, self.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(memory_dim, self.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The memory's keys and values, (B, H, L, D) each."""
+        """The memory's keys and values, (B, KV, L, D) each."""
         B, L, _ = memory.shape
-        k = self.k_proj(memory).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(memory).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(memory).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(memory).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
         return k, v
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        return self.o_proj(attend(q, kv[0], kv[1], mask, self.scale, None, bias, self.attn_dropout, grouped=False))
+        grouped = self.kv_heads != self.n_heads
+        return self.o_proj(attend(q, kv[0], kv[1], mask, self.scale, None, bias, self.attn_dropout, grouped=grouped))
 
 
 # --- FFN ----------------------------------------------------------------------
