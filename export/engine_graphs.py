@@ -40,7 +40,10 @@ def graph_specs(bundle: Bundle) -> list[tuple[str, str, IOSpec]]:
     """(role, graph file, IO spec) for each graph of an encoder or encoder-decoder bundle."""
     if not bundle.kind.multi_graph:
         return [("model", bundle.manifest["graph"], bundle.io)]
-    enc = bundle.io.extra["encoder"]
+    enc = bundle.io.extra.get("encoder")
+    if enc is None:
+        raise KvforgeError(f"TensorRT engine plans for {bundle.kind.article}'s graphs are not built yet: run the bundle "
+                           "on onnxruntime")
     enc_io = IOSpec([TensorSpec.from_dict(t) for t in enc["inputs"]], [TensorSpec.from_dict(t) for t in enc["outputs"]],
                     [], [], max_context=bundle.io.max_context)
     return [("encoder", enc["graph"], enc_io), ("decoder", bundle.manifest["graphs"]["decoder"], bundle.io)]

@@ -19,6 +19,8 @@ from .onnx_export import with_lora_inputs
 from .seq2seq_export import DECODER_GRAPH, ENCODER_GRAPH, export_seq2seq_onnx, validate_seq2seq
 from .seq2seq_export import io_spec as seq2seq_io_spec
 from .validate import validate as validate_decoder
+from .vision_export import DECODER_GRAPH as VL_DECODER, VISION_GRAPH, export_vision_language_onnx, validate_vision_language
+from .vision_export import io_spec as vision_language_io_spec
 from .validate_inputs import text_tokens
 
 GRAPH_FILE = "model.onnx"
@@ -75,6 +77,16 @@ def _validate_seq2seq(directory: Path, reference, dtype: str, max_context: int, 
     return validate_seq2seq(directory, reference, dtype, max_context, progress=progress)
 
 
+def _write_vision_language(model, directory: Path, opset: int, external_data: bool | None) -> Graphs:
+    export_vision_language_onnx(model, directory, opset, external_data)
+    return Graphs({"vision": VISION_GRAPH, "decoder": VL_DECODER}, VL_DECODER, None)
+
+
+def _validate_vision_language(directory: Path, reference, dtype: str, max_context: int, progress=None,
+                              tokenizer=None) -> dict[str, Any]:
+    return validate_vision_language(directory, reference, dtype, max_context, progress=progress)
+
+
 _ENCODER = KindExport(_one_graph(export_encoder_onnx), _one_graph_validation(validate_encoder),
                       lambda cfg, dtype, max_context: encoder_io_spec(cfg, max_context))  # token ids in, floats out
 
@@ -83,5 +95,6 @@ EXPORTS: dict[str, KindExport] = {
     "encoder": _ENCODER,
     "perceiver": _ENCODER,
     "encoder-decoder": KindExport(_write_seq2seq, _validate_seq2seq, seq2seq_io_spec),
+    "vision-language": KindExport(_write_vision_language, _validate_vision_language, vision_language_io_spec),
 }
 check_registry("export", EXPORTS)

@@ -54,7 +54,7 @@ from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 _EX_BATCH, _EX_SEQ, _EX_PAST = 2, 3, 5
 
 
-def _example_sizes(windows: list[int | None]) -> tuple[int, int, int]:
+def example_sizes(windows: list[int | None]) -> tuple[int, int, int]:
     capped = {min(w, 4) for w in windows if w is not None}
     batch = next(b for b in (_EX_BATCH, 3, 6) if b not in capped)
     seq = next(s for s in (_EX_SEQ, 2, 7) if s not in capped | {batch})
@@ -66,7 +66,7 @@ DEFAULT_OPSET = 21
 PROTOBUF_LIMIT = 2**31 - 1
 EXTERNAL_DATA = "model.onnx.data"
 
-_NP_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+NP_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def cache_names(cfg, prefix: str) -> list[list[str]]:
@@ -97,7 +97,7 @@ def layer_windows(cfg) -> list[int | None]:
 
 
 def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
-    kv = _NP_DTYPES[dtype]
+    kv = NP_DTYPES[dtype]
     windows = layer_windows(cfg)
 
     def cache(layer: int, present: bool, entry: int) -> list:
@@ -122,7 +122,7 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
 
 def with_lora_inputs(io: IOSpec, model, max_rank: int, targets: list[str]) -> IOSpec:
     """`io` with the LoRA slots' inputs of `model` (add_slots) and the io.extra.lora record."""
-    kv = _NP_DTYPES[model.dtype]
+    kv = NP_DTYPES[model.dtype]
     shapes = slot_shapes(model)
     io.inputs.append(TensorSpec(MASK, kv, [BATCH, LORA_WIDTH]))
     for slot, (fan_in, fan_out) in shapes.items():
@@ -178,7 +178,7 @@ def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, see
     return (ids, mask, positions, *cache)
 
 
-def _rename_dims(graph, cfg, slots: list[str] | None = None, extra: dict[str, dict[int, str]] | None = None) -> None:
+def rename_dims(graph, cfg, slots: list[str] | None = None, extra: dict[str, dict[int, str]] | None = None) -> None:
     """Give the exporter's symbols (s0, s17 + s3, ...) the IO contract's names; `extra` names the dynamic axes of
     inputs beyond the contract's (input -> {axis: name})."""
     import onnx_ir as ir
@@ -315,7 +315,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     dtype = model.dtype
     flat = FlatKVModel(model).eval()
     windows = layer_windows(cfg)
-    batch, seq, past = _example_sizes(windows)
+    batch, seq, past = example_sizes(windows)
     args = example_inputs(cfg, dtype, batch, seq, past, capped_past=4)
     dyn = torch.export.Dim.DYNAMIC
     n_past = sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers))
@@ -330,7 +330,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
         "rest": tuple(rest),
     }
     program = trace(flat, args, dynamic_shapes, input_names(cfg, flat.slots), output_names(cfg), opset)
-    _rename_dims(program.model.graph, cfg, flat.slots)
+    rename_dims(program.model.graph, cfg, flat.slots)
     return save_program(program, path, external_data)
 
 

@@ -27,7 +27,7 @@ from kvforge.bundle import IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
 from .encoder_export import failures_of
-from .onnx_export import _NP_DTYPES, _example_sizes, _rename_dims, cache_names, example_inputs, input_names
+from .onnx_export import NP_DTYPES, example_sizes, rename_dims, cache_names, example_inputs, input_names
 from .onnx_export import io_spec as decoder_io_spec
 from .onnx_export import layer_windows, output_names, save_program, trace
 from .validate import OrtRunner
@@ -48,7 +48,7 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     """The decoder graph's IO (the KV-cache contract and image_features); the vision graph's in extra.vision."""
     dec = cfg.decoder_config
     io = decoder_io_spec(dec, dtype, max_context)
-    kv = _NP_DTYPES[dtype]
+    kv = NP_DTYPES[dtype]
     io.inputs.append(TensorSpec(FEATURES, kv, [FEATURE_ROWS, dec.dim]))
     v = cfg.vision_config
     io.extra["vision"] = {
@@ -98,7 +98,7 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
     _name_axes(program.model.graph, {PIXELS: {0: IMAGES}, FEATURES: {0: IMAGES}})
     save_program(program, directory / VISION_GRAPH, external_data)
 
-    batch, seq, past = _example_sizes(layer_windows(dec))
+    batch, seq, past = example_sizes(layer_windows(dec))
     args = list(example_inputs(dec, model.dtype, batch, seq, past, capped_past=4))
     rows = 4  # an example row count unlike the other dimensions, so that the exporter keeps it its own
     args[0] = args[0].clone()
@@ -109,7 +109,7 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
                "rest": tuple([{0: dyn, 2: dyn}] * n_past + [{0: dyn}])}
     program = trace(DecoderGraph(model).eval(), (*args, features), dynamic, input_names(dec) + [FEATURES],
                     output_names(dec), opset)
-    _rename_dims(program.model.graph, dec, extra={FEATURES: {0: FEATURE_ROWS}})
+    rename_dims(program.model.graph, dec, extra={FEATURES: {0: FEATURE_ROWS}})
     save_program(program, directory / DECODER_GRAPH, external_data)
 
 

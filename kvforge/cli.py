@@ -391,15 +391,24 @@ def _speculation(speculative, draft_tokens, ngram):
 @_sampling_options
 @_speculative_options
 @click.option("--adapter", help="A LoRA adapter of the bundle by name (kvforge lora add).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image for a vision-language bundle, one per placeholder (<image>) in the prompt; repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
-             speculative, draft_tokens, ngram, adapter, as_json):
+             speculative, draft_tokens, ngram, adapter, images, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
     session = runtime.load(source, backend=backend)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty, seed=seed,
                    speculative=_speculation(speculative, draft_tokens, ngram), adapter=adapter)
+    if images:
+        if not isinstance(session, runtime.VisionLanguageSession):
+            raise KvforgeError(f"{source} is {kind_name(session.architecture)}; --image takes a vision-language "
+                               "bundle (LLaVA)")
+        if as_chat:
+            raise KvforgeError("--image with --chat is not built yet: put the image placeholder in --prompt")
+        options["images"] = list(images)
     tokens, text = [], []
     with session:
         events = (session.stream_chat([{"role": "user", "content": prompt}], **options) if as_chat

@@ -55,6 +55,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          length_field="max_input_len", ecosystem=False, order=2),
     Kind("encoder-decoder", "an encoder-decoder", ("encoder", "decoder"), kv_cache=False, generates=True,
          length_field="max_input_len", ecosystem=False, tied_head="lm_head.weight", order=3),
+    # an image encoder and projector (vision.onnx) beside a decoder that reads the images' features (decoder.onnx)
+    Kind("vision-language", "a vision-language model", ("vision", "decoder"), kv_cache=False, generates=True,
+         length_field="max_seq_len", ecosystem=False, tied_head="decoder.lm_head.weight", order=4),
 )}
 
 

@@ -136,7 +136,8 @@ MANIFEST_SCHEMA = Rec({
 
 # the model entries every backend and `inspect` read, by architecture (the rest have defaults in the configs)
 _COMMON = ("family", "vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "max_seq_len")
-MODEL_REQUIRED = {"decoder": (*_COMMON, "head_dim"), "encoder": _COMMON, "perceiver": _COMMON, "encoder-decoder": _COMMON}
+MODEL_REQUIRED = {"decoder": (*_COMMON, "head_dim"), "encoder": _COMMON, "perceiver": _COMMON, "encoder-decoder": _COMMON,
+                  "vision-language": ("vision", "decoder", "image_token_id", "image_processing")}
 # written beside the config's own fields so that every backend reads the same names
 MODEL_EXTRA = {"family": str, "architecture": Enum(*ARCHITECTURES), "n_kv_heads": POSITIVE,
                "head_dim": POSITIVE, "residual_scale": float, "attn_softcap": Opt(float)}
@@ -225,10 +226,15 @@ def print_manifest(path, m: dict[str, Any], console) -> None:
     from rich.table import Table
 
     cfg = m["model"]
+    text = cfg["decoder"] if isinstance(cfg.get("decoder"), dict) else cfg  # a vision-language model's decoder
+    vision = cfg.get("vision") if isinstance(cfg.get("vision"), dict) else None
     console.print(f"[bold]{path}[/]  stage {m.get('stage')}, graph {m.get('graph')}, opset {m.get('opset')}")
     console.print(
-        f"model: {cfg['family']} {cfg['n_layers']} layers x {cfg['dim']}, heads {cfg['n_heads']}/{cfg['n_kv_heads']}, "
-        f"vocab {cfg['vocab_size']}; precision {m['precision']['dtype']}"
+        f"model: {cfg['family']} {text['n_layers']} layers x {text['dim']}, heads {text['n_heads']}/{text.get('n_kv_heads')}, "
+        f"vocab {text['vocab_size']}"
+        + (f"; image encoder {vision['n_layers']} layers x {vision['dim']}, {vision['image_size']} px images in "
+           f"{vision['patch_size']} px patches" if vision else "")
+        + f"; precision {m['precision']['dtype']}"
         + (f", quantized {m['precision']['quantization']}" if m["precision"].get("quantization") else "")
     )
     io = m["io"]

@@ -174,6 +174,10 @@ class Tokenizer:
         token = self.special_tokens[role]
         return None if token is None else self.backend.token_to_id(token)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (an added special token: `<image>`), or None."""
+        return self.backend.token_to_id(token)
+
     @property
     def bos_token_id(self) -> int | None:
         return self._special_id("bos")

@@ -20,6 +20,7 @@ from .encoder import EncoderConfig, build_encoder
 from .model import build_model
 from .perceiver import PerceiverConfig, build_perceiver
 from .seq2seq import Seq2SeqConfig, build_seq2seq
+from .vision import VisionLanguageConfig, build_vision_language
 
 
 class Architecture(NamedTuple):
@@ -62,6 +63,18 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
                        pad_token_id=258, bos_token_id=256, eos_token_id=257, decoder_start_token_id=257,
                        forced_eos_token_id=257),
 }
+
+VISION_LANGUAGE_PRESETS: dict[str, dict[str, Any]] = {
+    # LLaVA-shaped: a CLIP image encoder (30 x 30 images in 10 x 10 patches, a class token, the second-to-last
+    # layer's patches), LLaVA's MLP projector, a Llama decoder whose vocabulary is the byte-level tokenizer's
+    # plus the image token (259).
+    "llava-micro": dict(
+        vision=dict(image_size=30, patch_size=10, dim=32, n_layers=3, n_heads=4, ffn_dim=64, feature_layer=-2),
+        decoder=dict(vocab_size=260, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256,
+                     bos_token_id=256, eos_token_id=257, family="llama"),
+        image_token_id=259),
+}
+
 
 def architecture_of(config: Any) -> str:
     """The architecture of a config object or dict ("decoder" when it does not say)."""
@@ -138,10 +151,18 @@ def _encoder_design(cfg) -> str:
     return " ".join(parts)
 
 
+def _vision_language_design(cfg) -> str:
+    v = cfg.vision_config
+    return (f"vit {v.image_size}px/{v.patch_size} {v.layers_used} layers -> {cfg.image_tokens} image tokens, "
+            f"{cfg.projector} projector; decoder: {_decoder_design(cfg.decoder_config)}")
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     "decoder": Architecture(ModelConfig, build_model, PRESETS, _decoder_design),
     "encoder": Architecture(EncoderConfig, build_encoder, ENCODER_PRESETS, _encoder_design),
     "perceiver": Architecture(PerceiverConfig, build_perceiver, PERCEIVER_PRESETS, _encoder_design),
     "encoder-decoder": Architecture(Seq2SeqConfig, build_seq2seq, SEQ2SEQ_PRESETS, _encoder_design),
+    "vision-language": Architecture(VisionLanguageConfig, build_vision_language, VISION_LANGUAGE_PRESETS,
+                                    _vision_language_design),
 }
 check_registry("model_defs", ARCHITECTURES)

@@ -68,6 +68,9 @@ def normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
     spec = FAMILIES[family]
     out = {}
     for name, t in tensors.items():
+        for before, after in spec.renames:
+            if name.startswith(before):
+                name = after + name[len(before):]
         name = spec.aliases.get(name, name)
         if spec.add_prefix and not name.startswith((spec.add_prefix, *spec.head_prefixes)):
             name = spec.add_prefix + name
@@ -247,6 +250,9 @@ _GENERATION_KEYS = ("eos_token_id", "decoder_start_token_id", "forced_bos_token_
 def read_hf_config(directory: Path) -> dict[str, Any]:
     """config.json, with generation_config.json's generation ids (_GENERATION_KEYS) over the config's."""
     hf = _read_json(directory / "config.json")
+    processor = directory / "preprocessor_config.json"  # an image processor's (vision-language models)
+    if processor.is_file() and "preprocessor_config" not in hf:
+        hf["preprocessor_config"] = _read_json(processor)
     generation = directory / "generation_config.json"
     if generation.is_file():
         gen = _read_json(generation)

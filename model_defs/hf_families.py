@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hf_common import Table
+from .hf_vision import LLAVA_RENAMES, llava_config, llava_leftovers, llava_weights
 from .hf_decoders import (
     cohere,
     cohere_weights,
@@ -86,6 +87,9 @@ class Family:
     # transformers skips when it loads them (bert-base-uncased, a BertForMaskedLM, still holds the pooler and
     # the next-sentence head of its pretraining): (kvforge config) -> prefixes left unread
     leftovers: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
+    # (old prefix, new prefix) pairs applied to checkpoint names first: the names transformers' module tree gives
+    # a part, as the released files name it (a vision-language model's `model.language_model.`)
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 def _static(table: Table) -> Callable[[dict[str, Any], Any], Table]:
@@ -133,3 +137,7 @@ FAMILIES: dict[str, Family] = {
                    duplicates=(("model.encoder.embed_tokens.weight", "model.shared.weight"),
                                ("model.decoder.embed_tokens.weight", "model.shared.weight"))),
 }
+# vision-language models: their decoder read through the decoder families above (model_defs/hf_vision.py)
+FAMILIES["llava"] = Family(llava_config(FAMILIES), llava_weights(FAMILIES), architecture="vision-language",
+                           embedding="decoder.embed.weight", head_prefixes=(), leftovers=llava_leftovers,
+                           renames=LLAVA_RENAMES)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kvforge.errors import KvforgeError
+from kvforge.images import ImageProcessing
 
 from .config import ConfigDict, ModelConfig
 from .layers import Attention, activation_fn, build_ffn, build_norm
@@ -187,9 +188,13 @@ def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features
     beyond the features given (or any, when M = 0) takes a zero row. Callers check that the counts agree."""
     B, T, C = embeds.shape
     is_image = input_ids == image_token_id  # (B, T)
-    order = torch.cumsum(is_image.reshape(-1).to(torch.int64), 0) - 1  # each image token's row in features
+    flat = is_image.reshape(-1).to(torch.float32)
+    # each image token's row in features: a running count, in float32 (exact below 2**24; the type TensorRT's
+    # CumSum and Min take), made an index at the end
+    order = torch.cumsum(flat, 0) - 1
     padded = torch.cat([features.to(embeds.dtype).reshape(-1, C), embeds.new_zeros(1, C)])  # row M: zeros
-    rows = torch.where(is_image.reshape(-1), order.clamp(max=padded.shape[0] - 1), padded.shape[0] - 1)
+    zero_row = torch.ones_like(order) * (padded.shape[0] - 1)
+    rows = torch.where(flat > 0, torch.minimum(order, zero_row), zero_row).to(torch.int64)
     return torch.where(is_image[..., None], padded[rows].reshape(B, T, C), embeds)
 
 
@@ -201,11 +206,15 @@ class VisionLanguageConfig(ConfigDict):
     projector: str = "mlp"  # LLaVA's two-layer MLP
     projector_activation: str = "gelu"
     projector_bias: bool = True
+    # how an image becomes pixel_values (kvforge/images.py ImageProcessing's fields); None: CLIP's at image_size
+    image_processing: dict[str, Any] | None = None
+    image_placeholder: str = "<image>"  # what stands for an image in a prompt's text
     family: str = "kvforge"
     architecture: str = "vision-language"
     extra: dict[str, Any] = field(default_factory=dict)
 
     ARCHITECTURE: ClassVar[str] = "vision-language"
+    KIND: ClassVar[str] = "vision-language config"
 
     def __post_init__(self) -> None:
         # the parts' configs, as dicts in the fields (the manifest's form) and as checked configs beside them
@@ -223,8 +232,35 @@ class VisionLanguageConfig(ConfigDict):
         if not (isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.decoder_config.vocab_size):
             problems.append(f"image_token_id={self.image_token_id!r} is outside the vocabulary "
                             f"(size {self.decoder_config.vocab_size})")
+        if self.image_processing is None:
+            size = self.vision_config.image_size
+            self.image_processing = ImageProcessing(size={"shortest_edge": size},
+                                                    crop_size={"height": size, "width": size}).to_dict()
+        processing = ImageProcessing(**self.image_processing)
+        if processing.output_size != (self.vision_config.image_size,) * 2:
+            problems.append(f"image_processing makes {processing.output_size} images; the image encoder takes "
+                            f"{self.vision_config.image_size} x {self.vision_config.image_size}")
+        if not isinstance(self.image_placeholder, str) or not self.image_placeholder:
+            problems.append(f"image_placeholder must be a non-empty string, got {self.image_placeholder!r}")
         if problems:
             raise KvforgeError("invalid vision-language config:\n  " + "\n  ".join(problems))
+
+    # the decoder's, as the stages that read a generating model's config ask for them
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder_config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.decoder_config.max_seq_len
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.decoder_config.tie_embeddings
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.decoder_config.eos_token_ids
 
     @property
     def image_tokens(self) -> int:
@@ -250,6 +286,10 @@ class VisionLanguageModel(nn.Module):
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision(pixel_values))
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The images' features (N, image_tokens, C_text): what the vision graph computes, once per image."""
+        return self.image_features(pixel_values)
 
     def embeddings(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's input embeddings: the text's, with image features at the image tokens."""

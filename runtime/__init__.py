@@ -18,6 +18,7 @@ from .sampling import SamplingConfig
 from .loading import load
 from .prefix_cache import PrefixCache, PrefixStats
 from .session import BACKENDS, Session, available_backends
+from .vision_session import VisionLanguageSession
 
 __all__ = [
     "BACKENDS",
@@ -35,6 +36,7 @@ __all__ = [
     "Session",
     "Speculation",
     "TokenEvent",
+    "VisionLanguageSession",
     "available_backends",
     "load",
     "parse_speculative",

@@ -14,6 +14,7 @@ from kvforge.kinds import check_registry
 from .encoder_session import EncoderSession
 from .seq2seq_session import Seq2SeqSession
 from .session import open_decoder
+from .vision_session import VisionLanguageSession
 
 
 class SessionKind(NamedTuple):
@@ -26,6 +27,7 @@ SESSIONS: dict[str, SessionKind] = {
     "encoder": SessionKind(EncoderSession, runs_engines=False),
     "perceiver": SessionKind(EncoderSession, runs_engines=False),
     "encoder-decoder": SessionKind(Seq2SeqSession, runs_engines=False),
+    "vision-language": SessionKind(VisionLanguageSession, runs_engines=False),
 }
 check_registry("runtime", SESSIONS)
 

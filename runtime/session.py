@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -98,6 +98,9 @@ class Session(SessionLifecycle):
         self._drafts: dict[str, Session] = {}  # draft sessions opened for speculative decoding, by path
         lora = io.extra.get("lora")
         self.adapters = AdapterSet(lora, source, _lora_dtype(io, lora)) if lora else None  # None: no LoRA slots
+        # inputs the graph takes beyond the contract's, per step from its input ids (a vision-language decoder's
+        # image features: runtime/vision_session.py); None: none
+        self.step_inputs: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -133,7 +136,10 @@ class Session(SessionLifecycle):
         """
         with self._lock:
             step = self._checked_step(input_ids, attention_mask, position_ids, cache)
-            logits, present = self.backend.forward(*step, last_logits_only, self._lora(adapters, step[0].shape[0]))
+            extra = self._lora(adapters, step[0].shape[0])
+            if self.step_inputs is not None:
+                extra = {**(extra or {}), **self.step_inputs(step[0])}
+            logits, present = self.backend.forward(*step, last_logits_only, extra)
             present.owner = self.model_id
             return logits, present
 
@@ -147,6 +153,9 @@ class Session(SessionLifecycle):
         forward(..., last_logits_only=True) calls return (to rounding). adapters: the rows' and the prompt's, as
         forward takes them."""
         (r_ids, r_mask, r_cache), (p_ids, p_mask, p_cache) = rows, prompt
+        if self.step_inputs is not None:
+            raise KvforgeError("a decode step mixed with a prompt's chunk is not made for graphs with inputs beyond "
+                               "the KV-cache contract (a vision-language decoder's image features)")
         with self._lock:
             decode = self._checked_step(r_ids, r_mask, None, r_cache)
             chunk = self._checked_step(p_ids, p_mask, None, p_cache)

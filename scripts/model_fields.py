@@ -12,13 +12,9 @@ import pprint
 
 
 def table() -> dict[str, dict[str, str]]:
-    from kvforge.model_defs.config import ModelConfig
-    from kvforge.model_defs.encoder import EncoderConfig
-    from kvforge.model_defs.perceiver import PerceiverConfig
-    from kvforge.model_defs.seq2seq import Seq2SeqConfig
+    from kvforge.model_defs.architectures import ARCHITECTURES
 
-    kinds = {"decoder": ModelConfig, "encoder": EncoderConfig, "perceiver": PerceiverConfig, "encoder-decoder": Seq2SeqConfig}
-    return {kind: {f.name: str(f.type) for f in dataclasses.fields(cls)} for kind, cls in kinds.items()}
+    return {kind: {f.name: str(f.type) for f in dataclasses.fields(arch.config)} for kind, arch in ARCHITECTURES.items()}
 
 
 def render() -> str:

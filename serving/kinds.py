@@ -62,6 +62,9 @@ SERVED: dict[str, ServedKind] = {
                                   "the model takes sources and writes targets of up to {context} tokens", GENERATE_IO),
     "encoder": ServedKind(None, True, _inputs_only, "the model reads up to {context} tokens", EMBED_IO),
     "perceiver": ServedKind(None, True, _inputs_only, "the model reads up to {context} tokens", EMBED_IO),
+    # text requests, one at a time (images through the server are still to come)
+    "vision-language": ServedKind(_serial, False, _shared_context, "the model's context is {context} tokens",
+                                  GENERATE_IO),
 }
 check_registry("serving", SERVED)
 

@@ -389,3 +389,30 @@ def make_peft_adapter(model, path, seed: int, scale: float = 0.1, **lora_config)
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
     peft_model.save_pretrained(path)
     return peft_model.merge_and_unload().eval()
+
+
+LLAVA_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30,
+                    patch_size=10, projection_dim=16, layer_norm_eps=1e-5)
+LLAVA_TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def make_llava(path, seed: int = 0, **overrides):
+    """A transformers LLaVA with seeded random weights, every one perturbed (zero biases and unit norms would hide a
+    mapping that drops or swaps them), saved at `path` with its image processor (CLIP's, the Pillow backend, at the
+    encoder's 30 x 30); returns it in eval mode."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**LLAVA_VISION), text_config=LlamaConfig(**LLAVA_TEXT),
+                         image_token_index=299, **overrides)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
+    return model

@@ -14,7 +14,11 @@ from click.testing import CliRunner
 
 from kvforge.cli import main
 
-KINDS = {"decoder": "gpt2-micro", "encoder": "bert-micro", "encoder-decoder": "t5-micro", "perceiver": "perceiver-micro"}
+KINDS = {"decoder": "gpt2-micro", "encoder": "bert-micro", "encoder-decoder": "t5-micro", "perceiver": "perceiver-micro",
+         "vision-language": "llava-micro"}
+# calibration and compare of vision-language bundles are still to come (issue 37): refused in one line until then
+REFUSE_VL_CALIBRATE = r"calibrating a vision-language model .* is not built yet"
+REFUSE_VL_COMPARE = r"comparing a vision-language bundle with its reference on images is not built yet"
 REFUSE_GENERATE = r"does not generate text; use embed\(\) or classify\(\)"
 REFUSE_EMBED = r"`kvforge embed` runs encoder bundles .*use `kvforge generate`"
 REFUSE_BENCH = r"`kvforge bench` measures a decoder LM's prefill and decode"
@@ -25,16 +29,19 @@ COMMANDS = {
     "inspect": (lambda b, w: [b], {}),
     "lint": (lambda b, w: [b], {}),
     "calibrate": (lambda b, w: [b, "-o", w / "q", "--precision", "int8", "--random-data", "--samples", "4", "--seq-len", "32",
-                                "--quiet"], {}),
-    "compare": (lambda b, w: [b, "--random-data", "--steps", "2", "--prompts", "1", "--quiet"], {}),
+                                "--quiet"], {"vision-language": REFUSE_VL_CALIBRATE}),
+    "compare": (lambda b, w: [b, "--random-data", "--steps", "2", "--prompts", "1", "--quiet"],
+                {"vision-language": REFUSE_VL_COMPARE}),
     "generate": (lambda b, w: [b, "--prompt", "hello", "--max-new-tokens", "3"], {"encoder": REFUSE_GENERATE, "perceiver": REFUSE_GENERATE}),
     # the micro decoders have no chat template: tests/test_chat.py runs a chat on a checkpoint that has one
     "chat": (lambda b, w: [b, "--max-new-tokens", "2"], {"decoder": r"has no chat template",
-                                                         **{k: REFUSE_CHAT for k in ("encoder", "encoder-decoder", "perceiver")}}),
-    "embed": (lambda b, w: [b, "--text", "hello"], {"decoder": REFUSE_EMBED, "encoder-decoder": REFUSE_EMBED}),
+                                                         **{k: REFUSE_CHAT for k in ("encoder", "encoder-decoder", "perceiver",
+                                                                                     "vision-language")}}),
+    "embed": (lambda b, w: [b, "--text", "hello"], {k: REFUSE_EMBED for k in ("decoder", "encoder-decoder", "vision-language")}),
     "bench": (lambda b, w: [b, "--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "2"],
-              {k: REFUSE_BENCH for k in ("encoder", "encoder-decoder", "perceiver")}),
-    "build": (lambda b, w: [b, "--dry-run"], {}),
+              {k: REFUSE_BENCH for k in ("encoder", "encoder-decoder", "perceiver", "vision-language")}),
+    "build": (lambda b, w: [b, "--dry-run"], {"vision-language": r"TensorRT engine plans for a vision-language model's "
+                                                                 r"graphs are not built yet"}),
     "triton": (lambda b, w: [b, "-o", w / "repo", "--prefill-chunk", "64", "--mixed-steps"], {}),
     # every kind is served (serving/kinds.py): a server runs until a signal, tests/serving/test_triton.py runs them
     "serve": (lambda b, w: [b, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], {}),
@@ -102,7 +109,7 @@ def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, exp
             assert 'key: "mixed_steps" value: { string_value: "True" }' in config
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(k for k in KINDS if k not in COMMANDS["compare"][1]))  # check compares
 def test_check_runs_every_kind_against_its_baseline(kind, exported, tmp_path):
     """The baseline is written from the bundle `kvforge export` wrote (an artifact given as a bundle); the check
     then exports the source itself and compares with it."""

@@ -8,32 +8,14 @@ import pytest
 import torch
 
 from kvforge.errors import KvforgeError
-from kvforge.model_defs.hf_vision import load_vision_language
+from kvforge.model_defs import load
+
+from ..conftest import LLAVA_TEXT as TEXT
+from ..conftest import make_llava
 
 ATOL = 1e-4
-IMAGE_TOKEN = 299
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30,
-              patch_size=10, projection_dim=16, layer_norm_eps=1e-5)
-TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6)
+IMAGE_TOKEN = 299  # the test LLaVA's (tests/conftest.py make_llava)
 PATCHES = 9  # (30 / 10) ** 2
-
-
-def make_llava(path, seed: int = 0, **overrides):
-    """A transformers LLaVA with seeded random weights, every one perturbed (zero biases and unit norms would hide a
-    mapping that drops or swaps them), saved at `path`; returns it in eval mode."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=LlamaConfig(**TEXT),
-                         image_token_index=IMAGE_TOKEN, **overrides)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return model
 
 
 def _prompt(images: int, seed: int, text: int = 5) -> torch.Tensor:
@@ -48,10 +30,14 @@ def _pixels(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 3, 30, 30, generator=torch.Generator().manual_seed(seed))
 
 
+def _load(path):
+    return load(path)[0]
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     path = tmp_path_factory.mktemp("llava") / "hf"
-    return make_llava(path), load_vision_language(path)
+    return make_llava(path), _load(path)
 
 
 @torch.no_grad()
@@ -107,7 +93,7 @@ def test_llava_checkpoints_are_read_strictly(tmp_path):
     from safetensors.torch import load_file, save_file
 
     make_llava(tmp_path / "full", vision_feature_select_strategy="full", vision_feature_layer=-1)
-    model = load_vision_language(tmp_path / "full")
+    model = _load(tmp_path / "full")
     assert model.config.image_tokens == PATCHES + 1 and len(model.vision.layers) == 3
     tensors = load_file(str(tmp_path / "full" / "model.safetensors"))
     del tensors[next(k for k in tensors if k.endswith("layers.1.mlp.fc1.weight") and "vision" in k)]
@@ -115,12 +101,12 @@ def test_llava_checkpoints_are_read_strictly(tmp_path):
     save_file(tensors, str(tmp_path / "full" / "model.safetensors"))
     with pytest.raises(KvforgeError, match=r"missing tensors \(1\).*layers.1.mlp.fc1.weight(.|\n)*unexpected tensors "
                                            r"\(1\).*multi_modal_projector.extra.weight"):
-        load_vision_language(tmp_path / "full")
+        _load(tmp_path / "full")
     config = json.loads((tmp_path / "full" / "config.json").read_text())
     config["vision_feature_layer"] = [-2, -1]
     (tmp_path / "full" / "config.json").write_text(json.dumps(config))
     with pytest.raises(KvforgeError, match="several layers"):
-        load_vision_language(tmp_path / "full")
+        _load(tmp_path / "full")
 
 
 def test_the_two_graphs_export_validate_and_run_as_transformers(llava, tmp_path):

@@ -1,0 +1,219 @@
+"""Sessions over vision-language bundles (LLaVA): images through the vision graph once, then a decoder Session
+over the decoder graph that takes their features (issue 37).
+
+    from kvforge import runtime
+    with runtime.load("runs/llava") as session:                       # a VisionLanguageSession
+        print(session.generate("<image>\\nWhat is in the picture?", images=["cat.png"]).text)
+
+A prompt's text holds the config's image placeholder (`<image>`) once per image; each stands for the image's
+`image_tokens` image tokens, the rows the decoder's graph replaces with that image's features (the placeholder is
+a special token of the model's tokenizer, where it has one: its text is then encoded whole, as transformers'
+processor does; else the text around the placeholders is encoded piece by piece). Token-id prompts hold the image
+tokens themselves. Images are Pillow images, paths, bytes or data URLs, preprocessed as the model's Hugging Face
+image processor does (kvforge/images.py).
+
+Generation is the decoder Session's (runtime/generate.py: greedy or sampled, stop tokens, response formats,
+logprobs): its prefill takes the images' features, each later step none. Backend: onnxruntime, the bundle's
+graphs exactly. A session's calls are serialized.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Iterator
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+from kvforge.images import ImageProcessing
+from kvforge.ort_session import make_session
+from kvforge.tokenizer import Tokenizer
+
+from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, stop_ids, token_rows
+from .ort_backend import OnnxRuntimeBackend
+from .session import Session
+
+FEATURES = "image_features"
+
+
+class VisionLanguageSession:
+    architecture = "vision-language"
+
+    def __init__(self, bundle: Bundle, backend: str = "auto", **options):
+        if backend not in ("auto", "onnxruntime"):
+            raise KvforgeError(f"vision-language bundles run on the onnxruntime backend for now, not {backend!r}")
+        if options.get("variant"):
+            raise KvforgeError("vision-language bundles run their graphs exactly (variant=False)")
+        options["variant"] = False
+        self.bundle = bundle
+        self.source = str(bundle.path)
+        self.config: dict[str, Any] = bundle.model_config
+        self.io = bundle.io
+        spec = self.io.extra["vision"]
+        self.image_token_id = int(spec["image_token_id"])
+        self.image_tokens = int(spec["image_tokens"])
+        self.placeholder = self.config.get("image_placeholder", "<image>")
+        self.processing = ImageProcessing(**self.config["image_processing"])
+        decoder_config = self.config["decoder"]
+        self.tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+        impl = OnnxRuntimeBackend(decoder_config, self.io, bundle, **options)
+        self.decoder = Session(impl, self.tokenizer, decoder_config, self.io, self.source, bundle.graph_sha256)
+        self.decoder.step_inputs = self._step_features
+        self.feature_dim = next(t for t in self.io.inputs if t.name == FEATURES).shape[-1]
+        self.feature_dtype = np.float16 if next(t for t in self.io.inputs if t.name == FEATURES).dtype == "float16" \
+            else np.float32
+        self._vision_graph = bundle.path / spec["graph"]
+        self._vision = None
+        self._threads = options.get("threads")
+        self._pending: deque[np.ndarray] = deque()  # feature rows the next steps' image tokens take, in order
+        self._lock = threading.RLock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        return self.decoder.backend_name
+
+    @property
+    def backend(self):
+        return self.decoder.backend
+
+    @property
+    def max_context(self) -> int:
+        return self.decoder.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    def activate(self):
+        with self._lock:
+            self.decoder.activate()
+            if self._vision is None:
+                self._vision = make_session(str(self._vision_graph), threads=self._threads)
+        return self
+
+    def deactivate(self) -> None:
+        with self._lock:
+            self.decoder.deactivate()
+            self._vision = None
+
+    def __enter__(self):
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    def __repr__(self) -> str:
+        return f"VisionLanguageSession({self.source!r}, backend={self.backend_name!r})"
+
+    # -- images ------------------------------------------------------------------------------
+    def image_features(self, images: list[Any]) -> np.ndarray:
+        """(N, image_tokens, C) features of `images` (Pillow images, paths, bytes or data URLs)."""
+        if not images:
+            return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
+        pixels = self.processing(list(images))
+        self.activate()
+        return self._vision.run(None, {"pixel_values": pixels})[0]
+
+    def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The decoder step's image_features: as many pending rows as its input holds image tokens."""
+        n = int((input_ids == self.image_token_id).sum())
+        if n > len(self._pending):
+            raise KvforgeError(f"the prompt holds {n} image tokens but the images given make {len(self._pending)} "
+                               f"feature rows ({self.image_tokens} per image): give one image per "
+                               f"{self.placeholder!r}")
+        rows = [self._pending.popleft() for _ in range(n)]
+        out = np.stack(rows) if rows else np.zeros((0, self.feature_dim), self.feature_dtype)
+        return {FEATURES: out.astype(self.feature_dtype, copy=False)}
+
+    # -- prompts -----------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        """Text with image placeholders -> ids with image_tokens image tokens per placeholder."""
+        tok = self.tokenizer
+        if tok is None:
+            raise KvforgeError(f"{self.source} has no tokenizer; pass token ids instead of text")
+        if tok.token_to_id(self.placeholder) == self.image_token_id:  # one special token: encode the text whole
+            ids = tok.encode(text)
+        else:
+            pieces = text.split(self.placeholder)
+            ids = tok.encode(pieces[0])
+            for piece in pieces[1:]:
+                ids += [self.image_token_id] + (tok.encode(piece, add_special_tokens=False) if piece else [])
+        out = []
+        for t in ids:
+            out += [t] * self.image_tokens if t == self.image_token_id else [t]
+        return out
+
+    def _prompts(self, prompt) -> tuple[list[list[int]], bool]:
+        return token_rows(prompt, self._encode)
+
+    def _image_rows(self, rows: list[list[int]], images, single: bool) -> list[list[Any]]:
+        """Each row's images, checked against its image tokens."""
+        if images is None:
+            images = [[] for _ in rows]
+        elif single:
+            images = [list(images)]
+        elif len(images) != len(rows) or not all(isinstance(x, (list, tuple)) for x in images):
+            raise KvforgeError(f"a batch of {len(rows)} prompts takes a list of images per prompt")
+        for i, (row, ims) in enumerate(zip(rows, images)):
+            tokens = sum(1 for t in row if t == self.image_token_id)
+            if tokens != len(ims) * self.image_tokens:
+                where = "the prompt" if single else f"prompt {i}"
+                raise KvforgeError(f"{where} holds {tokens} image tokens ({tokens / self.image_tokens:g} images' worth, "
+                                   f"{self.image_tokens} each) but {len(ims)} image(s) were given: put one "
+                                   f"{self.placeholder!r} in the text per image")
+        return [list(x) for x in images]
+
+    def _feed(self, images: list[list[Any]]) -> None:
+        features = self.image_features([im for row in images for im in row])
+        self._pending.clear()
+        self._pending.extend(features.reshape(-1, features.shape[-1]))
+
+    # -- generation --------------------------------------------------------------------------
+    def _stop_ids(self, config: GenerationConfig) -> set[int]:
+        return stop_ids(config, self.config["decoder"].get("eos_token_id"), self.vocab_size, self.tokenizer)
+
+    def _sources(self, prompt) -> tuple[list[list[int]], bool]:
+        return self._prompts(prompt)
+
+    def _check(self, rows: list[list[int]]) -> None:
+        check_prompts(self.decoder, rows)
+        self._image_rows(rows, None, len(rows) == 1)
+
+    def generate(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (its images: a list) or a batch (a list of images per prompt)."""
+        config = config or GenerationConfig.from_kwargs(**kwargs)
+        self._refuse(config)
+        rows, single = self._prompts(prompt)
+        per_row = self._image_rows(rows, images, single)
+        with self._lock:
+            self._feed(per_row)
+            try:
+                results = self.decoder.generate(rows, config)
+            finally:
+                self._pending.clear()
+        return results[0] if single else results
+
+    def stream(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Iterator[TokenEvent]:
+        """Yield each generated token with its text (one prompt and its images)."""
+        config = config or GenerationConfig.from_kwargs(**kwargs)
+        self._refuse(config)
+        rows, single = self._prompts(prompt)
+        if not single:
+            raise KvforgeError("stream() takes one prompt; use generate() for a batch")
+        per_row = self._image_rows(rows, images, True)
+        with self._lock:  # the whole stream: the pending features belong to its prefill
+            self._feed(per_row)
+            try:
+                yield from self.decoder.stream(rows[0], config)
+            finally:
+                self._pending.clear()
+
+    def _refuse(self, config: GenerationConfig) -> None:
+        if config.speculation is not None:
+            raise KvforgeError("speculative decoding with images is not built yet; leave speculative out")
+        if config.adapter is not None:
+            raise KvforgeError("this vision-language bundle has no LoRA slots")

@@ -1,0 +1,102 @@
+"""Vision-language bundles end to end: a LLaVA made locally with transformers (its image processor too) exported
+to vision.onnx + decoder.onnx, run by runtime.load's VisionLanguageSession: greedy generation with images equals
+transformers.generate with the processor's pixel_values; a batch of rows with their own images equals each row
+alone; `kvforge generate --image` on the llava-micro preset streams what the session generates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvforge import runtime
+from kvforge.cli import main
+from kvforge.errors import KvforgeError
+from kvforge.export import export
+
+from ..conftest import make_llava
+
+Image = pytest.importorskip("PIL.Image")
+IMAGE_TOKEN, PATCHES = 299, 9
+
+
+def _image(seed: int, size=(41, 57)):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _ids(images: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    ids = [1] + rng.integers(3, 290, 4).tolist()
+    for _ in range(images):
+        ids += [IMAGE_TOKEN] * PATCHES + rng.integers(3, 290, 3).tolist()
+    return ids
+
+
+@pytest.fixture(scope="module")
+def llava_bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava")
+    hf = make_llava(root / "hf")
+    bundle = export(root / "hf", root / "bundle")
+    return hf, bundle, root
+
+
+def test_the_bundle_records_both_graphs_and_the_image_processing(llava_bundle):
+    _, bundle, _ = llava_bundle
+    assert bundle.kind.name == "vision-language" and bundle.manifest["validation"]["passed"]
+    vision = bundle.io.extra["vision"]
+    assert (bundle.path / vision["graph"]).is_file() and bundle.manifest["graph"] == vision["decoder_graph"]
+    assert vision["image_tokens"] == PATCHES and vision["image_token_id"] == IMAGE_TOKEN
+    assert bundle.model_config["image_processing"]["crop_size"] == {"height": 30, "width": 30}
+
+
+@torch.no_grad()
+def test_greedy_generation_with_images_is_transformers_generate(llava_bundle):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    hf, bundle, root = llava_bundle
+    processor = CLIPImageProcessorPil.from_pretrained(root / "hf")
+    images = [_image(1), _image(2, (80, 33))]
+    ids = _ids(2, seed=3)
+    pixels = torch.from_numpy(processor(images=images, return_tensors="np")["pixel_values"])
+    expected = hf.generate(torch.tensor([ids]), pixel_values=pixels, max_new_tokens=10, do_sample=False)[0, len(ids):]
+    with runtime.load(bundle.path) as session:
+        assert isinstance(session, runtime.VisionLanguageSession)
+        got = session.generate(ids, images=images, max_new_tokens=10)
+        assert got.tokens == expected.tolist()
+        # the images matter (this random model's greedy tokens may not show it; its log-probabilities do)
+        swapped = session.generate(ids, images=images[::-1], max_new_tokens=1, logprobs=0).logprobs[0]
+        assert abs(swapped - session.generate(ids, images=images, max_new_tokens=1, logprobs=0).logprobs[0]) > 1e-4
+        streamed = [e.token for e in session.stream(ids, images=images, max_new_tokens=10)]
+        assert streamed == got.tokens
+
+
+def test_a_batch_of_rows_with_their_own_images_equals_each_row_alone(llava_bundle):
+    _, bundle, _ = llava_bundle
+    prompts = [_ids(1, seed=4), _ids(2, seed=5) + [7, 8, 9]]
+    images = [[_image(6)], [_image(7), _image(8)]]
+    with runtime.load(bundle.path) as session:
+        together = session.generate(prompts, images=images, max_new_tokens=6, ignore_eos=True)
+        alone = [session.generate(p, images=ims, max_new_tokens=6, ignore_eos=True) for p, ims in zip(prompts, images)]
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        with pytest.raises(KvforgeError, match=r"holds 18 image tokens .* but 1 image\(s\) were given"):
+            session.generate(prompts[1], images=[_image(9)], max_new_tokens=2)
+        with pytest.raises(KvforgeError, match="not an image Pillow can read"):
+            session.generate(prompts[0], images=[b"not an image"], max_new_tokens=2)
+
+
+def test_kvforge_generate_image_streams_what_the_session_generates(tmp_path):
+    bundle = export("llava-micro", tmp_path / "b")
+    _image(10).save(tmp_path / "a.png")
+    prompt = "<image> what is this?"
+    with runtime.load(bundle.path) as session:
+        expected = session.generate(prompt, images=[tmp_path / "a.png"], max_new_tokens=6, ignore_eos=True).text
+        ids = session._encode(prompt)
+        assert ids.count(259) == 9 and ids[0] == 256  # one placeholder: 9 image tokens, after the BOS
+    result = CliRunner().invoke(main, ["generate", str(bundle.path), "--prompt", prompt, "--image", str(tmp_path / "a.png"),
+                                       "--max-new-tokens", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+    assert json.loads(result.output.strip().splitlines()[-1])["text"] == expected
+    refused = CliRunner().invoke(main, ["generate", str(bundle.path), "--prompt", prompt, "--max-new-tokens", "2"])
+    assert refused.exit_code == 1 and "holds 9 image tokens" in refused.output
