@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hf_common import Table
-from .hf_vision import LLAVA_RENAMES, llava_config, llava_leftovers, llava_weights
+from .hf_vision import LLAVA_RENAMES, idefics2_config, idefics2_weights, llava_config, llava_leftovers, llava_weights
 from .hf_decoders import (
     cohere,
     cohere_weights,
@@ -141,3 +141,5 @@ FAMILIES: dict[str, Family] = {
 FAMILIES["llava"] = Family(llava_config(FAMILIES), llava_weights(FAMILIES), architecture="vision-language",
                            embedding="decoder.embed.weight", head_prefixes=(), leftovers=llava_leftovers,
                            renames=LLAVA_RENAMES)
+FAMILIES["idefics2"] = Family(idefics2_config(FAMILIES), idefics2_weights(FAMILIES), architecture="vision-language",
+                              embedding="decoder.embed.weight", head_prefixes=())

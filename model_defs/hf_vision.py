@@ -24,6 +24,7 @@ from kvforge.kinds import get_kind
 from kvforge.images import ImageProcessing
 
 from .config import ModelConfig
+from .resampler import ResamplerConfig
 from .vision import VisionConfig
 
 VISION_FAMILIES = ("llava",)
@@ -62,9 +63,9 @@ def llava_config(families: dict[str, Any]):
     """A LLaVA config.json -> VisionLanguageConfig's fields (the decoder through its own family's mapping)."""
 
     def config(hf: dict[str, Any]) -> dict[str, Any]:
-        text, vision = hf.get("text_config"), hf.get("vision_config")
-        if not isinstance(text, dict) or not isinstance(vision, dict):
-            raise KvforgeError("a llava config.json needs text_config and vision_config objects")
+        vision = hf.get("vision_config")
+        if not isinstance(vision, dict):
+            raise KvforgeError("a llava config.json needs a vision_config object")
         layer = hf.get("vision_feature_layer", -2)
         if not isinstance(layer, int) or isinstance(layer, bool):
             raise KvforgeError(f"vision_feature_layer={layer!r}: features concatenated from several layers are not "
@@ -72,11 +73,7 @@ def llava_config(families: dict[str, Any]):
         select = hf.get("vision_feature_select_strategy", "default")
         if select not in ("default", "full"):
             raise KvforgeError(f"vision_feature_select_strategy={select!r} is not 'default' or 'full'")
-        text = {"model_type": "llama", **text}
-        family = families.get(text["model_type"])
-        if family is None or not get_kind(family.architecture).kv_cache:
-            raise KvforgeError(f"text_config.model_type={text['model_type']!r} is not a decoder family kvforge reads")
-        decoder = ModelConfig(**family.config(text))
+        text, decoder = _text_config(families, hf, "llama")
         encoder = _clip_vision(vision, layer, select)
         processing = hf.get("preprocessor_config")
         if processing is None:
@@ -127,16 +124,99 @@ def llava_weights(families: dict[str, Any]):
 
     def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
         text = {"model_type": "llama", **hf.get("text_config", {})}
-        dec = cfg.decoder_config
-        table = {}
-        for ours, (theirs, transform) in families[text["model_type"]].weights(text, dec).items():
-            for i in range(dec.n_layers) if "{i}" in ours else [None]:
-                key, name = (ours, theirs) if i is None else (ours.replace("{i}", str(i)), theirs.replace("{i}", str(i)))
-                table[f"decoder.{key}"] = (f"language_model.{name}", transform)
+        table = _decoder_table(families, text, cfg.decoder_config, lambda name: f"language_model.{name}")
         table.update(vision_table(cfg.vision_config))
         bias = ("weight", "bias") if cfg.projector_bias else ("weight",)
         table.update({f"projector.linear_{i}.{p}": (f"multi_modal_projector.linear_{i}.{p}", None)
                       for i in (1, 2) for p in bias})
+        return table
+
+    return weights
+
+
+def _decoder_table(families: dict[str, Any], text: dict[str, Any], dec, rename) -> dict[str, tuple[str, Any]]:
+    """The decoder family's table for each layer, under decoder. and the checkpoint names `rename` gives."""
+    table = {}
+    for ours, (theirs, transform) in families[text["model_type"]].weights(text, dec).items():
+        for i in range(dec.n_layers) if "{i}" in ours else [None]:
+            key, name = (ours, theirs) if i is None else (ours.replace("{i}", str(i)), theirs.replace("{i}", str(i)))
+            table[f"decoder.{key}"] = (rename(name), transform)
+    return table
+
+
+def _text_config(families: dict[str, Any], hf: dict[str, Any], default: str) -> tuple[dict[str, Any], ModelConfig]:
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise KvforgeError(f"a {hf.get('model_type')} config.json needs a text_config object")
+    text = {"model_type": default, **text}
+    family = families.get(text["model_type"])
+    if family is None or not get_kind(family.architecture).kv_cache:
+        raise KvforgeError(f"text_config.model_type={text['model_type']!r} is not a decoder family kvforge reads")
+    return text, ModelConfig(**family.config(text))
+
+
+def resampler_table(n_layers: int, prefix: str) -> dict[str, tuple[str, None]]:
+    """kvforge's Resampler parameters (model_defs/resampler.py) -> transformers' Idefics2PerceiverResampler's."""
+    table = {"latents": f"{prefix}latents", "norm.weight": f"{prefix}norm.weight"}
+    parts = {"latent_norm": "input_latents_norm", "context_norm": "input_context_norm",
+             "ffn_norm": "post_attention_layernorm", "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
+             "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj", "ffn.gate_proj": "mlp.gate_proj",
+             "ffn.up_proj": "mlp.up_proj", "ffn.down_proj": "mlp.down_proj"}
+    for i in range(n_layers):
+        for ours, theirs in parts.items():
+            table[f"layers.{i}.{ours}.weight"] = f"{prefix}layers.{i}.{theirs}.weight"
+    return {k: (v, None) for k, v in table.items()}
+
+
+def idefics2_config(families: dict[str, Any]):
+    """An Idefics2 config.json -> VisionLanguageConfig's fields: a SigLIP-style encoder (no class token, a patch
+    bias, post_layernorm on the last layer), the connector's gated projection and Perceiver resampler."""
+
+    def config(hf: dict[str, Any]) -> dict[str, Any]:
+        text, decoder = _text_config(families, hf, "mistral")
+        vc, pc = hf.get("vision_config") or {}, hf.get("perceiver_config") or {}
+        processor = hf.get("preprocessor_config")
+        if processor is not None:
+            raise KvforgeError(f"Idefics2's image processor ({processor.get('image_processor_type')}: an aspect-keeping "
+                               "resize, image splitting, padding with a pixel mask) is not reproduced by kvforge yet")
+        try:
+            encoder = VisionConfig(image_size=vc.get("image_size", 224), patch_size=vc.get("patch_size", 32),
+                                   dim=vc.get("hidden_size", 768), n_layers=vc.get("num_hidden_layers", 12),
+                                   n_heads=vc.get("num_attention_heads", 12), ffn_dim=vc.get("intermediate_size", 3072),
+                                   channels=vc.get("num_channels", 3), class_token=False, patch_bias=True,
+                                   pre_norm=False, post_norm=True, norm_eps=vc.get("layer_norm_eps", 1e-6),
+                                   activation=_activation(vc.get("hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act"),
+                                   feature_layer=-1, feature_select="full")
+        except TypeError as e:
+            raise KvforgeError(f"vision_config does not describe Idefics2's image encoder: {e}") from e
+        heads, head_dim = pc.get("resampler_n_heads", 16), pc.get("resampler_head_dim", 96)
+        resampler = ResamplerConfig(dim=decoder.dim, n_latents=pc.get("resampler_n_latents", 64),
+                                    n_layers=pc.get("resampler_depth", 3), n_heads=heads, head_dim=head_dim,
+                                    n_kv_heads=pc.get("num_key_value_heads", heads), ffn_dim=4 * decoder.dim,
+                                    activation=_activation(pc.get("hidden_act", "silu"), "perceiver_config.hidden_act"),
+                                    norm_eps=pc.get("rms_norm_eps", 1e-6))
+        size = encoder.image_size
+        image = ImageProcessing(size={"height": size, "width": size}, do_center_crop=False, image_mean=[0.5] * 3,
+                                image_std=[0.5] * 3, resample=2)
+        return dict(vision=encoder.to_dict(), decoder=decoder.to_dict(), image_token_id=hf.get("image_token_id", 32001),
+                    projector="resampler",
+                    projector_activation=_activation(text.get("hidden_act", "silu"), "text_config.hidden_act"),
+                    projector_ffn_dim=decoder.ffn_dim, resampler=resampler.to_dict(), image_processing=image.to_dict(),
+                    image_placeholder="<image>", family="idefics2")
+
+    return config
+
+
+def idefics2_weights(families: dict[str, Any]):
+    def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
+        text = {"model_type": "mistral", **hf.get("text_config", {})}
+        table = _decoder_table(families, text, cfg.decoder_config,
+                               lambda name: "model.text_model." + name[len("model."):] if name.startswith("model.") else name)
+        table.update(vision_table(cfg.vision_config, "model.vision_model."))
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            table[f"projector.{p}.weight"] = (f"model.connector.modality_projection.{p}.weight", None)
+        table.update({f"projector.resampler.{k}": v for k, v in
+                      resampler_table(cfg.resampler_config.n_layers, "model.connector.perceiver_resampler.").items()})
         return table
 
     return weights

@@ -30,6 +30,7 @@ from kvforge.images import ImageProcessing
 from .config import ConfigDict, ModelConfig
 from .layers import Attention, activation_fn, build_ffn, build_norm
 from .model import Block, Transformer, build_model
+from .resampler import Resampler, ResamplerConfig
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "quick_gelu")
 FEATURE_SELECT = ("default", "full")  # default: the patches only (CLIP's class token dropped); full: every position
@@ -182,6 +183,35 @@ class MLPProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class ResamplerProjector(nn.Module):
+    """Idefics2's connector: a gated MLP from the image encoder's width to the decoder's (its modality projection),
+    then the Perceiver resampler (model_defs/resampler.py): every image becomes n_latents features."""
+
+    def __init__(self, vision_dim: int, text_dim: int, hidden: int, activation: str, resampler: ResamplerConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(vision_dim, hidden, bias=False)
+        self.up_proj = nn.Linear(vision_dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, text_dim, bias=False)
+        self.act = activation_fn(activation)
+        self.resampler = Resampler(resampler)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resampler(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _mlp_projector(cfg: "VisionLanguageConfig") -> nn.Module:
+    return MLPProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_activation, cfg.projector_bias)
+
+
+def _resampler_projector(cfg: "VisionLanguageConfig") -> nn.Module:
+    return ResamplerProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_ffn_dim,
+                              cfg.projector_activation, cfg.resampler_config)
+
+
+# projector name -> its builder: what a config's `projector` selects
+PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector}
+
+
 def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
                          image_token_id: int) -> torch.Tensor:
     """embeds (B, T, C) with the image tokens' rows replaced by features (M, C), taken in reading order; a token
@@ -206,6 +236,8 @@ class VisionLanguageConfig(ConfigDict):
     projector: str = "mlp"  # LLaVA's two-layer MLP
     projector_activation: str = "gelu"
     projector_bias: bool = True
+    projector_ffn_dim: int | None = None  # the resampler projector's gated MLP width
+    resampler: dict[str, Any] | None = None  # ResamplerConfig's fields (projector "resampler")
     # how an image becomes pixel_values (kvforge/images.py ImageProcessing's fields); None: CLIP's at image_size
     image_processing: dict[str, Any] | None = None
     image_placeholder: str = "<image>"  # what stands for an image in a prompt's text
@@ -224,9 +256,18 @@ class VisionLanguageConfig(ConfigDict):
             self.decoder = self.decoder.to_dict()
         self.vision_config = VisionConfig.from_dict(self.vision)
         self.decoder_config = ModelConfig.from_dict(self.decoder)
+        self.resampler_config = ResamplerConfig.from_dict(self.resampler) if self.resampler is not None else None
         problems = []
-        if self.projector != "mlp":
-            problems.append(f"projector={self.projector!r} is not one kvforge builds ('mlp')")
+        if self.projector not in PROJECTORS:
+            problems.append(f"projector={self.projector!r} is not one kvforge builds ({list(PROJECTORS)})")
+        elif (self.projector == "resampler") != (self.resampler_config is not None):
+            problems.append("a resampler projector and a resampler config go together")
+        elif self.projector == "resampler":
+            if self.resampler_config.dim != self.decoder_config.dim:
+                problems.append(f"the resampler's width {self.resampler_config.dim} is not the decoder's "
+                                f"{self.decoder_config.dim}")
+            if not isinstance(self.projector_ffn_dim, int) or self.projector_ffn_dim <= 0:
+                problems.append(f"projector_ffn_dim must be a positive integer, got {self.projector_ffn_dim!r}")
         if self.projector_activation not in ACTIVATIONS:
             problems.append(f"projector_activation={self.projector_activation!r} is not one of {ACTIVATIONS}")
         if not (isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.decoder_config.vocab_size):
@@ -265,7 +306,7 @@ class VisionLanguageConfig(ConfigDict):
     @property
     def image_tokens(self) -> int:
         """The image tokens (features) each image stands as."""
-        return self.vision_config.feature_tokens
+        return self.resampler_config.n_latents if self.resampler_config else self.vision_config.feature_tokens
 
 
 class VisionLanguageModel(nn.Module):
@@ -276,8 +317,7 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.vision = VisionTransformer(cfg.vision_config)
-        self.projector = MLPProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_activation,
-                                      cfg.projector_bias)
+        self.projector = PROJECTORS[cfg.projector](cfg)
         self.decoder: Transformer = build_model(cfg.decoder_config)
 
     @property

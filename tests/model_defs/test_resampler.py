@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvforge.errors import KvforgeError
+from kvforge.model_defs.hf_vision import resampler_table
 from kvforge.model_defs.resampler import Resampler, ResamplerConfig
 
 ATOL = 1e-5
@@ -70,19 +71,6 @@ def test_the_cross_then_self_form_is_the_notes_latent_transformer_block():
     assert (model(padded, mask) - got).abs().max() < ATOL
 
 
-def idefics2_resampler_table(n_layers: int, prefix: str = "") -> dict[str, str]:
-    """kvforge's Resampler parameters -> transformers' Idefics2PerceiverResampler's."""
-    table = {"latents": f"{prefix}latents", "norm.weight": f"{prefix}norm.weight"}
-    parts = {"latent_norm": "input_latents_norm", "context_norm": "input_context_norm",
-             "ffn_norm": "post_attention_layernorm", "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
-             "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj", "ffn.gate_proj": "mlp.gate_proj",
-             "ffn.up_proj": "mlp.up_proj", "ffn.down_proj": "mlp.down_proj"}
-    for i in range(n_layers):
-        for ours, theirs in parts.items():
-            table[f"layers.{i}.{ours}.weight"] = f"{prefix}layers.{i}.{theirs}.weight"
-    return table
-
-
 @torch.no_grad()
 def test_the_joint_form_is_idefics2s_resampler():
     from transformers.models.idefics2.configuration_idefics2 import Idefics2PerceiverConfig
@@ -95,7 +83,7 @@ def test_the_joint_form_is_idefics2s_resampler():
     cfg = ResamplerConfig(dim=32, n_latents=6, n_layers=3, n_heads=4, head_dim=8, n_kv_heads=2, ffn_dim=128)
     ours = Resampler(cfg).eval()
     theirs = hf.state_dict()
-    ours.load_state_dict({k: theirs[v] for k, v in idefics2_resampler_table(3).items()})
+    ours.load_state_dict({k: theirs[v] for k, (v, _) in resampler_table(3, "").items()})
     x = torch.randn(3, 13, 32, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(3, 13, dtype=torch.int64)
     mask[2, 9:] = 0

@@ -150,3 +150,55 @@ def test_the_two_graphs_export_validate_and_run_as_transformers(llava, tmp_path)
                  **dict(zip([n for n in names if n.startswith("past_key_values")], out[1:]))}
         out = decoder.run(None, feeds)
         assert np.abs(out[0] - expected.logits.numpy()).max() < ATOL, step
+
+
+IDEFICS2_LATENTS = 4
+
+
+def make_idefics2(path, seed: int = 0):
+    """A transformers Idefics2 (SigLIP-style encoder, gated projection, Perceiver resampler with grouped K/V heads,
+    Mistral decoder), random weights all perturbed, saved at `path`."""
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    config = Idefics2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=30, patch_size=10),
+        perceiver_config=dict(hidden_act="silu", resampler_n_latents=IDEFICS2_LATENTS, resampler_depth=2,
+                              resampler_n_heads=4, resampler_head_dim=8, num_key_value_heads=2),
+        text_config=dict(model_type="mistral", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+        image_token_id=IMAGE_TOKEN)
+    torch.manual_seed(seed)
+    model = Idefics2ForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("images", [1, 2])
+@torch.no_grad()
+def test_idefics2_features_and_logits_are_transformers(tmp_path, images):
+    hf = make_idefics2(tmp_path / "hf")
+    ours = _load(tmp_path / "hf")
+    assert ours.config.image_tokens == IDEFICS2_LATENTS
+    gen = torch.Generator().manual_seed(images)
+    text = torch.randint(3, 290, (5 + 3 * images,), generator=gen)
+    ids = torch.cat([text[:5]] + [torch.cat([torch.full((IDEFICS2_LATENTS,), IMAGE_TOKEN), text[5 + 3 * i:8 + 3 * i]])
+                                  for i in range(images)])[None]
+    pixels = _pixels(images, seed=10 + images)
+    expected = hf(input_ids=ids, pixel_values=pixels[None], use_cache=True)
+    features = ours.image_features(pixels)
+    assert features.shape == (images, IDEFICS2_LATENTS, 48)
+    hf_features = hf.model.get_image_features(pixel_values=pixels[None])
+    hf_features = getattr(hf_features, "pooler_output", hf_features)
+    hf_features = torch.cat(list(hf_features)) if isinstance(hf_features, (list, tuple)) else hf_features
+    assert (features.reshape(-1, 48) - hf_features.reshape(-1, 48)).abs().max() < ATOL
+    logits, cache = ours(ids, pixel_values=pixels)
+    assert (logits - expected.logits).abs().max() < ATOL
+    nxt = expected.logits[:, -1:].argmax(-1)
+    step = hf(input_ids=nxt, past_key_values=expected.past_key_values, use_cache=True)
+    logits, _ = ours(nxt, past_key_values=cache)
+    assert (logits - step.logits).abs().max() < ATOL
