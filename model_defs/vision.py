@@ -292,6 +292,22 @@ class VisionLanguageConfig(ConfigDict):
         return self.decoder_config.vocab_size
 
     @property
+    def n_layers(self) -> int:
+        return self.decoder_config.n_layers
+
+    @property
+    def dim(self) -> int:
+        return self.decoder_config.dim
+
+    @property
+    def n_heads(self) -> int:
+        return self.decoder_config.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.decoder_config.n_kv_heads
+
+    @property
     def max_seq_len(self) -> int:
         return self.decoder_config.max_seq_len
 

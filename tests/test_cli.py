@@ -33,15 +33,18 @@ def test_models_json(run):
     arch = {p["name"]: p["architecture"] for p in data["presets"]}
     assert {"tiny", "llama-125m", "mistral-micro"} <= {n for n, a in arch.items() if a == "decoder"}
     assert arch["bert-micro"] == "encoder" and arch["perceiver-micro"] == "perceiver"
-    assert arch["t5-micro"] == arch["bart-micro"] == "encoder-decoder"
+    assert arch["t5-micro"] == arch["bart-micro"] == "encoder-decoder" and arch["llava-micro"] == "vision-language"
     assert set(data["hf_families"]) == {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "phi3",
                                         "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "falcon", "bloom",
-                                        "bert", "roberta", "t5", "bart", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"}
+                                        "bert", "roberta", "t5", "bart", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                        "llava", "idefics2"}
     design = {p["name"]: p["design"] for p in data["presets"]}
     assert design["gemma-micro"] == ("rope rmsnorm-sandwich gated-gelu_tanh qk-norm=head window=8 on [0, 2] "
                                      "softcap=5.0/3.0 scaled")
     assert design["neox-micro"] == "rope x0.25 layernorm-pre gelu block=parallel_two_norms"
     assert design["perceiver-micro"] == "16 latents absolute positions layernorm-pre gelu head=classification"
+    assert design["llava-micro"] == ("vit 30px/10 2 layers -> 9 image tokens, mlp projector; decoder: rope "
+                                     "rmsnorm-pre gated-silu")
 
 
 def test_export_inspect_lint_and_refusals(run, tmp_path):
