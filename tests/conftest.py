@@ -397,6 +397,18 @@ LLAVA_TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
+def save_perturbed(model, path, seed: int):
+    """`model` (a transformers model) with every parameter moved by seeded noise, saved at `path`, in eval mode."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model.eval()
+
+
 def make_llava(path, seed: int = 0, **overrides):
     """A transformers LLaVA with seeded random weights, every one perturbed (zero biases and unit norms would hide a
     mapping that drops or swaps them), saved at `path` with its image processor (CLIP's, the Pillow backend, at the
@@ -408,11 +420,6 @@ def make_llava(path, seed: int = 0, **overrides):
     config = LlavaConfig(vision_config=CLIPVisionConfig(**LLAVA_VISION), text_config=LlamaConfig(**LLAVA_TEXT),
                          image_token_index=299, **overrides)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
+    model = save_perturbed(LlavaForConditionalGeneration(config), path, seed)
     CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
     return model

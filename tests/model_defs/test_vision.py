@@ -11,7 +11,7 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs import load
 
 from ..conftest import LLAVA_TEXT as TEXT
-from ..conftest import make_llava
+from ..conftest import make_llava, save_perturbed
 
 ATOL = 1e-4
 IMAGE_TOKEN = 299  # the test LLaVA's (tests/conftest.py make_llava)
@@ -169,13 +169,7 @@ def make_idefics2(path, seed: int = 0):
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
         image_token_id=IMAGE_TOKEN)
     torch.manual_seed(seed)
-    model = Idefics2ForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return model
+    return save_perturbed(Idefics2ForConditionalGeneration(config), path, seed)
 
 
 @pytest.mark.parametrize("images", [1, 2])
