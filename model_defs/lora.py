@@ -49,9 +49,25 @@ DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The layers' linear layers that can take a slot (the projections: not the embedding, the head, a router)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.startswith("layers.") and name.endswith("_proj")}
+    """The layers' linear layers that can take a slot (the projections: not the embedding, the head, a router, nor
+    one its module only reads the weight of: `LORA_EXCLUDED`)."""
+    modules = dict(model.named_modules())
+    return {name: m for name, m in modules.items()
+            if isinstance(m, nn.Linear) and name.startswith("layers.") and name.endswith("_proj")
+            and name.rsplit(".", 1)[-1] not in _excluded_in(modules.get(name.rsplit(".", 1)[0]))}
+
+
+def _excluded_in(parent) -> dict[str, str]:
+    return getattr(parent, "LORA_EXCLUDED", {}) if parent is not None else {}
+
+
+def excluded_layers(model: nn.Module) -> dict[str, str]:
+    """Short target name -> why its layers take no slot (a module reads their weight instead of calling them)."""
+    out = {}
+    for module in model.modules():
+        for leaf, why in _excluded_in(module).items():
+            out[leaf.removesuffix("_proj")] = why
+    return out
 
 
 def _short(module: str) -> str:
@@ -75,6 +91,10 @@ def target_modules(model: nn.Module, targets: tuple[str, ...] | list[str] | None
     if targets is None:
         targets = [t for t in DEFAULT_TARGETS if t in have]
     missing = sorted(set(targets) - set(have))
+    excluded = excluded_layers(model)
+    for target in missing:
+        if target in excluded:
+            raise KvforgeError(f"LoRA target {target!r} takes no slot: {excluded[target]}")
     if missing:
         raise KvforgeError(f"LoRA target(s) {missing} are not linear layers of this model; it has {have}")
     return {name: m for name, m in linears.items() if _short(name) in set(targets)}
@@ -316,9 +336,12 @@ def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict
         weight = normalize_names(family, {f"{module}.weight": None}).popitem()[0]
         targets = fed_by.get(weight)
         if not targets:
+            leaf = module.rsplit(".", 1)[-1]
+            why = next((w for short, w in excluded_layers(model).items() if leaf.startswith(f"{short}_proj")), None)
             raise KvforgeError(f"{directory}: the adapter trains {module}, which has no LoRA slot in this bundle "
-                               f"(its slots are {target_names(model.lora_slots)}; export with --lora-targets "
-                               "covering it)")
+                               + (f"and takes none: {why}" if why else
+                                  f"(its slots are {target_names(model.lora_slots)}; export with --lora-targets "
+                                  "covering it)"))
         scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
         delta = scale * (b @ a)  # (out, in): nn.Linear's layout
         if fan_in_fan_out:

@@ -33,6 +33,10 @@ LATENT_NORM_EPS = 1e-6
 
 
 class LatentAttention(nn.Module):
+    # linear layers whose weight is read, not called: a LoRA slot (model_defs/lora.py) would change nothing there
+    LORA_EXCLUDED = {"kv_b_proj": "latent attention absorbs kv_b into its queries and outputs (its weight is read per "
+                                  "head, the layer is never called), so an adapter there would change nothing"}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H = cfg.n_heads

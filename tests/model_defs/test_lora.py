@@ -190,3 +190,26 @@ def test_an_adapter_of_a_mixtures_fused_experts_gives_pefts_merged_logits(family
     assert (got[[0, 2]] - expected[[0, 2]]).abs().max() < ATOL
     assert (got[1] - base[1]).abs().max() < 1e-5
     assert (got[0] - base[0]).abs().max() > 100 * ATOL
+
+
+@torch.no_grad()
+def test_latent_attentions_projections_take_adapters_as_peft_merges_them(hf_checkpoint, tmp_path):
+    """DeepSeek-V3's latent attention: PEFT adapters on q_a/q_b, the joint latent + RoPE-key projection (whose rows
+    kvforge reorders for its RoPE layout) and kv_b, through the family's weight table, equal PEFT's merged model."""
+    merged = make_peft_adapter(make_hf_model("deepseek_v3"), tmp_path / "adapter", seed=5, r=3, lora_alpha=4,
+                               target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"])
+    ours, _ = load(hf_checkpoint("deepseek_v3"))
+    ids = _ids(2, 7, seed=3)
+    base = ours(ids)[0]
+    # kv_b's weight is absorbed per head, never called: a slot there would change nothing, so it is refused
+    with pytest.raises(KvforgeError, match="target 'kv_b' takes no slot: latent attention absorbs kv_b"):
+        add_slots(ours, ["q_a", "kv_b"])
+    make_peft_adapter(make_hf_model("deepseek_v3"), tmp_path / "kv_b", seed=6, r=2, target_modules=["kv_b_proj"])
+    add_slots(ours, ["q_a", "q_b", "kv_a", "o"])
+    with pytest.raises(KvforgeError, match="kv_b_proj, which has no LoRA slot in this bundle and takes none"):
+        peft_adapter(tmp_path / "kv_b", ours, "deepseek_v3", max_rank=4)
+    adapter = peft_adapter(tmp_path / "adapter", ours, "deepseek_v3", max_rank=4)
+    with feeding(ours, torch_feed([0, 0], [adapter.slots], ours)):
+        got = ours(ids)[0]
+    assert (got - merged(ids).logits).abs().max() < ATOL
+    assert (got - base).abs().max() > 100 * ATOL
