@@ -202,6 +202,7 @@ def test_an_idefics2_bundle_exports_and_validates(tmp_path):
     """Both graphs of the Idefics2 (the resampler's grouped attention over [features; latents] included) pass
     export validation against the Torch reference; the bundle runs an image on ONNX Runtime as transformers does."""
     import numpy as np
+    from PIL import Image
 
     from kvforge import runtime
     from kvforge.export import export
@@ -212,15 +213,10 @@ def test_an_idefics2_bundle_exports_and_validates(tmp_path):
     ids = [1, 5, 6] + [IMAGE_TOKEN] * IDEFICS2_LATENTS + [7, 8]
     image = np.random.default_rng(0).integers(0, 256, (30, 30, 3), dtype=np.uint8)
     with runtime.load(bundle.path) as session:
-        pixels = session.processing([__import__("PIL.Image", fromlist=["Image"]).fromarray(image)])
-        got = session.generate(ids, images=[image_from(image)], max_new_tokens=5)
+        pixels = session.processing([Image.fromarray(image)])  # the fixed-size processing the import recorded
+        got = session.generate(ids, images=[Image.fromarray(image)], max_new_tokens=5)
     with torch.no_grad():
         expected = hf.generate(torch.tensor([ids]), pixel_values=torch.from_numpy(pixels)[None], max_new_tokens=5,
                                do_sample=False)[0, len(ids):]
     assert got.tokens == expected.tolist()
 
-
-def image_from(array):
-    from PIL import Image
-
-    return Image.fromarray(array)
