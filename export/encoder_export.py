@@ -177,6 +177,16 @@ def compare_outputs(cfg, outputs: list[np.ndarray], reference: dict[str, np.ndar
     return result
 
 
+def output_metrics(name: str, cand, ref) -> dict[str, float]:
+    """One output's metrics against the reference (logits' for "logits", a tensor's otherwise), with the reference's
+    magnitude and whether the candidate is finite: what failures_of reads."""
+    cand, ref = np.asarray(cand, np.float32), np.asarray(ref, np.float32)
+    m = metrics.logits_metrics(cand, ref) if name == "logits" else metrics.tensor_metrics(cand, ref)
+    m["reference_magnitude"] = float(np.abs(ref).max()) if ref.size else 0.0
+    m["finite"] = bool(np.isfinite(cand).all())
+    return m
+
+
 def failures_of(result: dict[str, dict], tol: dict[str, float], where: str = "") -> list[str]:
     """The bounds each output's metrics break (max abs: the larger of the bound and its share of the reference's
     magnitude; rel L2), one sentence each, prefixed by `where`."""

@@ -134,29 +134,34 @@ def with_lora_inputs(io: IOSpec, model, max_rank: int, targets: list[str]) -> IO
     return io
 
 
+def group_cache(cfg, flat) -> tuple[tuple, list]:
+    """Flat cache tensors in IO-contract order (and whatever follows them) -> (per layer, its tensors), the rest."""
+    cache, at = [], 0
+    for i in range(cfg.n_layers):
+        n = len(cfg.cache_entries(i))
+        cache.append(tuple(flat[at:at + n]))
+        at += n
+    return tuple(cache), list(flat[at:])
+
+
 class FlatKVModel(torch.nn.Module):
     """The model with flat tensor inputs and outputs, in IO-contract order."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.sizes = [len(model.config.cache_entries(i)) for i in range(model.config.n_layers)]  # tensors per layer
         self.slots = list(getattr(model, "lora_slots", None) or [])
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
         slots take what the model's feed holds (model_defs.lora.feeding)."""
-        cache, at = [], 0
-        for n in self.sizes:
-            cache.append(tuple(rest[at:at + n]))
-            at += n
-        lora = rest[at:]
+        cache, lora = group_cache(self.model.config, rest)
         if lora:
             weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
             with feeding(self.model, LoraFeed(lora[0], weights)):
-                logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
+                logits, present = self.model(input_ids, attention_mask, position_ids, cache)
         else:
-            logits, present = self.model(input_ids, attention_mask, position_ids, tuple(cache))
+            logits, present = self.model(input_ids, attention_mask, position_ids, cache)
         return (logits, *[t for kv in present for t in kv])
 
 

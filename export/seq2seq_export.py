@@ -47,7 +47,7 @@ from kvforge import metrics
 from kvforge.bundle import BATCH, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
-from .encoder_export import example_inputs, failures_of, validation_cases
+from .encoder_export import example_inputs, failures_of, output_metrics, validation_cases
 from .onnx_export import save_program, trace
 from .validate import OrtRunner
 
@@ -242,14 +242,6 @@ TOLERANCES: dict[str, dict[str, float]] = {
 }
 
 
-def _metrics(name: str, cand: np.ndarray, ref: np.ndarray) -> dict[str, float]:
-    cand, ref = np.asarray(cand, np.float32), np.asarray(ref, np.float32)
-    m = metrics.logits_metrics(cand, ref) if name == "logits" else metrics.tensor_metrics(cand, ref)
-    m["reference_magnitude"] = float(np.abs(ref).max()) if ref.size else 0.0
-    m["finite"] = bool(np.isfinite(cand).all())
-    return m
-
-
 def _group(results: list[dict[str, dict]], key: str) -> list[dict[str, float]]:
     return [{k: v for k, v in r[key].items() if k != "finite"} for r in results if key in r]
 
@@ -281,10 +273,10 @@ def validate_seq2seq(directory: Path, reference, dtype: str, max_len: int, fuzz:
         hidden, cross = reference.encode(*src)
         out = enc_run.run(src)
         real = src[1].numpy().astype(bool)
-        result = {"last_hidden_state": _metrics("hidden", out[0][real], hidden.numpy()[real])}
+        result = {"last_hidden_state": output_metrics("hidden", out[0][real], hidden.numpy()[real])}
         kv_c = [o.astype(np.float32).transpose(0, 2, 1, 3)[real] for o in out[1:]]
         kv_r = [t.float().numpy().transpose(0, 2, 1, 3)[real] for kv in cross for t in kv]
-        result["cross_kv"] = metrics.worst([_metrics("kv", c, r) for c, r in zip(kv_c, kv_r)])
+        result["cross_kv"] = metrics.worst([output_metrics("kv", c, r) for c, r in zip(kv_c, kv_r)])
         result["cross_kv"]["finite"] = all(np.isfinite(c).all() for c in kv_c)
         failures += failures_of(result, tol, f"encoder {name} (batch {batch}, length {length})")
         enc_results.append(result)
@@ -309,8 +301,8 @@ def validate_seq2seq(directory: Path, reference, dtype: str, max_len: int, fuzz:
         cand = dec_run.run(args)
         # the reference sees exactly what the candidate sees (the caches rounded to its dtype)
         ref = flat_dec(*(torch.from_numpy(dec_run.cast(t)).float() if t.is_floating_point() else t for t in args))
-        result = {"logits": _metrics("logits", cand[0], ref[0].numpy())}
-        result["present"] = metrics.worst([_metrics("present", c, r.float().numpy()) for c, r in zip(cand[1:], ref[1:])])
+        result = {"logits": output_metrics("logits", cand[0], ref[0].numpy())}
+        result["present"] = metrics.worst([output_metrics("present", c, r.float().numpy()) for c, r in zip(cand[1:], ref[1:])])
         result["present"]["finite"] = all(np.isfinite(np.asarray(c, np.float32)).all() for c in cand[1:])
         failures += failures_of(result, tol, f"decoder {name} (batch {batch}, past {past}, new {seq})")
         dec_results.append(result)
@@ -355,8 +347,8 @@ def _lockstep(enc_run, dec_run, reference, tol, seed, max_len, tick) -> dict[str
     for step in range(steps):
         lc, cp = cand_step(ids, cp)
         lr, rp = ref_step(ids, rp)
-        result = {"logits": _metrics("logits", lc, lr.numpy()),
-                  "present": metrics.worst([_metrics("p", np.asarray(c, np.float32), r.float().numpy())
+        result = {"logits": output_metrics("logits", lc, lr.numpy()),
+                  "present": metrics.worst([output_metrics("p", np.asarray(c, np.float32), r.float().numpy())
                                             for (ck, cv), (rk, rv) in zip(cp, rp) for c, r in ((ck, rk), (cv, rv))])}
         result["present"]["finite"] = True
         failures += failures_of(result, tol, f"lockstep step {step}")

@@ -26,8 +26,8 @@ from kvforge import metrics
 from kvforge.bundle import IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
-from .encoder_export import failures_of
-from .onnx_export import NP_DTYPES, example_sizes, rename_dims, cache_names, example_inputs, input_names
+from .encoder_export import failures_of, output_metrics
+from .onnx_export import NP_DTYPES, cache_names, example_inputs, example_sizes, group_cache, input_names, rename_dims
 from .onnx_export import io_spec as decoder_io_spec
 from .onnx_export import layer_windows, output_names, save_program, trace
 from .validate import OrtRunner
@@ -75,16 +75,11 @@ class DecoderGraph(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        cfg = model.config.decoder_config
-        self.sizes = [len(cfg.cache_entries(i)) for i in range(cfg.n_layers)]
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
-        cache, at = [], 0
-        for n in self.sizes:
-            cache.append(tuple(rest[at:at + n]))
-            at += n
-        embeds = self.model.embeddings(input_ids, rest[at])
-        logits, present = self.model.decoder(input_ids, attention_mask, position_ids, tuple(cache), inputs_embeds=embeds)
+        cache, (features,) = group_cache(self.model.config.decoder_config, rest)
+        embeds = self.model.embeddings(input_ids, features)
+        logits, present = self.model.decoder(input_ids, attention_mask, position_ids, cache, inputs_embeds=embeds)
         return (logits, *[t for kv in present for t in kv])
 
 
@@ -124,14 +119,6 @@ def _name_axes(graph, axes: dict[str, dict[int, str]]) -> None:
             value.shape = ir.Shape(dims)
 
 
-def _metrics(name: str, cand, ref) -> dict[str, float]:
-    cand, ref = np.asarray(cand, np.float32), np.asarray(ref, np.float32)
-    m = metrics.logits_metrics(cand, ref) if name == "logits" else metrics.tensor_metrics(cand, ref)
-    m["reference_magnitude"] = float(np.abs(ref).max()) if ref.size else 0.0
-    m["finite"] = bool(np.isfinite(cand).all())
-    return m
-
-
 def _prompt(cfg, images_per_row: list[int], text: int, seed: int) -> torch.Tensor:
     """Rows of random text with each row's images as image-token runs (equal lengths: rows pad with text)."""
     gen = torch.Generator().manual_seed(seed)
@@ -166,7 +153,7 @@ def validate_vision_language(directory: Path, reference, dtype: str, max_context
         pixels = torch.randn(n, v.channels, v.image_size, v.image_size, generator=gen)
         want = reference.image_features(pixels.to(reference.decoder.dtype))
         got = vis.session.run(None, {PIXELS: pixels.numpy()})[0]
-        result = {"image_features": _metrics("features", got, want.float().numpy())}
+        result = {"image_features": output_metrics("features", got, want.float().numpy())}
         failures += failures_of(result, tol, f"vision graph, {n} image(s)")
         vision_results.append(result)
     names = [n for layer in cache_names(dec, "past_key_values") for n in layer]
@@ -181,8 +168,8 @@ def validate_vision_language(directory: Path, reference, dtype: str, max_context
 
     def ref(ids, mask, features, past):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        cache = None if past is None else _grouped(dec, [torch.from_numpy(np.asarray(p, np.float32)).to(reference.decoder.dtype)
-                                                          for p in past])
+        flat = [torch.from_numpy(np.asarray(p, np.float32)).to(reference.decoder.dtype) for p in past]
+        cache, _ = group_cache(dec, flat)
         logits, present = reference.decoder(ids, mask, positions, cache,
                                             inputs_embeds=reference.embeddings(ids, features.reshape(-1, dec.dim)))
         return logits.float().numpy(), [t for kv in present for t in kv]
@@ -195,14 +182,14 @@ def validate_vision_language(directory: Path, reference, dtype: str, max_context
         past = [np.zeros((ids.shape[0],) + s[1:], run.cast(torch.zeros(1)).dtype) for s in _empty_shapes(dec, 1)]
         lc, pc = cand(ids, mask, features, past)
         lr, _ = ref(ids, mask, features, [run.cast(torch.from_numpy(p)) for p in past])
-        result = {"logits": _metrics("logits", lc, lr)}
+        result = {"logits": output_metrics("logits", lc, lr)}
         for step in range(2):  # decode over the image's cache: no features
             nxt = torch.as_tensor(np.asarray(lr)[:, -1:].argmax(-1))
             mask = torch.ones(ids.shape[0], mask.shape[1] + 1, dtype=torch.int64)
             none = torch.zeros(0, dec.dim, dtype=reference.decoder.dtype)
             lr, _ = ref(nxt, mask, none, [run.cast(torch.from_numpy(np.asarray(p, np.float32))) for p in pc])
             lc, pc = cand(nxt, mask, none, pc)
-            result[f"decode {step}"] = _metrics("logits", lc, lr)
+            result[f"decode {step}"] = output_metrics("logits", lc, lr)
         failures += failures_of(result, tol, f"decoder, {name}")
         decoder_results.append(result)
         if progress:
@@ -227,15 +214,6 @@ def _finite_dropped(results: list[dict[str, dict]]) -> list[dict[str, dict]]:
 
 def _empty_shapes(dec, batch: int) -> list[tuple[int, ...]]:
     return [(batch, heads, 0, dim) for i in range(dec.n_layers) for _, heads, dim in dec.cache_entries(i)]
-
-
-def _grouped(dec, flat: list[torch.Tensor]):
-    out, at = [], 0
-    for i in range(dec.n_layers):
-        n = len(dec.cache_entries(i))
-        out.append(tuple(flat[at:at + n]))
-        at += n
-    return tuple(out)
 
 
 def _greedy(cfg, reference, cand, ref, run, gen, steps: int) -> dict[str, Any]:

@@ -166,9 +166,10 @@ def _check_rank(directory: Path, module: str, r: int, max_rank: int | None) -> N
                            "(export with a larger --lora-max-rank)")
 
 
-def _wraps_parameters(config: dict[str, Any], module: str) -> bool:
-    """Whether `module` is one that the adapter's target_parameters name a parameter of."""
-    return any(f"{module}.{t.rsplit('.', 1)[-1]}".endswith(t) for t in config.get("target_parameters") or [])
+def _target_parameters(config: dict[str, Any], module: str) -> list[str]:
+    """The parameters of `module` (their leaf names) that the adapter's target_parameters name."""
+    return [t.rsplit(".", 1)[-1] for t in config.get("target_parameters") or []
+            if f"{module}.{t.rsplit('.', 1)[-1]}".endswith(t)]
 
 
 def _expert_deltas(directory: Path, module: str, a: torch.Tensor, b: torch.Tensor, model: nn.Module,
@@ -182,8 +183,7 @@ def _expert_deltas(directory: Path, module: str, a: torch.Tensor, b: torch.Tenso
     while _PARAM_WRAPPER.search(owner):
         owner = _PARAM_WRAPPER.sub("", owner)
     layer = re.search(r"(?:^|\.)layers\.(\d+)\.", owner + ".")
-    params = [t.rsplit(".", 1)[-1] for t in config.get("target_parameters") or []
-              if f"{owner}.{t.rsplit('.', 1)[-1]}".endswith(t)]
+    params = _target_parameters(config, owner)
     shapes = slot_shapes(model)
     experts = {}  # expert index -> {kvforge layer: (in, out)}
     if layer is not None:
@@ -328,7 +328,7 @@ def peft_adapter(directory: Path, model: nn.Module, family: str, hf_config: dict
                                "a rank-r pair (r x in, out x r)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvforgeError(f"{directory}: {module}'s LoRA weights hold NaN or infinite values")
-        if _PARAM_WRAPPER.search(module) or _wraps_parameters(config, module):
+        if _PARAM_WRAPPER.search(module) or _target_parameters(config, module):
             deltas.update(_expert_deltas(directory, module, a, b, model, config, max_rank))
             continue
         r = a.shape[0]

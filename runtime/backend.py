@@ -117,8 +117,9 @@ class Backend(Runner):
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache,
         last_only: bool = False, lora: dict[str, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, KVCache]:
-        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T. lora: a
-        graph with LoRA slots' inputs (runtime/lora.py AdapterSet.feeds), by input name."""
+        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T. lora: the
+        graph's inputs beyond the KV-cache contract, by input name: its LoRA slots' (runtime/lora.py
+        AdapterSet.feeds), or the step inputs a Session adds (a vision-language decoder's image_features)."""
         self.check_active()
         if cache.backend != self.name:
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")

@@ -31,7 +31,7 @@ from kvforge.images import ImageProcessing
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
-from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, stop_ids, token_rows
+from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .session import Session
 
@@ -173,7 +173,7 @@ class VisionLanguageSession:
 
     # -- generation --------------------------------------------------------------------------
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
-        return stop_ids(config, self.config["decoder"].get("eos_token_id"), self.vocab_size, self.tokenizer)
+        return self.decoder._stop_ids(config)
 
     def _sources(self, prompt) -> tuple[list[list[int]], bool]:
         return self._prompts(prompt)

@@ -29,19 +29,8 @@ FAMILIES = {
 def _adapter(family: str, targets, rank: int, path, seed: int = 0):
     """A PEFT adapter of `family`'s test model with random A and B (B is zero at PEFT's default init), saved to
     `path`; returns PEFT's merged model."""
-    from peft import LoraConfig, get_peft_model
-
-    hf = make_hf_model(family)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank + 1, target_modules=targets, init_lora_weights=False,
-                        fan_in_fan_out=family == "gpt2", lora_dropout=0.0)
-    torch.manual_seed(seed + 7)
-    peft_model = get_peft_model(hf, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape))
-    peft_model.save_pretrained(path)
-    return peft_model.merge_and_unload().eval()
+    return make_peft_adapter(make_hf_model(family), path, seed + 7, r=rank, lora_alpha=2 * rank + 1,
+                             target_modules=targets, fan_in_fan_out=family == "gpt2")
 
 
 def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:

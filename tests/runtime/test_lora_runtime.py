@@ -19,7 +19,7 @@ from kvforge.cli import main
 from kvforge.errors import KvforgeError
 from kvforge.export import export
 
-from ..conftest import make_hf_model
+from ..conftest import make_hf_model, make_peft_adapter
 
 ATOL = 1e-4
 HF = dict(vocab_size=4096)  # the test Llama with tiny's tokenizer (4096 tokens), so that text prompts work
@@ -29,17 +29,8 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 120, 64], [200, 1, 33, 12, 90], [1
 
 def _peft(rank: int, path, seed: int, targets="all-linear"):
     """A PEFT adapter of the llama test model with random A and B, saved at `path`; returns the merged model."""
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(make_hf_model("llama", **HF), LoraConfig(r=rank, lora_alpha=rank + 3, target_modules=targets,
-                                                              init_lora_weights=False, lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return model.merge_and_unload().eval()
+    return make_peft_adapter(make_hf_model("llama", **HF), path, seed, r=rank, lora_alpha=rank + 3,
+                             target_modules=targets)
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +265,6 @@ def test_a_mixtures_experts_take_adapters_through_the_exported_graph(tmp_path):
 
     from kvforge.model_defs.checkpoint import trained_dir
 
-    from ..conftest import make_peft_adapter
 
     make_hf_model("qwen2_moe", vocab_size=4096).save_pretrained(tmp_path / "hf", safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
