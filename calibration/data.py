@@ -40,6 +40,9 @@ class CalibrationSet:
 
 
 def read_text_file(path: Path, what: str) -> str:
+    if path.is_dir():
+        raise KvforgeError(f"{what} {path} is a directory; a directory of images calibrates or compares "
+                           "vision-language models only: give a text file")
     if not path.is_file():
         raise KvforgeError(f"{what} file {path} does not exist")
     try:
@@ -110,10 +113,10 @@ def load_calibration_set(
     did not see."""
     if samples < 1 or seq_len < 1:
         raise KvforgeError(f"need samples >= 1 and seq_len >= 1, got {samples} and {seq_len}")
-    max_context = bundle.io.max_context or bundle.model_config["max_seq_len"]
+    max_context = bundle.io.max_context or bundle.text_config["max_seq_len"]
     if seq_len > max_context:
         raise KvforgeError(f"seq_len {seq_len} exceeds the bundle's max context {max_context}")
-    vocab = bundle.model_config["vocab_size"]
+    vocab = bundle.text_config["vocab_size"]
     if random_data:
         rng = np.random.default_rng(seed)
         try:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from kvforge.errors import KvforgeError
 from kvforge.kinds import check_registry
 
 from .one_graph import quantize_one_graph
 from .recipe import Quantized
 from .seq2seq import quantize_seq2seq
+from .vision import quantize_vision_language
 
 
 class KindQuantizer(NamedTuple):
@@ -26,16 +26,12 @@ class KindQuantizer(NamedTuple):
 _ONE_GRAPH_ENCODER = KindQuantizer(quantize_one_graph, fits_budget=False)
 
 
-def _not_yet(bundle, recipe, held_out, progress) -> Quantized:
-    raise KvforgeError(f"calibrating {bundle.kind.article} (its vision graph on images, then its decoder) is not built "
-                       "yet: run the float bundle (kvforge generate --image)")
-
 QUANTIZERS: dict[str, KindQuantizer] = {
     "decoder": KindQuantizer(quantize_one_graph, fits_budget=True),
     "encoder": _ONE_GRAPH_ENCODER,
     "perceiver": _ONE_GRAPH_ENCODER,
     "encoder-decoder": KindQuantizer(quantize_seq2seq, fits_budget=False),
-    "vision-language": KindQuantizer(_not_yet, fits_budget=False),
+    "vision-language": KindQuantizer(quantize_vision_language, fits_budget=False),
 }
 check_registry("calibration", QUANTIZERS)
 

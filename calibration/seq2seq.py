@@ -13,7 +13,6 @@ scales; lm_head stays in float (as in decoders) unless asked.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -25,9 +24,7 @@ from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
 from .data import jsonl_items, load_calibration_set, read_text_file
-from .gptq import HessianAccumulator, gptq_rounder
-from .passes import activation_scales, observe
-from .qdq import check_weights_finite, find_targets, rewrite
+from .multi_graph import graph_targets, quantize_graphs
 from .recipe import Quantized, Recipe
 
 
@@ -90,43 +87,13 @@ def quantize_seq2seq(bundle: Bundle, recipe: Recipe, held_out, progress: Callabl
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
-    exclude = list(recipe.exclude)
-    found = {role: find_targets(m, exclude, recipe.quantize_lm_head, require_matches=False) for role, m in models.items()}
-    names = [t.layer for targets, excluded in found.values() for t in targets] + [n for _, ex in found.values() for n in ex]
-    unmatched = [p for p in exclude if not any(re.search(p, n) for n in names)]
-    if unmatched:
-        raise KvforgeError(f"--exclude {unmatched} matches no linear layer of either graph; their names look like {names[:3]}")
-    for role, (targets, _) in found.items():
-        check_weights_finite(models[role], targets)
-
+    found = graph_targets(models, recipe)
     items, record = calibration_items(bundle, recipe.data, recipe.samples, recipe.seq_len, recipe.random_data,
                                       recipe.batch_size) if recipe.needs_data else (None, {"data": None})
-    encoder_feeds, decoder_feeds = _feeds(bundle, models["decoder"], float_dtype) if items else (None, None)
-    out, scales, layers, excluded_all = {}, {}, [], []
-    for role, feeds in (("encoder", encoder_feeds), ("decoder", decoder_feeds)):
-        model = models[role]
-        targets, excluded = found[role]
-        act_amax = smooth = hessians = round_weight = None
-        report = lambda phase, done, total, role=role: progress(f"{phase} {role}", done, total)  # noqa: E731
-        if items is not None:
-            activations = list(dict.fromkeys(t.activation for t in targets))
-            hessians = HessianAccumulator(activations) if recipe.gptq else None
-            observers, channel_amax, run = observe(model, activations, lambda: iter(items), len(items), feeds,
-                                                    recipe.smoothquant is not None, float_dtype, report, hessians)
-        if not recipe.weight_only:
-            act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(items),
-                                                 len(items), recipe.precision, recipe.method, recipe.percentile,
-                                                 recipe.smoothquant, report)
-        if recipe.gptq:
-            round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, report,
-                                        len(targets))
-        scales[role] = rewrite(model, targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype,
-                               round_weight)
-        out[graphs[role]] = model
-        layers += [t.layer for t in targets]
-        excluded_all += excluded
-    quantization = {**recipe.quantization_record(layers, excluded_all), "graphs": list(graphs)}
-    return Quantized(out, quantization, {**record, "scales": scales, "accuracy_budget": None})
+    feeds = dict(zip(("encoder", "decoder"), _feeds(bundle, models["decoder"], float_dtype))) if items else {}
+    return quantize_graphs({role: models[role] for role in ("encoder", "decoder")}, graphs, found,
+                           {"encoder": items, "decoder": items} if items else None, feeds, recipe, float_dtype,
+                           progress, record)
 
 
 def _feeds(bundle: Bundle, decoder, float_dtype):

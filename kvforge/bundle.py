@@ -250,6 +250,12 @@ class Bundle:
         return self.manifest["model"]
 
     @property
+    def text_config(self) -> dict[str, Any]:
+        """The config of the model's text side (a vision-language model's decoder; the model itself elsewhere)."""
+        nested = self.kind.text_config
+        return self.model_config[nested] if nested else self.model_config
+
+    @property
     def graph_file(self) -> Path:
         return self.path / self.manifest["graph"]
 

@@ -229,7 +229,7 @@ def inspect(bundle, as_json):
 @click.option("--method", type=click.Choice(["max", "percentile", "entropy", "mse"]),
               help="How activation ranges are chosen from the statistics (a fixed recipe; default max).")
 @click.option("--percentile", type=float, help="For --method percentile (default 99.99).")
-@click.option("--data", type=click.Path(dir_okay=False), help="Calibration text: a UTF-8 file, or .jsonl with one text per line.")
+@click.option("--data", type=click.Path(), help="Calibration text: a UTF-8 file, or .jsonl with one text per line; for a vision-language model, a directory of images (PNG, JPEG, ...) with at most one text file.")
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
@@ -266,6 +266,8 @@ def calibrate(bundle, out, precision, recipe, method, percentile, data, samples,
             starved_experts=starved_experts, recipe=recipe)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
+    if c.get("image_count"):
+        data_note += f" and {c['image_count']} images ({c['images']})"
     click.echo(
         f"wrote {b.path}: {precision} ({q['weights']} weights"
         + (", GPTQ-rounded" if q.get("weight_rounding") == "gptq" else "")
@@ -632,7 +634,7 @@ def _wide_console():
 @main.command()
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False))
 @click.option("--reference", help="Bundle or model source run on Torch (default: the source CANDIDATE was exported from).")
-@click.option("--data", type=click.Path(dir_okay=False), help="Held-out text (UTF-8, or JSONL; default: tiny's held-out text for tiny's tokenizer, else the built-in English prose).")
+@click.option("--data", type=click.Path(), help="Held-out text (UTF-8, or JSONL; default: tiny's held-out text for tiny's tokenizer, else the built-in English prose); for a vision-language model, a directory of images with at most one text file.")
 @_backend_option
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(1), help="Decode steps per prompt.")
 @click.option("--prompts", default=4, show_default=True, type=click.IntRange(1), help="Prompts for the decode comparison.")

@@ -189,3 +189,42 @@ def load_image(source: Any):
         where = "the image bytes" if isinstance(source, (bytes, bytearray)) else str(source)
         raise KvforgeError(f"{where} is not an image Pillow can read: {e}") from e
     return image
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def image_files(directory: str | Path) -> list[Path]:
+    """The image files of a directory (PNG, JPEG, WebP, BMP, GIF, TIFF by suffix; not its subdirectories), sorted."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise KvforgeError(f"{directory} is not a directory of images")
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise KvforgeError(f"{directory} holds no image files ({', '.join(s[1:] for s in IMAGE_SUFFIXES)})")
+    return files
+
+
+def synthetic_images(count: int, seed: int = 0, size: tuple[int, int] = (320, 256)) -> list[Any]:
+    """`count` RGB Pillow images (width, height = size) made from a seed: smooth color fields with a few hard-edged
+    shapes and fine texture, so that encoders see both low- and high-frequency content. A stand-in where no
+    images were given (calibration, compare); real pictures like the model's inputs calibrate better."""
+    Image = _pil()
+    from PIL import ImageDraw
+
+    rng = np.random.default_rng(seed)
+    width, height = size
+    out = []
+    for _ in range(count):
+        coarse = rng.integers(0, 256, (rng.integers(2, 6), rng.integers(2, 6), 3), dtype=np.uint8)
+        image = Image.fromarray(coarse, "RGB").resize((width, height), resample=3)
+        draw = ImageDraw.Draw(image)
+        for _ in range(int(rng.integers(1, 6))):
+            x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(0, height - 8))
+            box = [x0, y0, int(rng.integers(x0 + 4, width)), int(rng.integers(y0 + 4, height))]
+            color = tuple(int(c) for c in rng.integers(0, 256, 3))
+            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=color)
+        noise = rng.normal(0, rng.uniform(0, 12), (height, width, 3))
+        pixels = np.clip(np.asarray(image, np.float64) + noise, 0, 255).astype(np.uint8)
+        out.append(Image.fromarray(pixels, "RGB"))
+    return out

@@ -37,6 +37,7 @@ class Kind:
     cls_pooling: bool = False  # its first position is a [CLS] token that pooling may take
     tied_head: str | None = None  # its LM head, tied to the embeddings when tie_embeddings is set (else the mlm head)
     order: int = 0  # where `kvforge models` lists it
+    text_config: str | None = None  # the config entry of its text model (vocabulary, context), where it is nested
 
     @property
     def multi_graph(self) -> bool:
@@ -57,7 +58,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          length_field="max_input_len", ecosystem=False, tied_head="lm_head.weight", order=3),
     # an image encoder and projector (vision.onnx) beside a decoder that reads the images' features (decoder.onnx)
     Kind("vision-language", "a vision-language model", ("vision", "decoder"), kv_cache=False, generates=True,
-         length_field="max_seq_len", ecosystem=False, tied_head="decoder.lm_head.weight", order=4),
+         length_field="max_seq_len", ecosystem=False, tied_head="decoder.lm_head.weight", order=4,
+         text_config="decoder"),
 )}
 
 

@@ -100,7 +100,8 @@ def worst(metrics: list[dict[str, float]]) -> dict[str, float]:
 # -- tolerances: bounds on the metrics of a comparison (compare, check, the calibration budget) -----------------
 # Metrics where larger is better: a tolerance is a floor. Every other bounded metric has a ceiling.
 HIGHER_IS_BETTER = frozenset({"top1_agreement", "greedy_agreement", "greedy_prefix_match", "logits_cosine", "present_cosine",
-                              "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "pooler_cosine_min"})
+                              "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "pooler_cosine_min",
+                              "image_feature_cosine_mean", "image_feature_cosine_min"})
 
 # The scalar metrics of a report (all floats), in table order.
 REPORT_METRICS = (
@@ -111,6 +112,13 @@ REPORT_METRICS = (
 ENCODER_METRICS = (
     "embedding_cosine_mean", "embedding_cosine_min", "hidden_cosine_min", "hidden_max_abs", "hidden_rel_l2",
     "top1_agreement", "kl_divergence_mean", "logits_max_abs", "logits_rel_l2", "pooler_cosine_min",
+)
+
+# a vision-language model's: its image features, then the decoder's on image + text prompts
+VISION_METRICS = (
+    "image_feature_cosine_mean", "image_feature_cosine_min", "image_feature_rel_l2",
+    "perplexity_reference", "perplexity_candidate", "perplexity_delta_pct", "top1_agreement", "kl_divergence_mean",
+    "logits_max_abs", "logits_rel_l2", "greedy_agreement", "greedy_prefix_match",
 )
 
 
@@ -138,7 +146,7 @@ def parse_tolerances(items: list[str] | dict[str, Any] | None) -> dict[str, floa
         return {}
     pairs = items.items() if isinstance(items, dict) else [split_tolerance(s) for s in items]
     out = {}
-    known = set(REPORT_METRICS) | set(ENCODER_METRICS)
+    known = set(REPORT_METRICS) | set(ENCODER_METRICS) | set(VISION_METRICS)
     for key, value in pairs:
         if key not in known:
             raise KvforgeError(f"unknown tolerance {key!r}; choose from {sorted(known)}")

@@ -214,18 +214,21 @@ PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector}
 
 def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
                          image_token_id: int) -> torch.Tensor:
-    """embeds (B, T, C) with the image tokens' rows replaced by features (M, C), taken in reading order; a token
-    beyond the features given (or any, when M = 0) takes a zero row. Callers check that the counts agree."""
+    """embeds (B, T, C) with the image tokens' rows replaced by features (M, C), taken in reading order. An image
+    token beyond the features given (any, when M = 0: a decode step that generated the image token) keeps its
+    own embedding, as transformers' models embed such a token when no pixel values come with the step. Callers
+    check that a prompt's counts agree."""
     B, T, C = embeds.shape
     is_image = input_ids == image_token_id  # (B, T)
     flat = is_image.reshape(-1).to(torch.float32)
     # each image token's row in features: a running count, in float32 (exact below 2**24; the type TensorRT's
     # CumSum and Min take), made an index at the end
     order = torch.cumsum(flat, 0) - 1
-    padded = torch.cat([features.to(embeds.dtype).reshape(-1, C), embeds.new_zeros(1, C)])  # row M: zeros
-    zero_row = torch.ones_like(order) * (padded.shape[0] - 1)
-    rows = torch.where(flat > 0, torch.minimum(order, zero_row), zero_row).to(torch.int64)
-    return torch.where(is_image[..., None], padded[rows].reshape(B, T, C), embeds)
+    padded = torch.cat([features.to(embeds.dtype).reshape(-1, C), embeds.new_zeros(1, C)])  # row M: never taken
+    given = torch.ones_like(order) * (padded.shape[0] - 1)  # M
+    take = (flat > 0) & (order < given)
+    rows = torch.where(take, order, given).to(torch.int64)
+    return torch.where(take.reshape(B, T, 1), padded[rows].reshape(B, T, C), embeds)
 
 
 @dataclass

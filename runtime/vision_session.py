@@ -118,15 +118,32 @@ class VisionLanguageSession:
         return self._vision.run(None, {"pixel_values": pixels})[0]
 
     def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The decoder step's image_features: as many pending rows as its input holds image tokens."""
-        n = int((input_ids == self.image_token_id).sum())
-        if n > len(self._pending):
-            raise KvforgeError(f"the prompt holds {n} image tokens but the images given make {len(self._pending)} "
-                               f"feature rows ({self.image_tokens} per image): give one image per "
-                               f"{self.placeholder!r}")
+        """The decoder step's image_features: the pending rows its image tokens take, in order. A prompt's image
+        tokens and images were checked to agree (_image_rows); an image token beyond them (one that generation
+        produced) takes no row and keeps its own embedding, as in transformers."""
+        n = min(int((input_ids == self.image_token_id).sum()), len(self._pending))
         rows = [self._pending.popleft() for _ in range(n)]
         out = np.stack(rows) if rows else np.zeros((0, self.feature_dim), self.feature_dtype)
         return {FEATURES: out.astype(self.feature_dtype, copy=False)}
+
+    def forward(self, input_ids: np.ndarray, image_features: np.ndarray | None = None,
+                attention_mask: np.ndarray | None = None, *, cache=None, last_logits_only: bool = False):
+        """One decoder step (Session.forward) whose image tokens take `image_features`: (images, image_tokens, C)
+        from image_features(), or their rows (R, C), in the order the step's image tokens come. Returns (float32
+        logits, the new cache). Without features, an image token keeps its own embedding (a generated one)."""
+        rows = np.zeros((0, self.feature_dim), self.feature_dtype) if image_features is None else \
+            np.asarray(image_features).reshape(-1, self.feature_dim)
+        with self._lock:
+            self._pending.clear()
+            self._pending.extend(rows)
+            try:
+                n = int((np.asarray(input_ids) == self.image_token_id).sum())
+                if image_features is not None and n != len(rows):
+                    raise KvforgeError(f"the step holds {n} image tokens but {len(rows)} feature rows were given "
+                                       f"({self.image_tokens} per image)")
+                return self.decoder.forward(input_ids, attention_mask, cache=cache, last_logits_only=last_logits_only)
+            finally:
+                self._pending.clear()
 
     # -- prompts -----------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:

@@ -423,3 +423,24 @@ def make_llava(path, seed: int = 0, **overrides):
     model = save_perturbed(LlavaForConditionalGeneration(config), path, seed)
     CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
     return model
+
+
+IDEFICS2_LATENTS = 4
+
+
+def make_idefics2(path, seed: int = 0, image_token_id: int = 299):
+    """A transformers Idefics2 (SigLIP-style encoder, gated projection, Perceiver resampler with grouped K/V heads,
+    Mistral decoder), random weights all perturbed, saved at `path`."""
+    import torch
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    config = Idefics2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=30, patch_size=10),
+        perceiver_config=dict(hidden_act="silu", resampler_n_latents=IDEFICS2_LATENTS, resampler_depth=2,
+                              resampler_n_heads=4, resampler_head_dim=8, num_key_value_heads=2),
+        text_config=dict(model_type="mistral", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+        image_token_id=image_token_id)
+    torch.manual_seed(seed)
+    return save_perturbed(Idefics2ForConditionalGeneration(config), path, seed)

@@ -16,9 +16,6 @@ from kvforge.cli import main
 
 KINDS = {"decoder": "gpt2-micro", "encoder": "bert-micro", "encoder-decoder": "t5-micro", "perceiver": "perceiver-micro",
          "vision-language": "llava-micro"}
-# calibration and compare of vision-language bundles are still to come (issue 37): refused in one line until then
-REFUSE_VL_CALIBRATE = r"calibrating a vision-language model .* is not built yet"
-REFUSE_VL_COMPARE = r"comparing a vision-language bundle with its reference on images is not built yet"
 REFUSE_GENERATE = r"does not generate text; use embed\(\) or classify\(\)"
 REFUSE_EMBED = r"`kvforge embed` runs encoder bundles .*use `kvforge generate`"
 REFUSE_BENCH = r"`kvforge bench` measures a decoder LM's prefill and decode"
@@ -29,9 +26,8 @@ COMMANDS = {
     "inspect": (lambda b, w: [b], {}),
     "lint": (lambda b, w: [b], {}),
     "calibrate": (lambda b, w: [b, "-o", w / "q", "--precision", "int8", "--random-data", "--samples", "4", "--seq-len", "32",
-                                "--quiet"], {"vision-language": REFUSE_VL_CALIBRATE}),
-    "compare": (lambda b, w: [b, "--random-data", "--steps", "2", "--prompts", "1", "--quiet"],
-                {"vision-language": REFUSE_VL_COMPARE}),
+                                "--quiet"], {}),
+    "compare": (lambda b, w: [b, "--random-data", "--steps", "2", "--prompts", "1", "--quiet"], {}),
     "generate": (lambda b, w: [b, "--prompt", "hello", "--max-new-tokens", "3"], {"encoder": REFUSE_GENERATE, "perceiver": REFUSE_GENERATE}),
     # the micro decoders have no chat template: tests/test_chat.py runs a chat on a checkpoint that has one
     "chat": (lambda b, w: [b, "--max-new-tokens", "2"], {"decoder": r"has no chat template",

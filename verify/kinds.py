@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from kvforge.errors import KvforgeError
 from kvforge.kinds import DEFAULT_KIND, check_registry
 
-from . import compare_decoder, compare_encoder, compare_seq2seq
+from . import compare_decoder, compare_encoder, compare_seq2seq, compare_vision
 from .report import Report
 
 
@@ -17,11 +16,6 @@ class Comparer(NamedTuple):
     run: Callable[..., Report]  # (candidate, reference, data, backend, *, progress, **options, **backend_options)
     options: tuple[str, ...]
     data_line: Callable[[dict[str, Any]], str]  # what a report measured on, for people (verify/render.py)
-
-
-def _not_yet(candidate, *args, **kwargs) -> Report:
-    raise KvforgeError(f"comparing a vision-language bundle with its reference on images is not built yet; its "
-                       f"export validated both graphs against it (kvforge inspect {candidate} shows the record)")
 
 
 _ENCODER = Comparer(compare_encoder.compare_encoder, ("max_tokens", "seq_len", "batch_size", "tolerances", "random_data",
@@ -37,7 +31,9 @@ COMPARERS: dict[str, Comparer] = {
     "encoder-decoder": Comparer(compare_seq2seq.compare_seq2seq, ("steps", "prompts", "max_tokens", "seq_len",
                                                                   "batch_size", "tolerances", "random_data", "seed"),
                                 compare_seq2seq.data_line),
-    "vision-language": Comparer(_not_yet, (), lambda r: ""),
+    "vision-language": Comparer(compare_vision.compare_vision_language, ("steps", "prompts", "max_tokens", "seq_len",
+                                                                         "tolerances", "random_data", "seed"),
+                                compare_vision.data_line),
 }
 check_registry("verify", COMPARERS)
 

@@ -11,7 +11,7 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs import load
 
 from ..conftest import LLAVA_TEXT as TEXT
-from ..conftest import make_llava, save_perturbed
+from ..conftest import IDEFICS2_LATENTS, make_idefics2, make_llava
 
 ATOL = 1e-4
 IMAGE_TOKEN = 299  # the test LLaVA's (tests/conftest.py make_llava)
@@ -150,26 +150,6 @@ def test_the_two_graphs_export_validate_and_run_as_transformers(llava, tmp_path)
                  **dict(zip([n for n in names if n.startswith("past_key_values")], out[1:]))}
         out = decoder.run(None, feeds)
         assert np.abs(out[0] - expected.logits.numpy()).max() < ATOL, step
-
-
-IDEFICS2_LATENTS = 4
-
-
-def make_idefics2(path, seed: int = 0):
-    """A transformers Idefics2 (SigLIP-style encoder, gated projection, Perceiver resampler with grouped K/V heads,
-    Mistral decoder), random weights all perturbed, saved at `path`."""
-    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
-
-    config = Idefics2Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=30, patch_size=10),
-        perceiver_config=dict(hidden_act="silu", resampler_n_latents=IDEFICS2_LATENTS, resampler_depth=2,
-                              resampler_n_heads=4, resampler_head_dim=8, num_key_value_heads=2),
-        text_config=dict(model_type="mistral", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
-        image_token_id=IMAGE_TOKEN)
-    torch.manual_seed(seed)
-    return save_perturbed(Idefics2ForConditionalGeneration(config), path, seed)
 
 
 @pytest.mark.parametrize("images", [1, 2])

@@ -100,3 +100,25 @@ def test_kvforge_generate_image_streams_what_the_session_generates(tmp_path):
     assert json.loads(result.output.strip().splitlines()[-1])["text"] == expected
     refused = CliRunner().invoke(main, ["generate", str(bundle.path), "--prompt", prompt, "--max-new-tokens", "2"])
     assert refused.exit_code == 1 and "holds 9 image tokens" in refused.output
+
+
+@torch.no_grad()
+def test_a_generated_image_token_keeps_its_embedding_as_in_transformers(llava_bundle):
+    """A decode step whose token is the image token (a model may generate it) comes with no pixel values: transformers
+    embeds it as text; the decoder graph takes no feature row for it and does the same (1e-4)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    hf, bundle, root = llava_bundle
+    image = _image(11)
+    ids = _ids(1, seed=12)
+    pixels = torch.from_numpy(CLIPImageProcessorPil.from_pretrained(root / "hf")(images=[image], return_tensors="np")
+                              ["pixel_values"])
+    out = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, use_cache=True)
+    want = hf(input_ids=torch.tensor([[IMAGE_TOKEN]]), past_key_values=out.past_key_values).logits[0, -1].numpy()
+    with runtime.load(bundle.path) as session:
+        logits, cache = session.forward(np.asarray([ids]), session.image_features([image]))
+        np.testing.assert_allclose(logits[0, -1], out.logits[0, -1].numpy(), atol=1e-4)
+        step, _ = session.forward(np.asarray([[IMAGE_TOKEN]]), None, np.ones((1, len(ids) + 1), np.int64), cache=cache)
+        np.testing.assert_allclose(step[0, -1], want, atol=1e-4)
+        with pytest.raises(KvforgeError, match="holds 9 image tokens but 0 feature rows"):
+            session.forward(np.asarray([ids]), np.zeros((0, 9, bundle.io.input("image_features").shape[-1])))

@@ -1,0 +1,108 @@
+"""Calibration of a vision-language bundle: the vision graph on images, the decoder on text and image prompts.
+
+    --data DIR        the directory's images (PNG, JPEG, WebP, ...; up to `samples`) calibrate the vision graph; a
+                      single .txt or .jsonl file beside them is the decoder's text (else the built-in text)
+    --data FILE       the decoder's text; the images are synthetic (kvforge/images.py synthetic_images)
+    no --data         synthetic images and the built-in text
+    --random-data     random pixels and random tokens
+
+The vision graph is observed on the preprocessed images (the bundle's image processing, as the runtime does).
+The decoder is observed on the text windows (as a decoder LM's calibration) and on one prompt per image: its
+image tokens followed by a text window, with that image's features from the float vision graph at those
+positions, so the decoder's layers see the ranges that image features bring. Each graph's linear layers get their
+own scales (the fixed recipe: a vision-language model fits no accuracy budget); lm_head stays in float unless asked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvforge.bundle import Bundle
+from kvforge.errors import KvforgeError
+from kvforge.images import ImageProcessing, image_files, synthetic_images
+from kvforge.ort_session import make_session, prefill_feeds
+
+from .data import load_calibration_set
+from .multi_graph import graph_targets, quantize_graphs
+from .recipe import Quantized, Recipe
+
+SYNTHETIC_IMAGES = 32  # images made when none are given: enough for max/percentile ranges, a minute on big encoders
+TEXT_SUFFIXES = (".txt", ".jsonl")
+FEATURES = "image_features"
+
+
+def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, seed: int = 0
+                       ) -> tuple[np.ndarray, str | Path | None, dict[str, Any]]:
+    """(pixel_values of the calibration images, the decoder's text data (None: the built-in text), a record)."""
+    processing = ImageProcessing(**bundle.model_config["image_processing"])
+    if random_data:
+        h, w = processing.output_size
+        rng = np.random.default_rng(seed)
+        count = min(samples, SYNTHETIC_IMAGES)
+        pixels = rng.uniform(-2, 2, (count, 3, h, w)).astype(np.float32)
+        return pixels, None, {"images": "random pixels", "image_count": count}
+    text = data
+    if data is not None and Path(data).is_dir():
+        files = image_files(data)[:samples]
+        texts = sorted(p for p in Path(data).iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if len(texts) > 1:
+            raise KvforgeError(f"{data} holds {len(texts)} text files ({', '.join(p.name for p in texts)}): the "
+                               "decoder's calibration text is one .txt or .jsonl file beside the images")
+        text = texts[0] if texts else None
+        return processing(files), text, {"images": str(data), "image_count": len(files)}
+    count = min(samples, SYNTHETIC_IMAGES)
+    return processing(synthetic_images(count, seed)), text, {"images": f"synthetic (seed {seed})",
+                                                             "image_count": count}
+
+
+def decoder_items(bundle: Bundle, recipe: Recipe, text, features: np.ndarray) -> tuple[list, dict[str, Any]]:
+    """The decoder's calibration items ((ids (B, T), feature rows (R, C))): the text windows in batches, then one
+    prompt per image (its image tokens, then a text window)."""
+    spec = bundle.io.extra["vision"]
+    image_token, per_image = int(spec["image_token_id"]), int(spec["image_tokens"])
+    cset = load_calibration_set(bundle, text, samples=recipe.samples, seq_len=recipe.seq_len,
+                                random_data=recipe.random_data)
+    dim = features.shape[-1]
+    items = [(batch, np.zeros((0, dim), features.dtype)) for batch in cset.batches(recipe.batch_size)]
+    windows = cset.samples
+    max_context = bundle.io.max_context or bundle.text_config["max_seq_len"]
+    length = min(max(windows.shape[1], per_image + 8), max_context)
+    for i, image in enumerate(features):
+        window = windows[i % len(windows)][:max(length - per_image, 0)]
+        ids = np.concatenate([np.full(per_image, image_token, np.int64), window])[None]
+        items.append((ids, image))
+    record = {"data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
+              "samples": int(len(windows)), "seq_len": int(windows.shape[1]), "batch_size": recipe.batch_size,
+              "image_prompts": len(features)}
+    return items, record
+
+
+def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress: Callable) -> Quantized:
+    """Both graphs quantized by the recipe (held_out is None: no accuracy budget for this kind)."""
+    import onnx
+
+    spec = bundle.io.extra["vision"]
+    graphs = {"vision": spec["graph"], "decoder": bundle.manifest["graph"]}
+    bundle.load_graph(external_data=False)  # refuses external data outside the bundle
+    models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
+    float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
+    found = graph_targets(models, recipe)
+    items: dict[str, list] | None = None
+    feeds: dict[str, Callable] = {}
+    record: dict[str, Any] = {"data": None}
+    if recipe.needs_data:
+        pixels, text, image_record = calibration_images(bundle, recipe.data, recipe.samples, recipe.random_data)
+        images = [pixels[i:i + recipe.batch_size] for i in range(0, len(pixels), recipe.batch_size)]
+        vision = make_session(bundle.path / graphs["vision"])
+        features = np.concatenate([vision.run(None, {"pixel_values": b})[0] for b in images])
+        prompts, text_record = decoder_items(bundle, recipe, text, features)
+        items = {"vision": images, "decoder": prompts}
+        decoder_config = bundle.text_config
+        feeds = {"vision": lambda batch: {"pixel_values": batch},
+                 "decoder": lambda item: {**prefill_feeds(item[0], decoder_config, bundle.io, bundle.dtype),
+                                          FEATURES: item[1].reshape(-1, item[1].shape[-1])}}
+        record = {**text_record, **image_record}
+    return quantize_graphs(models, graphs, found, items, feeds, recipe, float_dtype, progress, record)

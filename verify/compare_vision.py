@@ -1,0 +1,164 @@
+"""`compare` for vision-language bundles: the image features, then the decoder on image + text prompts.
+
+Images: the PNG/JPEG/... files of `--data DIR` (up to `samples`; one .txt or .jsonl file beside them is the
+text), else synthetic images (kvforge/images.py). Text: that file, `--data FILE`, or the default held-out text;
+random tokens with --random-data. Candidate (the bundle on ONNX Runtime, end to end: its own vision graph's
+features feed its decoder) and reference (the FP32 Torch model the bundle was made from, on the same
+pixel_values) see the same prompts:
+
+- image features: the cosine of each image's features (all its rows as one vector) with the reference's,
+  mean and worst (`image_feature_cosine_mean`, `_min`), and their rel L2;
+- teacher-forced over prompts of one image's tokens followed by a text window: perplexity of the text after
+  the image on each side and its change, top-1 agreement, KL, logits max abs / rel L2;
+- greedy from `prompts` of those prompts (the image and the window's first tokens): the reference decodes
+  `steps` tokens; `greedy_agreement` is how often the candidate, fed the reference's tokens, picks them;
+  `greedy_prefix_match` how far the candidate's own greedy decode follows the reference's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge import metrics
+from kvforge.bundle import Bundle
+from kvforge.calibration.data import eval_ids
+from kvforge.errors import KvforgeError
+from kvforge.images import image_files, synthetic_images
+from kvforge.metrics import VISION_METRICS, check_tolerances
+from kvforge.runtime.vision_session import VisionLanguageSession
+
+from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+GREEDY_PROMPT_TOKENS = 8
+# the image features' worst cosine, per precision (the decoder's bounds are DEFAULT_TOLERANCES')
+FEATURE_TOLERANCES: dict[str, dict[str, float]] = {
+    "float32": {"image_feature_cosine_min": 0.99999, "image_feature_rel_l2": 1e-4},
+    "float16": {"image_feature_cosine_min": 0.9999, "image_feature_rel_l2": 2e-2},
+    "bfloat16": {"image_feature_cosine_min": 0.999, "image_feature_rel_l2": 8e-2},
+    "int8": {"image_feature_cosine_min": 0.99},
+    "fp8": {"image_feature_cosine_min": 0.98},
+    "int4": {"image_feature_cosine_min": 0.98},
+}
+
+
+def data_line(r: dict[str, Any]) -> str:
+    """What a vision-language report measured on, for people."""
+    return (f"{r['images']}, {r['image_count']} images; {r['data']}, {r['tokens']} text tokens after an image; "
+            f"greedy: {r['prompts']} image prompts x {r['steps']} steps")
+
+
+def _inputs(data, samples: int, seed: int) -> tuple[list[Any], str, str | Path | None]:
+    """(images, what they are, the text data or None for the default)."""
+    if data is not None and Path(data).is_dir():
+        texts = sorted(p for p in Path(data).iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if len(texts) > 1:
+            raise KvforgeError(f"{data} holds {len(texts)} text files: the text is one .txt or .jsonl file beside "
+                               "the images")
+        return image_files(data)[:samples], str(data), (texts[0] if texts else None)
+    return synthetic_images(samples, seed), f"synthetic images (seed {seed})", data
+
+
+def compare_vision_language(candidate: str | Path, reference: str | Path | None = None, data: str | Path | None = None,
+                            backend: str = "auto", steps: int = 16, prompts: int = 2, max_tokens: int = 4096,
+                            seq_len: int = 64, samples: int = 8, tolerances: dict[str, float] | None = None,
+                            random_data: bool = False, seed: int = 0, progress=None, **backend_options) -> Report:
+    """Compare a vision-language bundle with its Torch reference on images and image + text prompts."""
+    import torch
+
+    from kvforge.model_defs import load  # torch: the reference
+    from kvforge.model_defs.vision import VisionLanguageModel
+
+    progress = progress or (lambda phase, done, total: None)
+    started = time.time()
+    bundle = Bundle(candidate)
+    precision = precision_of(bundle)
+    defaults = {k: v for k, v in DEFAULT_TOLERANCES.get(precision, {}).items() if k in VISION_METRICS}
+    bounds = {**defaults, **FEATURE_TOLERANCES.get(precision, {}), **(tolerances or {})}
+    ref_source = reference_source(bundle, reference, "vision-language model")
+    cand = VisionLanguageSession(bundle, backend, **backend_options)
+    model = load(ref_source, dtype="float32").model.eval()
+    if not isinstance(model, VisionLanguageModel):
+        raise KvforgeError(f"the reference {ref_source} is not a vision-language model")
+    images, images_name, text = _inputs(data, samples, seed)
+    per_image = cand.image_tokens
+    seq_len = max(1, min(seq_len, cand.max_context - per_image - 1))
+    vocab = cand.vocab_size
+    if random_data:
+        rng = np.random.default_rng(seed)
+        stream, text_name = rng.integers(0, vocab, max_tokens + 1).tolist(), f"random tokens (seed {seed})"
+    else:
+        stream, text_name = eval_ids(cand.tokenizer, text, max_tokens, vocab)
+    # the text's own image tokens (random ones; "<image>" in a text) would take no features: they are left out
+    windows = metrics.windows([t for t in stream if t != cand.image_token_id], seq_len)
+    if not len(windows):
+        raise KvforgeError(f"{text_name} gives fewer than {seq_len} tokens to compare on")
+
+    with cand, torch.inference_mode():
+        pixels = cand.processing(images)
+        got = cand.image_features(images).astype(np.float32)
+        want = model.image_features(torch.from_numpy(pixels)).float().numpy()
+        progress("image features", 1, 1)
+        flat_c, flat_r = got.reshape(len(got), -1).astype(np.float64), want.reshape(len(want), -1).astype(np.float64)
+        cosines = (flat_c * flat_r).sum(-1) / np.maximum(np.linalg.norm(flat_c, axis=-1) * np.linalg.norm(flat_r, axis=-1),
+                                                         1e-30)
+        rel_l2 = float(np.linalg.norm(flat_c - flat_r) / max(np.linalg.norm(flat_r), 1e-30))
+
+        def reference_logits(ids: list[int], features: np.ndarray | None, start: int = 0, past=None):
+            """(logits (T, V), the cache) of `ids` at positions start.. after `past`."""
+            t = torch.tensor([ids], dtype=torch.int64)
+            mask = torch.ones(1, start + t.shape[1], dtype=torch.int64)
+            positions = torch.arange(start, start + t.shape[1]).unsqueeze(0)
+            logits, present = model(t, None if features is None else torch.from_numpy(features), mask, positions,
+                                    past)
+            return logits.float().numpy()[0], present
+
+        # teacher-forced: each image's tokens, then a text window; the text positions are scored
+        stats = metrics.WindowStats()
+        for i in range(len(images)):
+            window = windows[i % len(windows)].tolist()
+            ids = [cand.image_token_id] * per_image + window
+            lc = cand.forward(np.asarray([ids], np.int64), got[i:i + 1])[0][0]
+            lr = reference_logits(ids, want[i:i + 1])[0]
+            scored = slice(per_image - 1, len(ids) - 1)
+            stats.add(lc[scored], lr[scored], np.asarray(window, np.int64))
+            progress("teacher-forced", i + 1, len(images))
+
+        # greedy: the reference's tokens, the candidate fed them, and the candidate on its own
+        steps = max(1, min(steps, cand.max_context - per_image - GREEDY_PROMPT_TOKENS))
+        chosen = np.linspace(0, len(images) - 1, min(prompts, len(images))).astype(int).tolist()
+        hits, prefixes = [], []
+        for n, i in enumerate(chosen):
+            prompt = [cand.image_token_id] * per_image + windows[i % len(windows)][:GREEDY_PROMPT_TOKENS].tolist()
+            logits, past = reference_logits(prompt, want[i:i + 1])
+            ref_tokens = [int(logits[-1].argmax())]
+            while len(ref_tokens) < steps:
+                logits, past = reference_logits(ref_tokens[-1:], None, len(prompt) + len(ref_tokens) - 1, past)
+                ref_tokens.append(int(logits[-1].argmax()))
+            fed = cand.forward(np.asarray([prompt + ref_tokens[:-1]], np.int64), got[i:i + 1])[0][0]
+            hits.append(fed[len(prompt) - 1:].argmax(-1) == np.asarray(ref_tokens))
+            own = cand.generate(prompt, images=[images[i]], max_new_tokens=steps, ignore_eos=True).tokens[:steps]
+            prefixes.append(next((k for k, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), steps) / steps)
+            progress("greedy", n + 1, len(chosen))
+
+    teacher = stats.result()
+    result: dict[str, Any] = {
+        "kind": "vision-language", "metric_keys": list(VISION_METRICS),
+        "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
+        "reference": ref_source, "reference_backend": "torch", "images": images_name, "image_count": len(images),
+        "data": text_name, "tokens": stats.count, "seq_len": seq_len,
+        "image_feature_cosine_mean": float(cosines.mean()), "image_feature_cosine_min": float(cosines.min()),
+        "image_feature_rel_l2": rel_l2,
+        **{k: teacher[k] for k in ("perplexity_reference", "perplexity_candidate", "perplexity_delta_pct",
+                                   "top1_agreement", "kl_divergence_mean", "logits_max_abs", "logits_rel_l2")},
+        "greedy_agreement": float(np.concatenate(hits).mean()), "greedy_prefix_match": float(np.mean(prefixes)),
+        "steps": steps, "prompts": len(chosen),
+    }
+    failures = check_tolerances(result, bounds)
+    result.update({"tolerances": bounds, "failures": failures, "passed": not failures,
+                   "seconds": round(time.time() - started, 2)})
+    return Report(result)
