@@ -8,16 +8,19 @@ The model (random weights, ~240M parameters, built from kvforge's components):
   9 heads of 64, 3 K/V heads): 64 image tokens per image, SmolVLM's count (it gets there by pixel shuffle);
 - decoder: SmolLM2-135M's shape (30 layers of 576, 9 heads / 3 K/V heads, FFN 1536, vocab 49152, tied head).
 
-Exported by kvforge (FP32, validated), run on ONNX Runtime by the VisionLanguageSession (the decoder graph as
-exported: the ORT variant's packed cache is not used for vision-language bundles yet). INT8 is not measured:
-calibrating a vision-language bundle is not built yet.
+Exported by kvforge (FP32, validated) and calibrated INT8 by kvforge (both graphs, default recipe: synthetic
+images for the vision graph, the built-in text and one prompt per image for the decoder), run on ONNX Runtime by
+the VisionLanguageSession (the decoder graph as exported: the ORT variant's packed cache is not used for
+vision-language bundles yet).
 
-Per run: the vision graph on one image (and on 4, per image), then greedy decoding of --new-tokens tokens after
-a prompt of 64 image tokens + 16 text tokens, and after 80 text tokens (same context length), interleaved.
-Decode tokens/s counts the tokens after the first (the prefill is timed apart). The roofline is the decoder's
-weight bytes over this machine's read bandwidth measured in the same run. Medians over --runs.
+Per run, each precision in turn: the vision graph on one image (and on 4, per image), then greedy decoding of
+--new-tokens tokens after a prompt of 64 image tokens + 16 text tokens, and after 80 text tokens (same context
+length). Decode tokens/s counts the tokens after the first (the prefill is timed apart). The roofline is the
+decoder graph's weight bytes over this machine's read bandwidth measured in the same run. Medians over --runs;
+INT8 / FP32 ratios from the same runs. The INT8 image features' cosine with FP32's is reported (the images
+here are random pixels).
 
-    python3 benchmarks/vlm_smolvlm.py [--runs 5] [--new-tokens 32]
+    python3 benchmarks/vlm_smolvlm.py [--runs 5] [--new-tokens 32] [--precisions float32,int8]
 Writes benchmarks/results/vlm_smolvlm.json.
 """
 
@@ -72,6 +75,30 @@ def bundle_path(cache: Path) -> Path:
     return bundle
 
 
+def int8_path(fp32: Path) -> Path:
+    """The INT8 bundle calibrated from the FP32 one (kept beside it)."""
+    from kvforge.calibration import calibrate
+
+    out = fp32.with_name(fp32.name + "-int8")
+    if not (out / "kvforge.json").is_file():
+        started = time.time()
+        calibrate(fp32, out, precision="int8", force=True)
+        print(f"calibrated in {time.time() - started:.0f} s", flush=True)
+    return out
+
+
+def decoder_weight_bytes(bundle) -> int:
+    """The decoder graph's initializer bytes (what a decode step reads), external data included."""
+    import onnx
+
+    model = onnx.load(str(bundle.path / bundle.manifest["graph"]), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        total += int(np.prod(t.dims, dtype=np.int64)) * size
+    return total
+
+
 def timed_generate(session, ids: list[int], images: list, new_tokens: int) -> tuple[float, float]:
     """(prefill seconds including the vision graph, decode tokens/s after the first token)."""
     start = time.perf_counter()
@@ -87,14 +114,21 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvforge" / "bench-vlm")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "vlm_smolvlm.json")
+    ap.add_argument("--precisions", type=lambda s: s.split(","), default=["float32", "int8"])
     args = ap.parse_args()
+    if not set(args.precisions) <= {"float32", "int8"} or not args.precisions:
+        ap.error("--precisions: float32 and/or int8")
     from PIL import Image
 
     from kvforge import runtime
     from kvforge.bundle import Bundle
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    path = bundle_path(args.cache)
+    fp32 = bundle_path(args.cache)
+    paths = {"float32": fp32}
+    if "int8" in args.precisions:
+        paths["int8"] = int8_path(fp32)
+    paths = {p: paths[p] for p in args.precisions}
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)) for _ in range(4)]
     text = rng.integers(3, 49000, 80).tolist()
@@ -102,56 +136,76 @@ def main() -> int:
     without = [1] + text[:79]
     assert len(with_image) == len(without) == 80
     bandwidth = [bandwidth_gbs()]
-    one, four, prefill_img, decode_img, prefill_txt, decode_txt = [], [], [], [], [], []
-    with runtime.load(path) as session:
-        session.image_features(images[:1])  # warm-up
+    keys = ("one", "four", "prefill_img", "decode_img", "prefill_txt", "decode_txt")
+    samples = {p: {k: [] for k in keys} for p in paths}
+    sessions = {p: runtime.load(path).activate() for p, path in paths.items()}
+    features = {}
+    for p, session in sessions.items():
+        features[p] = session.image_features(images).astype(np.float64)  # warm-up
         timed_generate(session, with_image, images[:1], 4)
-        for _ in range(args.runs):
+    for _ in range(args.runs):
+        for p, session in sessions.items():
+            got = samples[p]
             start = time.perf_counter()
             session.image_features(images[:1])
-            one.append(time.perf_counter() - start)
+            got["one"].append(time.perf_counter() - start)
             start = time.perf_counter()
             session.image_features(images)
-            four.append((time.perf_counter() - start) / 4)
-            p, d = timed_generate(session, with_image, images[:1], args.new_tokens)
-            prefill_img.append(p)
-            decode_img.append(d)
-            p, d = timed_generate(session, without, [], args.new_tokens)
-            prefill_txt.append(p)
-            decode_txt.append(d)
-            print(f"image {one[-1] * 1000:.0f} ms (4: {four[-1] * 1000:.0f} ms each); decode with image "
-                  f"{decode_img[-1]:.1f} tok/s, without {decode_txt[-1]:.1f} tok/s", flush=True)
+            got["four"].append((time.perf_counter() - start) / 4)
+            a, b = timed_generate(session, with_image, images[:1], args.new_tokens)
+            got["prefill_img"].append(a)
+            got["decode_img"].append(b)
+            a, b = timed_generate(session, without, [], args.new_tokens)
+            got["prefill_txt"].append(a)
+            got["decode_txt"].append(b)
+            print(f"{p}: image {got['one'][-1] * 1000:.0f} ms (4: {got['four'][-1] * 1000:.0f} ms each); decode "
+                  f"with image {got['decode_img'][-1]:.1f} tok/s, without {got['decode_txt'][-1]:.1f} tok/s", flush=True)
+    for session in sessions.values():
+        session.deactivate()
     bandwidth.append(bandwidth_gbs())
     bw = statistics.median(bandwidth)
-    manifest = Bundle(path).manifest
-    dec = CONFIG["decoder"]
-    decoder_params = (dec["vocab_size"] * dec["dim"]
-                      + dec["n_layers"] * (dec["dim"] * dec["dim"] * 2 + 2 * dec["dim"] * dec["dim"] // 3
-                                           + 3 * dec["dim"] * dec["ffn_dim"] + 2 * dec["dim"]) + dec["dim"])
-    roofline = bw * 1e9 / (4 * decoder_params)
+    med = {p: {k: statistics.median(v) for k, v in got.items()} for p, got in samples.items()}
+    per_precision = {}
+    for p, path in paths.items():
+        bundle = Bundle(path)
+        weight_bytes = decoder_weight_bytes(bundle)
+        roofline = bw * 1e9 / weight_bytes
+        m = med[p]
+        per_precision[p] = {
+            "bundle_bytes": sum(f["bytes"] for f in bundle.manifest["files"].values() if f.get("bytes")),
+            "decoder_weight_bytes": weight_bytes,
+            "vision_ms_per_image": {"batch_1": 1000 * m["one"], "batch_4": 1000 * m["four"]},
+            "prefill_ms": {"with_image_including_vision": 1000 * m["prefill_img"], "text_only": 1000 * m["prefill_txt"]},
+            "decode_tokens_per_s": {"one_image_in_context": m["decode_img"], "text_only_same_length": m["decode_txt"]},
+            "decode_with_image_vs_text": m["decode_img"] / m["decode_txt"],
+            "decode_roofline_tokens_per_s": roofline,
+            "decode_fraction_of_roofline": m["decode_img"] / roofline,
+            "samples": {"vision_ms": [1000 * x for x in samples[p]["one"]], "decode_with_image": samples[p]["decode_img"],
+                        "decode_text": samples[p]["decode_txt"]},
+        }
     result = {
         "benchmark": "vlm_smolvlm", "model": "SmolVLM-shaped (random weights)", "config": CONFIG,
-        "parameters": {"total_graph_bytes": sum(f["bytes"] for f in manifest["files"].values() if f.get("bytes")),
-                       "decoder": decoder_params},
-        "dtype": "float32", "backend": "onnxruntime (the bundle's graphs)", "runs": args.runs,
+        "backend": "onnxruntime (the bundle's graphs)", "runs": args.runs,
         "new_tokens": args.new_tokens, "prompt_tokens": 80, "image_tokens": 64,
-        "vision_ms_per_image": {"batch_1": 1000 * statistics.median(one), "batch_4": 1000 * statistics.median(four)},
-        "prefill_ms": {"with_image_including_vision": 1000 * statistics.median(prefill_img),
-                       "text_only": 1000 * statistics.median(prefill_txt)},
-        "decode_tokens_per_s": {"one_image_in_context": statistics.median(decode_img),
-                                "text_only_same_length": statistics.median(decode_txt)},
-        "decode_with_image_vs_text": statistics.median(decode_img) / statistics.median(decode_txt),
+        "precisions": per_precision,
         "bandwidth_gbs": bw, "bandwidth_samples_gbs": bandwidth,
-        "decode_roofline_tokens_per_s": roofline,
-        "decode_fraction_of_roofline": statistics.median(decode_img) / roofline,
-        "samples": {"vision_ms": [1000 * x for x in one], "decode_with_image": decode_img, "decode_text": decode_txt},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if "int8" in paths and "float32" in paths:
+        f, q = features["float32"].reshape(4, -1), features["int8"].reshape(4, -1)
+        cos = (f * q).sum(-1) / (np.linalg.norm(f, axis=-1) * np.linalg.norm(q, axis=-1))
+        result["int8_vs_float32"] = {
+            "vision_speedup_batch_1": med["float32"]["one"] / med["int8"]["one"],
+            "decode_speedup_with_image": med["int8"]["decode_img"] / med["float32"]["decode_img"],
+            "image_feature_cosine_min": float(cos.min()),
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("vision_ms_per_image", "prefill_ms", "decode_tokens_per_s",
-                                             "decode_fraction_of_roofline", "bandwidth_gbs")}, indent=1))
+    print(json.dumps({"bandwidth_gbs": bw, **{p: {k: r[k] for k in ("vision_ms_per_image", "prefill_ms",
+                                                                   "decode_tokens_per_s", "decode_fraction_of_roofline")}
+                                             for p, r in per_precision.items()},
+                      "int8_vs_float32": result.get("int8_vs_float32")}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

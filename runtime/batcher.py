@@ -183,6 +183,9 @@ class Request:
         self.logprobs: list[float] | None = [] if logprobs else None  # config.logprobs not None: per token
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if logprobs else None
         self._constraint = constraint  # the response format's matcher, dropped when the request ends
+        # the request's own graph inputs beyond the KV-cache contract, per step from its input ids (a vision-language
+        # prompt's image features: runtime/vision_session.py FeatureFeed); None: the session's step_inputs
+        self._inputs = None
         self._drafter = None  # config.speculation: a fresh drafter (made at submit(), so a bad draft is refused there)
         self._speculator: Speculator | None = None  # config.speculation: the row, once its prompt is prefilled
         self._text = text
@@ -406,8 +409,11 @@ class Batcher(RequestQueue):
         self.mixed = options.mixed_steps and session.prepare_mixed()
 
     # -- the client's side --------------------------------------------------------------
-    def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
-        """Queue one prompt (text or token ids); returns at once. Refuses what could never run."""
+    def submit(self, prompt, config: GenerationConfig | None = None, inputs=None, **kwargs) -> Request:
+        """Queue one prompt (text or token ids); returns at once. Refuses what could never run. inputs: the
+        request's own graph inputs beyond the KV-cache contract, a callable (a step's input ids (1, T) -> {name:
+        array}), as Session.step_inputs; its `key` (bytes), where it has one, keeps its prefix-cache blocks apart
+        (the same tokens with other images are other keys and values)."""
 
         config = config or GenerationConfig.from_kwargs(**kwargs)
         if config.speculative is None and self._default_speculation is not None and config.format is None:
@@ -427,6 +433,7 @@ class Batcher(RequestQueue):
         if config.adapter is not None:  # read (and checked against the bundle's slots) now, not in the loop
             self.session.load_adapter(config.adapter)
         request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
+        request._inputs = inputs
         if config.speculation is not None:  # the draft opened and its vocabulary checked now
             request._drafter = self.session._drafter(config)()
         return self._enqueue(request)
@@ -434,10 +441,24 @@ class Batcher(RequestQueue):
     def _space(self, request: Request) -> bytes:
         """The prefix cache's namespace of a request's blocks: the model's, and its adapter's (an adapter computes
         other keys and values for the same tokens)."""
+        space = self._namespace
+        key = getattr(request._inputs, "key", None)
+        if key is not None:  # its own inputs (images): blocks of the same tokens with other inputs differ
+            space = PrefixCache.namespace(space.hex(), f"inputs:{key.hex()}")
         if request.config.adapter is None:
-            return self._namespace
+            return space
         name = request.config.adapter  # and its version: blocks of an adapter replaced since are not reused
-        return PrefixCache.namespace(self._namespace.hex(), f"lora:{name}:{self.session.adapter_version(name)}")
+        return PrefixCache.namespace(space.hex(), f"lora:{name}:{self.session.adapter_version(name)}")
+
+    def _inputs(self, rows: list[tuple[Request | None, np.ndarray]]) -> dict[str, np.ndarray] | None:
+        """A step's graph inputs beyond the contract, for its rows ((request or None for a hole, its input ids)):
+        each request's own (else the session's step_inputs), joined in row order (as the graph reads them: row by
+        row, in reading order); None where the session's graph has none."""
+        if self.session.step_inputs is None:
+            return None
+        parts = [(r._inputs if r is not None and r._inputs is not None else self.session.step_inputs)(ids[None])
+                 for r, ids in rows]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -569,7 +590,8 @@ class Batcher(RequestQueue):
                 fed = rest
             else:
                 fed = rest if left is None else min(rest, left)
-                if batch.rows and self._chunk is None and not self._window_blocks(r.prompt):
+                if batch.rows and self._chunk is None and not self._window_blocks(r.prompt) \
+                        and self.session.step_inputs is None:  # (forward_mixed takes no inputs beyond the contract)
                     self._chunk = (p, fed)  # fed by the decode step's own call (_step: a mixed step)
                 else:
                     self._feed(p, fed)
@@ -618,7 +640,8 @@ class Batcher(RequestQueue):
             ids, mask = _piece(prompt, fed, upto)
             with self._timed("prefill"):
                 p.logits, p.cache = self.session.forward(ids, mask, cache=p.cache, last_logits_only=True,
-                                                         adapters=p.request.config.adapters(1))
+                                                         adapters=p.request.config.adapters(1),
+                                                         inputs=self._inputs([(p.request, ids[0])]))
             fed = p.fed = upto
             if fed == end and self.prefix_cache is not None:
                 keys, first = self.prefix_cache.missing(self._space(p.request), prompt, end)
@@ -635,7 +658,8 @@ class Batcher(RequestQueue):
         ids, mask = left_padded(self.session, [r.prompt for r in requests])
         with self._timed("prefill"):
             logits, cache = self.session.forward(ids, mask, cache=None, last_logits_only=True,
-                                                 adapters=[r.config.adapter for r in requests])
+                                                 adapters=[r.config.adapter for r in requests],
+                                                 inputs=self._inputs(list(zip(requests, ids))))
         rows = [_Row(r, list(r.prompt), np.random.default_rng(r.config.seed), logits[i, -1])
                 for i, r in enumerate(requests)]
         return _Batch(rows, cache, _pending(mask))
@@ -749,8 +773,10 @@ class Batcher(RequestQueue):
         adapters = [row.request.config.adapter if row is not None else None for row in batch.rows]
         with self._timed("decode"):
             if chunk is None:
-                logits, batch.cache = self.session.forward(nxt, batch.mask, cache=batch.cache, last_logits_only=True,
-                                                           adapters=adapters)
+                logits, batch.cache = self.session.forward(
+                    nxt, batch.mask, cache=batch.cache, last_logits_only=True, adapters=adapters,
+                    inputs=self._inputs([(row.request if row is not None else None, ids) for row, ids in
+                                         zip(batch.rows, nxt)]))
             else:  # the rows' decode step and a prompt's chunk as one step: the backend reads its weights once
                 p, n = chunk
                 (logits, batch.cache), (p.logits, p.cache) = self.session.forward_mixed(

@@ -127,17 +127,22 @@ class Session(SessionLifecycle):
         cache: KVCache | None = None,
         last_logits_only: bool = False,
         adapters: list[str | None] | None = None,
+        inputs: dict[str, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, KVCache]:
         """One graph step, validated against the IO spec: float32 logits (B, T, V) and the new cache.
 
         last_logits_only: return (B, 1, V), the last position's logits only (what
         generation needs); on ONNX Runtime the other positions are not computed.
         adapters: each row's LoRA adapter (a name in the bundle's adapters/, None: none; the bundle needs slots).
+        inputs: the step's graph inputs beyond the KV-cache contract (a vision-language decoder's image_features),
+        given instead of what step_inputs makes (the batcher gives each request's own).
         """
         with self._lock:
             step = self._checked_step(input_ids, attention_mask, position_ids, cache)
             extra = self._lora(adapters, step[0].shape[0])
-            if self.step_inputs is not None:
+            if inputs is not None:
+                extra = {**(extra or {}), **inputs}
+            elif self.step_inputs is not None:
                 extra = {**(extra or {}), **self.step_inputs(step[0])}
             logits, present = self.backend.forward(*step, last_logits_only, extra)
             present.owner = self.model_id
@@ -173,6 +178,8 @@ class Session(SessionLifecycle):
     def prepare_mixed(self) -> bool:
         """Make forward_mixed's one-call form ready (ONNX Runtime: build and load the mixed step's graph, a second
         session beside the plain one); whether the backend has it (else forward_mixed makes two calls)."""
+        if self.step_inputs is not None:  # forward_mixed takes no inputs beyond the contract
+            return False
         with self._lock:
             self.backend.activate()
             return self.backend.prepare_mixed()

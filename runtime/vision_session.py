@@ -19,6 +19,7 @@ graphs exactly. A session's calls are serialized.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import deque
 from typing import Any, Iterator
@@ -31,6 +32,7 @@ from kvforge.images import ImageProcessing
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
+from .batcher import Batcher, Request
 from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .session import Session
@@ -67,7 +69,7 @@ class VisionLanguageSession:
         self._vision_graph = bundle.path / spec["graph"]
         self._vision = None
         self._threads = options.get("threads")
-        self._pending: deque[np.ndarray] = deque()  # feature rows the next steps' image tokens take, in order
+        self._local = threading.local()  # each thread's pending feature rows (a batcher's thread has its own)
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -108,6 +110,14 @@ class VisionLanguageSession:
     def __repr__(self) -> str:
         return f"VisionLanguageSession({self.source!r}, backend={self.backend_name!r})"
 
+    @property
+    def _pending(self) -> deque:
+        """The feature rows the next steps' image tokens take, in order (this thread's)."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = deque()
+        return pending
+
     # -- images ------------------------------------------------------------------------------
     def image_features(self, images: list[Any]) -> np.ndarray:
         """(N, image_tokens, C) features of `images` (Pillow images, paths, bytes or data URLs)."""
@@ -118,13 +128,21 @@ class VisionLanguageSession:
         return self._vision.run(None, {"pixel_values": pixels})[0]
 
     def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The decoder step's image_features: the pending rows its image tokens take, in order. A prompt's image
-        tokens and images were checked to agree (_image_rows); an image token beyond them (one that generation
+        """The decoder step's image_features from this thread's pending rows (_take)."""
+        return self._take(self._pending, input_ids)
+
+    def _take(self, pending: deque, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The step's image_features: the pending rows its image tokens take, in order. A prompt's image tokens
+        and images were checked to agree (_image_rows); an image token beyond them (one that generation
         produced) takes no row and keeps its own embedding, as in transformers."""
-        n = min(int((input_ids == self.image_token_id).sum()), len(self._pending))
-        rows = [self._pending.popleft() for _ in range(n)]
+        n = min(int((input_ids == self.image_token_id).sum()), len(pending))
+        rows = [pending.popleft() for _ in range(n)]
         out = np.stack(rows) if rows else np.zeros((0, self.feature_dim), self.feature_dtype)
         return {FEATURES: out.astype(self.feature_dtype, copy=False)}
+
+    def feed(self, images: list[Any]) -> "FeatureFeed":
+        """One request's images as its own step inputs (the batcher's `inputs`): their features, computed now."""
+        return FeatureFeed(self, self.image_features(images) if images else None)
 
     def forward(self, input_ids: np.ndarray, image_features: np.ndarray | None = None,
                 attention_mask: np.ndarray | None = None, *, cache=None, last_logits_only: bool = False):
@@ -188,6 +206,11 @@ class VisionLanguageSession:
         self._pending.clear()
         self._pending.extend(features.reshape(-1, features.shape[-1]))
 
+    def batcher(self, **options) -> "VisionBatcher":
+        """A continuous batcher over this session's decoder whose requests carry their own images
+        (submit(prompt, images=[...])): runtime.Batcher's options."""
+        return VisionBatcher(self, **options)
+
     # -- generation --------------------------------------------------------------------------
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
         return self.decoder._stop_ids(config)
@@ -234,3 +257,40 @@ class VisionLanguageSession:
             raise KvforgeError("speculative decoding with images is not built yet; leave speculative out")
         if config.adapter is not None:
             raise KvforgeError("this vision-language bundle has no LoRA slots")
+
+
+class FeatureFeed:
+    """A request's image features, taken by its steps' image tokens in order (a callable: input ids -> inputs);
+    `key` (the features' sha256) keeps its prefix-cache blocks apart from those of other images."""
+
+    def __init__(self, session: VisionLanguageSession, features: np.ndarray | None):
+        self.session = session
+        rows = np.zeros((0, session.feature_dim), session.feature_dtype) if features is None else \
+            np.ascontiguousarray(features.reshape(-1, features.shape[-1]))
+        self.pending: deque[np.ndarray] = deque(rows)
+        self.key = hashlib.sha256(rows.tobytes()).digest() if len(rows) else None
+
+    def __call__(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+        return self.session._take(self.pending, input_ids)
+
+
+class VisionBatcher(Batcher):
+    """runtime.Batcher over a VisionLanguageSession's decoder: submit() takes a prompt with image placeholders
+    (or image tokens) and its images; their features are computed at submit() (on the caller's thread) and fed by
+    the request's prefill steps. Prompts with images and without share the batch; mixed steps are off (a prompt's
+    chunk rides apart)."""
+
+    def __init__(self, session: VisionLanguageSession, **options):
+        if options.get("speculative"):
+            raise KvforgeError("speculative decoding with images is not built yet; leave speculative out")
+        super().__init__(session.decoder, **options)
+        self.vision = session
+
+    def submit(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Request:
+        config = config or GenerationConfig.from_kwargs(**kwargs)
+        self.vision._refuse(config)
+        rows, single = self.vision._prompts(prompt)
+        if not single:
+            raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
+        per_row = self.vision._image_rows(rows, images, True)
+        return super().submit(rows[0], config, inputs=self.vision.feed(per_row[0]))

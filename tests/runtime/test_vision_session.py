@@ -122,3 +122,34 @@ def test_a_generated_image_token_keeps_its_embedding_as_in_transformers(llava_bu
         np.testing.assert_allclose(step[0, -1], want, atol=1e-4)
         with pytest.raises(KvforgeError, match="holds 9 image tokens but 0 feature rows"):
             session.forward(np.asarray([ids]), np.zeros((0, 9, bundle.io.input("image_features").shape[-1])))
+
+
+def test_the_batcher_runs_image_requests_beside_text_ones_as_each_alone(llava_bundle):
+    """Requests with their own images (the same text with different images included), a text-only one, and one
+    whose prompt is fed in chunks that split its image tokens, in one continuous batch: each gives what the
+    session gives it alone. The prefix cache keys image prompts by their images: the same text with another image
+    restores nothing; the same image again restores its blocks."""
+    _, bundle, _ = llava_bundle
+    shared_text = _ids(1, seed=20)
+    jobs = [(shared_text, [_image(21)]), (shared_text, [_image(22)]), (_ids(0, seed=23) + [9] * 12, []),
+            (_ids(2, seed=24), [_image(25), _image(26, (30, 90))])]
+    with runtime.load(bundle.path) as session:
+        alone = [session.generate(ids, images=ims, max_new_tokens=6, ignore_eos=True).tokens for ids, ims in jobs]
+        assert alone[0] != alone[1] or session.generate(shared_text, images=jobs[0][1], max_new_tokens=1,
+                                                        logprobs=0).logprobs != \
+            session.generate(shared_text, images=jobs[1][1], max_new_tokens=1, logprobs=0).logprobs
+        with session.batcher(max_batch=4, prefill_chunk=7, prefix_block=4) as batcher:
+            requests = [batcher.submit(ids, images=ims, max_new_tokens=6, ignore_eos=True) for ids, ims in jobs]
+            got = [r.result(timeout=120).tokens for r in requests]
+            assert got == alone
+            assert batcher.peak_batch >= 2
+        with session.batcher(max_batch=4, prefix_block=4) as batcher:  # one after another: the cache is filled
+            first = batcher.submit(jobs[0][0], images=jobs[0][1], max_new_tokens=6, ignore_eos=True)
+            assert first.result(timeout=120).tokens == alone[0] and batcher.prefix_stats.hit_tokens == 0
+            other = batcher.submit(jobs[1][0], images=jobs[1][1], max_new_tokens=6, ignore_eos=True)
+            assert other.result(timeout=120).tokens == alone[1] and batcher.prefix_stats.hit_tokens == 0
+            again = batcher.submit(jobs[0][0], images=jobs[0][1], max_new_tokens=6, ignore_eos=True)
+            assert again.result(timeout=120).tokens == alone[0]
+            assert batcher.prefix_stats.hit_tokens > 0  # the same image's blocks were restored
+            with pytest.raises(KvforgeError, match="holds 9 image tokens"):
+                batcher.submit(jobs[0][0], max_new_tokens=2)
