@@ -8,8 +8,8 @@ The model (random weights, ~240M parameters, built from kvforge's components):
   9 heads of 64, 3 K/V heads): 64 image tokens per image, SmolVLM's count (it gets there by pixel shuffle);
 - decoder: SmolLM2-135M's shape (30 layers of 576, 9 heads / 3 K/V heads, FFN 1536, vocab 49152, tied head).
 
-Exported by kvforge (FP32, validated) and calibrated INT8 by kvforge (both graphs, default recipe: synthetic
-images for the vision graph, the built-in text and one prompt per image for the decoder), run on ONNX Runtime by
+Exported by kvforge (FP32, validated; SmolLM2's tokenizer) and calibrated INT8 by kvforge (both graphs, default
+recipe: synthetic images for the vision graph, the built-in text and one prompt per image for the decoder), run on ONNX Runtime by
 the VisionLanguageSession (the decoder graph as exported: the ORT variant's packed cache is not used for
 vision-language bundles yet).
 
@@ -63,12 +63,18 @@ def bundle_path(cache: Path) -> Path:
     from kvforge.model_defs.model import init_random_weights
     from kvforge.model_defs.vision import VisionLanguageConfig, build_vision_language
 
-    key = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:12]
+    # SmolLM2's tokenizer (the decoder's vocabulary): the calibration reads the built-in text with it
+    key = hashlib.sha256(json.dumps({**CONFIG, "tokenizer": "smollm2"}, sort_keys=True).encode()).hexdigest()[:12]
     bundle = cache / f"smolvlm-shaped-{key}"
     if not (bundle / "kvforge.json").is_file():
         checkpoint = cache / f"smolvlm-shaped-{key}-checkpoint"
         if not checkpoint.exists():
-            save_checkpoint(init_random_weights(build_vision_language(VisionLanguageConfig(**CONFIG)), seed=0), checkpoint)
+            from kvforge.model_defs.checkpoint import packaged_file
+            from kvforge.model_defs.gguf import gguf_tokenizer, read_gguf_tokenizer
+
+            tokenizer = gguf_tokenizer(read_gguf_tokenizer(packaged_file("smollm2")))
+            save_checkpoint(init_random_weights(build_vision_language(VisionLanguageConfig(**CONFIG)), seed=0), checkpoint,
+                            tokenizer=tokenizer)
         started = time.time()
         export(checkpoint, bundle, force=True)
         print(f"exported in {time.time() - started:.0f} s", flush=True)

@@ -107,3 +107,46 @@ def template_from_config(config: dict[str, Any], where: str = "tokenizer_config.
             return named["default"]
         raise KvforgeError(f"{where}: chat_template lists templates {sorted(map(str, named))} but none named 'default'")
     raise KvforgeError(f"{where}: chat_template is {type(value).__name__}, not a template string or a list of them")
+
+
+IMAGE_SOURCE_KEYS = ("image", "url", "path")  # where transformers' processors read an image part's image
+
+
+def split_images(messages: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A conversation with image parts -> (the messages as a vision-language chat template takes them: each image
+    part made {"type": "image"}, the template's placeholder; the images in reading order).
+
+    Image parts are OpenAI's ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}) or
+    transformers' ({"type": "image", "image" | "url" | "path": ...}); an image part without its image takes the
+    next of the images given beside the messages (None in the list). String contents and text parts pass as
+    they are: the template decides how to write them."""
+    messages = check_messages(messages)
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}]'s content part {j}"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise KvforgeError(f"{where} has no 'text' string")
+                parts.append(part)
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise KvforgeError(f"{where} needs image_url.url (a data URL: data:image/png;base64,...)")
+                parts.append({"type": "image"})
+                images.append(url)
+            elif kind == "image":
+                parts.append({"type": "image"})
+                images.append(next((part[k] for k in IMAGE_SOURCE_KEYS if part.get(k) is not None), None))
+            else:
+                what = f"has type {kind!r:.40}" if kind is not None else f"is {part!r:.60}"
+                raise KvforgeError(f"{where} {what}: the parts are text, image_url and image")
+        out.append({**m, "content": parts})
+    return out, images

@@ -394,7 +394,7 @@ def _speculation(speculative, draft_tokens, ngram):
 @_speculative_options
 @click.option("--adapter", help="A LoRA adapter of the bundle by name (kvforge lora add).")
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="An image for a vision-language bundle, one per placeholder (<image>) in the prompt; repeatable.")
+              help="An image for a vision-language bundle, one per placeholder (<image>) in the prompt (with --chat: the images open the message); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
 def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
              speculative, draft_tokens, ngram, adapter, images, as_json):
@@ -408,12 +408,12 @@ def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_
         if not isinstance(session, runtime.VisionLanguageSession):
             raise KvforgeError(f"{source} is {kind_name(session.architecture)}; --image takes a vision-language "
                                "bundle (LLaVA)")
-        if as_chat:
-            raise KvforgeError("--image with --chat is not built yet: put the image placeholder in --prompt")
         options["images"] = list(images)
+    # with --chat, the images open the user's message (one image part each) and the prompt follows as text
+    message = ([{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]) if images else prompt
     tokens, text = [], []
     with session:
-        events = (session.stream_chat([{"role": "user", "content": prompt}], **options) if as_chat
+        events = (session.stream_chat([{"role": "user", "content": message}], **options) if as_chat
                   else session.stream(prompt, **options))
         for event in events:
             tokens.append(event.token)

@@ -164,16 +164,16 @@ class VisionLanguageSession:
                 self._pending.clear()
 
     # -- prompts -----------------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text with image placeholders -> ids with image_tokens image tokens per placeholder."""
         tok = self.tokenizer
         if tok is None:
             raise KvforgeError(f"{self.source} has no tokenizer; pass token ids instead of text")
         if tok.token_to_id(self.placeholder) == self.image_token_id:  # one special token: encode the text whole
-            ids = tok.encode(text)
+            ids = tok.encode(text, add_special_tokens=add_special_tokens)
         else:
             pieces = text.split(self.placeholder)
-            ids = tok.encode(pieces[0])
+            ids = tok.encode(pieces[0], add_special_tokens=add_special_tokens)
             for piece in pieces[1:]:
                 ids += [self.image_token_id] + (tok.encode(piece, add_special_tokens=False) if piece else [])
         out = []
@@ -182,7 +182,7 @@ class VisionLanguageSession:
         return out
 
     def _prompts(self, prompt) -> tuple[list[list[int]], bool]:
-        return token_rows(prompt, self._encode)
+        return token_rows(prompt, self.encode)
 
     def _image_rows(self, rows: list[list[int]], images, single: bool) -> list[list[Any]]:
         """Each row's images, checked against its image tokens."""
@@ -210,6 +210,36 @@ class VisionLanguageSession:
         """A continuous batcher over this session's decoder whose requests carry their own images
         (submit(prompt, images=[...])): runtime.Batcher's options."""
         return VisionBatcher(self, **options)
+
+    def chat_ids(self, messages, images=None, add_generation_prompt: bool = True) -> tuple[list[int], list[Any]]:
+        """(prompt ids, images) of a conversation whose contents may hold image parts (kvforge.chat.split_images:
+        OpenAI's image_url parts, transformers' image parts; a part without its image takes the next of
+        `images`), written by the model's chat template with its image placeholder per image."""
+        from kvforge.chat import split_images
+
+        if self.tokenizer is None:
+            raise KvforgeError(f"{self.source} has no tokenizer to write a chat with")
+        template_messages, found = split_images(messages)
+        given = list(images or [])
+        missing = sum(1 for x in found if x is None)
+        if missing != len(given):
+            raise KvforgeError(f"the messages hold {missing} image part(s) without their image but {len(given)} "
+                               "image(s) were given beside them")
+        supply = iter(given)
+        chosen = [x if x is not None else next(supply) for x in found]
+        text = self.tokenizer.render_chat(template_messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False), chosen
+
+    def chat(self, messages, config: GenerationConfig | None = None, images=None, **kwargs) -> GenerationResult:
+        """The assistant's next reply to a conversation with images (chat_ids); kwargs are generation options."""
+        ids, chosen = self.chat_ids(messages, images)
+        return self.generate(ids, config, images=chosen, **kwargs)
+
+    def stream_chat(self, messages, config: GenerationConfig | None = None, images=None, **kwargs
+                    ) -> Iterator[TokenEvent]:
+        """The assistant's next reply, token by token with its text (as stream())."""
+        ids, chosen = self.chat_ids(messages, images)
+        return self.stream(ids, config, images=chosen, **kwargs)
 
     # -- generation --------------------------------------------------------------------------
     def _stop_ids(self, config: GenerationConfig) -> set[int]:

@@ -13,6 +13,7 @@ instance, so both endpoints feed the same batch.
 from __future__ import annotations
 
 import threading
+from dataclasses import asdict
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -32,10 +33,15 @@ class ServedKind(NamedTuple):
     room: Callable[[Any, int], int]  # (session, prompt tokens) -> how many tokens may follow (<= 0: none)
     limit: str  # how messages state that bound ({context}: the session's max_context)
     triton_io: tuple[dict, dict]  # the Triton model's inputs and outputs (name -> (data type, dims))
+    images: bool = False  # requests may carry images (OpenAI image_url parts): the runner's submit takes them
 
 
 def _batcher(session, batching: BatchOptions):
     return Batcher.with_options(session, batching)
+
+
+def _vision_batcher(session, batching: BatchOptions):
+    return session.batcher(**asdict(batching))
 
 
 def _serial(session, batching: BatchOptions):
@@ -62,9 +68,9 @@ SERVED: dict[str, ServedKind] = {
                                   "the model takes sources and writes targets of up to {context} tokens", GENERATE_IO),
     "encoder": ServedKind(None, True, _inputs_only, "the model reads up to {context} tokens", EMBED_IO),
     "perceiver": ServedKind(None, True, _inputs_only, "the model reads up to {context} tokens", EMBED_IO),
-    # text requests, one at a time (images through the server are still to come)
-    "vision-language": ServedKind(_serial, False, _shared_context, "the model's context is {context} tokens",
-                                  GENERATE_IO),
+    # the continuous batcher over its decoder, each request with its own images (runtime/vision_session.py)
+    "vision-language": ServedKind(_vision_batcher, False, _shared_context, "the model's context is {context} tokens",
+                                  GENERATE_IO, images=True),
 }
 check_registry("serving", SERVED)
 
@@ -99,10 +105,17 @@ class Service:
         """How many tokens may follow a prompt of this many (<= 0: it does not fit)."""
         return self._served.room(self.session, prompt)
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def images(self) -> bool:
+        """Requests may carry images."""
+        return self._served.images
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.session.tokenizer is None:
             raise KvforgeError(f"{self.session.source} has no tokenizer: send token ids")
-        return self.session.tokenizer.encode(text)
+        if self.images:  # its image placeholders become the image tokens
+            return self.session.encode(text, add_special_tokens)
+        return self.session.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def generates(self) -> bool:
@@ -137,7 +150,11 @@ class Service:
         """What the runner's speculating rows did (runtime.speculative.SpeculationStats), or None: no such runner."""
         return getattr(self.runner, "speculation", None)
 
-    def submit(self, prompt: list[int], config):
+    def submit(self, prompt: list[int], config, images: list | None = None):
+        if images:
+            if not self.images:
+                raise KvforgeError(f"{self.session.source} takes no images")
+            return self.runner.submit(prompt, config, images=images)
         return self.runner.submit(prompt, config)
 
     def embed(self, inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int]:

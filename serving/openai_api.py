@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.chat import split_images
 from kvforge.checks import is_int, is_number
 from kvforge.errors import KvforgeError
+from kvforge.images import load_image
 from kvforge.runtime import GenerationConfig
 from kvforge.runtime.generate import MAX_TOP_LOGPROBS
 
@@ -107,6 +109,7 @@ class Job:
     tools: list[dict] | None = None
     tool_format: Any = None
     id: str = field(default_factory=lambda: "")
+    images: list[str] = field(default_factory=list)  # a vision-language prompt's images (data URLs), in order
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -204,8 +207,12 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     """A /v1/chat/completions request -> a Job (ApiError naming the field otherwise)."""
     body = check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = check_model(body, served)
+    images: list[str] = []
+    if service.images:  # a vision-language model: its template takes the messages' image parts
+        template_messages, images = _image_messages(body)
     try:  # the conversation's shape first: it is wrong whatever the model
-        check_chat_messages(body.get("messages"))
+        if not service.images:
+            check_chat_messages(body.get("messages"))
     except KvforgeError as e:
         raise ApiError(str(e), param="messages") from None
     session = service.session
@@ -226,8 +233,11 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     except KvforgeError as e:
         raise ApiError(str(e), param="tool_parser") from None
     try:
-        prompt = render_chat(session.tokenizer, body.get("messages"), tools=tools, tool_choice=tool_choice,
-                             tool_parser=parser)
+        if service.images:
+            prompt = service.encode(session.tokenizer.render_chat(template_messages, True), add_special_tokens=False)
+        else:
+            prompt = render_chat(session.tokenizer, body.get("messages"), tools=tools, tool_choice=tool_choice,
+                                 tool_parser=parser)
     except KvforgeError as e:
         raise ApiError(str(e), param="messages") from None
     forced = tool_constraint(tools, tool_choice, fmt) if tools else None
@@ -246,7 +256,29 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
                        "cannot both constrain the reply", param="response_format")
     configs = _configs(body, max_tokens, forced or fmt_given, logprobs, adapter_of(model, served))
     return Job(True, model, prompt, configs, stream, usage, _stops(body), logprobs,
-               tools if tools and tool_choice != "none" else None, fmt, "chatcmpl-" + secrets.token_hex(12))
+               tools if tools and tool_choice != "none" else None, fmt, "chatcmpl-" + secrets.token_hex(12), images=images)
+
+
+def _image_messages(body: dict) -> tuple[list[dict], list[str]]:
+    """A vision-language chat's messages as its template takes them, and their images: OpenAI image_url parts
+    whose url is a data URL (the server reads no files and fetches nothing), each checked to be an image now."""
+    if body.get("tools"):
+        raise ApiError("tools are not served for vision-language models yet", param="tools")
+    try:
+        messages, images = split_images(body.get("messages"))
+        for i, m in enumerate(body["messages"]):
+            if isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                         for p in m["content"]):
+                raise KvforgeError(f"messages[{i}] has an 'image' part: send images as image_url parts with a data "
+                                   "URL (data:image/png;base64,...)")
+        for n, url in enumerate(images):
+            if not url.startswith("data:"):
+                raise KvforgeError(f"image {n} is not a data URL (data:image/png;base64,...): the server reads no "
+                                   "files and fetches nothing")
+            load_image(url)
+    except KvforgeError as e:
+        raise ApiError(str(e), param="messages") from None
+    return messages, images
 
 
 def completion_job(body: Any, service, served: list[str]) -> Job:

@@ -65,7 +65,7 @@ class Generation:
         self.handles = []
         try:
             for config in job.configs:
-                self.handles.append(service.submit(job.prompt, config))
+                self.handles.append(service.submit(job.prompt, config, images=job.images))
         except BaseException:
             self.cancel()  # the choices already submitted do not run for nobody
             raise

@@ -91,7 +91,7 @@ def test_kvforge_generate_image_streams_what_the_session_generates(tmp_path):
     prompt = "<image> what is this?"
     with runtime.load(bundle.path) as session:
         expected = session.generate(prompt, images=[tmp_path / "a.png"], max_new_tokens=6, ignore_eos=True).text
-        ids = session._encode(prompt)
+        ids = session.encode(prompt)
         assert ids.count(259) == 9 and ids[0] == 256  # one placeholder: 9 image tokens, after the BOS
     result = CliRunner().invoke(main, ["generate", str(bundle.path), "--prompt", prompt, "--image", str(tmp_path / "a.png"),
                                        "--max-new-tokens", "6", "--json"])

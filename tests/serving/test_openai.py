@@ -324,3 +324,75 @@ def test_an_encoder_serves_embeddings_and_an_encoder_decoder_completions(micro_b
         finally:
             server.stop()
             service.close()
+
+
+# a LLaVA-style template: content parts, an image part written as the model's placeholder
+VL_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}{% if message['content'] is string %}"
+               "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+               "{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def _data_url(seed: int, size=(37, 52)) -> str:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_vision_language_model_answers_image_url_parts_as_its_session(micro_bundle):
+    """Chat requests with OpenAI image_url parts (data URLs) through the official client: each reply is what the
+    session's own chat gives for the same messages and images, concurrent requests with their own images
+    included; prompt_tokens count the image tokens. Images the server cannot or must not read are a 400."""
+    bundle = micro_bundle("llava-micro")
+    with runtime.load(bundle.path) as session:
+        session.tokenizer.chat_template = VL_TEMPLATE
+        service, server = _serve(session, bundle.kind, "llava")
+        try:
+            client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+            def messages(url, question="What is in it?"):
+                return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                     {"type": "text", "text": question}]}]
+
+            urls = [_data_url(1), _data_url(2, (64, 20))]
+            expected = [session.chat(messages(u), max_new_tokens=6, ignore_eos=True) for u in urls]
+            assert expected[0].text != expected[1].text or \
+                session.chat(messages(urls[0]), max_new_tokens=1, logprobs=0).logprobs != \
+                session.chat(messages(urls[1]), max_new_tokens=1, logprobs=0).logprobs
+            ids, images = session.chat_ids(messages(urls[0]))
+            assert ids.count(session.image_token_id) == session.image_tokens and images == [urls[0]]
+
+            results = [None, None]
+
+            def ask(i):
+                results[i] = client.chat.completions.create(model="llava", messages=messages(urls[i]), max_tokens=6,
+                                                            temperature=0, extra_body={"ignore_eos": True})
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            for got, want in zip(results, expected):
+                assert got.choices[0].message.content == want.text
+                assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want.tokens)
+            text_only = client.chat.completions.create(model="llava", max_tokens=4, temperature=0,
+                                                       messages=[{"role": "user", "content": "hello"}])
+            assert text_only.choices[0].message.content == \
+                session.chat([{"role": "user", "content": "hello"}], max_new_tokens=4).text
+
+            for bad, named in ((messages("https://example.com/cat.png"), "not a data URL"),
+                               (messages("data:image/png;base64,bm90IGFuIGltYWdl"), "not an image Pillow can read"),
+                               ([{"role": "user", "content": [{"type": "image", "path": "/etc/hostname"}]}],
+                                "send images as image_url parts"),
+                               ([{"role": "user", "content": [{"type": "audio", "x": 1}]}], "the parts are text")):
+                with pytest.raises(openai.BadRequestError, match=named):
+                    client.chat.completions.create(model="llava", messages=bad, max_tokens=2)
+            with pytest.raises(openai.BadRequestError, match="holds 9 image tokens"):
+                client.completions.create(model="llava", prompt="<image> what?", max_tokens=2)
+        finally:
+            server.stop()
+            service.close()
