@@ -153,3 +153,34 @@ def test_the_batcher_runs_image_requests_beside_text_ones_as_each_alone(llava_bu
             assert batcher.prefix_stats.hit_tokens > 0  # the same image's blocks were restored
             with pytest.raises(KvforgeError, match="holds 9 image tokens"):
                 batcher.submit(jobs[0][0], max_new_tokens=2)
+
+
+def test_kvforge_generate_chat_image_puts_the_images_in_the_users_message(tmp_path):
+    """`kvforge generate --chat --image` on a bundle with a chat template that writes image parts: the CLI's stream is
+    the session's chat of one user message holding the image, then the prompt."""
+    import json
+
+    from kvforge.model_defs import load, save_checkpoint
+    from kvforge.tokenizer import Tokenizer
+
+    template = ("{% for m in messages %}{{ m['role'] + ': ' }}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                "{{ '<image>' }}{% else %}{{ p['text'] }}{% endif %}{% endfor %}{{ '\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.chat_template = template
+    save_checkpoint(load("llava-micro").model, tmp_path / "ckpt", tokenizer=tokenizer)
+    bundle = export(tmp_path / "ckpt", tmp_path / "b")
+    _image(30).save(tmp_path / "a.png")
+    question = "what is this?"
+    with runtime.load(bundle.path) as session:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        ids, images = session.chat_ids(messages, images=[tmp_path / "a.png"])
+        assert ids.count(259) == 9 and images == [tmp_path / "a.png"]
+        assert session.tokenizer.decode(ids).startswith("user: ")  # the template wrote it, no BOS of the tokenizer's
+        expected = session.chat(messages, images=[tmp_path / "a.png"], max_new_tokens=5).text
+        with pytest.raises(KvforgeError, match="1 image part.* without their image but 0"):
+            session.chat_ids(messages)
+    result = CliRunner().invoke(main, ["generate", str(bundle.path), "--chat", "--prompt", question, "--image",
+                                       str(tmp_path / "a.png"), "--max-new-tokens", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["text"] == expected
