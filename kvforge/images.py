@@ -26,13 +26,20 @@ import numpy as np
 
 from .errors import KvforgeError
 
-PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
+PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "Idefics3ImageProcessor",
+              "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil")
+# what Idefics3's processor does where its preprocessor_config.json does not say (transformers' class defaults)
+_IDEFICS3_DEFAULTS = dict(size={"longest_edge": 4 * 364}, max_image_size={"longest_edge": 364}, do_image_splitting=True,
+                          do_center_crop=False, resample=1, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+MAX_IMAGE_SIDE = 4096  # Idefics3's processor keeps a resized image's sides within this
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # keys of a preprocessor_config.json that say nothing about the pixels (or that this processing reads)
 _INERT = {"image_processor_type", "processor_class", "feature_extractor_type", "data_format", "input_data_format",
           "return_tensors", "device", "disable_grouping", "default_to_square", "image_seq_length", "patch_size",
-          "vision_feature_select_strategy", "num_additional_image_tokens", "use_square_size", "backend"}
+          "vision_feature_select_strategy", "num_additional_image_tokens", "use_square_size", "backend",
+          # Idefics3's: its tiles are all max_image_size square, so padding them to one size changes nothing
+          "do_pad", "return_row_col_info"}
 
 
 def _pil():
@@ -58,11 +65,22 @@ class ImageProcessing:
     rescale_factor: float = 1 / 255
     image_mean: list[float] = field(default_factory=lambda: list(_OPENAI_CLIP_MEAN))
     image_std: list[float] = field(default_factory=lambda: list(_OPENAI_CLIP_STD))
+    # Idefics3's: after the resize, each image becomes max_image_size squares: its tiles (rows x cols, in reading
+    # order) and the whole image resized (do_image_splitting), or only the latter
+    max_image_size: dict[str, int] | None = None
+    do_image_splitting: bool = False
 
     def __post_init__(self) -> None:
         problems = []
-        if self.do_resize and not (set(self.size) == {"shortest_edge"} or set(self.size) == {"height", "width"}):
-            problems.append(f"size={self.size}: kvforge resizes to a shortest edge or to a height and width")
+        if self.do_resize and not (set(self.size) in ({"shortest_edge"}, {"longest_edge"}, {"height", "width"})):
+            problems.append(f"size={self.size}: kvforge resizes to a shortest or longest edge or to a height and width")
+        if self.max_image_size is not None:
+            if set(self.max_image_size) != {"longest_edge"} or not isinstance(self.max_image_size["longest_edge"], int):
+                problems.append(f"max_image_size={self.max_image_size} needs an integer longest_edge")
+            if self.do_center_crop:
+                problems.append("max_image_size (tiles) and do_center_crop do not go together")
+        elif self.do_image_splitting:
+            problems.append("do_image_splitting needs max_image_size (the tiles' side)")
         if self.do_center_crop and set(self.crop_size) != {"height", "width"}:
             problems.append(f"crop_size={self.crop_size} needs height and width")
         for name in ("image_mean", "image_std"):
@@ -93,7 +111,8 @@ class ImageProcessing:
                                "reproduce")
         if config.get("default_to_square") and "shortest_edge" in (config.get("size") or {}):
             raise KvforgeError("default_to_square with a shortest_edge size is not reproduced")
-        return cls(**{k: v for k, v in config.items() if k in known})
+        defaults = _IDEFICS3_DEFAULTS if kind.startswith("Idefics3") else {}
+        return cls(**{**defaults, **{k: v for k, v in config.items() if k in known}})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +120,8 @@ class ImageProcessing:
     @property
     def output_size(self) -> tuple[int, int]:
         """(height, width) of the pixel_values this gives."""
+        if self.max_image_size is not None:
+            return (self.max_image_size["longest_edge"],) * 2
         if self.do_center_crop:
             return self.crop_size["height"], self.crop_size["width"]
         if self.do_resize and "height" in self.size:
@@ -108,16 +129,70 @@ class ImageProcessing:
         raise KvforgeError("this image processing keeps each image's own size")
 
     def __call__(self, images: list[Any]) -> np.ndarray:
-        """pixel_values (N, 3, H, W) float32 of images (Pillow images, paths, bytes or data URLs)."""
-        return np.stack([self.one(load_image(im)) for im in images]).astype(np.float32, copy=False)
+        """pixel_values (N, 3, H, W) float32 of images (Pillow images, paths, bytes or data URLs): one per image, or
+        each image's tiles in turn where it is split (process() says how)."""
+        return self.process(images)[0]
 
-    def one(self, image) -> np.ndarray:
+    def process(self, images: list[Any]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """(pixel_values of every image's tiles, each image's (rows, cols) of tiles: (0, 0) for an image that is
+        one tile (unsplit, or too small to split); else rows x cols tiles and then the whole image)."""
+        tiles, grids = [], []
+        for im in images:
+            parts, grid = self.tiles(load_image(im))
+            tiles += parts
+            grids.append(grid)
+        return np.stack(tiles).astype(np.float32, copy=False), grids
+
+    def grid(self, image) -> tuple[int, int]:
+        """An image's (rows, cols) of tiles, from its size alone."""
+        if not self.do_image_splitting:
+            return 0, 0
+        image = load_image(image)
+        h, w = self._split_size(*self._resized(image.height, image.width))
+        side = self.max_image_size["longest_edge"]
+        return (h // side, w // side) if h > side or w > side else (0, 0)
+
+    def tiles(self, image) -> tuple[list[np.ndarray], tuple[int, int]]:
         if self.do_convert_rgb:
             image = to_rgb(image)
         elif image.mode not in ("RGB",):
             raise KvforgeError(f"an image in mode {image.mode!r} with do_convert_rgb off: kvforge takes RGB")
         if self.do_resize:
             image = image.resize(self._resized(image.height, image.width)[::-1], resample=self.resample)
+        if self.max_image_size is None:
+            return [self._pixels(image)], (0, 0)
+        side = self.max_image_size["longest_edge"]
+        if not self.do_image_splitting:
+            return [self._pixels(image.resize((side, side), resample=self.resample))], (0, 0)
+        h, w = self._split_size(image.height, image.width)
+        image = image.resize((w, h), resample=self.resample)
+        if h <= side and w <= side:
+            return [self._pixels(image)], (0, 0)
+        rows, cols = h // side, w // side
+        parts = [self._pixels(image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side)))
+                 for r in range(rows) for c in range(cols)]
+        return parts + [self._pixels(image.resize((side, side), resample=self.resample))], (rows, cols)
+
+    def _split_size(self, height: int, width: int) -> tuple[int, int]:
+        """Idefics3's resize for splitting: both sides rounded up to whole tiles, the shorter in proportion first."""
+        side = self.max_image_size["longest_edge"]
+        aspect = width / height
+        if width >= height:
+            width = math.ceil(width / side) * side
+            height = math.ceil(int(width / aspect) / side) * side
+        else:
+            height = math.ceil(height / side) * side
+            width = math.ceil(int(height * aspect) / side) * side
+        return height, width
+
+    def one(self, image) -> np.ndarray:
+        """pixel_values (3, H, W) of one image that is one tile."""
+        parts, _ = self.tiles(image)
+        if len(parts) != 1:
+            raise KvforgeError("this image is split into tiles: use process()")
+        return parts[0]
+
+    def _pixels(self, image) -> np.ndarray:
         x = np.moveaxis(np.asarray(image), -1, 0)  # (C, H, W) uint8
         if self.do_center_crop:
             x = center_crop(x, self.crop_size["height"], self.crop_size["width"])
@@ -133,6 +208,22 @@ class ImageProcessing:
     def _resized(self, height: int, width: int) -> tuple[int, int]:
         if "height" in self.size:
             return self.size["height"], self.size["width"]
+        if "longest_edge" in self.size:  # Idefics3's: the longer side to it, the other in proportion and even
+            target = self.size["longest_edge"]
+            if width >= height:
+                width, height = target, int(target / (width / height))
+                height += height % 2
+            else:
+                height, width = target, int(target * (width / height))
+                width += width % 2
+            height, width = max(height, 1), max(width, 1)
+            if max(height, width) > MAX_IMAGE_SIDE:  # within the processor's upper bound, in proportion
+                aspect = width / height
+                if width >= height:
+                    width, height = MAX_IMAGE_SIDE, max(int(MAX_IMAGE_SIDE / aspect), 1)
+                else:
+                    height, width = MAX_IMAGE_SIDE, max(int(MAX_IMAGE_SIDE * aspect), 1)
+            return height, width
         target = self.size["shortest_edge"]
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(target * long / short)
@@ -189,6 +280,23 @@ def load_image(source: Any):
         where = "the image bytes" if isinstance(source, (bytes, bytearray)) else str(source)
         raise KvforgeError(f"{where} is not an image Pillow can read: {e}") from e
     return image
+
+
+def image_prompt_text(style: str, placeholder: str, per_image: int, grid: tuple[int, int] = (0, 0)) -> str:
+    """The text that stands for one image in a prompt, as the family's processor writes it (a vision-language
+    config's image_prompt): "idefics2" its image tokens between two <fake_token_around_image>; "idefics3" for a
+    split image each tile's <fake_token_around_image><row_r_col_c> and image tokens (a newline after each row),
+    then a newline and the whole image's <fake_token_around_image><global-img> image tokens
+    <fake_token_around_image> (that last part alone for an unsplit image, grid (0, 0))."""
+    fake, tokens = "<fake_token_around_image>", placeholder * per_image
+    if style == "idefics2":
+        return fake + tokens + fake
+    if style != "idefics3":
+        raise KvforgeError(f"image_prompt {style!r} is not written as text")
+    rows, cols = grid
+    tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
+                    for r in range(rows))
+    return tiles + ("\n" if rows else "") + f"{fake}<global-img>{tokens}{fake}"
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hf_common import Table
-from .hf_vision import LLAVA_RENAMES, idefics2_config, idefics2_weights, llava_config, llava_leftovers, llava_weights
+from .hf_vision import (LLAVA_RENAMES, idefics2_config, idefics2_weights, idefics3_config, idefics3_weights, llava_config,
+                        llava_leftovers, llava_weights)
 from .hf_decoders import (
     cohere,
     cohere_weights,
@@ -142,4 +143,6 @@ FAMILIES["llava"] = Family(llava_config(FAMILIES), llava_weights(FAMILIES), arch
                            embedding="decoder.embed.weight", head_prefixes=(), leftovers=llava_leftovers,
                            renames=LLAVA_RENAMES)
 FAMILIES["idefics2"] = Family(idefics2_config(FAMILIES), idefics2_weights(FAMILIES), architecture="vision-language",
+                              embedding="decoder.embed.weight", head_prefixes=())
+FAMILIES["idefics3"] = Family(idefics3_config(FAMILIES), idefics3_weights(FAMILIES), architecture="vision-language",
                               embedding="decoder.embed.weight", head_prefixes=())

@@ -27,7 +27,6 @@ from .config import ModelConfig
 from .resampler import ResamplerConfig
 from .vision import VisionConfig
 
-VISION_FAMILIES = ("llava",)
 _ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "relu": "relu", "silu": "silu"}
 # the module tree's names -> the released ones
@@ -168,6 +167,21 @@ def resampler_table(n_layers: int, prefix: str) -> dict[str, tuple[str, None]]:
     return {k: (v, None) for k, v in table.items()}
 
 
+def _idefics_vision(vc: dict[str, Any], family: str) -> VisionConfig:
+    """Idefics2's and Idefics3's image encoder: SigLIP-style (no class token, a patch bias, post_layernorm on the
+    last layer), its patches' positions bucketized as transformers computes them."""
+    try:
+        return VisionConfig(image_size=vc.get("image_size", 224), patch_size=vc.get("patch_size", 32),
+                            dim=vc.get("hidden_size", 768), n_layers=vc.get("num_hidden_layers", 12),
+                            n_heads=vc.get("num_attention_heads", 12), ffn_dim=vc.get("intermediate_size", 3072),
+                            channels=vc.get("num_channels", 3), class_token=False, patch_bias=True,
+                            pre_norm=False, post_norm=True, norm_eps=vc.get("layer_norm_eps", 1e-6),
+                            activation=_activation(vc.get("hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act"),
+                            feature_layer=-1, feature_select="full", position_buckets=True)
+    except TypeError as e:
+        raise KvforgeError(f"vision_config does not describe {family}'s image encoder: {e}") from e
+
+
 def idefics2_config(families: dict[str, Any]):
     """An Idefics2 config.json -> VisionLanguageConfig's fields: a SigLIP-style encoder (no class token, a patch
     bias, post_layernorm on the last layer), the connector's gated projection and Perceiver resampler."""
@@ -179,16 +193,7 @@ def idefics2_config(families: dict[str, Any]):
         if processor is not None:
             raise KvforgeError(f"Idefics2's image processor ({processor.get('image_processor_type')}: an aspect-keeping "
                                "resize, image splitting, padding with a pixel mask) is not reproduced by kvforge yet")
-        try:
-            encoder = VisionConfig(image_size=vc.get("image_size", 224), patch_size=vc.get("patch_size", 32),
-                                   dim=vc.get("hidden_size", 768), n_layers=vc.get("num_hidden_layers", 12),
-                                   n_heads=vc.get("num_attention_heads", 12), ffn_dim=vc.get("intermediate_size", 3072),
-                                   channels=vc.get("num_channels", 3), class_token=False, patch_bias=True,
-                                   pre_norm=False, post_norm=True, norm_eps=vc.get("layer_norm_eps", 1e-6),
-                                   activation=_activation(vc.get("hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act"),
-                                   feature_layer=-1, feature_select="full")
-        except TypeError as e:
-            raise KvforgeError(f"vision_config does not describe Idefics2's image encoder: {e}") from e
+        encoder = _idefics_vision(vc, "Idefics2")
         heads, head_dim = pc.get("resampler_n_heads", 16), pc.get("resampler_head_dim", 96)
         resampler = ResamplerConfig(dim=decoder.dim, n_latents=pc.get("resampler_n_latents", 64),
                                     n_layers=pc.get("resampler_depth", 3), n_heads=heads, head_dim=head_dim,
@@ -202,7 +207,7 @@ def idefics2_config(families: dict[str, Any]):
                     projector="resampler",
                     projector_activation=_activation(text.get("hidden_act", "silu"), "text_config.hidden_act"),
                     projector_ffn_dim=decoder.ffn_dim, resampler=resampler.to_dict(), image_processing=image.to_dict(),
-                    image_placeholder="<image>", family="idefics2")
+                    image_placeholder="<image>", image_prompt="idefics2", family="idefics2")
 
     return config
 
@@ -217,6 +222,40 @@ def idefics2_weights(families: dict[str, Any]):
             table[f"projector.{p}.weight"] = (f"model.connector.modality_projection.{p}.weight", None)
         table.update({f"projector.resampler.{k}": v for k, v in
                       resampler_table(cfg.resampler_config.n_layers, "model.connector.perceiver_resampler.").items()})
+        return table
+
+    return weights
+
+
+def idefics3_config(families: dict[str, Any]):
+    """An Idefics3 (SmolVLM) config.json -> VisionLanguageConfig's fields: Idefics2's image encoder, the connector's
+    pixel shuffle (scale_factor) and linear projection, a Llama decoder; the image processor's resize, tiles and
+    the prompt's row/column tokens (kvforge/images.py)."""
+
+    def config(hf: dict[str, Any]) -> dict[str, Any]:
+        text, decoder = _text_config(families, hf, "llama")
+        encoder = _idefics_vision(hf.get("vision_config") or {}, "Idefics3")
+        processor = hf.get("preprocessor_config")
+        image = ImageProcessing.from_hf({"image_processor_type": "Idefics3ImageProcessor", **(processor or {})})
+        if processor is None:  # the processor's defaults, its tiles the encoder's size
+            side = encoder.image_size
+            image = ImageProcessing(**{**image.to_dict(), "size": {"longest_edge": 4 * side},
+                                       "max_image_size": {"longest_edge": side}})
+        return dict(vision=encoder.to_dict(), decoder=decoder.to_dict(), image_token_id=hf.get("image_token_id", 128257),
+                    projector="pixel_shuffle", projector_scale=hf.get("scale_factor", 2),
+                    image_processing=image.to_dict(), image_placeholder="<image>", image_prompt="idefics3",
+                    family="idefics3")
+
+    return config
+
+
+def idefics3_weights(families: dict[str, Any]):
+    def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
+        text = {"model_type": "llama", **hf.get("text_config", {})}
+        table = _decoder_table(families, text, cfg.decoder_config,
+                               lambda name: "model.text_model." + name[len("model."):] if name.startswith("model.") else name)
+        table.update(vision_table(cfg.vision_config, "model.vision_model."))
+        table["projector.proj.weight"] = ("model.connector.modality_projection.proj.weight", None)
         return table
 
     return weights

@@ -18,6 +18,8 @@ embedding; a step without images (decode) passes zero features.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -55,6 +57,9 @@ class VisionConfig(ConfigDict):
     activation: str = "quick_gelu"
     feature_layer: int = -1  # hidden_states index: 0 the embeddings, k the k-th layer's output, -1 the last
     feature_select: str = "default"
+    # Idefics2/3's: each patch's position is the bucket its fractional coordinate falls in, computed in float32 as
+    # transformers does (for some sides, 19, 25, 29, 31, ..., two neighbouring patches then share a position)
+    position_buckets: bool = False
     head_dim: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +138,8 @@ class PatchEmbeddings(nn.Module):
         self.patch = nn.Conv2d(cfg.channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.class_embedding = nn.Parameter(torch.zeros(cfg.dim)) if cfg.class_token else None
         self.positions = nn.Embedding(cfg.positions, cfg.dim)
+        self.register_buffer("position_index", bucketized_positions(cfg.image_size // cfg.patch_size)
+                             if cfg.position_buckets else None, persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -142,7 +149,18 @@ class PatchEmbeddings(nn.Module):
         x = self.patch(pixel_values.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # (N, patches, C)
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
-        return x + self.positions.weight.to(x.dtype)[None]
+        positions = self.positions.weight if self.position_index is None else self.positions.weight[self.position_index]
+        return x + positions.to(x.dtype)[None]
+
+
+def bucketized_positions(side: int) -> torch.Tensor:
+    """The position of each patch of a whole side x side image, as Idefics2/3's embeddings compute it: the
+    float32 fractional coordinate of each row and column bucketized by the boundaries 1/side, 2/side, ..."""
+    boundaries = torch.arange(1 / side, 1.0, 1 / side)
+    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * (1.0 / torch.tensor(side, dtype=torch.float32)),
+                         max=1.0 - 1e-6)
+    buckets = torch.bucketize(coords, boundaries, right=True)
+    return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
 
 
 class VisionTransformer(nn.Module):
@@ -199,6 +217,26 @@ class ResamplerProjector(nn.Module):
         return self.resampler(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class PixelShuffleProjector(nn.Module):
+    """Idefics3's connector: pixel shuffle (each scale x scale block of neighbouring patches becomes one feature of
+    scale**2 times the width, so an image has scale**2 times fewer features), then one linear map to the decoder's
+    width."""
+
+    def __init__(self, vision_dim: int, text_dim: int, scale: int):
+        super().__init__()
+        self.scale = scale
+        self.proj = nn.Linear(vision_dim * scale * scale, text_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, patches, dim = x.shape
+        side, s = math.isqrt(patches), self.scale
+        # (n, rows, cols, dim) -> blocks of s x s patches, each flattened row by row within the block as transformers
+        # does (its two view/permute steps): (n, rows/s, cols/s, s*s*dim)
+        x = x.reshape(n, side, side // s, s * dim).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // s, side // s, s * s * dim).permute(0, 2, 1, 3)
+        return self.proj(x.reshape(n, patches // (s * s), s * s * dim))
+
+
 def _mlp_projector(cfg: "VisionLanguageConfig") -> nn.Module:
     return MLPProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_activation, cfg.projector_bias)
 
@@ -208,8 +246,16 @@ def _resampler_projector(cfg: "VisionLanguageConfig") -> nn.Module:
                               cfg.projector_activation, cfg.resampler_config)
 
 
+def _pixel_shuffle_projector(cfg: "VisionLanguageConfig") -> nn.Module:
+    return PixelShuffleProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_scale)
+
+
 # projector name -> its builder: what a config's `projector` selects
-PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector}
+PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector, "pixel_shuffle": _pixel_shuffle_projector}
+# how a prompt's text stands for an image (its placeholder, expanded by the runtime: kvforge/images.py):
+# "tokens" its image tokens alone; "idefics2" between two <fake_token_around_image>; "idefics3" Idefics3's tiles,
+# each with its <row_r_col_c>, then the whole image after <global-img>
+IMAGE_PROMPTS = ("tokens", "idefics2", "idefics3")
 
 
 def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
@@ -241,6 +287,8 @@ class VisionLanguageConfig(ConfigDict):
     projector_bias: bool = True
     projector_ffn_dim: int | None = None  # the resampler projector's gated MLP width
     resampler: dict[str, Any] | None = None  # ResamplerConfig's fields (projector "resampler")
+    projector_scale: int = 1  # the pixel-shuffle projector's block side (Idefics3's scale_factor)
+    image_prompt: str = "tokens"  # IMAGE_PROMPTS: how the prompt's text stands for an image
     # how an image becomes pixel_values (kvforge/images.py ImageProcessing's fields); None: CLIP's at image_size
     image_processing: dict[str, Any] | None = None
     image_placeholder: str = "<image>"  # what stands for an image in a prompt's text
@@ -271,6 +319,15 @@ class VisionLanguageConfig(ConfigDict):
                                 f"{self.decoder_config.dim}")
             if not isinstance(self.projector_ffn_dim, int) or self.projector_ffn_dim <= 0:
                 problems.append(f"projector_ffn_dim must be a positive integer, got {self.projector_ffn_dim!r}")
+        if self.projector == "pixel_shuffle":
+            side = self.vision_config.image_size // self.vision_config.patch_size
+            if not isinstance(self.projector_scale, int) or self.projector_scale < 1 or side % self.projector_scale:
+                problems.append(f"projector_scale={self.projector_scale!r} does not divide the image's {side} patches "
+                                "a side")
+            if self.vision_config.class_token and self.vision_config.feature_select == "full":
+                problems.append("a pixel-shuffle projector takes the patches only (no class token)")
+        if self.image_prompt not in IMAGE_PROMPTS:
+            problems.append(f"image_prompt={self.image_prompt!r} is not one of {IMAGE_PROMPTS}")
         if self.projector_activation not in ACTIVATIONS:
             problems.append(f"projector_activation={self.projector_activation!r} is not one of {ACTIVATIONS}")
         if not (isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.decoder_config.vocab_size):
@@ -325,7 +382,11 @@ class VisionLanguageConfig(ConfigDict):
     @property
     def image_tokens(self) -> int:
         """The image tokens (features) each image stands as."""
-        return self.resampler_config.n_latents if self.resampler_config else self.vision_config.feature_tokens
+        if self.resampler_config:
+            return self.resampler_config.n_latents
+        if self.projector == "pixel_shuffle":
+            return self.vision_config.patches // self.projector_scale ** 2
+        return self.vision_config.feature_tokens
 
 
 class VisionLanguageModel(nn.Module):

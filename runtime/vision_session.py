@@ -28,7 +28,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.images import ImageProcessing
+from kvforge.images import ImageProcessing, image_prompt_text
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
@@ -57,6 +57,7 @@ class VisionLanguageSession:
         self.image_token_id = int(spec["image_token_id"])
         self.image_tokens = int(spec["image_tokens"])
         self.placeholder = self.config.get("image_placeholder", "<image>")
+        self.image_prompt = self.config.get("image_prompt", "tokens")
         self.processing = ImageProcessing(**self.config["image_processing"])
         decoder_config = self.config["decoder"]
         self.tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
@@ -120,7 +121,8 @@ class VisionLanguageSession:
 
     # -- images ------------------------------------------------------------------------------
     def image_features(self, images: list[Any]) -> np.ndarray:
-        """(N, image_tokens, C) features of `images` (Pillow images, paths, bytes or data URLs)."""
+        """(N, image_tokens, C) features of `images` (Pillow images, paths, bytes or data URLs): one set per image,
+        or per tile and then the whole image where the processing splits images into tiles."""
         if not images:
             return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
         pixels = self.processing(list(images))
@@ -164,12 +166,27 @@ class VisionLanguageSession:
                 self._pending.clear()
 
     # -- prompts -----------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text with image placeholders -> ids with image_tokens image tokens per placeholder."""
+    def encode(self, text: str, add_special_tokens: bool = True, grids: list[tuple[int, int]] | None = None
+               ) -> list[int]:
+        """Text with image placeholders -> ids with each image's tokens where its placeholder is, written as the
+        model's processor writes them (the config's image_prompt: kvforge/images.py image_prompt_text). grids: each
+        image's (rows, cols) of tiles where the processing splits images (ImageProcessing.grid; None: unsplit)."""
         tok = self.tokenizer
         if tok is None:
             raise KvforgeError(f"{self.source} has no tokenizer; pass token ids instead of text")
-        if tok.token_to_id(self.placeholder) == self.image_token_id:  # one special token: encode the text whole
+        special = tok.token_to_id(self.placeholder) == self.image_token_id
+        if self.image_prompt != "tokens":  # the processor's text around each image, then the text encoded whole
+            count = text.count(self.placeholder)
+            grids = [(0, 0)] * count if grids is None else grids
+            if len(grids) != count or not special:
+                raise KvforgeError(f"the text holds {count} {self.placeholder!r} placeholder(s) but {len(grids)} "
+                                   "image(s) were given" if special else
+                                   f"{self.placeholder!r} is not one token of this model's tokenizer")
+            pieces = text.split(self.placeholder)
+            text = pieces[0] + "".join(image_prompt_text(self.image_prompt, self.placeholder, self.image_tokens, grid)
+                                       + piece for grid, piece in zip(grids, pieces[1:]))
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        if special:  # one special token: encode the text whole
             ids = tok.encode(text, add_special_tokens=add_special_tokens)
         else:
             pieces = text.split(self.placeholder)
@@ -181,8 +198,25 @@ class VisionLanguageSession:
             out += [t] * self.image_tokens if t == self.image_token_id else [t]
         return out
 
-    def _prompts(self, prompt) -> tuple[list[list[int]], bool]:
+    def _grids(self, images) -> list[tuple[int, int]] | None:
+        """Each image's tiles (rows, cols) where the prompt's text depends on them, else None."""
+        return [self.processing.grid(im) for im in images] if self.processing.do_image_splitting else None
+
+    def _prompts(self, prompt, images=None) -> tuple[list[list[int]], bool]:
+        """Token rows of a prompt (text, token ids, or a batch of either) and whether it was one prompt; a text's
+        images (a batch's: a list per prompt) decide how it writes them where they are split into tiles."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt, grids=self._grids(images or []))], True
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            per = images if isinstance(images, (list, tuple)) and len(images) == len(prompt) else [[]] * len(prompt)
+            return [self.encode(p, grids=self._grids(ims if isinstance(ims, (list, tuple)) else []))
+                    for p, ims in zip(prompt, per)], False
         return token_rows(prompt, self.encode)
+
+    def _tiles(self, image) -> int:
+        """The feature sets an image gives: its tiles and the whole image, or one."""
+        rows, cols = self.processing.grid(image)
+        return rows * cols + 1 if rows else 1
 
     def _image_rows(self, rows: list[list[int]], images, single: bool) -> list[list[Any]]:
         """Each row's images, checked against its image tokens."""
@@ -194,11 +228,13 @@ class VisionLanguageSession:
             raise KvforgeError(f"a batch of {len(rows)} prompts takes a list of images per prompt")
         for i, (row, ims) in enumerate(zip(rows, images)):
             tokens = sum(1 for t in row if t == self.image_token_id)
-            if tokens != len(ims) * self.image_tokens:
+            sets = sum(self._tiles(im) for im in ims) if self.processing.do_image_splitting else len(ims)
+            if tokens != sets * self.image_tokens:
                 where = "the prompt" if single else f"prompt {i}"
                 raise KvforgeError(f"{where} holds {tokens} image tokens ({tokens / self.image_tokens:g} images' worth, "
-                                   f"{self.image_tokens} each) but {len(ims)} image(s) were given: put one "
-                                   f"{self.placeholder!r} in the text per image")
+                                   f"{self.image_tokens} each) but {len(ims)} image(s) were given"
+                                   + (f" ({sets} tiles)" if sets != len(ims) else "") +
+                                   f": put one {self.placeholder!r} in the text per image")
         return [list(x) for x in images]
 
     def _feed(self, images: list[list[Any]]) -> None:
@@ -228,7 +264,7 @@ class VisionLanguageSession:
         supply = iter(given)
         chosen = [x if x is not None else next(supply) for x in found]
         text = self.tokenizer.render_chat(template_messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False), chosen
+        return self.encode(text, add_special_tokens=False, grids=self._grids(chosen)), chosen
 
     def chat(self, messages, config: GenerationConfig | None = None, images=None, **kwargs) -> GenerationResult:
         """The assistant's next reply to a conversation with images (chat_ids); kwargs are generation options."""
@@ -257,7 +293,7 @@ class VisionLanguageSession:
         """Generate for one prompt (its images: a list) or a batch (a list of images per prompt)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self._refuse(config)
-        rows, single = self._prompts(prompt)
+        rows, single = self._prompts(prompt, images)
         per_row = self._image_rows(rows, images, single)
         with self._lock:
             self._feed(per_row)
@@ -271,7 +307,7 @@ class VisionLanguageSession:
         """Yield each generated token with its text (one prompt and its images)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self._refuse(config)
-        rows, single = self._prompts(prompt)
+        rows, single = self._prompts(prompt, images)
         if not single:
             raise KvforgeError("stream() takes one prompt; use generate() for a batch")
         per_row = self._image_rows(rows, images, True)
@@ -319,7 +355,7 @@ class VisionBatcher(Batcher):
     def submit(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Request:
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self.vision._refuse(config)
-        rows, single = self.vision._prompts(prompt)
+        rows, single = self.vision._prompts(prompt, images)
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
         per_row = self.vision._image_rows(rows, images, True)

@@ -444,3 +444,44 @@ def make_idefics2(path, seed: int = 0, image_token_id: int = 299):
         image_token_id=image_token_id)
     torch.manual_seed(seed)
     return save_perturbed(Idefics2ForConditionalGeneration(config), path, seed)
+
+
+IDEFICS3_SPECIALS = ["<image>", "<fake_token_around_image>", "<global-img>"] + \
+    [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+
+
+def idefics3_tokenizer():
+    """The built-in byte-level tokenizer with Idefics3's special tokens added (<image> is id 259, the rest after it:
+    all below the test model's vocabulary of 300)."""
+    from kvforge.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.backend.add_special_tokens(IDEFICS3_SPECIALS)
+    return tokenizer
+
+
+def make_idefics3(path, seed: int = 0, **processor):
+    """A transformers Idefics3 (SmolVLM's design: SigLIP-style encoder at 40 px in 10 px patches, pixel shuffle by 2
+    to 4 features a tile, a Llama decoder) with seeded, perturbed random weights, saved at `path` with its image
+    processor (the Pillow one: tiles of 40 px after a resize of the longest edge to 120 px, unless `processor`
+    says otherwise) and idefics3_tokenizer(); returns (model, processor) in eval mode."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=40, patch_size=10),
+        text_config=dict(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300, pad_token_id=258),
+        scale_factor=2, image_token_id=259)
+    torch.manual_seed(seed)
+    model = save_perturbed(Idefics3ForConditionalGeneration(config), path, seed)
+    images = Idefics3ImageProcessorPil(**{"size": {"longest_edge": 120}, "max_image_size": {"longest_edge": 40},
+                                          **processor})
+    images.save_pretrained(path)
+    tokenizer = idefics3_tokenizer()
+    tokenizer.save(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    return model, Idefics3Processor(images, fast, image_seq_len=4)

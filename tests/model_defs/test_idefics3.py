@@ -1,0 +1,101 @@
+"""Idefics3 (SmolVLM's design) against transformers, on a random-weight checkpoint made here with its processor:
+kvforge's preprocessing equals the processor's pixel_values (aspect-keeping resize, tiles, the whole image) and its
+prompt ids (tiles' row/column tokens around the image tokens); image features and logits equal transformers' (1e-4)
+with 1 and 2 images, split and unsplit, on prefill and a cached decode step; the exported bundle generates what
+transformers.generate does, one prompt and a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge import runtime
+from kvforge.export import export
+from kvforge.images import ImageProcessing
+from kvforge.model_defs import load
+
+from ..conftest import make_idefics3
+
+Image = pytest.importorskip("PIL.Image")
+ATOL = 1e-4
+SIZES = [(37, 52), (80, 20), (15, 15), (64, 64), (13, 41), (120, 119)]
+
+
+def _image(seed: int, size) -> "Image.Image":
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("idefics3")
+    hf, processor = make_idefics3(root / "hf")
+    return hf, processor, root
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_pixel_values_and_tiles_are_the_processors(split, tmp_path):
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    hf = Idefics3ImageProcessorPil(size={"longest_edge": 120}, max_image_size={"longest_edge": 40},
+                                   do_image_splitting=split)
+    ours = ImageProcessing.from_hf({"image_processor_type": "Idefics3ImageProcessorPil", **hf.to_dict()})
+    for i, size in enumerate(SIZES):
+        image = _image(i, size)
+        out = hf(images=[image], return_tensors="np", return_row_col_info=True)
+        pixels, grids = ours.process([image])
+        assert pixels.shape == out["pixel_values"][0].shape
+        assert np.abs(pixels - out["pixel_values"][0]).max() <= 1e-6, size
+        assert grids == [(out["rows"][0][0], out["cols"][0][0])] == [ours.grid(image)]
+    if split:
+        assert any(g != (0, 0) for g in (ours.grid(_image(0, s)) for s in SIZES))
+
+
+@pytest.mark.parametrize("images", [1, 2])
+@torch.no_grad()
+def test_features_merged_embeddings_and_logits_are_transformers(idefics3, images):
+    hf, processor, root = idefics3
+    ours = load(root / "hf").model
+    assert ours.config.image_tokens == 4 and ours.config.image_prompt == "idefics3"
+    pictures = [_image(10 + k, SIZES[k]) for k in range(images)]
+    text = "<image>" * images + "Describe."
+    inputs = processor(text=[text], images=[pictures], return_tensors="pt")
+    expected = hf(**inputs, use_cache=True)
+    pixels = inputs["pixel_values"][0]
+    hf_features = hf.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                              pixel_attention_mask=inputs["pixel_attention_mask"])
+    hf_features = getattr(hf_features, "pooler_output", hf_features)
+    hf_features = torch.cat(list(hf_features)) if isinstance(hf_features, (list, tuple)) else hf_features
+    features = ours.image_features(pixels[: hf_features.shape[0]])
+    assert (features.reshape(-1, 48) - hf_features.reshape(-1, 48)).abs().max() < ATOL
+    embeds = ours.embeddings(inputs["input_ids"], features.reshape(-1, 48))
+    hf_embeds = hf.model.inputs_merger(inputs["input_ids"], hf.model.get_input_embeddings()(inputs["input_ids"]),
+                                       hf_features.reshape(-1, 4, 48))
+    assert (embeds - hf_embeds).abs().max() < ATOL
+    logits, cache = ours(inputs["input_ids"], features)
+    assert (logits - expected.logits).abs().max() < ATOL
+    nxt = expected.logits[:, -1:].argmax(-1)
+    step = hf(input_ids=nxt, past_key_values=expected.past_key_values, use_cache=True)
+    logits, _ = ours(nxt, past_key_values=cache)
+    assert (logits - step.logits).abs().max() < ATOL
+
+
+@torch.no_grad()
+def test_the_bundle_writes_the_processors_prompt_and_generates_as_transformers(idefics3, tmp_path):
+    hf, processor, root = idefics3
+    bundle = export(root / "hf", tmp_path / "bundle")
+    assert bundle.manifest["validation"]["passed"]
+    jobs = [("<image>What is in the picture?", [_image(20, (80, 50))]),
+            ("Compare <image> with <image>.", [_image(21, (30, 30)), _image(22, (20, 110))])]
+    with runtime.load(bundle.path) as session:
+        results = []
+        for text, pictures in jobs:
+            inputs = processor(text=[text], images=[pictures], return_tensors="pt")
+            ids = inputs["input_ids"][0].tolist()
+            assert session._prompts(text, pictures)[0][0] == ids  # the processor's prompt, tiles' tokens and all
+            expected = hf.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+            got = session.generate(text, images=pictures, max_new_tokens=6)
+            assert got.tokens == expected
+            results.append(got.tokens)
+        together = session.generate([t for t, _ in jobs], images=[p for _, p in jobs], max_new_tokens=6)
+        assert [r.tokens for r in together] == results
