@@ -1,11 +1,11 @@
 """Vision-language serving cost on a SmolVLM-shaped model (issue 37): the vision graph's latency per image, and
 decode tokens/s with one image in context against the same prompt length without one.
 
-The model (random weights, ~240M parameters, built from kvforge's components):
+The model (random weights, ~235M parameters, SmolVLM-256M's design, built from kvforge's components):
 - image encoder: SigLIP-base-shaped (512 x 512 images in 16 x 16 patches = 1024 patches, 12 layers of 768, 12
   heads, FFN 3072, no class token, post-layernorm), as SmolVLM-256M's;
-- connector: a gated projection to the decoder's width, then a Perceiver resampler with 64 latents (3 layers,
-  9 heads of 64, 3 K/V heads): 64 image tokens per image, SmolVLM's count (it gets there by pixel shuffle);
+- connector: SmolVLM's (Idefics3's) pixel shuffle by 4 (each 4 x 4 block of patches one feature of 16 x 768) and
+  a linear map to the decoder's width: 64 image tokens per image;
 - decoder: SmolLM2-135M's shape (30 layers of 576, 9 heads / 3 K/V heads, FFN 1536, vocab 49152, tied head).
 
 Exported by kvforge (FP32, validated; SmolLM2's tokenizer) and calibrated INT8 by kvforge (both graphs, default
@@ -13,7 +13,8 @@ recipe: synthetic images for the vision graph, the built-in text and one prompt 
 the VisionLanguageSession (the decoder graph as exported: the ORT variant's packed cache is not used for
 vision-language bundles yet).
 
-Per run, each precision in turn: the vision graph on one image (and on 4, per image), then greedy decoding of
+Images are one 512 x 512 tile each here (SmolVLM's processor would also cut a large image into such tiles, each
+one more pass of the vision graph). Per run, each precision in turn: the vision graph on one image (and on 4, per image), then greedy decoding of
 --new-tokens tokens after a prompt of 64 image tokens + 16 text tokens, and after 80 text tokens (same context
 length). Decode tokens/s counts the tokens after the first (the prefill is timed apart). The roofline is the
 decoder graph's weight bytes over this machine's read bandwidth measured in the same run. Medians over --runs;
@@ -46,11 +47,10 @@ IMAGE_TOKEN = 49151
 CONFIG = dict(
     vision=dict(image_size=512, patch_size=16, dim=768, n_layers=12, n_heads=12, ffn_dim=3072, class_token=False,
                 patch_bias=True, pre_norm=False, post_norm=True, norm_eps=1e-6, activation="gelu_tanh",
-                feature_layer=-1, feature_select="full"),
+                feature_layer=-1, feature_select="full", position_buckets=True),
     decoder=dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, max_seq_len=2048,
                  rope_theta=100000.0, tie_embeddings=True, family="llama", bos_token_id=1, eos_token_id=2),
-    image_token_id=IMAGE_TOKEN, projector="resampler", projector_activation="silu", projector_ffn_dim=1536,
-    resampler=dict(dim=576, n_latents=64, n_layers=3, n_heads=9, head_dim=64, n_kv_heads=3, ffn_dim=2304),
+    image_token_id=IMAGE_TOKEN, projector="pixel_shuffle", projector_scale=4,
     image_processing=dict(size={"height": 512, "width": 512}, do_center_crop=False, image_mean=[0.5] * 3,
                           image_std=[0.5] * 3, resample=2),
 )

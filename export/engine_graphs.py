@@ -1,4 +1,5 @@
-"""`kvforge build` for encoders and encoder-decoders: one engine per graph, profiles from each graph's IO spec.
+"""`kvforge build` for encoders, encoder-decoders and vision-language models: one engine per graph, profiles from
+each graph's IO spec.
 
     encoder (BERT, RoBERTa, Perceiver)   model.onnx -> model.engine
         profile 0 "encode"      batch 1..max_batch, sequence_length 1..max_context
@@ -9,6 +10,12 @@
         profile 0 "first step"  decoder_sequence_length 1..max_context, past 0   (the start token, or teacher forcing)
         profile 1 "decode"      decoder_sequence_length 1, past 0..max_context - 1
                                 (both: encoder_sequence_length 1..max_context, the source's)
+
+    vision-language (LLaVA, Idefics2/3)  vision.onnx -> vision.engine
+        profile 0 "images"      images 1..max_batch x the tiles one image can make
+                                         decoder.onnx -> decoder.engine
+        profile 0 "prefill", 1 "decode" as a decoder LM's (export/engine_plan.py), with image_feature_rows
+                                0..max_batch x max_context in prefill (the prompts' image tokens), 0 in decode
 
 Each engine is built strongly typed with the decoder engine's settings
 (export/engine.py); the checks that need no TensorRT (every profile corner
@@ -23,40 +30,53 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import kvforge
-from kvforge.bundle import BATCH, SEQ, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
+from kvforge.bundle import BATCH, IMAGES, SEQ, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
 from kvforge.errors import KvforgeError
+from kvforge.images import ImageProcessing
 from kvforge.outputs import staged_bundle
 from kvforge.tensorrt_env import concrete_shape
 
-from .engine_plan import POINTS, BuildOptions, Limits, check_graph, compile_engine, infer_profile_shapes, precision_summary, resolve_limits
+from .engine_plan import (POINTS, BuildOptions, Limits, check_graph, check_profiles, compile_engine, infer_profile_shapes,
+                          precision_summary, resolve_limits, synthesize_profiles)
 from .lint import lint
 from .seq2seq_export import DEC_PAST, DEC_SEQ, DEC_TOTAL, ENC_SEQ
 
 
-def graph_specs(bundle: Bundle) -> list[tuple[str, str, IOSpec]]:
-    """(role, graph file, IO spec) for each graph of an encoder or encoder-decoder bundle."""
+class GraphSpec(NamedTuple):
+    role: str
+    graph: str  # its file in the bundle
+    io: IOSpec
+    profiles: Callable[[IOSpec, Limits], list[dict[str, Any]]]
+    check: Callable[[IOSpec, list[dict[str, Any]], int], None]  # (io, profiles, max context): every corner computable
+
+
+def graph_specs(bundle: Bundle) -> list[GraphSpec]:
+    """Each graph of an encoder, encoder-decoder or vision-language bundle: its IO spec and its profiles."""
     if not bundle.kind.multi_graph:
-        return [("model", bundle.manifest["graph"], bundle.io)]
-    enc = bundle.io.extra.get("encoder")
-    if enc is None:
-        raise KvforgeError(f"TensorRT engine plans for {bundle.kind.article}'s graphs are not built yet: run the bundle "
-                           "on onnxruntime")
-    enc_io = IOSpec([TensorSpec.from_dict(t) for t in enc["inputs"]], [TensorSpec.from_dict(t) for t in enc["outputs"]],
-                    [], [], max_context=bundle.io.max_context)
-    return [("encoder", enc["graph"], enc_io), ("decoder", bundle.manifest["graphs"]["decoder"], bundle.io)]
+        return [GraphSpec("model", bundle.manifest["graph"], bundle.io, _whole_input_profiles, check_corners)]
+    io = bundle.io
+    for role, profiles in (("encoder", _source_profiles), ("vision", _image_profiles)):
+        side = io.extra.get(role)  # the graph beside the decoder: its own IO in io.extra
+        if side is None:
+            continue
+        side_io = IOSpec([TensorSpec.from_dict(t) for t in side["inputs"]],
+                         [TensorSpec.from_dict(t) for t in side["outputs"]], [], [], max_context=io.max_context)
+        if role == "encoder":
+            return [GraphSpec("encoder", side["graph"], side_io, profiles, check_corners),
+                    GraphSpec("decoder", bundle.manifest["graphs"]["decoder"], io, _step_profiles, check_corners)]
+        # a vision-language decoder: the KV-cache decoder's prefill and decode profiles (engine_plan.py)
+        side_io.extra["max_tiles"] = ImageProcessing(**bundle.model_config["image_processing"]).max_tiles
+        return [GraphSpec("vision", side["graph"], side_io, profiles, check_corners),
+                GraphSpec("decoder", bundle.manifest["graph"], io, synthesize_profiles, check_profiles)]
+    raise KvforgeError(f"{bundle.path}'s manifest describes no second graph (io.extra has no encoder or vision entry)")
 
 
 def _profile(index: int, name: str, used_for: str, io: IOSpec, dims: dict[str, dict[str, int]]) -> dict[str, Any]:
     shapes = {t.name: {p: list(concrete_shape(t.shape, dims[p], t.name)) for p in POINTS} for t in io.inputs}
     return {"index": index, "name": name, "used_for": used_for, "dims": dims, "shapes": shapes}
-
-
-def graph_profiles(role: str, io: IOSpec, L: Limits) -> list[dict[str, Any]]:
-    """The optimization profiles of one graph (by its role in the bundle); every corner consistent."""
-    return _PROFILES[role](io, L)
 
 
 def _whole_input_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
@@ -71,6 +91,13 @@ def _source_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
     return [_profile(0, "encode", "once per source", io, {
         "min": {BATCH: 1, ENC_SEQ: 1}, "opt": {BATCH: L.opt_batch, ENC_SEQ: L.opt_context},
         "max": {BATCH: L.max_batch, ENC_SEQ: L.max_context}})]
+
+
+def _image_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
+    """A vision-language model's vision graph: the images (tiles) of the prompts a step prefills, up to max_batch
+    prompts of as many tiles as the processing cuts one image into (a whole image: one)."""
+    return [_profile(0, "images", "every call", io, {
+        "min": {IMAGES: 1}, "opt": {IMAGES: L.opt_batch}, "max": {IMAGES: L.max_batch * io.extra.get("max_tiles", 1)}})]
 
 
 def _step_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
@@ -89,10 +116,8 @@ def _step_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
     ]
 
 
-_PROFILES = {"model": _whole_input_profiles, "encoder": _source_profiles, "decoder": _step_profiles}
-
-
-def check_corners(profiles: list[dict[str, Any]], max_context: int) -> None:
+def check_corners(io: IOSpec, profiles: list[dict[str, Any]], max_context: int) -> None:
+    """Every corner a point the graph can compute (the encoder-decoder's totals), min <= opt <= max."""
     for prof in profiles:
         for point in POINTS:
             v = prof["dims"][point]
@@ -110,9 +135,9 @@ def multi_graph_plan(b: Bundle, max_batch, max_context, opt_batch, opt_context, 
     limits = resolve_limits(b.io, max_batch, max_context=max_context, opt_batch=opt_batch, opt_context=opt_context)
     b.load_graph(external_data=False)  # refuses external data outside the bundle
     graphs = []
-    for role, name, io in graph_specs(b):
-        profiles = graph_profiles(role, io, limits)
-        check_corners(profiles, limits.max_context)
+    for role, name, io, make_profiles, check in graph_specs(b):
+        profiles = make_profiles(io, limits)
+        check(io, profiles, limits.max_context)
         model = onnx.load(str(b.path / name), load_external_data=False)
         check_graph(model, io)
         points = infer_profile_shapes(model, io, profiles)

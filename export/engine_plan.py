@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from kvforge.bundle import (
     BATCH,
+    FEATURE_ROWS,
     PAST,
     SEQ,
     TOTAL,
@@ -104,10 +105,15 @@ def profile_points(limits: Limits, io: IOSpec) -> dict[str, dict[str, dict[str, 
     # LoRA slots: the step's adapters side by side, from one column (none) to every row its own at the max rank
     widths = {"min": 1, "opt": lora["max_rank"] * L.opt_batch, "max": lora["max_rank"] * L.max_batch} if lora else None
 
+    vision = io.extra.get("vision")
+
     def point(batch: int, seq: int, past: int, corner: str) -> dict[str, int]:
         values = io.dim_values(batch, seq, past)
         if widths:
             values[LORA_WIDTH] = widths[corner]
+        if vision:  # a vision-language decoder: a prefill's image tokens take feature rows, a decode step's none
+            values[FEATURE_ROWS] = 0 if seq == 1 or corner == "min" else \
+                (min(vision["image_tokens"], seq) * batch if corner == "opt" else batch * seq)
         return values
 
     return {

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvforge import metrics
-from kvforge.bundle import IOSpec, TensorSpec
+from kvforge.bundle import FEATURE_ROWS, IMAGES, IOSpec, TensorSpec
 from kvforge.errors import KvforgeError
 
 from .encoder_export import failures_of, output_metrics
@@ -34,7 +34,6 @@ from .validate import OrtRunner
 
 VISION_GRAPH, DECODER_GRAPH = "vision.onnx", "decoder.onnx"
 PIXELS, FEATURES = "pixel_values", "image_features"
-IMAGES, FEATURE_ROWS = "images", "image_feature_rows"
 LOCKSTEP_STEPS = 6
 # as the encoder-decoder's (export/seq2seq_export.py): absolute bounds on FP32, relative on half precision
 TOLERANCES: dict[str, dict[str, float]] = {

@@ -128,6 +128,15 @@ class ImageProcessing:
             return self.size["height"], self.size["width"]
         raise KvforgeError("this image processing keeps each image's own size")
 
+    @property
+    def max_tiles(self) -> int:
+        """The most pixel_values one image can make: its tiles and the whole image, or one."""
+        if not self.do_image_splitting:
+            return 1
+        longest = self.size.get("longest_edge", MAX_IMAGE_SIDE) if self.do_resize else MAX_IMAGE_SIDE
+        per_side = math.ceil(min(longest, MAX_IMAGE_SIDE) / self.max_image_size["longest_edge"])
+        return per_side * per_side + 1 if per_side > 1 else 1
+
     def __call__(self, images: list[Any]) -> np.ndarray:
         """pixel_values (N, 3, H, W) float32 of images (Pillow images, paths, bytes or data URLs): one per image, or
         each image's tiles in turn where it is split (process() says how)."""

@@ -48,6 +48,9 @@ class VisionLanguageSession:
             raise KvforgeError(f"vision-language bundles run on the onnxruntime backend for now, not {backend!r}")
         if options.get("variant"):
             raise KvforgeError("vision-language bundles run their graphs exactly (variant=False)")
+        if bundle.is_engine:
+            raise KvforgeError(f"{bundle.path} holds TensorRT engines; running a vision-language model's engines is not "
+                               "built yet: run its ONNX bundle (the one it was built from)")
         options["variant"] = False
         self.bundle = bundle
         self.source = str(bundle.path)

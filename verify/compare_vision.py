@@ -6,13 +6,14 @@ random tokens with --random-data. Candidate (the bundle on ONNX Runtime, end to 
 features feed its decoder) and reference (the FP32 Torch model the bundle was made from, on the same
 pixel_values) see the same prompts:
 
-- image features: the cosine of each image's features (all its rows as one vector) with the reference's,
-  mean and worst (`image_feature_cosine_mean`, `_min`), and their rel L2;
-- teacher-forced over prompts of one image's tokens followed by a text window: perplexity of the text after
+- image features: the cosine of each image's features (all its rows as one vector; each tile's, where the
+  processing splits images) with the reference's, mean and worst (`image_feature_cosine_mean`, `_min`), and
+  their rel L2;
+- teacher-forced over prompts of one image's (tile's) tokens followed by a text window: perplexity of the text after
   the image on each side and its change, top-1 agreement, KL, logits max abs / rel L2;
 - greedy from `prompts` of those prompts (the image and the window's first tokens): the reference decodes
   `steps` tokens; `greedy_agreement` is how often the candidate, fed the reference's tokens, picks them;
-  `greedy_prefix_match` how far the candidate's own greedy decode follows the reference's.
+  `greedy_prefix_match` how far the candidate's own greedy decode (on its own cache) follows the reference's.
 """
 
 from __future__ import annotations
@@ -119,18 +120,18 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
 
         # teacher-forced: each image's tokens, then a text window; the text positions are scored
         stats = metrics.WindowStats()
-        for i in range(len(images)):
+        for i in range(len(got)):  # each image's feature set (each tile's, where the processing splits images)
             window = windows[i % len(windows)].tolist()
             ids = [cand.image_token_id] * per_image + window
             lc = cand.forward(np.asarray([ids], np.int64), got[i:i + 1])[0][0]
             lr = reference_logits(ids, want[i:i + 1])[0]
             scored = slice(per_image - 1, len(ids) - 1)
             stats.add(lc[scored], lr[scored], np.asarray(window, np.int64))
-            progress("teacher-forced", i + 1, len(images))
+            progress("teacher-forced", i + 1, len(got))
 
         # greedy: the reference's tokens, the candidate fed them, and the candidate on its own
         steps = max(1, min(steps, cand.max_context - per_image - GREEDY_PROMPT_TOKENS))
-        chosen = np.linspace(0, len(images) - 1, min(prompts, len(images))).astype(int).tolist()
+        chosen = np.linspace(0, len(got) - 1, min(prompts, len(got))).astype(int).tolist()
         hits, prefixes = [], []
         for n, i in enumerate(chosen):
             prompt = [cand.image_token_id] * per_image + windows[i % len(windows)][:GREEDY_PROMPT_TOKENS].tolist()
@@ -141,7 +142,13 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
                 ref_tokens.append(int(logits[-1].argmax()))
             fed = cand.forward(np.asarray([prompt + ref_tokens[:-1]], np.int64), got[i:i + 1])[0][0]
             hits.append(fed[len(prompt) - 1:].argmax(-1) == np.asarray(ref_tokens))
-            own = cand.generate(prompt, images=[images[i]], max_new_tokens=steps, ignore_eos=True).tokens[:steps]
+            logits, cache = cand.forward(np.asarray([prompt], np.int64), got[i:i + 1], last_logits_only=True)
+            own = [int(logits[0, -1].argmax())]
+            while len(own) < steps:
+                mask = np.ones((1, len(prompt) + len(own)), np.int64)
+                logits, cache = cand.forward(np.asarray([own[-1:]], np.int64), None, mask, cache=cache,
+                                             last_logits_only=True)
+                own.append(int(logits[0, -1].argmax()))
             prefixes.append(next((k for k, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), steps) / steps)
             progress("greedy", n + 1, len(chosen))
 
@@ -150,6 +157,7 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
         "kind": "vision-language", "metric_keys": list(VISION_METRICS),
         "candidate": str(candidate), "candidate_backend": cand.backend_name, "precision": precision,
         "reference": ref_source, "reference_backend": "torch", "images": images_name, "image_count": len(images),
+        "feature_sets": len(got),
         "data": text_name, "tokens": stats.count, "seq_len": seq_len,
         "image_feature_cosine_mean": float(cosines.mean()), "image_feature_cosine_min": float(cosines.min()),
         "image_feature_rel_l2": rel_l2,

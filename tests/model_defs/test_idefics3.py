@@ -99,3 +99,34 @@ def test_the_bundle_writes_the_processors_prompt_and_generates_as_transformers(i
             results.append(got.tokens)
         together = session.generate([t for t, _ in jobs], images=[p for _, p in jobs], max_new_tokens=6)
         assert [r.tokens for r in together] == results
+
+
+def test_an_int8_idefics3_keeps_transformers_features_on_split_images(idefics3, tmp_path):
+    """Calibration of the vision graph on images split into tiles, then compare over the tiles' features."""
+    from kvforge.calibration import calibrate
+    from kvforge.verify import compare
+
+    hf, processor, root = idefics3
+    data = tmp_path / "images"
+    data.mkdir()
+    for k, size in enumerate(SIZES):
+        _image(40 + k, size).save(data / f"{k}.png")
+    fp32 = export(root / "hf", tmp_path / "fp32")
+    int8 = calibrate(fp32.path, tmp_path / "int8", precision="int8", data=data, seq_len=32, samples=16)
+    assert int8.manifest["calibration"]["image_count"] == len(SIZES)
+    report = compare(int8.path, data=data, steps=4, prompts=2, seq_len=24).result
+    assert report["feature_sets"] > report["image_count"] == len(SIZES)  # tiles and whole images
+    pictures = [_image(60, (70, 45))]
+    inputs = processor(text=["<image>"], images=[pictures], return_tensors="pt")
+    with torch.no_grad():
+        want = hf.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                           pixel_attention_mask=inputs["pixel_attention_mask"])
+    want = getattr(want, "pooler_output", want)
+    want = (torch.cat(list(want)) if isinstance(want, (list, tuple)) else want).reshape(-1, 4 * 48).double().numpy()
+    with runtime.load(int8.path) as session:
+        got = session.image_features(pictures).reshape(len(want), -1).astype(np.float64)
+    cosines = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert 0.99 <= cosines.min() < 1 - 1e-6, cosines
+    assert report["image_feature_cosine_min"] >= 0.99
+    print(f"idefics3 int8: image-feature cosine min {cosines.min():.5f} vs transformers; greedy agreement "
+          f"{report['greedy_agreement']:.3f}")
