@@ -19,7 +19,7 @@ from kvforge.errors import KvforgeError
 from kvforge.schema import path_problem, read_json
 
 from .architectures import ARCHITECTURES, tied_parameters
-from .hf_families import FAMILIES
+from .hf_families import FAMILIES, NOT_BUILT
 from .quantized import QuantizedCheckpoint, exact, follow
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)
@@ -34,6 +34,8 @@ _IGNORED = (
 
 def config_from_hf(hf: dict[str, Any]):
     family = hf.get("model_type")
+    if family in NOT_BUILT:
+        raise KvforgeError(f"model_type={family!r} is not built by kvforge: {NOT_BUILT[family]}")
     if family not in FAMILIES:
         archs = hf.get("architectures")
         raise KvforgeError(

@@ -146,3 +146,11 @@ FAMILIES["idefics2"] = Family(idefics2_config(FAMILIES), idefics2_weights(FAMILI
                               embedding="decoder.embed.weight", head_prefixes=())
 FAMILIES["idefics3"] = Family(idefics3_config(FAMILIES), idefics3_weights(FAMILIES), architecture="vision-language",
                               embedding="decoder.embed.weight", head_prefixes=())
+# families kvforge knows and does not build yet, each with what it would need (the importer says it by name)
+NOT_BUILT = {
+    "qwen2_vl": "Qwen2-VL's vision tower takes variable-size grids of patches with 2-D rotary positions and its decoder "
+                "multimodal RoPE (3-D position ids: time, height, width per token); kvforge's decoder graph takes one "
+                "position per token, so neither can be expressed yet, and approximating them would change the model",
+    "qwen2_5_vl": "Qwen2.5-VL adds window attention over patches to Qwen2-VL's vision tower; its 2-D rotary positions "
+                  "and the decoder's multimodal (3-D) RoPE cannot be expressed by kvforge's decoder graph yet",
+}

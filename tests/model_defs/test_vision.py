@@ -200,3 +200,16 @@ def test_an_idefics2_bundle_exports_and_validates(tmp_path):
                                do_sample=False)[0, len(ids):]
     assert got.tokens == expected.tolist()
 
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vl_is_refused_by_name_with_what_it_needs(tmp_path, family):
+    """A Qwen2-VL checkpoint made with transformers: the import names the parts kvforge cannot express (its
+    multimodal RoPE) instead of building an approximation."""
+    import transformers
+
+    config = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}[family]
+    getattr(transformers, config)(text_config=dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                                   vocab_size=300)).save_pretrained(tmp_path)
+    with pytest.raises(KvforgeError, match=rf"model_type='{family}' is not built by kvforge: .*multimodal.*RoPE"):
+        load(tmp_path)
