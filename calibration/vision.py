@@ -21,8 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvforge.bundle import Bundle
-from kvforge.errors import KvforgeError
-from kvforge.images import ImageProcessing, image_files, synthetic_images
+from kvforge.images import ImageProcessing, image_folder, synthetic_images
 from kvforge.ort_session import make_session, prefill_feeds
 
 from .data import load_calibration_set
@@ -30,7 +29,6 @@ from .multi_graph import graph_targets, quantize_graphs
 from .recipe import Quantized, Recipe
 
 SYNTHETIC_IMAGES = 32  # images made when none are given: enough for max/percentile ranges, a minute on big encoders
-TEXT_SUFFIXES = (".txt", ".jsonl")
 FEATURES = "image_features"
 
 
@@ -46,12 +44,8 @@ def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, se
         return pixels, None, {"images": "random pixels", "image_count": count}
     text = data
     if data is not None and Path(data).is_dir():
-        files = image_files(data)[:samples]
-        texts = sorted(p for p in Path(data).iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if len(texts) > 1:
-            raise KvforgeError(f"{data} holds {len(texts)} text files ({', '.join(p.name for p in texts)}): the "
-                               "decoder's calibration text is one .txt or .jsonl file beside the images")
-        text = texts[0] if texts else None
+        files, text = image_folder(data)
+        files = files[:samples]
         return processing(files), text, {"images": str(data), "image_count": len(files)}
     count = min(samples, SYNTHETIC_IMAGES)
     return processing(synthetic_images(count, seed)), text, {"images": f"synthetic (seed {seed})",

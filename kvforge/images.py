@@ -322,6 +322,17 @@ def image_files(directory: str | Path) -> list[Path]:
     return files
 
 
+def image_folder(directory: str | Path) -> tuple[list[Path], Path | None]:
+    """A folder of images as calibration or comparison data: (its image files, the one .txt or .jsonl file beside
+    them that holds the text, or None)."""
+    files = image_files(directory)
+    texts = sorted(p for p in Path(directory).iterdir() if p.is_file() and p.suffix.lower() in (".txt", ".jsonl"))
+    if len(texts) > 1:
+        raise KvforgeError(f"{directory} holds {len(texts)} text files ({', '.join(p.name for p in texts)}): the "
+                           "decoder's text is one .txt or .jsonl file beside the images")
+    return files, (texts[0] if texts else None)
+
+
 def synthetic_images(count: int, seed: int = 0, size: tuple[int, int] = (320, 256)) -> list[Any]:
     """`count` RGB Pillow images (width, height = size) made from a seed: smooth color fields with a few hard-edged
     shapes and fine texture, so that encoders see both low- and high-frequency content. A stand-in where no

@@ -12,9 +12,16 @@ processor does; else the text around the placeholders is encoded piece by piece)
 tokens themselves. Images are Pillow images, paths, bytes or data URLs, preprocessed as the model's Hugging Face
 image processor does (kvforge/images.py).
 
+Families whose processor writes more than image tokens (Idefics2's <fake_token_around_image>, Idefics3's tiles
+with their <row_r_col_c> and the whole image after <global-img>) get that text per placeholder, from each image's
+tiles (kvforge/images.py image_prompt_text). chat() and stream_chat() take messages with image parts (OpenAI's
+image_url, transformers' image) through the model's chat template.
+
 Generation is the decoder Session's (runtime/generate.py: greedy or sampled, stop tokens, response formats,
-logprobs): its prefill takes the images' features, each later step none. Backend: onnxruntime, the bundle's
-graphs exactly. A session's calls are serialized.
+logprobs): its prefill takes the images' features, each later step none (an image token the model generates keeps
+its own embedding, as in transformers). batcher() is the continuous batcher over the decoder whose requests carry
+their own images (VisionBatcher). Backend: onnxruntime, the bundle's graphs exactly. A session's calls are
+serialized.
 """
 
 from __future__ import annotations

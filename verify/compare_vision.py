@@ -28,13 +28,12 @@ from kvforge import metrics
 from kvforge.bundle import Bundle
 from kvforge.calibration.data import eval_ids
 from kvforge.errors import KvforgeError
-from kvforge.images import image_files, synthetic_images
+from kvforge.images import image_folder, synthetic_images
 from kvforge.metrics import VISION_METRICS, check_tolerances
 from kvforge.runtime.vision_session import VisionLanguageSession
 
 from .report import DEFAULT_TOLERANCES, Report, precision_of, reference_source
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
 GREEDY_PROMPT_TOKENS = 8
 # the image features' worst cosine, per precision (the decoder's bounds are DEFAULT_TOLERANCES')
 FEATURE_TOLERANCES: dict[str, dict[str, float]] = {
@@ -56,11 +55,8 @@ def data_line(r: dict[str, Any]) -> str:
 def _inputs(data, samples: int, seed: int) -> tuple[list[Any], str, str | Path | None]:
     """(images, what they are, the text data or None for the default)."""
     if data is not None and Path(data).is_dir():
-        texts = sorted(p for p in Path(data).iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if len(texts) > 1:
-            raise KvforgeError(f"{data} holds {len(texts)} text files: the text is one .txt or .jsonl file beside "
-                               "the images")
-        return image_files(data)[:samples], str(data), (texts[0] if texts else None)
+        files, text = image_folder(data)
+        return files[:samples], str(data), text
     return synthetic_images(samples, seed), f"synthetic images (seed {seed})", data
 
 
