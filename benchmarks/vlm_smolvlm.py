@@ -150,6 +150,7 @@ def main() -> int:
         features[p] = session.image_features(images).astype(np.float64)  # warm-up
         timed_generate(session, with_image, images[:1], 4)
     for _ in range(args.runs):
+        bandwidth.append(bandwidth_gbs())  # read bandwidth varies on this machine: sampled every run
         for p, session in sessions.items():
             got = samples[p]
             start = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvforge.bundle import Bundle
-from kvforge.images import ImageProcessing, image_folder, synthetic_images
+from kvforge.images import ImageProcessing, image_folder, same_size_batches, synthetic_images
 from kvforge.ort_session import make_session, prefill_feeds
 
 from .data import load_calibration_set
@@ -33,23 +33,25 @@ FEATURES = "image_features"
 
 
 def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, seed: int = 0
-                       ) -> tuple[np.ndarray, str | Path | None, dict[str, Any]]:
-    """(pixel_values of the calibration images, the decoder's text data (None: the built-in text), a record)."""
+                       ) -> tuple[list[np.ndarray], str | Path | None, dict[str, Any]]:
+    """(pixel_values (3, H, W) of the calibration images' tiles, the decoder's text data (None: the built-in
+    text), a record)."""
     processing = ImageProcessing(**bundle.model_config["image_processing"])
     if random_data:
-        h, w = processing.output_size
+        side = bundle.model_config["vision"]["image_size"]
+        h, w = (side, side) if processing.variable_size else processing.output_size
         rng = np.random.default_rng(seed)
         count = min(samples, SYNTHETIC_IMAGES)
-        pixels = rng.uniform(-2, 2, (count, 3, h, w)).astype(np.float32)
+        pixels = list(rng.uniform(-2, 2, (count, 3, h, w)).astype(np.float32))
         return pixels, None, {"images": "random pixels", "image_count": count}
     text = data
     if data is not None and Path(data).is_dir():
         files, text = image_folder(data)
         files = files[:samples]
-        return processing(files), text, {"images": str(data), "image_count": len(files)}
+        return processing.process_tiles(files)[0], text, {"images": str(data), "image_count": len(files)}
     count = min(samples, SYNTHETIC_IMAGES)
-    return processing(synthetic_images(count, seed)), text, {"images": f"synthetic (seed {seed})",
-                                                             "image_count": count}
+    return processing.process_tiles(synthetic_images(count, seed))[0], text, {"images": f"synthetic (seed {seed})",
+                                                                           "image_count": count}
 
 
 def decoder_items(bundle: Bundle, recipe: Recipe, text, features: np.ndarray) -> tuple[list, dict[str, Any]]:
@@ -89,7 +91,7 @@ def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress:
     record: dict[str, Any] = {"data": None}
     if recipe.needs_data:
         pixels, text, image_record = calibration_images(bundle, recipe.data, recipe.samples, recipe.random_data)
-        images = [pixels[i:i + recipe.batch_size] for i in range(0, len(pixels), recipe.batch_size)]
+        images = same_size_batches(pixels, recipe.batch_size)
         vision = make_session(bundle.path / graphs["vision"])
         features = np.concatenate([vision.run(None, {"pixel_values": b})[0] for b in images])
         prompts, text_record = decoder_items(bundle, recipe, text, features)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import kvforge
-from kvforge.bundle import BATCH, IMAGES, SEQ, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
+from kvforge.bundle import BATCH, HEIGHT, IMAGES, SEQ, WIDTH, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
 from kvforge.errors import KvforgeError
 from kvforge.images import ImageProcessing
 from kvforge.outputs import staged_bundle
@@ -68,7 +68,9 @@ def graph_specs(bundle: Bundle) -> list[GraphSpec]:
             return [GraphSpec("encoder", side["graph"], side_io, profiles, check_corners),
                     GraphSpec("decoder", bundle.manifest["graphs"]["decoder"], io, _step_profiles, check_corners)]
         # a vision-language decoder: the KV-cache decoder's prefill and decode profiles (engine_plan.py)
-        side_io.extra["max_tiles"] = ImageProcessing(**bundle.model_config["image_processing"]).max_tiles
+        processing = ImageProcessing(**bundle.model_config["image_processing"])
+        side_io.extra.update(max_tiles=processing.max_tiles, side_bounds=processing.side_bounds,
+                             image_size=bundle.model_config["vision"]["image_size"])
         return [GraphSpec("vision", side["graph"], side_io, profiles, check_corners),
                 GraphSpec("decoder", bundle.manifest["graph"], io, synthesize_profiles, check_profiles)]
     raise KvforgeError(f"{bundle.path}'s manifest describes no second graph (io.extra has no encoder or vision entry)")
@@ -96,8 +98,13 @@ def _source_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
 def _image_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
     """A vision-language model's vision graph: the images (tiles) of the prompts a step prefills, up to max_batch
     prompts of as many tiles as the processing cuts one image into (a whole image: one)."""
-    return [_profile(0, "images", "every call", io, {
-        "min": {IMAGES: 1}, "opt": {IMAGES: L.opt_batch}, "max": {IMAGES: L.max_batch * io.extra.get("max_tiles", 1)}})]
+    dims = {"min": {IMAGES: 1}, "opt": {IMAGES: L.opt_batch}, "max": {IMAGES: L.max_batch * io.extra.get("max_tiles", 1)}}
+    if io.extra.get("side_bounds"):  # images keep their own sizes: each side within the processing's bounds
+        low, high = io.extra["side_bounds"]
+        opt = min(max(io.extra["image_size"], low), high)
+        for corner, side in (("min", low), ("opt", opt), ("max", high)):
+            dims[corner].update({HEIGHT: side, WIDTH: side})
+    return [_profile(0, "images", "every call", io, dims)]
 
 
 def _step_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:

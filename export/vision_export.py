@@ -1,6 +1,7 @@
 """A vision-language model's two graphs and their validation against the Torch reference (issue 37).
 
     vision.onnx   pixel_values    float32 [images, C, H, W]        -> image_features [images, P, C_text]
+                  (H, W the encoder's size, or any: "height", "width", where the processing keeps each image's)
     decoder.onnx  the decoder's KV-cache contract (export/onnx_export.py), plus
                   image_features  model dtype [image_feature_rows, C_text]
 
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from kvforge import metrics
-from kvforge.bundle import FEATURE_ROWS, IMAGES, IOSpec, TensorSpec
+from kvforge.bundle import FEATURE_ROWS, HEIGHT, IMAGES, WIDTH, IOSpec, TensorSpec
+from kvforge.images import ImageProcessing
 from kvforge.errors import KvforgeError
 
 from .encoder_export import failures_of, output_metrics
@@ -43,6 +45,25 @@ TOLERANCES: dict[str, dict[str, float]] = {
 }
 
 
+def _variable(cfg) -> bool:
+    """The image processing keeps each image's size: the vision graph takes any height and width."""
+    return ImageProcessing(**cfg.image_processing).variable_size
+
+
+def _pixel_dims(cfg) -> list:
+    side = cfg.vision_config.image_size
+    return [HEIGHT, WIDTH] if _variable(cfg) else [side, side]
+
+
+def _image_sizes(cfg, n: int) -> list[tuple[int, int]]:
+    """The sizes the validation's images take: the encoder's own, and where it takes any size, smaller and wider
+    ones too (whole patches and not)."""
+    side, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
+    if not _variable(cfg):
+        return [(side, side)] * n
+    return [(side, side), (max(side - 2 * patch, patch), side + patch + 3), (side + patch, max(side // 2, patch))][:n]
+
+
 def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     """The decoder graph's IO (the KV-cache contract and image_features); the vision graph's in extra.vision."""
     dec = cfg.decoder_config
@@ -53,7 +74,7 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     io.extra["vision"] = {
         "graph": VISION_GRAPH, "decoder_graph": DECODER_GRAPH, "image_token_id": cfg.image_token_id,
         "image_tokens": cfg.image_tokens,
-        "inputs": [TensorSpec(PIXELS, "float32", [IMAGES, v.channels, v.image_size, v.image_size]).to_dict()],
+        "inputs": [TensorSpec(PIXELS, "float32", [IMAGES, v.channels, *_pixel_dims(cfg)]).to_dict()],
         "outputs": [TensorSpec(FEATURES, kv, [IMAGES, cfg.image_tokens, dec.dim]).to_dict()],
     }
     return io
@@ -87,9 +108,12 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
     cfg, dec = model.config, model.config.decoder_config
     dyn = torch.export.Dim.DYNAMIC
     v = cfg.vision_config
-    pixels = torch.randn(2, v.channels, v.image_size, v.image_size, generator=torch.Generator().manual_seed(0))
-    program = trace(VisionGraph(model).eval(), (pixels,), {"pixel_values": {0: dyn}}, [PIXELS], [FEATURES], opset)
-    _name_axes(program.model.graph, {PIXELS: {0: IMAGES}, FEATURES: {0: IMAGES}})
+    height, width = _image_sizes(cfg, 2)[-1]  # where the size is free, an example whose sides differ
+    pixels = torch.randn(2, v.channels, height, width, generator=torch.Generator().manual_seed(0))
+    axes = {0: dyn, 2: dyn, 3: dyn} if _variable(cfg) else {0: dyn}
+    program = trace(VisionGraph(model).eval(), (pixels,), {"pixel_values": axes}, [PIXELS], [FEATURES], opset)
+    named = {0: IMAGES, 2: HEIGHT, 3: WIDTH} if _variable(cfg) else {0: IMAGES}
+    _name_axes(program.model.graph, {PIXELS: named, FEATURES: {0: IMAGES}})
     save_program(program, directory / VISION_GRAPH, external_data)
 
     batch, seq, past = example_sizes(layer_windows(dec))
@@ -148,12 +172,12 @@ def validate_vision_language(directory: Path, reference, dtype: str, max_context
     failures: list[str] = []
     vision_results, decoder_results = [], []
     gen = torch.Generator().manual_seed(seed)
-    for n in (1, 2, 3):
-        pixels = torch.randn(n, v.channels, v.image_size, v.image_size, generator=gen)
+    for n, (height, width) in zip((1, 2, 3), _image_sizes(cfg, 3) if _variable(cfg) else _image_sizes(cfg, 1) * 3):
+        pixels = torch.randn(n, v.channels, height, width, generator=gen)
         want = reference.image_features(pixels.to(reference.decoder.dtype))
         got = vis.session.run(None, {PIXELS: pixels.numpy()})[0]
         result = {"image_features": output_metrics("features", got, want.float().numpy())}
-        failures += failures_of(result, tol, f"vision graph, {n} image(s)")
+        failures += failures_of(result, tol, f"vision graph, {n} image(s) of {height} x {width}")
         vision_results.append(result)
     names = [n for layer in cache_names(dec, "past_key_values") for n in layer]
 

@@ -36,6 +36,7 @@ FORMAT_VERSION = 1
 # The IO contract's symbolic dimensions (docs/design.md). total = past + sequence.
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 IMAGES, FEATURE_ROWS = "images", "image_feature_rows"  # a vision-language model's images; its feature rows
+HEIGHT, WIDTH = "height", "width"  # a vision graph's image sides, where the processing keeps each image's size
 
 
 def window_dims(window: int) -> tuple[str, str]:

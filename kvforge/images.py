@@ -18,6 +18,7 @@ import base64
 import binascii
 import io
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,25 @@ import numpy as np
 
 from .errors import KvforgeError
 
-PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "Idefics3ImageProcessor",
+PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "Idefics2ImageProcessor",
+              "Idefics2ImageProcessorFast", "Idefics2ImageProcessorPil", "Idefics3ImageProcessor",
               "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil")
 # what Idefics3's processor does where its preprocessor_config.json does not say (transformers' class defaults)
 _IDEFICS3_DEFAULTS = dict(size={"longest_edge": 4 * 364}, max_image_size={"longest_edge": 364}, do_image_splitting=True,
                           do_center_crop=False, resample=1, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-MAX_IMAGE_SIDE = 4096  # Idefics3's processor keeps a resized image's sides within this
+_IDEFICS2_DEFAULTS = dict(size={"shortest_edge": 378, "longest_edge": 980}, do_image_splitting=False,
+                          do_center_crop=False, resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+MAX_IMAGE_SIDE = 4096
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"  # what Idefics2/3's processors write around an image  # Idefics3's processor keeps a resized image's sides within this
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # keys of a preprocessor_config.json that say nothing about the pixels (or that this processing reads)
 _INERT = {"image_processor_type", "processor_class", "feature_extractor_type", "data_format", "input_data_format",
           "return_tensors", "device", "disable_grouping", "default_to_square", "image_seq_length", "patch_size",
-          "vision_feature_select_strategy", "num_additional_image_tokens", "use_square_size", "backend",
-          # Idefics3's: its tiles are all max_image_size square, so padding them to one size changes nothing
-          "do_pad", "return_row_col_info"}
+          "vision_feature_select_strategy", "num_additional_image_tokens", "use_square_size", "backend"}
+# Idefics2/3's: they pad a batch's images to one size with a pixel mask the model reads; kvforge runs each size
+# apart (unpadded), which gives the model the same features
+_IDEFICS_INERT = {"do_pad", "return_row_col_info"}
 
 
 def _pil():
@@ -72,15 +78,16 @@ class ImageProcessing:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.do_resize and not (set(self.size) in ({"shortest_edge"}, {"longest_edge"}, {"height", "width"})):
-            problems.append(f"size={self.size}: kvforge resizes to a shortest or longest edge or to a height and width")
+        if self.do_resize and not (set(self.size) in ({"shortest_edge"}, {"longest_edge"}, {"height", "width"},
+                                                      {"shortest_edge", "longest_edge"})):
+            problems.append(f"size={self.size}: kvforge resizes to a shortest or longest edge (or both: Idefics2's "
+                            "bounds) or to a height and width")
         if self.max_image_size is not None:
             if set(self.max_image_size) != {"longest_edge"} or not isinstance(self.max_image_size["longest_edge"], int):
                 problems.append(f"max_image_size={self.max_image_size} needs an integer longest_edge")
             if self.do_center_crop:
                 problems.append("max_image_size (tiles) and do_center_crop do not go together")
-        elif self.do_image_splitting:
-            problems.append("do_image_splitting needs max_image_size (the tiles' side)")
+
         if self.do_center_crop and set(self.crop_size) != {"height", "width"}:
             problems.append(f"crop_size={self.crop_size} needs height and width")
         for name in ("image_mean", "image_std"):
@@ -105,17 +112,28 @@ class ImageProcessing:
         if kind not in PROCESSORS:
             raise KvforgeError(f"image_processor_type={kind!r} is not one kvforge reproduces ({list(PROCESSORS)})")
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(k for k in config if k not in known and k not in _INERT)
+        inert = _INERT | (_IDEFICS_INERT if kind.startswith("Idefics") else set())
+        unknown = sorted(k for k in config if k not in known and k not in inert)
         if unknown:
             raise KvforgeError(f"the image processor's options {unknown} change pixel_values in ways kvforge does not "
                                "reproduce")
         if config.get("default_to_square") and "shortest_edge" in (config.get("size") or {}):
             raise KvforgeError("default_to_square with a shortest_edge size is not reproduced")
-        defaults = _IDEFICS3_DEFAULTS if kind.startswith("Idefics3") else {}
+        defaults = _IDEFICS3_DEFAULTS if kind.startswith("Idefics3") else \
+            _IDEFICS2_DEFAULTS if kind.startswith("Idefics2") else {}
         return cls(**{**defaults, **{k: v for k, v in config.items() if k in known}})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def variable_size(self) -> bool:
+        """Each image keeps a size of its own (Idefics2's bounded resize): the image encoder takes any size."""
+        try:
+            self.output_size
+        except KvforgeError:
+            return True
+        return False
 
     @property
     def output_size(self) -> tuple[int, int]:
@@ -127,6 +145,16 @@ class ImageProcessing:
         if self.do_resize and "height" in self.size:
             return self.size["height"], self.size["width"]
         raise KvforgeError("this image processing keeps each image's own size")
+
+    @property
+    def side_bounds(self) -> tuple[int, int] | None:
+        """(shortest, longest) side a tile can have where each image keeps its size (Idefics2's bounds), else None."""
+        if not self.variable_size:
+            return None
+        if self.do_resize and set(self.size) == {"shortest_edge", "longest_edge"}:
+            low = self.size["shortest_edge"]
+            return low, max(low, self.size["longest_edge"])
+        return 1, MAX_IMAGE_SIDE
 
     @property
     def max_tiles(self) -> int:
@@ -144,18 +172,28 @@ class ImageProcessing:
 
     def process(self, images: list[Any]) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """(pixel_values of every image's tiles, each image's (rows, cols) of tiles: (0, 0) for an image that is
-        one tile (unsplit, or too small to split); else rows x cols tiles and then the whole image)."""
+        one tile (unsplit, or too small to split); else rows x cols tiles and then the whole image). Images that
+        keep sizes of their own: process_tiles()."""
+        tiles, grids = self.process_tiles(images)
+        if len({t.shape for t in tiles}) > 1:
+            raise KvforgeError("these images keep sizes of their own: use process_tiles()")
+        return np.stack(tiles).astype(np.float32, copy=False), grids
+
+    def process_tiles(self, images: list[Any]) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+        """process() with each tile's pixel_values (3, H, W) on its own (their sizes may differ)."""
         tiles, grids = [], []
         for im in images:
             parts, grid = self.tiles(load_image(im))
             tiles += parts
             grids.append(grid)
-        return np.stack(tiles).astype(np.float32, copy=False), grids
+        return tiles, grids
 
     def grid(self, image) -> tuple[int, int]:
-        """An image's (rows, cols) of tiles, from its size alone."""
+        """An image's (rows, cols) of tiles, from its size alone (Idefics2's split: always its four quarters)."""
         if not self.do_image_splitting:
             return 0, 0
+        if self.max_image_size is None:
+            return 2, 2
         image = load_image(image)
         h, w = self._split_size(*self._resized(image.height, image.width))
         side = self.max_image_size["longest_edge"]
@@ -166,10 +204,17 @@ class ImageProcessing:
             image = to_rgb(image)
         elif image.mode not in ("RGB",):
             raise KvforgeError(f"an image in mode {image.mode!r} with do_convert_rgb off: kvforge takes RGB")
+        if self.max_image_size is None:  # Idefics2's split: the four quarters and the whole, each resized
+            parts = [image]
+            if self.do_image_splitting:
+                w, h = image.size
+                boxes = [(0, 0, w // 2, h // 2), (w // 2, 0, w, h // 2), (0, h // 2, w // 2, h), (w // 2, h // 2, w, h)]
+                parts = [image.crop(box) for box in boxes] + [image]
+            if self.do_resize:
+                parts = [p.resize(self._resized(p.height, p.width)[::-1], resample=self.resample) for p in parts]
+            return [self._pixels(p) for p in parts], ((2, 2) if self.do_image_splitting else (0, 0))
         if self.do_resize:
             image = image.resize(self._resized(image.height, image.width)[::-1], resample=self.resample)
-        if self.max_image_size is None:
-            return [self._pixels(image)], (0, 0)
         side = self.max_image_size["longest_edge"]
         if not self.do_image_splitting:
             return [self._pixels(image.resize((side, side), resample=self.resample))], (0, 0)
@@ -217,6 +262,14 @@ class ImageProcessing:
     def _resized(self, height: int, width: int) -> tuple[int, int]:
         if "height" in self.size:
             return self.size["height"], self.size["width"]
+        if "shortest_edge" in self.size and "longest_edge" in self.size:  # Idefics2's bounds
+            low, high = self.size["shortest_edge"], self.size["longest_edge"]
+            aspect = width / height
+            if width >= height and width > high:
+                width, height = high, int(high / aspect)
+            elif height > width and height > high:
+                height, width = high, int(high * aspect)
+            return max(height, low), max(width, low)
         if "longest_edge" in self.size:  # Idefics3's: the longer side to it, the other in proportion and even
             target = self.size["longest_edge"]
             if width >= height:
@@ -293,19 +346,45 @@ def load_image(source: Any):
 
 def image_prompt_text(style: str, placeholder: str, per_image: int, grid: tuple[int, int] = (0, 0)) -> str:
     """The text that stands for one image in a prompt, as the family's processor writes it (a vision-language
-    config's image_prompt): "idefics2" its image tokens between two <fake_token_around_image>; "idefics3" for a
-    split image each tile's <fake_token_around_image><row_r_col_c> and image tokens (a newline after each row),
-    then a newline and the whole image's <fake_token_around_image><global-img> image tokens
-    <fake_token_around_image> (that last part alone for an unsplit image, grid (0, 0))."""
-    fake, tokens = "<fake_token_around_image>", placeholder * per_image
+    config's image_prompt): "idefics2" its image tokens between two <fake_token_around_image> (five times over, for
+    the four crops and the whole image, where the processing splits it: grid (2, 2)); "idefics3" for a split image
+    each tile's <fake_token_around_image><row_r_col_c> and image tokens (a newline after each row), then a newline
+    and the whole image's <fake_token_around_image><global-img> image tokens <fake_token_around_image> (that last
+    part alone for an unsplit image, grid (0, 0))."""
+    fake, tokens = FAKE_IMAGE_TOKEN, placeholder * per_image
+    rows, cols = grid
     if style == "idefics2":
-        return fake + tokens + fake
+        return (fake + tokens + fake) * (rows * cols + 1 if rows else 1)
     if style != "idefics3":
         raise KvforgeError(f"image_prompt {style!r} is not written as text")
-    rows, cols = grid
     tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
                     for r in range(rows))
     return tiles + ("\n" if rows else "") + f"{fake}<global-img>{tokens}{fake}"
+
+
+def prompt_with_images(style: str, text: str, placeholder: str, per_image: int, grids: list[tuple[int, int]]) -> str:
+    """A prompt's text with each placeholder replaced by its image's text (image_prompt_text), as the family's
+    processor writes the whole: Idefics2's also joins adjacent images' fake tokens into one and puts a space after a
+    closing one that a word follows."""
+    pieces = text.split(placeholder)
+    out = pieces[0] + "".join(image_prompt_text(style, placeholder, per_image, grid) + piece
+                              for grid, piece in zip(grids, pieces[1:]))
+    if style == "idefics2":
+        out = out.replace(FAKE_IMAGE_TOKEN * 2, FAKE_IMAGE_TOKEN)
+        out = re.sub(rf"{re.escape(FAKE_IMAGE_TOKEN)}(?=[^\s<])", f"{FAKE_IMAGE_TOKEN} ", out)
+    return out
+
+
+def same_size_batches(tiles: list[np.ndarray], limit: int | None = None) -> list[np.ndarray]:
+    """pixel_values (3, H, W) of tiles in order -> batches (N, 3, H, W) of consecutive tiles of one size, at most
+    `limit` each: what one vision-graph call takes; their outputs concatenated keep the tiles' order."""
+    out: list[list[np.ndarray]] = []
+    for t in tiles:
+        if out and out[-1][0].shape == t.shape and (limit is None or len(out[-1]) < limit):
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return [np.stack(group).astype(np.float32, copy=False) for group in out]
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")

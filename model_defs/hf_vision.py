@@ -190,9 +190,6 @@ def idefics2_config(families: dict[str, Any]):
         text, decoder = _text_config(families, hf, "mistral")
         vc, pc = hf.get("vision_config") or {}, hf.get("perceiver_config") or {}
         processor = hf.get("preprocessor_config")
-        if processor is not None:
-            raise KvforgeError(f"Idefics2's image processor ({processor.get('image_processor_type')}: an aspect-keeping "
-                               "resize, image splitting, padding with a pixel mask) is not reproduced by kvforge yet")
         encoder = _idefics_vision(vc, "Idefics2")
         heads, head_dim = pc.get("resampler_n_heads", 16), pc.get("resampler_head_dim", 96)
         resampler = ResamplerConfig(dim=decoder.dim, n_latents=pc.get("resampler_n_latents", 64),
@@ -200,9 +197,12 @@ def idefics2_config(families: dict[str, Any]):
                                     n_kv_heads=pc.get("num_key_value_heads", heads), ffn_dim=4 * decoder.dim,
                                     activation=_activation(pc.get("hidden_act", "silu"), "perceiver_config.hidden_act"),
                                     norm_eps=pc.get("rms_norm_eps", 1e-6))
-        size = encoder.image_size
-        image = ImageProcessing(size={"height": size, "width": size}, do_center_crop=False, image_mean=[0.5] * 3,
-                                image_std=[0.5] * 3, resample=2)
+        if processor is None:  # no processor beside it: images resized to the encoder's own size
+            size = encoder.image_size
+            image = ImageProcessing(size={"height": size, "width": size}, do_center_crop=False, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, resample=2)
+        else:  # its processor: the bounded resize keeps each image's size (the encoder's positions follow its grid)
+            image = ImageProcessing.from_hf({"image_processor_type": "Idefics2ImageProcessor", **processor})
         return dict(vision=encoder.to_dict(), decoder=decoder.to_dict(), image_token_id=hf.get("image_token_id", 32001),
                     projector="resampler",
                     projector_activation=_activation(text.get("hidden_act", "silu"), "text_config.hidden_act"),

@@ -138,29 +138,39 @@ class PatchEmbeddings(nn.Module):
         self.patch = nn.Conv2d(cfg.channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.class_embedding = nn.Parameter(torch.zeros(cfg.dim)) if cfg.class_token else None
         self.positions = nn.Embedding(cfg.positions, cfg.dim)
-        self.register_buffer("position_index", bucketized_positions(cfg.image_size // cfg.patch_size)
-                             if cfg.position_buckets else None, persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        if tuple(pixel_values.shape[1:]) != (cfg.channels, cfg.image_size, cfg.image_size):
+        if cfg.position_buckets:  # any size of at least one patch: the positions follow its grid
+            if pixel_values.shape[1] != cfg.channels or min(pixel_values.shape[2:]) < cfg.patch_size:
+                raise KvforgeError(f"pixel_values of shape {tuple(pixel_values.shape)}: this image encoder takes "
+                                   f"(images, {cfg.channels}, H, W) with H, W >= {cfg.patch_size}")
+        elif tuple(pixel_values.shape[1:]) != (cfg.channels, cfg.image_size, cfg.image_size):
             raise KvforgeError(f"pixel_values of shape {tuple(pixel_values.shape)}: this image encoder takes "
                                f"(images, {cfg.channels}, {cfg.image_size}, {cfg.image_size})")
-        x = self.patch(pixel_values.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # (N, patches, C)
+        grid = self.patch(pixel_values.to(self.patch.weight.dtype))  # (N, C, rows, cols)
+        x = grid.flatten(2).transpose(1, 2)  # (N, patches, C)
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
-        positions = self.positions.weight if self.position_index is None else self.positions.weight[self.position_index]
+        positions = self.positions.weight
+        if cfg.position_buckets:
+            positions = positions[bucketized_positions(grid.shape[2], grid.shape[3], cfg.image_size // cfg.patch_size)]
         return x + positions.to(x.dtype)[None]
 
 
-def bucketized_positions(side: int) -> torch.Tensor:
-    """The position of each patch of a whole side x side image, as Idefics2/3's embeddings compute it: the
-    float32 fractional coordinate of each row and column bucketized by the boundaries 1/side, 2/side, ..."""
+def bucketized_positions(rows, cols, side: int) -> torch.Tensor:
+    """The position of each patch of a rows x cols grid, as Idefics2/3's embeddings compute it: each row's and
+    column's float32 fractional coordinate (i * (1 / rows)) bucketized by the boundaries 1/side, 2/side, ... of
+    the full side x side grid (torch.bucketize(right=True) is the count of boundaries at or below it). A whole
+    image's grid is not always arange: for some sides (19, 25, 29, 31, ...) two patches share a position."""
     boundaries = torch.arange(1 / side, 1.0, 1 / side)
-    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * (1.0 / torch.tensor(side, dtype=torch.float32)),
-                         max=1.0 - 1e-6)
-    buckets = torch.bucketize(coords, boundaries, right=True)
-    return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
+
+    def buckets(n):
+        coords = torch.arange(n, dtype=torch.float32) * (torch.ones((), dtype=torch.float32) / n)
+        coords = torch.clamp(coords, max=1.0 - 1e-6)
+        return (coords[:, None] >= boundaries[None, :]).sum(-1)
+
+    return (buckets(rows)[:, None] * side + buckets(cols)[None, :]).reshape(-1)
 
 
 class VisionTransformer(nn.Module):
@@ -338,7 +348,11 @@ class VisionLanguageConfig(ConfigDict):
             self.image_processing = ImageProcessing(size={"shortest_edge": size},
                                                     crop_size={"height": size, "width": size}).to_dict()
         processing = ImageProcessing(**self.image_processing)
-        if processing.output_size != (self.vision_config.image_size,) * 2:
+        if processing.variable_size:
+            if not self.vision_config.position_buckets or self.projector == "pixel_shuffle":
+                problems.append("image_processing keeps each image's own size: the image encoder must take any size "
+                                "(bucketized positions) and a projector that does not need a square grid")
+        elif processing.output_size != (self.vision_config.image_size,) * 2:
             problems.append(f"image_processing makes {processing.output_size} images; the image encoder takes "
                             f"{self.vision_config.image_size} x {self.vision_config.image_size}")
         if not isinstance(self.image_placeholder, str) or not self.image_placeholder:

@@ -14,7 +14,7 @@ image processor does (kvforge/images.py).
 
 Families whose processor writes more than image tokens (Idefics2's <fake_token_around_image>, Idefics3's tiles
 with their <row_r_col_c> and the whole image after <global-img>) get that text per placeholder, from each image's
-tiles (kvforge/images.py image_prompt_text). chat() and stream_chat() take messages with image parts (OpenAI's
+tiles (kvforge/images.py prompt_with_images). chat() and stream_chat() take messages with image parts (OpenAI's
 image_url, transformers' image) through the model's chat template.
 
 Generation is the decoder Session's (runtime/generate.py: greedy or sampled, stop tokens, response formats,
@@ -35,7 +35,7 @@ import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.images import ImageProcessing, image_prompt_text
+from kvforge.images import ImageProcessing, prompt_with_images, same_size_batches
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
@@ -135,9 +135,9 @@ class VisionLanguageSession:
         or per tile and then the whole image where the processing splits images into tiles."""
         if not images:
             return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
-        pixels = self.processing(list(images))
+        tiles, _ = self.processing.process_tiles(list(images))
         self.activate()
-        return self._vision.run(None, {"pixel_values": pixels})[0]
+        return np.concatenate([self._vision.run(None, {"pixel_values": batch})[0] for batch in same_size_batches(tiles)])
 
     def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The decoder step's image_features from this thread's pending rows (_take)."""
@@ -179,7 +179,7 @@ class VisionLanguageSession:
     def encode(self, text: str, add_special_tokens: bool = True, grids: list[tuple[int, int]] | None = None
                ) -> list[int]:
         """Text with image placeholders -> ids with each image's tokens where its placeholder is, written as the
-        model's processor writes them (the config's image_prompt: kvforge/images.py image_prompt_text). grids: each
+        model's processor writes them (the config's image_prompt: kvforge/images.py prompt_with_images). grids: each
         image's (rows, cols) of tiles where the processing splits images (ImageProcessing.grid; None: unsplit)."""
         tok = self.tokenizer
         if tok is None:
@@ -192,9 +192,7 @@ class VisionLanguageSession:
                 raise KvforgeError(f"the text holds {count} {self.placeholder!r} placeholder(s) but {len(grids)} "
                                    "image(s) were given" if special else
                                    f"{self.placeholder!r} is not one token of this model's tokenizer")
-            pieces = text.split(self.placeholder)
-            text = pieces[0] + "".join(image_prompt_text(self.image_prompt, self.placeholder, self.image_tokens, grid)
-                                       + piece for grid, piece in zip(grids, pieces[1:]))
+            text = prompt_with_images(self.image_prompt, text, self.placeholder, self.image_tokens, grids)
             return tok.encode(text, add_special_tokens=add_special_tokens)
         if special:  # one special token: encode the text whole
             ids = tok.encode(text, add_special_tokens=add_special_tokens)

@@ -28,7 +28,7 @@ from kvforge import metrics
 from kvforge.bundle import Bundle
 from kvforge.calibration.data import eval_ids
 from kvforge.errors import KvforgeError
-from kvforge.images import image_folder, synthetic_images
+from kvforge.images import image_folder, same_size_batches, synthetic_images
 from kvforge.metrics import VISION_METRICS, check_tolerances
 from kvforge.runtime.vision_session import VisionLanguageSession
 
@@ -96,9 +96,10 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
         raise KvforgeError(f"{text_name} gives fewer than {seq_len} tokens to compare on")
 
     with cand, torch.inference_mode():
-        pixels = cand.processing(images)
+        tiles, _ = cand.processing.process_tiles(images)
         got = cand.image_features(images).astype(np.float32)
-        want = model.image_features(torch.from_numpy(pixels)).float().numpy()
+        want = np.concatenate([model.image_features(torch.from_numpy(batch)).float().numpy()
+                               for batch in same_size_batches(tiles)])
         progress("image features", 1, 1)
         flat_c, flat_r = got.reshape(len(got), -1).astype(np.float64), want.reshape(len(want), -1).astype(np.float64)
         cosines = (flat_c * flat_r).sum(-1) / np.maximum(np.linalg.norm(flat_c, axis=-1) * np.linalg.norm(flat_r, axis=-1),

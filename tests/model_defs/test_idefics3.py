@@ -130,3 +130,59 @@ def test_an_int8_idefics3_keeps_transformers_features_on_split_images(idefics3, 
     assert report["image_feature_cosine_min"] >= 0.99
     print(f"idefics3 int8: image-feature cosine min {cosines.min():.5f} vs transformers; greedy agreement "
           f"{report['greedy_agreement']:.3f}")
+
+
+# -- Idefics2's processor: images keep their own (bounded) sizes; four quarters and the whole where it splits ------
+@pytest.mark.parametrize("split", [False, True])
+def test_idefics2_pixel_values_are_the_processors_unpadded(split):
+    from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
+
+    hf = Idefics2ImageProcessorPil(size={"shortest_edge": 30, "longest_edge": 60}, do_image_splitting=split)
+    ours = ImageProcessing.from_hf({"image_processor_type": "Idefics2ImageProcessorPil", **hf.to_dict()})
+    assert ours.variable_size and ours.side_bounds == (30, 60)
+    for i, size in enumerate(SIZES):
+        image = _image(70 + i, size)
+        out = hf(images=[image], return_tensors="np")
+        tiles, grids = ours.process_tiles([image])
+        assert len(tiles) == out["pixel_values"].shape[1] == (5 if split else 1) and grids == [ours.grid(image)]
+        for k, tile in enumerate(tiles):  # the processor pads each batch to its largest image, with a pixel mask
+            h, w = tile.shape[1:]
+            assert out["pixel_attention_mask"][0, k].sum() == h * w
+            assert np.abs(out["pixel_values"][0, k, :, :h, :w] - tile).max() <= 1e-6
+
+
+@torch.no_grad()
+def test_an_idefics2_bundle_with_its_processor_generates_as_transformers(tmp_path):
+    """Idefics2 with its own image processor (bounded aspect-keeping resize): images of their own sizes go through
+    the vision graph one size at a time (its positions bucketized from each image's grid), as transformers' padded
+    batch with its pixel mask computes them; prompts carry the processor's fake tokens."""
+    from transformers import Idefics2Processor, PreTrainedTokenizerFast
+    from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
+
+    from ..conftest import idefics3_tokenizer, make_idefics2
+
+    hf = make_idefics2(tmp_path / "hf", image_token_id=259)
+    images = Idefics2ImageProcessorPil(size={"shortest_edge": 20, "longest_edge": 50})
+    images.save_pretrained(tmp_path / "hf")
+    tokenizer = idefics3_tokenizer()
+    tokenizer.save(tmp_path / "hf")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    processor = Idefics2Processor(images, fast, image_seq_len=4)
+    bundle = export(tmp_path / "hf", tmp_path / "bundle")
+    assert bundle.manifest["validation"]["passed"]
+    assert bundle.io.extra["vision"]["inputs"][0]["shape"][2:] == ["height", "width"]
+    text = "Look: <image>and <image>what now?"
+    pictures = [_image(80, (33, 47)), _image(81, (90, 20))]
+    inputs = processor(text=[text], images=[pictures], return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    with runtime.load(bundle.path) as session:
+        assert session._prompts(text, pictures)[0][0] == ids
+        features = session.image_features(pictures)
+        hf_features = hf.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                  pixel_attention_mask=inputs["pixel_attention_mask"])
+        hf_features = getattr(hf_features, "pooler_output", hf_features)
+        hf_features = torch.cat(list(hf_features)) if isinstance(hf_features, (list, tuple)) else hf_features
+        assert np.abs(features.reshape(-1, 48) - hf_features.reshape(-1, 48).numpy()).max() < ATOL
+        expected = hf.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+        assert session.generate(text, images=pictures, max_new_tokens=6).tokens == expected
