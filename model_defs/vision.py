@@ -138,6 +138,10 @@ class PatchEmbeddings(nn.Module):
         self.patch = nn.Conv2d(cfg.channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.class_embedding = nn.Parameter(torch.zeros(cfg.dim)) if cfg.class_token else None
         self.positions = nn.Embedding(cfg.positions, cfg.dim)
+        side = cfg.image_size // cfg.patch_size
+        # the buckets' boundaries as torch.arange makes them (a constant: ONNX's Range can count one fewer)
+        self.register_buffer("boundaries", torch.arange(1 / side, 1.0, 1 / side) if cfg.position_buckets else None,
+                             persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -154,16 +158,17 @@ class PatchEmbeddings(nn.Module):
             x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
         positions = self.positions.weight
         if cfg.position_buckets:
-            positions = positions[bucketized_positions(grid.shape[2], grid.shape[3], cfg.image_size // cfg.patch_size)]
+            positions = positions[bucketized_positions(grid.shape[2], grid.shape[3], cfg.image_size // cfg.patch_size,
+                                                       self.boundaries)]
         return x + positions.to(x.dtype)[None]
 
 
-def bucketized_positions(rows, cols, side: int) -> torch.Tensor:
+def bucketized_positions(rows, cols, side: int, boundaries: torch.Tensor | None = None) -> torch.Tensor:
     """The position of each patch of a rows x cols grid, as Idefics2/3's embeddings compute it: each row's and
     column's float32 fractional coordinate (i * (1 / rows)) bucketized by the boundaries 1/side, 2/side, ... of
     the full side x side grid (torch.bucketize(right=True) is the count of boundaries at or below it). A whole
     image's grid is not always arange: for some sides (19, 25, 29, 31, ...) two patches share a position."""
-    boundaries = torch.arange(1 / side, 1.0, 1 / side)
+    boundaries = torch.arange(1 / side, 1.0, 1 / side) if boundaries is None else boundaries.float()
 
     def buckets(n):
         coords = torch.arange(n, dtype=torch.float32) * (torch.ones((), dtype=torch.float32) / n)

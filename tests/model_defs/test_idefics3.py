@@ -186,3 +186,10 @@ def test_an_idefics2_bundle_with_its_processor_generates_as_transformers(tmp_pat
         assert np.abs(features.reshape(-1, 48) - hf_features.reshape(-1, 48).numpy()).max() < ATOL
         expected = hf.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
         assert session.generate(text, images=pictures, max_new_tokens=6).tokens == expected
+    # an engine plan for the vision graph covers every size the processing makes (shape inference at each corner)
+    from kvforge.export.engine import build_plan
+
+    vision = build_plan(bundle.path, max_batch=2, max_context=64)["graphs"][0]
+    assert vision["profiles"][0]["shapes"]["pixel_values"] == {"min": [1, 3, 20, 20], "opt": [1, 3, 30, 30],
+                                                               "max": [2, 3, 50, 50]}
+    assert vision["shape_check"]["passed"]
