@@ -139,9 +139,9 @@ class PatchEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.zeros(cfg.dim)) if cfg.class_token else None
         self.positions = nn.Embedding(cfg.positions, cfg.dim)
         side = cfg.image_size // cfg.patch_size
-        # the buckets' boundaries as torch.arange makes them (a constant: ONNX's Range can count one fewer)
-        self.register_buffer("boundaries", torch.arange(1 / side, 1.0, 1 / side) if cfg.position_buckets else None,
-                             persistent=False)
+        # the buckets' boundaries as torch.arange makes them, a float32 constant whatever the model's dtype (not a
+        # buffer, which .to(dtype) would round; and not made in forward: ONNX's Range can count one fewer)
+        self.boundaries = torch.arange(1 / side, 1.0, 1 / side) if cfg.position_buckets else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
