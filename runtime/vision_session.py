@@ -135,7 +135,10 @@ class VisionLanguageSession:
         or per tile and then the whole image where the processing splits images into tiles."""
         if not images:
             return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
-        tiles, _ = self.processing.process_tiles(list(images))
+        return self._tile_features(self.processing.process_tiles(list(images))[0])
+
+    def _tile_features(self, tiles: list[np.ndarray]) -> np.ndarray:
+        """The vision graph over preprocessed tiles (3, H, W), one call per run of equal sizes, in order."""
         self.activate()
         return np.concatenate([self._vision.run(None, {"pixel_values": batch})[0] for batch in same_size_batches(tiles)])
 
@@ -153,8 +156,9 @@ class VisionLanguageSession:
         return {FEATURES: out.astype(self.feature_dtype, copy=False)}
 
     def feed(self, images: list[Any]) -> "FeatureFeed":
-        """One request's images as its own step inputs (the batcher's `inputs`): their features, computed now."""
-        return FeatureFeed(self, self.image_features(images) if images else None)
+        """One request's images as its own step inputs (the batcher's `inputs`): read and preprocessed now (a bad
+        image is refused here), their features computed by the vision graph at the request's first step."""
+        return FeatureFeed(self, self.processing.process_tiles(list(images))[0] if images else [])
 
     def forward(self, input_ids: np.ndarray, image_features: np.ndarray | None = None,
                 attention_mask: np.ndarray | None = None, *, cache=None, last_logits_only: bool = False):
@@ -334,24 +338,32 @@ class VisionLanguageSession:
 
 
 class FeatureFeed:
-    """A request's image features, taken by its steps' image tokens in order (a callable: input ids -> inputs);
-    `key` (the features' sha256) keeps its prefix-cache blocks apart from those of other images."""
+    """A request's image features, taken by its steps' image tokens in order (a callable: input ids -> inputs).
+    The features are computed at the first step (on the batcher's thread: a server's request handler does not
+    wait for the vision graph); `key` (the preprocessed pixels' sha256) keeps the request's prefix-cache blocks
+    apart from those of other images."""
 
-    def __init__(self, session: VisionLanguageSession, features: np.ndarray | None):
+    def __init__(self, session: VisionLanguageSession, tiles: list[np.ndarray]):
         self.session = session
-        rows = np.zeros((0, session.feature_dim), session.feature_dtype) if features is None else \
-            np.ascontiguousarray(features.reshape(-1, features.shape[-1]))
-        self.pending: deque[np.ndarray] = deque(rows)
-        self.key = hashlib.sha256(rows.tobytes()).digest() if len(rows) else None
+        self.tiles = tiles
+        self.pending: deque[np.ndarray] | None = None if tiles else deque()
+        digest = hashlib.sha256()
+        for t in tiles:
+            digest.update(repr(t.shape).encode())
+            digest.update(np.ascontiguousarray(t).tobytes())
+        self.key = digest.digest() if tiles else None
 
     def __call__(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+        if self.pending is None:
+            features = self.session._tile_features(self.tiles)
+            self.pending, self.tiles = deque(features.reshape(-1, features.shape[-1])), []
         return self.session._take(self.pending, input_ids)
 
 
 class VisionBatcher(Batcher):
     """runtime.Batcher over a VisionLanguageSession's decoder: submit() takes a prompt with image placeholders
-    (or image tokens) and its images; their features are computed at submit() (on the caller's thread) and fed by
-    the request's prefill steps. Prompts with images and without share the batch; mixed steps are off (a prompt's
+    (or image tokens) and its images, read and preprocessed at submit() (a bad image is refused there); the vision
+    graph runs at the request's first prefill step and its features feed that request's image tokens. Prompts with images and without share the batch; mixed steps are off (a prompt's
     chunk rides apart)."""
 
     def __init__(self, session: VisionLanguageSession, **options):
