@@ -8,6 +8,13 @@ with Pillow's resampling filter, center crop (zero-padded where the image is sma
 float64 then float32), normalize per channel ((x - mean) / std in float32). Pillow does the resizing, as in
 transformers' Pillow backend, so pixel_values agree with it to float32 rounding.
 
+Idefics2's: the size bounded to shortest_edge..longest_edge keeping the aspect (each image keeps a size of its
+own; the processor's padding to a batch's largest image, with a pixel mask, changes no feature and is not done),
+and when splitting, the four quarters and then the whole image, each resized. Idefics3's (SmolVLM): the longest
+edge resized in proportion (even sides), then both sides rounded up to whole max_image_size tiles, the tiles in
+reading order and the whole image at the tile size (or only the latter, unsplit). prompt_with_images writes the
+text each family's processor puts in a prompt for an image.
+
 Options a processor has that change its output and that are not built here are refused by name rather than
 ignored.
 """
@@ -35,8 +42,8 @@ _IDEFICS3_DEFAULTS = dict(size={"longest_edge": 4 * 364}, max_image_size={"longe
                           do_center_crop=False, resample=1, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 _IDEFICS2_DEFAULTS = dict(size={"shortest_edge": 378, "longest_edge": 980}, do_image_splitting=False,
                           do_center_crop=False, resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-MAX_IMAGE_SIDE = 4096
-FAKE_IMAGE_TOKEN = "<fake_token_around_image>"  # what Idefics2/3's processors write around an image  # Idefics3's processor keeps a resized image's sides within this
+MAX_IMAGE_SIDE = 4096  # Idefics3's processor keeps a resized image's sides within this
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"  # what Idefics2/3's processors write around an image
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # keys of a preprocessor_config.json that say nothing about the pixels (or that this processing reads)
@@ -200,6 +207,7 @@ class ImageProcessing:
         return (h // side, w // side) if h > side or w > side else (0, 0)
 
     def tiles(self, image) -> tuple[list[np.ndarray], tuple[int, int]]:
+        """One Pillow image's pixel_values (3, H, W), one per tile in order, and its (rows, cols) of tiles."""
         if self.do_convert_rgb:
             image = to_rgb(image)
         elif image.mode not in ("RGB",):
