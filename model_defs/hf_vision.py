@@ -212,12 +212,18 @@ def idefics2_config(families: dict[str, Any]):
     return config
 
 
+def _idefics_table(families: dict[str, Any], hf: dict[str, Any], cfg, text_type: str) -> dict[str, tuple[str, Any]]:
+    """Idefics2's and Idefics3's decoder (under model.text_model.) and image encoder (model.vision_model.)."""
+    text = {"model_type": text_type, **hf.get("text_config", {})}
+    table = _decoder_table(families, text, cfg.decoder_config,
+                           lambda name: "model.text_model." + name[len("model."):] if name.startswith("model.") else name)
+    table.update(vision_table(cfg.vision_config, "model.vision_model."))
+    return table
+
+
 def idefics2_weights(families: dict[str, Any]):
     def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
-        text = {"model_type": "mistral", **hf.get("text_config", {})}
-        table = _decoder_table(families, text, cfg.decoder_config,
-                               lambda name: "model.text_model." + name[len("model."):] if name.startswith("model.") else name)
-        table.update(vision_table(cfg.vision_config, "model.vision_model."))
+        table = _idefics_table(families, hf, cfg, "mistral")
         for p in ("gate_proj", "up_proj", "down_proj"):
             table[f"projector.{p}.weight"] = (f"model.connector.modality_projection.{p}.weight", None)
         table.update({f"projector.resampler.{k}": v for k, v in
@@ -251,10 +257,7 @@ def idefics3_config(families: dict[str, Any]):
 
 def idefics3_weights(families: dict[str, Any]):
     def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
-        text = {"model_type": "llama", **hf.get("text_config", {})}
-        table = _decoder_table(families, text, cfg.decoder_config,
-                               lambda name: "model.text_model." + name[len("model."):] if name.startswith("model.") else name)
-        table.update(vision_table(cfg.vision_config, "model.vision_model."))
+        table = _idefics_table(families, hf, cfg, "llama")
         table["projector.proj.weight"] = ("model.connector.modality_projection.proj.weight", None)
         return table
 
