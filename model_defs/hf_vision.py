@@ -1,5 +1,6 @@
-"""Hugging Face vision-language checkpoints (LLaVA) as model_defs/vision.py's VisionLanguageModel: a Family of
-model_defs/hf_families.py like the others, read by the same strict importer (model_defs/hf.py).
+"""Hugging Face vision-language checkpoints (LLaVA, Idefics2, Idefics3/SmolVLM) as model_defs/vision.py's
+VisionLanguageModel: Families of model_defs/hf_families.py like the others, read by the same strict importer
+(model_defs/hf.py). Qwen2-VL is refused by name there (hf_families.NOT_BUILT says why).
 
 The decoder's weights go through its own family's table (a LLaVA over Llama reads its language model as a Llama
 checkpoint, under `language_model.`), the image encoder's and the projector's through the tables here. Every
