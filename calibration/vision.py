@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvforge.bundle import Bundle
-from kvforge.images import ImageProcessing, image_folder, same_size_batches, synthetic_images
+from kvforge.images import ImageProcessing, image_folder, rope_offsets, same_size_batches, synthetic_images
 from kvforge.ort_session import make_session, prefill_feeds
 
 from .data import load_calibration_set
@@ -29,7 +29,7 @@ from .multi_graph import graph_targets, quantize_graphs
 from .recipe import Quantized, Recipe
 
 SYNTHETIC_IMAGES = 32  # images made when none are given: enough for max/percentile ranges, a minute on big encoders
-FEATURES = "image_features"
+FEATURES, OFFSETS = "image_features", "rope_offsets"
 
 
 def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, seed: int = 0
@@ -38,11 +38,15 @@ def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, se
     text), a record)."""
     processing = ImageProcessing(**bundle.model_config["image_processing"])
     if random_data:
-        side = bundle.model_config["vision"]["image_size"]
-        h, w = (side, side) if processing.variable_size else processing.output_size
+        vision = bundle.model_config["vision"]
+        side = vision["image_size"]
         rng = np.random.default_rng(seed)
         count = min(samples, SYNTHETIC_IMAGES)
-        pixels = list(rng.uniform(-2, 2, (count, 3, h, w)).astype(np.float32))
+        if processing.patch_layout is not None:  # flattened patches of a nominal image (Qwen2-VL's input)
+            shape = (side // vision["patch_size"],) * 2 + (int(bundle.io.extra["vision"]["inputs"][0]["shape"][-1]),)
+        else:
+            shape = (3,) + ((side, side) if processing.variable_size else processing.output_size)
+        pixels = list(rng.uniform(-2, 2, (count, *shape)).astype(np.float32))
         return pixels, None, {"images": "random pixels", "image_count": count}
     text = data
     if data is not None and Path(data).is_dir():
@@ -54,22 +58,28 @@ def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, se
                                                                            "image_count": count}
 
 
-def decoder_items(bundle: Bundle, recipe: Recipe, text, features: np.ndarray) -> tuple[list, dict[str, Any]]:
-    """The decoder's calibration items ((ids (B, T), feature rows (R, C))): the text windows in batches, then one
-    prompt per image (its image tokens, then a text window)."""
-    spec = bundle.io.extra["vision"]
-    image_token, per_image = int(spec["image_token_id"]), int(spec["image_tokens"])
+def decoder_items(bundle: Bundle, recipe: Recipe, text, features: list[np.ndarray],
+                  grids: list[tuple[int, int]] | None = None) -> tuple[list, dict[str, Any]]:
+    """The decoder's calibration items ((ids (B, T), feature rows (R, C), multimodal RoPE's offsets (B, 3, T) or
+    None)): the text windows in batches, then one prompt per image (its image tokens, then a text window). grids:
+    each image's token grid, where the decoder turns multimodal RoPE (Qwen2-VL)."""
+    image_token = int(bundle.io.extra["vision"]["image_token_id"])
     cset = load_calibration_set(bundle, text, samples=recipe.samples, seq_len=recipe.seq_len,
                                 random_data=recipe.random_data)
-    dim = features.shape[-1]
-    items = [(batch, np.zeros((0, dim), features.dtype)) for batch in cset.batches(recipe.batch_size)]
+    dim = features[0].shape[-1]
+    none = np.zeros((0, dim), features[0].dtype)
+    items = [(batch, none, None if grids is None else np.zeros((len(batch), 3, batch.shape[1]), np.int64))
+             for batch in cset.batches(recipe.batch_size)]
     windows = cset.samples
     max_context = bundle.io.max_context or bundle.text_config["max_seq_len"]
-    length = min(max(windows.shape[1], per_image + 8), max_context)
     for i, image in enumerate(features):
+        per_image = len(image)
+        length = min(max(windows.shape[1], per_image + 8), max_context)
         window = windows[i % len(windows)][:max(length - per_image, 0)]
+        window = window[window != image_token]  # a text's own image tokens would take no features
         ids = np.concatenate([np.full(per_image, image_token, np.int64), window])[None]
-        items.append((ids, image))
+        offsets = None if grids is None else rope_offsets(ids[0].tolist(), image_token, [grids[i]])[0][None]
+        items.append((ids, image, offsets))
     record = {"data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
               "samples": int(len(windows)), "seq_len": int(windows.shape[1]), "batch_size": recipe.batch_size,
               "image_prompts": len(features)}
@@ -93,12 +103,20 @@ def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress:
         pixels, text, image_record = calibration_images(bundle, recipe.data, recipe.samples, recipe.random_data)
         images = same_size_batches(pixels, recipe.batch_size)
         vision = make_session(bundle.path / graphs["vision"])
-        features = np.concatenate([vision.run(None, {"pixel_values": b})[0] for b in images])
-        prompts, text_record = decoder_items(bundle, recipe, text, features)
+        features = [f for b in images for f in vision.run(None, {"pixel_values": b})[0]]
+        merge = bundle.model_config["vision"].get("merge_size", 1)
+        mrope = bundle.text_config.get("mrope_section") is not None
+        grids = [(t.shape[0] // merge, t.shape[1] // merge) for t in pixels] if mrope else None
+        prompts, text_record = decoder_items(bundle, recipe, text, features, grids)
         items = {"vision": images, "decoder": prompts}
         decoder_config = bundle.text_config
-        feeds = {"vision": lambda batch: {"pixel_values": batch},
-                 "decoder": lambda item: {**prefill_feeds(item[0], decoder_config, bundle.io, bundle.dtype),
-                                          FEATURES: item[1].reshape(-1, item[1].shape[-1])}}
+
+        def decoder_feeds(item):
+            out = {**prefill_feeds(item[0], decoder_config, bundle.io, bundle.dtype), FEATURES: item[1]}
+            if item[2] is not None:
+                out[OFFSETS] = item[2]
+            return out
+
+        feeds = {"vision": lambda batch: {"pixel_values": batch}, "decoder": decoder_feeds}
         record = {**text_record, **image_record}
     return quantize_graphs(models, graphs, found, items, feeds, recipe, float_dtype, progress, record)

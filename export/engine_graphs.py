@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import kvforge
-from kvforge.bundle import BATCH, HEIGHT, IMAGES, SEQ, WIDTH, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
+from kvforge.bundle import BATCH, HEIGHT, IMAGE_TOKENS, IMAGES, SEQ, WIDTH, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
 from kvforge.errors import KvforgeError
 from kvforge.images import ImageProcessing
 from kvforge.outputs import staged_bundle
@@ -68,9 +68,11 @@ def graph_specs(bundle: Bundle) -> list[GraphSpec]:
             return [GraphSpec("encoder", side["graph"], side_io, profiles, check_corners),
                     GraphSpec("decoder", bundle.manifest["graphs"]["decoder"], io, _step_profiles, check_corners)]
         # a vision-language decoder: the KV-cache decoder's prefill and decode profiles (engine_plan.py)
-        processing = ImageProcessing(**bundle.model_config["image_processing"])
-        side_io.extra.update(max_tiles=processing.max_tiles, side_bounds=processing.side_bounds,
-                             image_size=bundle.model_config["vision"]["image_size"])
+        processing, v = ImageProcessing(**bundle.model_config["image_processing"]), bundle.model_config["vision"]
+        # the sides the graph takes: pixels, or (Qwen2-VL: flattened patches) patches
+        nominal = v["image_size"] // v["patch_size"] if v.get("patch_input") == "patches" else v["image_size"]
+        side_io.extra.update(max_tiles=processing.max_tiles, side_bounds=processing.side_bounds, image_size=nominal,
+                             merge_size=v.get("merge_size", 1))
         return [GraphSpec("vision", side["graph"], side_io, profiles, check_corners),
                 GraphSpec("decoder", bundle.manifest["graph"], io, synthesize_profiles, check_profiles)]
     raise KvforgeError(f"{bundle.path}'s manifest describes no second graph (io.extra has no encoder or vision entry)")
@@ -104,6 +106,8 @@ def _image_profiles(io: IOSpec, L: Limits) -> list[dict[str, Any]]:
         opt = min(max(io.extra["image_size"], low), high)
         for corner, side in (("min", low), ("opt", opt), ("max", high)):
             dims[corner].update({HEIGHT: side, WIDTH: side})
+            # features per image where its patch grid decides them (Qwen2-VL): a side x side grid's merge blocks
+            dims[corner][IMAGE_TOKENS] = (side // io.extra.get("merge_size", 1)) ** 2
     return [_profile(0, "images", "every call", io, dims)]
 
 

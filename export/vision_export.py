@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from kvforge import metrics
-from kvforge.bundle import FEATURE_ROWS, HEIGHT, IMAGES, WIDTH, IOSpec, TensorSpec
-from kvforge.images import ImageProcessing
+from kvforge.bundle import BATCH, FEATURE_ROWS, HEIGHT, IMAGE_TOKENS, IMAGES, SEQ, WIDTH, IOSpec, TensorSpec
+from kvforge.images import ImageProcessing, rope_offsets
 from kvforge.errors import KvforgeError
 
 from .encoder_export import failures_of, output_metrics
@@ -35,7 +35,7 @@ from .onnx_export import layer_windows, output_names, save_program, trace
 from .validate import OrtRunner
 
 VISION_GRAPH, DECODER_GRAPH = "vision.onnx", "decoder.onnx"
-PIXELS, FEATURES = "pixel_values", "image_features"
+PIXELS, FEATURES, OFFSETS = "pixel_values", "image_features", "rope_offsets"
 LOCKSTEP_STEPS = 6
 # as the encoder-decoder's (export/seq2seq_export.py): absolute bounds on FP32, relative on half precision
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -50,9 +50,38 @@ def _variable(cfg) -> bool:
     return ImageProcessing(**cfg.image_processing).variable_size
 
 
+def _patches(cfg) -> bool:
+    """The vision graph takes each image's flattened patches (rows, cols, C*T*P*P): Qwen2-VL's."""
+    return cfg.vision_config.patch_input == "patches"
+
+
+def _mrope(cfg) -> bool:
+    """The decoder turns multimodal RoPE: its graph takes rope_offsets (batch, 3, sequence)."""
+    return cfg.decoder_config.mrope_section is not None
+
+
+def example_pixels(cfg, n: int, size: tuple[int, int], generator) -> torch.Tensor:
+    """Random pixel_values for n images of size (height, width) pixels: images, or their flattened patches."""
+    v = cfg.vision_config
+    if not _patches(cfg):
+        return torch.randn(n, v.channels, *size, generator=generator)
+    m, width = v.merge_size, v.channels * v.temporal_patch_size * v.patch_size ** 2
+    rows, cols = (max(m, side // v.patch_size // m * m) for side in size)
+    return torch.randn(n, rows, cols, width, generator=generator)
+
+
+def image_token_grid(cfg, pixels) -> tuple[int, int]:
+    """An example image's image-token grid (rows, cols): its patch grid in merge blocks (Qwen2-VL's)."""
+    m = cfg.vision_config.merge_size
+    return pixels.shape[1] // m, pixels.shape[2] // m
+
+
 def _pixel_dims(cfg) -> list:
-    side = cfg.vision_config.image_size
-    return [HEIGHT, WIDTH] if _variable(cfg) else [side, side]
+    v = cfg.vision_config
+    if _patches(cfg):
+        return [HEIGHT, WIDTH, v.channels * v.temporal_patch_size * v.patch_size ** 2]
+    side = v.image_size
+    return [v.channels, HEIGHT, WIDTH] if _variable(cfg) else [v.channels, side, side]
 
 
 def _image_sizes(cfg, n: int) -> list[tuple[int, int]]:
@@ -70,12 +99,14 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     io = decoder_io_spec(dec, dtype, max_context)
     kv = NP_DTYPES[dtype]
     io.inputs.append(TensorSpec(FEATURES, kv, [FEATURE_ROWS, dec.dim]))
-    v = cfg.vision_config
+    if _mrope(cfg):
+        io.inputs.append(TensorSpec(OFFSETS, "int64", [BATCH, 3, SEQ]))
     io.extra["vision"] = {
         "graph": VISION_GRAPH, "decoder_graph": DECODER_GRAPH, "image_token_id": cfg.image_token_id,
         "image_tokens": cfg.image_tokens,
-        "inputs": [TensorSpec(PIXELS, "float32", [IMAGES, v.channels, *_pixel_dims(cfg)]).to_dict()],
-        "outputs": [TensorSpec(FEATURES, kv, [IMAGES, cfg.image_tokens, dec.dim]).to_dict()],
+        "inputs": [TensorSpec(PIXELS, "float32", [IMAGES, *_pixel_dims(cfg)]).to_dict()],
+        "outputs": [TensorSpec(FEATURES, kv, [IMAGES, IMAGE_TOKENS if _patches(cfg) else cfg.image_tokens,
+                                              dec.dim]).to_dict()],
     }
     return io
 
@@ -97,9 +128,12 @@ class DecoderGraph(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
-        cache, (features,) = group_cache(self.model.config.decoder_config, rest)
+        cache, extra = group_cache(self.model.config.decoder_config, rest)
+        features, offsets = extra[0], (extra[1] if len(extra) > 1 else None)
         embeds = self.model.embeddings(input_ids, features)
-        logits, present = self.model.decoder(input_ids, attention_mask, position_ids, cache, inputs_embeds=embeds)
+        rope = None if offsets is None else position_ids[:, None, :] + offsets  # multimodal RoPE's three streams
+        logits, present = self.model.decoder(input_ids, attention_mask, position_ids, cache, inputs_embeds=embeds,
+                                             rope_positions=rope)
         return (logits, *[t for kv in present for t in kv])
 
 
@@ -107,13 +141,14 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
     """Write vision.onnx and decoder.onnx of `model` (a VisionLanguageModel in its target dtype, eval mode)."""
     cfg, dec = model.config, model.config.decoder_config
     dyn = torch.export.Dim.DYNAMIC
-    v = cfg.vision_config
-    height, width = _image_sizes(cfg, 2)[-1]  # where the size is free, an example whose sides differ
-    pixels = torch.randn(2, v.channels, height, width, generator=torch.Generator().manual_seed(0))
-    axes = {0: dyn, 2: dyn, 3: dyn} if _variable(cfg) else {0: dyn}
+    size = _image_sizes(cfg, 2)[-1]  # where the size is free, an example whose sides differ
+    pixels = example_pixels(cfg, 2, size, torch.Generator().manual_seed(0))
+    sides = (1, 2) if _patches(cfg) else (2, 3)
+    axes = {0: dyn, **{a: dyn for a in sides}} if _variable(cfg) else {0: dyn}
     program = trace(VisionGraph(model).eval(), (pixels,), {"pixel_values": axes}, [PIXELS], [FEATURES], opset)
-    named = {0: IMAGES, 2: HEIGHT, 3: WIDTH} if _variable(cfg) else {0: IMAGES}
-    _name_axes(program.model.graph, {PIXELS: named, FEATURES: {0: IMAGES}})
+    named = {0: IMAGES, sides[0]: HEIGHT, sides[1]: WIDTH} if _variable(cfg) else {0: IMAGES}
+    _name_axes(program.model.graph, {PIXELS: named, FEATURES: {0: IMAGES, 1: IMAGE_TOKENS} if _patches(cfg) else
+                                     {0: IMAGES}})
     save_program(program, directory / VISION_GRAPH, external_data)
 
     batch, seq, past = example_sizes(layer_windows(dec))
@@ -123,11 +158,17 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
     args[0].view(-1)[:rows] = cfg.image_token_id
     features = torch.randn(rows, dec.dim, generator=torch.Generator().manual_seed(1)).to(model.dtype)
     n_past = sum(len(dec.cache_entries(i)) for i in range(dec.n_layers))
+    extras, extra_axes, names, named = [features], [{0: dyn}], [FEATURES], {FEATURES: {0: FEATURE_ROWS}}
+    if _mrope(cfg):  # offsets unlike zero, so that the exporter keeps them an input of their own
+        extras.append(torch.arange(3 * seq).reshape(1, 3, seq).expand(batch, 3, seq).contiguous() - 2)
+        extra_axes.append({0: dyn, 2: dyn})
+        names.append(OFFSETS)
+        named[OFFSETS] = {0: BATCH, 2: SEQ}
     dynamic = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn}, "position_ids": {0: dyn, 1: dyn},
-               "rest": tuple([{0: dyn, 2: dyn}] * n_past + [{0: dyn}])}
-    program = trace(DecoderGraph(model).eval(), (*args, features), dynamic, input_names(dec) + [FEATURES],
+               "rest": tuple([{0: dyn, 2: dyn}] * n_past + extra_axes)}
+    program = trace(DecoderGraph(model).eval(), (*args, *extras), dynamic, input_names(dec) + names,
                     output_names(dec), opset)
-    rename_dims(program.model.graph, dec, extra={FEATURES: {0: FEATURE_ROWS}})
+    rename_dims(program.model.graph, dec, extra=named)
     save_program(program, directory / DECODER_GRAPH, external_data)
 
 
@@ -167,51 +208,55 @@ def validate_vision_language(directory: Path, reference, dtype: str, max_context
     v = cfg.vision_config
     tol = TOLERANCES[dtype]
     vis, run = OrtRunner(directory / VISION_GRAPH, dtype), OrtRunner(directory / DECODER_GRAPH, dtype)
-    if run.names != input_names(dec) + [FEATURES]:
+    if run.names != input_names(dec) + [FEATURES] + ([OFFSETS] if _mrope(cfg) else []):
         raise KvforgeError(f"decoder graph inputs {run.names[:4]}... do not follow the IO contract")
     failures: list[str] = []
     vision_results, decoder_results = [], []
     gen = torch.Generator().manual_seed(seed)
-    for n, (height, width) in zip((1, 2, 3), _image_sizes(cfg, 3) if _variable(cfg) else _image_sizes(cfg, 1) * 3):
-        pixels = torch.randn(n, v.channels, height, width, generator=gen)
+    for n, size in zip((1, 2, 3), _image_sizes(cfg, 3) if _variable(cfg) else _image_sizes(cfg, 1) * 3):
+        pixels = example_pixels(cfg, n, size, gen)
         want = reference.image_features(pixels.to(reference.decoder.dtype))
         got = vis.session.run(None, {PIXELS: pixels.numpy()})[0]
         result = {"image_features": output_metrics("features", got, want.float().numpy())}
-        failures += failures_of(result, tol, f"vision graph, {n} image(s) of {height} x {width}")
+        failures += failures_of(result, tol, f"vision graph, {n} image(s) of {tuple(pixels.shape[1:])}")
         vision_results.append(result)
     names = [n for layer in cache_names(dec, "past_key_values") for n in layer]
 
-    def cand(ids, mask, features, past):
+    def cand(ids, mask, features, past, offsets=None):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy(),
                  FEATURES: run.cast(features.reshape(-1, dec.dim))}
+        if offsets is not None:
+            feeds[OFFSETS] = offsets.numpy()
         feeds.update(zip(names, past))
         out = run.session.run(None, feeds)
         return out[0], out[1:]
 
-    def ref(ids, mask, features, past):
+    def ref(ids, mask, features, past, offsets=None):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         flat = [torch.from_numpy(np.asarray(p, np.float32)).to(reference.decoder.dtype) for p in past]
         cache, _ = group_cache(dec, flat)
-        logits, present = reference.decoder(ids, mask, positions, cache,
+        rope = None if offsets is None else positions[:, None, :] + offsets
+        logits, present = reference.decoder(ids, mask, positions, cache, rope_positions=rope,
                                             inputs_embeds=reference.embeddings(ids, features.reshape(-1, dec.dim)))
         return logits.float().numpy(), [t for kv in present for t in kv]
 
     for i, (name, per_row) in enumerate([("one image", [1]), ("two images in a row", [2]), ("a batch of rows", [1, 1])]):
         ids = _prompt(cfg, per_row, text=6, seed=seed + i)
-        pixels = torch.randn(sum(per_row), v.channels, v.image_size, v.image_size, generator=gen)
+        pixels = example_pixels(cfg, sum(per_row), (v.image_size, v.image_size), gen)
         features = reference.image_features(pixels.to(reference.decoder.dtype))
+        offsets, deltas = _offsets(cfg, ids, pixels)
         mask = torch.ones_like(ids)
         past = [np.zeros((ids.shape[0],) + s[1:], run.cast(torch.zeros(1)).dtype) for s in _empty_shapes(dec, 1)]
-        lc, pc = cand(ids, mask, features, past)
-        lr, _ = ref(ids, mask, features, [run.cast(torch.from_numpy(p)) for p in past])
+        lc, pc = cand(ids, mask, features, past, offsets)
+        lr, _ = ref(ids, mask, features, [run.cast(torch.from_numpy(p)) for p in past], offsets)
         result = {"logits": output_metrics("logits", lc, lr)}
         for step in range(2):  # decode over the image's cache: no features
             nxt = torch.as_tensor(np.asarray(lr)[:, -1:].argmax(-1))
             mask = torch.ones(ids.shape[0], mask.shape[1] + 1, dtype=torch.int64)
             none = torch.zeros(0, dec.dim, dtype=reference.decoder.dtype)
-            lr, _ = ref(nxt, mask, none, [run.cast(torch.from_numpy(np.asarray(p, np.float32))) for p in pc])
-            lc, pc = cand(nxt, mask, none, pc)
+            lr, _ = ref(nxt, mask, none, [run.cast(torch.from_numpy(np.asarray(p, np.float32))) for p in pc], deltas)
+            lc, pc = cand(nxt, mask, none, pc, deltas)
             result[f"decode {step}"] = output_metrics("logits", lc, lr)
         failures += failures_of(result, tol, f"decoder, {name}")
         decoder_results.append(result)
@@ -239,26 +284,42 @@ def _empty_shapes(dec, batch: int) -> list[tuple[int, ...]]:
     return [(batch, heads, 0, dim) for i in range(dec.n_layers) for _, heads, dim in dec.cache_entries(i)]
 
 
+def _offsets(cfg, ids: torch.Tensor, pixels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Multimodal RoPE's offsets for prompt rows (batch, 3, T) and for the steps after them (batch, 3, 1), the
+    images (pixels, in row order) each of its token grid; (None, None) for a decoder with plain RoPE."""
+    if not _mrope(cfg):
+        return None, None
+    grid = image_token_grid(cfg, pixels)
+    prompts, after = [], []
+    for row in ids.tolist():
+        count = sum(1 for t in row if t == cfg.image_token_id) // (grid[0] * grid[1])
+        offsets, delta = rope_offsets(row, cfg.image_token_id, [grid] * count)
+        prompts.append(torch.from_numpy(offsets))
+        after.append(torch.full((3, 1), delta, dtype=torch.int64))
+    return torch.stack(prompts), torch.stack(after)
+
+
 def _greedy(cfg, reference, cand, ref, run, gen, steps: int) -> dict[str, Any]:
     """Greedy decoding from one image prompt on each side's own cache: the tokens each chooses."""
     dec = cfg.decoder_config
     v = cfg.vision_config
     ids = _prompt(cfg, [1], text=6, seed=99)
-    pixels = torch.randn(1, v.channels, v.image_size, v.image_size, generator=gen)
+    pixels = example_pixels(cfg, 1, (v.image_size, v.image_size), gen)
     features = reference.image_features(pixels.to(reference.decoder.dtype))
+    offsets, deltas = _offsets(cfg, ids, pixels)
     none = torch.zeros(0, dec.dim, dtype=reference.decoder.dtype)
     chosen = {}
     for side, step in (("candidate", cand), ("reference", ref)):
         mask = torch.ones_like(ids)
         past = [np.zeros(s, run.cast(torch.zeros(1)).dtype) for s in _empty_shapes(dec, 1)]
-        logits, past = step(ids, mask, features, past)
+        logits, past = step(ids, mask, features, past, offsets)
         tokens = []
         for _ in range(max(steps, 1)):
             nxt = torch.as_tensor(np.asarray(logits)[:, -1:].argmax(-1))
             tokens.append(int(nxt))
             mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.int64)
             past = [run.cast(torch.from_numpy(np.asarray(p, np.float32))) if side == "reference" else p for p in past]
-            logits, past = step(nxt, mask, none, past)
+            logits, past = step(nxt, mask, none, past, deltas)
         chosen[side] = tokens
     matching = 0
     for a, b in zip(chosen["candidate"], chosen["reference"]):

@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 IMAGES, FEATURE_ROWS = "images", "image_feature_rows"  # a vision-language model's images; its feature rows
 HEIGHT, WIDTH = "height", "width"  # a vision graph's image sides, where the processing keeps each image's size
+IMAGE_TOKENS = "image_tokens"  # a vision graph's features per image, where each image's patch grid decides them
 
 
 def window_dims(window: int) -> tuple[str, str]:

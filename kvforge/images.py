@@ -36,12 +36,16 @@ from .errors import KvforgeError
 
 PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "Idefics2ImageProcessor",
               "Idefics2ImageProcessorFast", "Idefics2ImageProcessorPil", "Idefics3ImageProcessor",
-              "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil")
+              "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil", "Qwen2VLImageProcessor",
+              "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 # what Idefics3's processor does where its preprocessor_config.json does not say (transformers' class defaults)
 _IDEFICS3_DEFAULTS = dict(size={"longest_edge": 4 * 364}, max_image_size={"longest_edge": 364}, do_image_splitting=True,
                           do_center_crop=False, resample=1, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 _IDEFICS2_DEFAULTS = dict(size={"shortest_edge": 378, "longest_edge": 980}, do_image_splitting=False,
                           do_center_crop=False, resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+# Qwen2-VL's (its min/max pixels given as size's shortest/longest edge, as transformers 5 reads them)
+_QWEN2_VL_DEFAULTS = dict(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, do_center_crop=False,
+                          resample=3, patch_layout={"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2})
 MAX_IMAGE_SIDE = 4096  # Idefics3's processor keeps a resized image's sides within this
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"  # what Idefics2/3's processors write around an image
 _OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -53,6 +57,7 @@ _INERT = {"image_processor_type", "processor_class", "feature_extractor_type", "
 # Idefics2/3's: they pad a batch's images to one size with a pixel mask the model reads; kvforge runs each size
 # apart (unpadded), which gives the model the same features
 _IDEFICS_INERT = {"do_pad", "return_row_col_info"}
+_QWEN2_VL_READ = {"temporal_patch_size", "merge_size", "min_pixels", "max_pixels"}  # read into patch_layout, size
 
 
 def _pil():
@@ -82,6 +87,10 @@ class ImageProcessing:
     # order) and the whole image resized (do_image_splitting), or only the latter
     max_image_size: dict[str, int] | None = None
     do_image_splitting: bool = False
+    # Qwen2-VL's: {"patch_size", "temporal_patch_size", "merge_size"}: size's shortest/longest edge are then the
+    # least and most pixels; the image is resized to whole merge blocks of patches (smart_resize) and given to
+    # the encoder as its patches, flattened and laid out block by block: (rows, cols, C*T*P*P)
+    patch_layout: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -119,7 +128,8 @@ class ImageProcessing:
         if kind not in PROCESSORS:
             raise KvforgeError(f"image_processor_type={kind!r} is not one kvforge reproduces ({list(PROCESSORS)})")
         known = {f for f in cls.__dataclass_fields__}
-        inert = _INERT | (_IDEFICS_INERT if kind.startswith("Idefics") else set())
+        inert = _INERT | (_IDEFICS_INERT if kind.startswith("Idefics") else set()) | \
+            (_QWEN2_VL_READ if kind.startswith("Qwen2VL") else set())
         unknown = sorted(k for k in config if k not in known and k not in inert)
         if unknown:
             raise KvforgeError(f"the image processor's options {unknown} change pixel_values in ways kvforge does not "
@@ -127,8 +137,18 @@ class ImageProcessing:
         if config.get("default_to_square") and "shortest_edge" in (config.get("size") or {}):
             raise KvforgeError("default_to_square with a shortest_edge size is not reproduced")
         defaults = _IDEFICS3_DEFAULTS if kind.startswith("Idefics3") else \
-            _IDEFICS2_DEFAULTS if kind.startswith("Idefics2") else {}
-        return cls(**{**defaults, **{k: v for k, v in config.items() if k in known}})
+            _IDEFICS2_DEFAULTS if kind.startswith("Idefics2") else _QWEN2_VL_DEFAULTS if kind.startswith("Qwen2VL") else {}
+        given = {k: v for k, v in config.items() if k in known}
+        if kind.startswith("Qwen2VL"):
+            layout = dict(defaults["patch_layout"])
+            layout.update({k: config[k] for k in layout if k in config})
+            size = dict(config.get("size") or defaults["size"])
+            if config.get("min_pixels") is not None:
+                size["shortest_edge"] = config["min_pixels"]
+            if config.get("max_pixels") is not None:
+                size["longest_edge"] = config["max_pixels"]
+            given.update(patch_layout=layout, size=size)
+        return cls(**{**defaults, **given})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +165,8 @@ class ImageProcessing:
     @property
     def output_size(self) -> tuple[int, int]:
         """(height, width) of the pixel_values this gives."""
+        if self.patch_layout is not None:
+            raise KvforgeError("this image processing gives each image the patch grid of its own size")
         if self.max_image_size is not None:
             return (self.max_image_size["longest_edge"],) * 2
         if self.do_center_crop:
@@ -158,6 +180,9 @@ class ImageProcessing:
         """(shortest, longest) side a tile can have where each image keeps its size (Idefics2's bounds), else None."""
         if not self.variable_size:
             return None
+        if self.patch_layout is not None:  # a side of the patch grid: a merge block .. the most pixels in one row
+            p, m = self.patch_layout["patch_size"], self.patch_layout["merge_size"]
+            return m, max(m, self.size["longest_edge"] // (p * p * m) // m * m)
         if self.do_resize and set(self.size) == {"shortest_edge", "longest_edge"}:
             low = self.size["shortest_edge"]
             return low, max(low, self.size["longest_edge"])
@@ -195,6 +220,28 @@ class ImageProcessing:
             grids.append(grid)
         return tiles, grids
 
+    def prompt_grid(self, image) -> tuple[int, int]:
+        """What a prompt's text for an image depends on: its tiles (grid()), or for Qwen2-VL its image tokens'
+        (rows, cols): the patch grid in merge blocks."""
+        if self.patch_layout is None:
+            return self.grid(image)
+        image = load_image(image)
+        m = self.patch_layout["merge_size"]
+        rows, cols = self._patch_grid(image.height, image.width)
+        return rows // m, cols // m
+
+    def image_tokens(self, image, per_tile: int) -> int:  # noqa: D401
+        """The image tokens an image stands for in a prompt (per_tile: a fixed-size tile's)."""
+        if self.patch_layout is not None:
+            rows, cols = self.prompt_grid(image)
+            return rows * cols
+        rows, cols = self.grid(image)
+        return (rows * cols + 1 if rows else 1) * per_tile
+
+    def _patch_grid(self, height: int, width: int) -> tuple[int, int]:
+        h, w = self._resized(height, width) if self.do_resize else (height, width)
+        return h // self.patch_layout["patch_size"], w // self.patch_layout["patch_size"]
+
     def grid(self, image) -> tuple[int, int]:
         """An image's (rows, cols) of tiles, from its size alone (Idefics2's split: always its four quarters)."""
         if not self.do_image_splitting:
@@ -212,6 +259,10 @@ class ImageProcessing:
             image = to_rgb(image)
         elif image.mode not in ("RGB",):
             raise KvforgeError(f"an image in mode {image.mode!r} with do_convert_rgb off: kvforge takes RGB")
+        if self.patch_layout is not None:  # Qwen2-VL's: resized to whole merge blocks, then its patches
+            if self.do_resize:
+                image = image.resize(self._resized(image.height, image.width)[::-1], resample=self.resample)
+            return [self._patches(self._pixels(image))], (0, 0)
         if self.max_image_size is None:  # Idefics2's split: the four quarters and the whole, each resized
             parts = [image]
             if self.do_image_splitting:
@@ -234,6 +285,16 @@ class ImageProcessing:
         parts = [self._pixels(image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side)))
                  for r in range(rows) for c in range(cols)]
         return parts + [self._pixels(image.resize((side, side), resample=self.resample))], (rows, cols)
+
+    def _patches(self, x: np.ndarray) -> np.ndarray:
+        """(C, H, W) -> (rows, cols, C*T*P*P): each patch repeated over the temporal window and flattened, the
+        patches laid out merge block by merge block (Qwen2-VL's processor's order; rows, cols just shape it)."""
+        p, t, m = (self.patch_layout[k] for k in ("patch_size", "temporal_patch_size", "merge_size"))
+        c, h, w = x.shape
+        rows, cols = h // p, w // p
+        blocks = x.astype(np.float32).reshape(c, rows // m, m, p, cols // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        blocks = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (t,) + blocks.shape[5:])
+        return np.ascontiguousarray(blocks).reshape(rows, cols, c * t * p * p)
 
     def _split_size(self, height: int, width: int) -> tuple[int, int]:
         """Idefics3's resize for splitting: both sides rounded up to whole tiles, the shorter in proportion first."""
@@ -268,6 +329,20 @@ class ImageProcessing:
         return x
 
     def _resized(self, height: int, width: int) -> tuple[int, int]:
+        if self.patch_layout is not None:  # Qwen2-VL's smart_resize: whole merge blocks, pixels within bounds
+            factor = self.patch_layout["patch_size"] * self.patch_layout["merge_size"]
+            low, high = self.size["shortest_edge"], self.size["longest_edge"]
+            if max(height, width) / min(height, width) > 200:
+                raise KvforgeError(f"an image of {width} x {height}: Qwen2-VL's processing takes aspect ratios up to 200")
+            h, w = round(height / factor) * factor, round(width / factor) * factor
+            if h * w > high:
+                beta = math.sqrt(height * width / high)
+                h = max(factor, math.floor(height / beta / factor) * factor)
+                w = max(factor, math.floor(width / beta / factor) * factor)
+            elif h * w < low:
+                beta = math.sqrt(low / (height * width))
+                h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+            return h, w
         if "height" in self.size:
             return self.size["height"], self.size["width"]
         if "shortest_edge" in self.size and "longest_edge" in self.size:  # Idefics2's bounds
@@ -363,6 +438,8 @@ def image_prompt_text(style: str, placeholder: str, per_image: int, grid: tuple[
     rows, cols = grid
     if style == "idefics2":
         return (fake + tokens + fake) * (rows * cols + 1 if rows else 1)
+    if style == "qwen2_vl":  # the placeholder once per image token: the token grid's rows x cols
+        return placeholder * (rows * cols)
     if style != "idefics3":
         raise KvforgeError(f"image_prompt {style!r} is not written as text")
     tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
@@ -381,6 +458,32 @@ def prompt_with_images(style: str, text: str, placeholder: str, per_image: int, 
         out = out.replace(FAKE_IMAGE_TOKEN * 2, FAKE_IMAGE_TOKEN)
         out = re.sub(rf"{re.escape(FAKE_IMAGE_TOKEN)}(?=[^\s<])", f"{FAKE_IMAGE_TOKEN} ", out)
     return out
+
+
+def rope_offsets(ids: list[int], image_token_id: int, grids: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Multimodal RoPE (Qwen2-VL) for one prompt: ((3, len(ids)) int64, each token's (time, height, width)
+    positions less its plain position, its index; the offset of every token after the prompt).
+
+    As transformers' get_rope_index: text runs count up from where the last part ended; an image's rows x cols
+    tokens (grids, in order) take time = that start, height = start + row, width = start + col, and the text after
+    it starts at start + max(rows, cols). A token after the prompt is at its index + the returned offset."""
+    positions = np.zeros((3, len(ids)), np.int64)
+    images = iter(grids)
+    at = start = 0
+    while at < len(ids):
+        if ids[at] == image_token_id:
+            rows, cols = next(images, (0, 0))
+            n = rows * cols
+            if n == 0 or at + n > len(ids) or any(t != image_token_id for t in ids[at:at + n]):
+                raise KvforgeError(f"the prompt's image tokens at {at} do not make the {rows} x {cols} grid of its image")
+            r, c = np.divmod(np.arange(n), cols)
+            positions[:, at:at + n] = np.stack([np.full(n, start), start + r, start + c])
+            at, start = at + n, start + max(rows, cols)
+        else:
+            positions[:, at] = start
+            at, start = at + 1, start + 1
+    offsets = positions - np.arange(len(ids))[None]
+    return offsets, int(positions.max(initial=-1) + 1 - len(ids))
 
 
 def same_size_batches(tiles: list[np.ndarray], limit: int | None = None) -> list[np.ndarray]:

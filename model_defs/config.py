@@ -106,6 +106,9 @@ class ModelConfig(ConfigDict):
     # layers only. None: one RoPE for all layers.
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
+    # multimodal RoPE (Qwen2-VL): the rotary frequencies in three sections, each turned by its own position stream
+    # (time, height, width; a text token's three are equal, so it rotates as plain RoPE); None: one stream
+    mrope_section: list[int] | None = None
     alibi_scale: float = 1.0  # position="alibi": multiplies BLOOM's slopes (Falcon: 1/sqrt(head_dim))
     alibi_bf16: bool = False  # Falcon: slopes, key positions and biases rounded to bfloat16, as transformers computes them
 
@@ -222,6 +225,14 @@ class ModelConfig(ConfigDict):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
                 problems.append(f"{name} must be a positive number or None, got {value!r}")
+        if self.mrope_section is not None:
+            sections = self.mrope_section
+            if not (isinstance(sections, (list, tuple)) and len(sections) == 3
+                    and all(isinstance(x, int) and x > 0 for x in sections)):
+                problems.append(f"mrope_section must be three positive ints, got {sections!r}")
+            elif self.position != "rope" or self.rope_scaling is not None or 2 * sum(sections) != self.rotary_dim:
+                problems.append(f"mrope_section {list(sections)} splits plain RoPE's {self.rotary_dim // 2} frequencies: "
+                                "it needs position='rope', no rope_scaling and sections summing to rotary_dim / 2")
         if self.local_rope_theta is not None and (self.position != "rope" or self.sliding_window is None):
             problems.append("local_rope_theta is the RoPE base of windowed layers: it needs position='rope' and a sliding_window")
         if self.local_rope_scaling is not None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hf_common import Table
-from .hf_vision import (LLAVA_RENAMES, idefics2_config, idefics2_weights, idefics3_config, idefics3_weights, llava_config,
-                        llava_leftovers, llava_weights)
+from .hf_vision import (LLAVA_RENAMES, QWEN2_VL_RENAMES, idefics2_config, idefics2_weights, idefics3_config,
+                        idefics3_weights, llava_config, llava_leftovers, llava_weights, qwen2_vl_config, qwen2_vl_weights)
 from .hf_decoders import (
     cohere,
     cohere_weights,
@@ -146,11 +146,11 @@ FAMILIES["idefics2"] = Family(idefics2_config(FAMILIES), idefics2_weights(FAMILI
                               embedding="decoder.embed.weight", head_prefixes=())
 FAMILIES["idefics3"] = Family(idefics3_config(FAMILIES), idefics3_weights(FAMILIES), architecture="vision-language",
                               embedding="decoder.embed.weight", head_prefixes=())
+FAMILIES["qwen2_vl"] = Family(qwen2_vl_config(FAMILIES), qwen2_vl_weights(FAMILIES), architecture="vision-language",
+                              embedding="decoder.embed.weight", head_prefixes=(), renames=QWEN2_VL_RENAMES)
 # families kvforge knows and does not build yet, each with what it would need (the importer says it by name)
 NOT_BUILT = {
-    "qwen2_vl": "Qwen2-VL's vision tower takes variable-size grids of patches with 2-D rotary positions and its decoder "
-                "multimodal RoPE (3-D position ids: time, height, width per token); kvforge's decoder graph takes one "
-                "position per token, so neither can be expressed yet, and approximating them would change the model",
-    "qwen2_5_vl": "Qwen2.5-VL adds window attention over patches to Qwen2-VL's vision tower; its 2-D rotary positions "
-                  "and the decoder's multimodal (3-D) RoPE cannot be expressed by kvforge's decoder graph yet",
+    "qwen2_5_vl": "Qwen2.5-VL's vision tower attends within windows of patches (full attention only in "
+                  "fullatt_block_indexes), with RMSNorm and gated MLP blocks, and its multimodal RoPE spaces video "
+                  "frames by time; kvforge builds Qwen2-VL's tower (full attention per image), not these",
 }

@@ -1,6 +1,6 @@
-"""Hugging Face vision-language checkpoints (LLaVA, Idefics2, Idefics3/SmolVLM) as model_defs/vision.py's
+"""Hugging Face vision-language checkpoints (LLaVA, Idefics2, Idefics3/SmolVLM, Qwen2-VL) as model_defs/vision.py's
 VisionLanguageModel: Families of model_defs/hf_families.py like the others, read by the same strict importer
-(model_defs/hf.py). Qwen2-VL is refused by name there (hf_families.NOT_BUILT says why).
+(model_defs/hf.py). Qwen2.5-VL is refused by name there (hf_families.NOT_BUILT says why).
 
 The decoder's weights go through its own family's table (a LLaVA over Llama reads its language model as a Llama
 checkpoint, under `language_model.`), the image encoder's and the projector's through the tables here. Every
@@ -260,6 +260,86 @@ def idefics3_weights(families: dict[str, Any]):
     def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
         table = _idefics_table(families, hf, cfg, "llama")
         table["projector.proj.weight"] = ("model.connector.modality_projection.proj.weight", None)
+        return table
+
+    return weights
+
+
+QWEN2_VL_RENAMES = (("model.visual.", "visual."), ("model.language_model.", "model."))  # module tree -> released
+
+
+def qwen2_vl_config(families: dict[str, Any]):
+    """A Qwen2-VL config.json -> VisionLanguageConfig's fields: its vision tower (flattened patches, 2-D RoPE,
+    pre-norm blocks with QuickGELU MLPs, full attention within each image: no windows in Qwen2-VL), the patch
+    merger, and a Qwen2 decoder turning multimodal RoPE (mrope_section); the image processor's smart resize and
+    patch layout (kvforge/images.py)."""
+
+    def config(hf: dict[str, Any]) -> dict[str, Any]:
+        text = dict(hf.get("text_config") or {k: v for k, v in hf.items() if k not in ("vision_config",)})
+        params = dict(text.get("rope_parameters") or text.get("rope_scaling") or hf.get("rope_scaling") or {})
+        sections = params.get("mrope_section")
+        if not sections:
+            raise KvforgeError("a qwen2_vl config.json needs rope_parameters.mrope_section (multimodal RoPE's sections)")
+        if params.get("rope_type", params.get("type", "default")) not in ("default", "mrope"):
+            raise KvforgeError(f"qwen2_vl with rope type {params.get('rope_type')!r}: kvforge turns multimodal RoPE "
+                               "without frequency scaling")
+        theta = params.get("rope_theta", text.get("rope_theta", hf.get("rope_theta", 1000000.0)))
+        text = {**text, "model_type": "qwen2", "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        decoder = ModelConfig(**{**families["qwen2"].config(text), "mrope_section": [int(x) for x in sections]})
+        vc = hf.get("vision_config") or {}
+        if vc.get("fullatt_block_indexes") or vc.get("window_size"):
+            raise KvforgeError("window attention over patches (Qwen2.5-VL's) is not built by kvforge")
+        dim, heads = vc.get("embed_dim", 1280), vc.get("num_heads", 16)
+        merge, patch = vc.get("spatial_merge_size", 2), vc.get("patch_size", 14)
+        vision_params = vc.get("rope_parameters") or {}
+        try:
+            encoder = VisionConfig(image_size=patch * merge * 2, patch_size=patch, dim=dim, n_layers=vc.get("depth", 32),
+                                   n_heads=heads, ffn_dim=int(dim * vc.get("mlp_ratio", 4)),
+                                   channels=vc.get("in_channels", vc.get("in_chans", 3)), class_token=False,
+                                   patch_bias=False, pre_norm=False, post_norm=False, norm_eps=1e-6,
+                                   activation=_activation(vc.get("hidden_act", "quick_gelu"), "vision_config.hidden_act"),
+                                   feature_layer=-1, feature_select="full", patch_input="patches",
+                                   temporal_patch_size=vc.get("temporal_patch_size", 2), merge_size=merge,
+                                   rope_theta=float(vision_params.get("rope_theta", 10000.0)))
+        except TypeError as e:
+            raise KvforgeError(f"vision_config does not describe Qwen2-VL's vision tower: {e}") from e
+        if vc.get("hidden_size", decoder.dim) != decoder.dim:
+            raise KvforgeError(f"vision_config.hidden_size {vc.get('hidden_size')} (the merger's output) is not the "
+                               f"decoder's width {decoder.dim}")
+        processor = hf.get("preprocessor_config") or {}
+        image = ImageProcessing.from_hf({"image_processor_type": "Qwen2VLImageProcessor", **processor})
+        layout = image.patch_layout
+        if (layout["patch_size"], layout["merge_size"], layout["temporal_patch_size"]) != \
+                (patch, merge, encoder.temporal_patch_size):
+            raise KvforgeError(f"the image processor's patch layout {layout} is not the vision tower's (patch {patch}, "
+                               f"merge {merge}, temporal {encoder.temporal_patch_size})")
+        return dict(vision=encoder.to_dict(), decoder=decoder.to_dict(), image_token_id=hf.get("image_token_id", 151655),
+                    projector="patch_merger", image_processing=image.to_dict(), image_placeholder="<|image_pad|>",
+                    image_prompt="qwen2_vl", family="qwen2_vl")
+
+    return config
+
+
+def qwen2_vl_weights(families: dict[str, Any]):
+    def weights(hf: dict[str, Any], cfg) -> dict[str, tuple[str, Any]]:
+        text = {**(hf.get("text_config") or hf), "model_type": "qwen2"}
+        table = _decoder_table(families, text, cfg.decoder_config, lambda name: name)
+        flat = lambda t, c: t.reshape(t.shape[0], -1)  # noqa: E731 - Conv3d (dim, C, T, P, P) as one linear map
+        table["vision.embed.patch.weight"] = ("visual.patch_embed.proj.weight", flat)
+        parts = {"attn_norm": "norm1", "ffn_norm": "norm2", "attn.o_proj": "attn.proj", "ffn.up_proj": "mlp.fc1",
+                 "ffn.down_proj": "mlp.fc2"}
+        for i in range(cfg.vision_config.n_layers):
+            for p in ("weight", "bias"):
+                for ours, theirs in parts.items():
+                    table[f"vision.layers.{i}.{ours}.{p}"] = (f"visual.blocks.{i}.{theirs}.{p}", None)
+                for j, q in enumerate("qkv"):  # the fused [q | k | v] projection, split
+                    table[f"vision.layers.{i}.attn.{q}_proj.{p}"] = (f"visual.blocks.{i}.attn.qkv.{p}",
+                                                                     lambda t, c, j=j: t.chunk(3, dim=0)[j])
+        for p in ("weight", "bias"):
+            table[f"projector.ln_q.{p}"] = (f"visual.merger.ln_q.{p}", None)
+            table[f"projector.linear_1.{p}"] = (f"visual.merger.mlp.0.{p}", None)
+            table[f"projector.linear_2.{p}"] = (f"visual.merger.mlp.2.{p}", None)
         return table
 
     return weights

@@ -142,9 +142,12 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """inputs_embeds (B, T, C): the embeddings to start from instead of embed(input_ids) (a vision-language
-        model's text with its image features merged in); the embedding scale and norm still apply."""
+        model's text with its image features merged in); the embedding scale and norm still apply.
+        rope_positions (B, 3, T): multimodal RoPE's three position streams (config.mrope_section), else the
+        position ids rotate every section."""
         cfg = self.config
         B, T = input_ids.shape
         if attention_mask is None:
@@ -165,7 +168,7 @@ class Transformer(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.embed_dropout(x)
-        rope = self.rope(position_ids) if self.rope is not None else None
+        rope = self.rope(position_ids if rope_positions is None else rope_positions) if self.rope is not None else None
         local_rope = self.local_rope(position_ids) if self.local_rope is not None else rope
         bias = self.alibi(attention_mask, T) if self.alibi is not None else None
         masks = {w: attention_mask_bool(attention_mask, past, T, w) for w in dict.fromkeys(self._windows)}

@@ -91,10 +91,15 @@ class RotaryEmbedding(nn.Module):
         theta, scaling = (cfg.local_rope_theta, cfg.local_rope_scaling) if local else (cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, theta, scaling), persistent=False)
         self.attention_factor = _yarn_attention_factor(scaling)
+        self.mrope_section = None if local else cfg.mrope_section
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: (B, T) -> cos, sin: (B, T, rotary_dim), float32
+        # position_ids: (B, T) -> cos, sin: (B, T, rotary_dim), float32; multimodal RoPE: (B, 3, T), each section
+        # of the frequencies turned by its own stream (Qwen2-VL's time, height, width)
         freqs = position_ids[..., None].float() * self.inv_freq
+        if position_ids.dim() == 3:
+            parts = freqs.split(list(self.mrope_section), dim=-1)
+            freqs = torch.cat([part[:, i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor

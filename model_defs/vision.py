@@ -60,6 +60,13 @@ class VisionConfig(ConfigDict):
     # Idefics2/3's: each patch's position is the bucket its fractional coordinate falls in, computed in float32 as
     # transformers does (for some sides, 19, 25, 29, 31, ..., two neighbouring patches then share a position)
     position_buckets: bool = False
+    # Qwen2-VL's: the graph takes each image's patches already cut and flattened ((C, T, P, P) each, in
+    # merge_size x merge_size blocks, as its processor lays them out) as (N, rows, cols, C*T*P*P); one linear map
+    # embeds them; their positions are 2-D rotary (rows and columns) inside attention, no table
+    patch_input: str = "pixels"  # "pixels" | "patches"
+    temporal_patch_size: int = 1
+    merge_size: int = 1
+    rope_theta: float | None = None  # 2-D RoPE's base; None: learned positions
     head_dim: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,6 +112,12 @@ class VisionConfig(ConfigDict):
             problems.append(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.feature_select not in FEATURE_SELECT:
             problems.append(f"feature_select={self.feature_select!r} is not one of {FEATURE_SELECT}")
+        if self.patch_input not in ("pixels", "patches"):
+            problems.append(f"patch_input={self.patch_input!r} is not 'pixels' or 'patches'")
+        if (self.patch_input == "patches") != (self.rope_theta is not None) or \
+                (self.rope_theta is not None and (self.class_token or self.head_dim % 4)):
+            problems.append("patch_input 'patches' goes with 2-D RoPE (rope_theta), no class token and a head_dim "
+                            "divisible by 4")
         if not -self.n_layers - 1 <= self.feature_layer <= self.n_layers:
             problems.append(f"feature_layer={self.feature_layer} is not a hidden state of {self.n_layers} layers "
                             f"({-self.n_layers - 1}..{self.n_layers})")
@@ -178,24 +191,54 @@ def bucketized_positions(rows, cols, side: int, boundaries: torch.Tensor | None 
     return (buckets(rows)[:, None] * side + buckets(cols)[None, :]).reshape(-1)
 
 
+class FlatPatchEmbeddings(nn.Module):
+    """Qwen2-VL's patch embedding: each flattened patch (C*T*P*P, its Conv3d's window) through one linear map;
+    pixel_values (N, rows, cols, C*T*P*P) -> (N, rows*cols, dim), and the patches' 2-D RoPE (cos, sin)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch = nn.Linear(cfg.channels * cfg.temporal_patch_size * cfg.patch_size ** 2, cfg.dim, bias=False)
+        quarter = cfg.head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter),
+                             persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.cfg
+        n, rows, cols, width = pixel_values.shape
+        m = cfg.merge_size
+        if width != self.patch.in_features or rows % m or cols % m:
+            raise KvforgeError(f"pixel_values of shape {tuple(pixel_values.shape)}: this image encoder takes (images, "
+                               f"rows, cols, {self.patch.in_features}) with rows and cols multiples of {m}")
+        x = self.patch(pixel_values.reshape(n, rows * cols, width).to(self.patch.weight.dtype))
+        # each patch's (row, col), in the processor's order: merge_size x merge_size blocks, row by row
+        r = torch.arange(rows)[:, None].expand(rows, cols).reshape(rows // m, m, cols // m, m).transpose(1, 2)
+        c = torch.arange(cols)[None, :].expand(rows, cols).reshape(rows // m, m, cols // m, m).transpose(1, 2)
+        freqs = torch.cat([r.reshape(-1)[:, None].float() * self.inv_freq, c.reshape(-1)[:, None].float() * self.inv_freq],
+                          dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)[None]  # (1, patches, head_dim)
+        return x, (emb.cos(), emb.sin())
+
+
 class VisionTransformer(nn.Module):
-    """pixel_values (N, C, H, W) -> the feature layer's hidden states (N, feature_tokens, dim)."""
+    """pixel_values (N, C, H, W) -> the feature layer's hidden states (N, feature_tokens, dim); with flattened
+    patches (Qwen2-VL), (N, rows, cols, C*T*P*P) -> (N, rows*cols, dim)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.config = cfg
-        self.embed = PatchEmbeddings(cfg)
+        self.embed = FlatPatchEmbeddings(cfg) if cfg.patch_input == "patches" else PatchEmbeddings(cfg)
         self.pre_norm = build_norm(cfg) if cfg.pre_norm else None
         self.layers = nn.ModuleList(Block(cfg, Attention(cfg), build_ffn(cfg)) for _ in range(cfg.layers_used))
         self.post_norm = build_norm(cfg) if cfg.post_norm else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.embed(pixel_values)
+        x, rope = self.embed(pixel_values) if self.config.patch_input == "patches" else (self.embed(pixel_values), None)
         if self.pre_norm is not None:
             x = self.pre_norm(x)
         mask = torch.ones(x.shape[0], 1, x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
         for layer in self.layers:
-            x, _ = layer(x, mask, None, None)
+            x, _ = layer(x, mask, rope, None)
         if self.post_norm is not None:
             x = self.post_norm(x)
         if self.config.class_token and self.config.feature_select == "default":
@@ -252,6 +295,23 @@ class PixelShuffleProjector(nn.Module):
         return self.proj(x.reshape(n, patches // (s * s), s * s * dim))
 
 
+class PatchMergerProjector(nn.Module):
+    """Qwen2-VL's patch merger: a LayerNorm, then each merge_size x merge_size block of patches (consecutive in the
+    processor's order) as one vector, through linear -> GELU -> linear to the decoder's width."""
+
+    def __init__(self, vision_dim: int, text_dim: int, merge: int, eps: float):
+        super().__init__()
+        self.width = vision_dim * merge * merge
+        self.ln_q = nn.LayerNorm(vision_dim, eps=eps)
+        self.linear_1 = nn.Linear(self.width, self.width)
+        self.act = activation_fn("gelu")
+        self.linear_2 = nn.Linear(self.width, text_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, patches, _ = x.shape
+        return self.linear_2(self.act(self.linear_1(self.ln_q(x).reshape(n, -1, self.width))))
+
+
 def _mlp_projector(cfg: "VisionLanguageConfig") -> nn.Module:
     return MLPProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_activation, cfg.projector_bias)
 
@@ -265,12 +325,18 @@ def _pixel_shuffle_projector(cfg: "VisionLanguageConfig") -> nn.Module:
     return PixelShuffleProjector(cfg.vision_config.dim, cfg.decoder_config.dim, cfg.projector_scale)
 
 
+def _patch_merger_projector(cfg: "VisionLanguageConfig") -> nn.Module:
+    v = cfg.vision_config
+    return PatchMergerProjector(v.dim, cfg.decoder_config.dim, v.merge_size, v.norm_eps)
+
+
 # projector name -> its builder: what a config's `projector` selects
-PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector, "pixel_shuffle": _pixel_shuffle_projector}
+PROJECTORS = {"mlp": _mlp_projector, "resampler": _resampler_projector, "pixel_shuffle": _pixel_shuffle_projector,
+              "patch_merger": _patch_merger_projector}
 # how a prompt's text stands for an image (its placeholder, expanded by the runtime: kvforge/images.py):
 # "tokens" its image tokens alone; "idefics2" between two <fake_token_around_image>; "idefics3" Idefics3's tiles,
 # each with its <row_r_col_c>, then the whole image after <global-img>
-IMAGE_PROMPTS = ("tokens", "idefics2", "idefics3")
+IMAGE_PROMPTS = ("tokens", "idefics2", "idefics3", "qwen2_vl")
 
 
 def merge_image_features(embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
@@ -354,7 +420,8 @@ class VisionLanguageConfig(ConfigDict):
                                                     crop_size={"height": size, "width": size}).to_dict()
         processing = ImageProcessing(**self.image_processing)
         if processing.variable_size:
-            if not self.vision_config.position_buckets or self.projector == "pixel_shuffle":
+            takes_any = self.vision_config.position_buckets or self.vision_config.patch_input == "patches"
+            if not takes_any or self.projector == "pixel_shuffle":
                 problems.append("image_processing keeps each image's own size: the image encoder must take any size "
                                 "(bucketized positions) and a projector that does not need a square grid")
         elif processing.output_size != (self.vision_config.image_size,) * 2:
@@ -405,6 +472,8 @@ class VisionLanguageConfig(ConfigDict):
             return self.resampler_config.n_latents
         if self.projector == "pixel_shuffle":
             return self.vision_config.patches // self.projector_scale ** 2
+        if self.projector == "patch_merger":  # an image of the encoder's nominal size (each image: its own grid's)
+            return self.vision_config.patches // self.vision_config.merge_size ** 2
         return self.vision_config.feature_tokens
 
 
@@ -439,7 +508,9 @@ class VisionLanguageModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                past_key_values=None, pixel_values: torch.Tensor | None = None):
+                past_key_values=None, pixel_values: torch.Tensor | None = None,
+                rope_positions: torch.Tensor | None = None):
+        """rope_positions (B, 3, T): multimodal RoPE's position streams (Qwen2-VL), else plain positions."""
         if pixel_values is not None:
             if image_features is not None:
                 raise KvforgeError("pass pixel_values or image_features, not both")
@@ -451,7 +522,7 @@ class VisionLanguageModel(nn.Module):
                 raise KvforgeError(f"the prompt has {count} image tokens but {given} image features were given "
                                    f"({self.config.image_tokens} per image)")
         return self.decoder(input_ids, attention_mask, position_ids, past_key_values,
-                            inputs_embeds=self.embeddings(input_ids, image_features))
+                            inputs_embeds=self.embeddings(input_ids, image_features), rope_positions=rope_positions)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -456,9 +456,8 @@ class Batcher(RequestQueue):
         row, in reading order); None where the session's graph has none."""
         if self.session.step_inputs is None:
             return None
-        parts = [(r._inputs if r is not None and r._inputs is not None else self.session.step_inputs)(ids[None])
-                 for r, ids in rows]
-        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        return join_inputs([(r._inputs if r is not None and r._inputs is not None else self.session.step_inputs)(
+            ids[None]) for r, ids in rows])
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -843,6 +842,12 @@ class Batcher(RequestQueue):
                 except NotImplementedError:  # a backend that cannot drop positions (TensorRT): a regroup
                     batch.cache = self.session.regroup_cache([(batch.cache, list(range(len(batch.rows))))], length)
             batch.mask = batch.mask[:, first:]
+
+
+def join_inputs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Rows' graph inputs beyond the contract, joined in row order on their first axis (feature rows in reading
+    order; per-row tensors batch first)."""
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
 
 def _blocks(arrays: list[np.ndarray], row: int, n: int, size: int):

@@ -35,16 +35,16 @@ import numpy as np
 
 from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
-from kvforge.images import ImageProcessing, prompt_with_images, same_size_batches
+from kvforge.images import ImageProcessing, prompt_with_images, rope_offsets, same_size_batches
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
-from .batcher import Batcher, Request
+from .batcher import Batcher, Request, join_inputs
 from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .session import Session
 
-FEATURES = "image_features"
+FEATURES, OFFSETS = "image_features", "rope_offsets"
 
 
 class VisionLanguageSession:
@@ -74,13 +74,14 @@ class VisionLanguageSession:
         impl = OnnxRuntimeBackend(decoder_config, self.io, bundle, **options)
         self.decoder = Session(impl, self.tokenizer, decoder_config, self.io, self.source, bundle.graph_sha256)
         self.decoder.step_inputs = self._step_features
+        self.mrope = any(t.name == OFFSETS for t in self.io.inputs)  # the decoder turns multimodal RoPE (Qwen2-VL)
         self.feature_dim = next(t for t in self.io.inputs if t.name == FEATURES).shape[-1]
         self.feature_dtype = np.float16 if next(t for t in self.io.inputs if t.name == FEATURES).dtype == "float16" \
             else np.float32
         self._vision_graph = bundle.path / spec["graph"]
         self._vision = None
         self._threads = options.get("threads")
-        self._local = threading.local()  # each thread's pending feature rows (a batcher's thread has its own)
+        self._local = threading.local()  # each thread's generation feeds (a batcher's thread has its own)
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -121,63 +122,80 @@ class VisionLanguageSession:
     def __repr__(self) -> str:
         return f"VisionLanguageSession({self.source!r}, backend={self.backend_name!r})"
 
-    @property
-    def _pending(self) -> deque:
-        """The feature rows the next steps' image tokens take, in order (this thread's)."""
-        pending = getattr(self._local, "pending", None)
-        if pending is None:
-            pending = self._local.pending = deque()
-        return pending
-
     # -- images ------------------------------------------------------------------------------
-    def image_features(self, images: list[Any]) -> np.ndarray:
-        """(N, image_tokens, C) features of `images` (Pillow images, paths, bytes or data URLs): one set per image,
-        or per tile and then the whole image where the processing splits images into tiles."""
-        if not images:
-            return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
-        return self._tile_features(self.processing.process_tiles(list(images))[0])
+    def feature_sets(self, images: list[Any]) -> list[np.ndarray]:
+        """Each image's features (P, C), or each of its tiles' and then the whole image's where the processing
+        splits images (Pillow images, paths, bytes or data URLs). P is image_tokens, or (Qwen2-VL) its own grid's."""
+        return self._tile_features(self.processing.process_tiles(list(images))[0]) if images else []
 
-    def _tile_features(self, tiles: list[np.ndarray]) -> np.ndarray:
-        """The vision graph over preprocessed tiles (3, H, W), one call per run of equal sizes, in order."""
+    def image_features(self, images: list[Any]) -> np.ndarray:
+        """(N, image_tokens, C): feature_sets() as one array, where every set has the same size."""
+        sets = self.feature_sets(images)
+        if not sets:
+            return np.zeros((0, self.image_tokens, self.feature_dim), self.feature_dtype)
+        if len({f.shape for f in sets}) > 1:
+            raise KvforgeError("these images give different numbers of features (each its own patch grid): use "
+                               "feature_sets()")
+        return np.stack(sets)
+
+    def _tile_features(self, tiles: list[np.ndarray]) -> list[np.ndarray]:
+        """The vision graph over preprocessed tiles, one call per run of equal sizes; each tile's features."""
         self.activate()
-        return np.concatenate([self._vision.run(None, {"pixel_values": batch})[0] for batch in same_size_batches(tiles)])
+        return [f for batch in same_size_batches(tiles) for f in self._vision.run(None, {"pixel_values": batch})[0]]
 
     def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The decoder step's image_features from this thread's pending rows (_take)."""
-        return self._take(self._pending, input_ids)
+        """The decoder step's inputs beyond the contract: each row's from its FeatureFeed (this thread's, set for
+        a generation), else none (no feature rows; plain positions)."""
+        feeds = getattr(self._local, "feeds", None)
+        if feeds is not None and len(feeds) == input_ids.shape[0]:
+            return join_inputs([feed(input_ids[i:i + 1]) for i, feed in enumerate(feeds)])
+        return self._no_inputs(input_ids.shape)
 
-    def _take(self, pending: deque, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The step's image_features: the pending rows its image tokens take, in order. A prompt's image tokens
+    def _no_inputs(self, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+        out = {FEATURES: np.zeros((0, self.feature_dim), self.feature_dtype)}
+        if self.mrope:
+            out[OFFSETS] = np.zeros((shape[0], 3, shape[1]), np.int64)
+        return out
+
+    def _take(self, pending: deque, input_ids: np.ndarray) -> np.ndarray:
+        """The step's feature rows: the pending rows its image tokens take, in order. A prompt's image tokens
         and images were checked to agree (_image_rows); an image token beyond them (one that generation
         produced) takes no row and keeps its own embedding, as in transformers."""
         n = min(int((input_ids == self.image_token_id).sum()), len(pending))
         rows = [pending.popleft() for _ in range(n)]
         out = np.stack(rows) if rows else np.zeros((0, self.feature_dim), self.feature_dtype)
-        return {FEATURES: out.astype(self.feature_dtype, copy=False)}
+        return out.astype(self.feature_dtype, copy=False)
 
-    def feed(self, images: list[Any]) -> "FeatureFeed":
-        """One request's images as its own step inputs (the batcher's `inputs`): read and preprocessed now (a bad
-        image is refused here), their features computed by the vision graph at the request's first step."""
-        return FeatureFeed(self, self.processing.process_tiles(list(images))[0] if images else [])
+    def feed(self, images: list[Any], prompt: list[int] | None = None) -> "FeatureFeed":
+        """One prompt's images as its own step inputs (the batcher's `inputs`): read and preprocessed now (a bad
+        image is refused here), their features computed by the vision graph at the prompt's first step. prompt:
+        its token ids, where the decoder's multimodal RoPE places the images' tokens by their grids."""
+        tiles = self.processing.process_tiles(list(images))[0] if images else []
+        grids = [self.processing.prompt_grid(im) for im in images] if self.mrope and images else []
+        return FeatureFeed(self, tiles, prompt, grids)
 
     def forward(self, input_ids: np.ndarray, image_features: np.ndarray | None = None,
-                attention_mask: np.ndarray | None = None, *, cache=None, last_logits_only: bool = False):
-        """One decoder step (Session.forward) whose image tokens take `image_features`: (images, image_tokens, C)
-        from image_features(), or their rows (R, C), in the order the step's image tokens come. Returns (float32
-        logits, the new cache). Without features, an image token keeps its own embedding (a generated one)."""
-        rows = np.zeros((0, self.feature_dim), self.feature_dtype) if image_features is None else \
-            np.asarray(image_features).reshape(-1, self.feature_dim)
-        with self._lock:
-            self._pending.clear()
-            self._pending.extend(rows)
-            try:
-                n = int((np.asarray(input_ids) == self.image_token_id).sum())
-                if image_features is not None and n != len(rows):
-                    raise KvforgeError(f"the step holds {n} image tokens but {len(rows)} feature rows were given "
-                                       f"({self.image_tokens} per image)")
-                return self.decoder.forward(input_ids, attention_mask, cache=cache, last_logits_only=last_logits_only)
-            finally:
-                self._pending.clear()
+                attention_mask: np.ndarray | None = None, *, cache=None, last_logits_only: bool = False,
+                rope_offsets: np.ndarray | None = None):
+        """One decoder step (Session.forward) whose image tokens take `image_features`: (images, P, C) or their
+        rows (R, C), in the order the step's image tokens come. Returns (float32 logits, the new cache). Without
+        features, an image token keeps its own embedding (a generated one). rope_offsets (B, 3, T): multimodal
+        RoPE's positions less the plain ones (kvforge.images.rope_offsets), where the decoder turns it (else 0)."""
+        ids = np.asarray(input_ids)
+        inputs = self._no_inputs(ids.shape)
+        if image_features is not None:
+            rows = np.asarray(image_features).reshape(-1, self.feature_dim)
+            n = int((ids == self.image_token_id).sum())
+            if n != len(rows):
+                raise KvforgeError(f"the step holds {n} image tokens but {len(rows)} feature rows were given "
+                                   f"({self.image_tokens} per image)")
+            inputs[FEATURES] = rows.astype(self.feature_dtype, copy=False)
+        if rope_offsets is not None:
+            if not self.mrope:
+                raise KvforgeError(f"{self.source}'s decoder turns plain RoPE: it takes no rope_offsets")
+            inputs[OFFSETS] = np.asarray(rope_offsets, np.int64).reshape(ids.shape[0], 3, ids.shape[1])
+        return self.decoder.forward(ids, attention_mask, cache=cache, last_logits_only=last_logits_only,
+                                    inputs=inputs)
 
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, grids: list[tuple[int, int]] | None = None
@@ -211,8 +229,9 @@ class VisionLanguageSession:
         return out
 
     def _grids(self, images) -> list[tuple[int, int]] | None:
-        """Each image's tiles (rows, cols) where the prompt's text depends on them, else None."""
-        return [self.processing.grid(im) for im in images] if self.processing.do_image_splitting else None
+        """What each image's text in a prompt depends on (its tiles, or Qwen2-VL's token grid), else None."""
+        p = self.processing
+        return [p.prompt_grid(im) for im in images] if p.do_image_splitting or p.patch_layout else None
 
     def _prompts(self, prompt, images=None) -> tuple[list[list[int]], bool]:
         """Token rows of a prompt (text, token ids, or a batch of either) and whether it was one prompt; a text's
@@ -225,11 +244,6 @@ class VisionLanguageSession:
                     for p, ims in zip(prompt, per)], False
         return token_rows(prompt, self.encode)
 
-    def _tiles(self, image) -> int:
-        """The feature sets an image gives: its tiles and the whole image, or one."""
-        rows, cols = self.processing.grid(image)
-        return rows * cols + 1 if rows else 1
-
     def _image_rows(self, rows: list[list[int]], images, single: bool) -> list[list[Any]]:
         """Each row's images, checked against its image tokens."""
         if images is None:
@@ -240,19 +254,17 @@ class VisionLanguageSession:
             raise KvforgeError(f"a batch of {len(rows)} prompts takes a list of images per prompt")
         for i, (row, ims) in enumerate(zip(rows, images)):
             tokens = sum(1 for t in row if t == self.image_token_id)
-            sets = sum(self._tiles(im) for im in ims) if self.processing.do_image_splitting else len(ims)
-            if tokens != sets * self.image_tokens:
+            need = sum(self.processing.image_tokens(im, self.image_tokens) for im in ims)
+            if tokens != need:
                 where = "the prompt" if single else f"prompt {i}"
-                raise KvforgeError(f"{where} holds {tokens} image tokens ({tokens / self.image_tokens:g} images' worth, "
-                                   f"{self.image_tokens} each) but {len(ims)} image(s) were given"
-                                   + (f" ({sets} tiles)" if sets != len(ims) else "") +
-                                   f": put one {self.placeholder!r} in the text per image")
+                raise KvforgeError(f"{where} holds {tokens} image tokens but its {len(ims)} image(s) take {need} "
+                                   f"(an image {self.image_tokens} per tile): put one {self.placeholder!r} in the text "
+                                   "per image")
         return [list(x) for x in images]
 
-    def _feed(self, images: list[list[Any]]) -> None:
-        features = self.image_features([im for row in images for im in row])
-        self._pending.clear()
-        self._pending.extend(features.reshape(-1, features.shape[-1]))
+    def _feed(self, rows: list[list[int]], images: list[list[Any]]) -> None:
+        """This thread's generation feeds each row its images (and multimodal RoPE's offsets)."""
+        self._local.feeds = [self.feed(ims, row) for row, ims in zip(rows, images)]
 
     def batcher(self, **options) -> "VisionBatcher":
         """A continuous batcher over this session's decoder whose requests carry their own images
@@ -308,11 +320,11 @@ class VisionLanguageSession:
         rows, single = self._prompts(prompt, images)
         per_row = self._image_rows(rows, images, single)
         with self._lock:
-            self._feed(per_row)
+            self._feed(rows, per_row)
             try:
                 results = self.decoder.generate(rows, config)
             finally:
-                self._pending.clear()
+                self._local.feeds = None
         return results[0] if single else results
 
     def stream(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Iterator[TokenEvent]:
@@ -324,11 +336,11 @@ class VisionLanguageSession:
             raise KvforgeError("stream() takes one prompt; use generate() for a batch")
         per_row = self._image_rows(rows, images, True)
         with self._lock:  # the whole stream: the pending features belong to its prefill
-            self._feed(per_row)
+            self._feed(rows, per_row)
             try:
                 yield from self.decoder.stream(rows[0], config)
             finally:
-                self._pending.clear()
+                self._local.feeds = None
 
     def _refuse(self, config: GenerationConfig) -> None:
         if config.speculation is not None:
@@ -338,12 +350,15 @@ class VisionLanguageSession:
 
 
 class FeatureFeed:
-    """A request's image features, taken by its steps' image tokens in order (a callable: input ids -> inputs).
-    The features are computed at the first step (on the batcher's thread: a server's request handler does not
-    wait for the vision graph); `key` (the preprocessed pixels' sha256) keeps the request's prefix-cache blocks
-    apart from those of other images."""
+    """A prompt's own step inputs (a callable: a step's input ids (1, T) -> inputs): its images' feature rows,
+    taken by its image tokens in order, and where the decoder turns multimodal RoPE, each fed position's offset
+    (kvforge.images.rope_offsets: the prompt's, then the one after it; a row's left padding takes 0). The
+    features are computed at the first step (on the batcher's thread: a server's request handler does not wait for
+    the vision graph); `key` (the preprocessed pixels' sha256) keeps the prompt's prefix-cache blocks apart from
+    those of other images."""
 
-    def __init__(self, session: VisionLanguageSession, tiles: list[np.ndarray]):
+    def __init__(self, session: VisionLanguageSession, tiles: list[np.ndarray], prompt: list[int] | None = None,
+                 grids: list[tuple[int, int]] | None = None):
         self.session = session
         self.tiles = tiles
         self.pending: deque[np.ndarray] | None = None if tiles else deque()
@@ -352,12 +367,32 @@ class FeatureFeed:
             digest.update(repr(t.shape).encode())
             digest.update(np.ascontiguousarray(t).tobytes())
         self.key = digest.digest() if tiles else None
+        self.prompt, self.grids, self.fed = prompt, grids or [], 0
+        self._offsets: tuple[np.ndarray, int] | None = None
 
     def __call__(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
         if self.pending is None:
-            features = self.session._tile_features(self.tiles)
-            self.pending, self.tiles = deque(features.reshape(-1, features.shape[-1])), []
-        return self.session._take(self.pending, input_ids)
+            self.pending = deque(row for f in self.session._tile_features(self.tiles) for row in f)
+            self.tiles = []
+        out = {FEATURES: self.session._take(self.pending, input_ids)}
+        if self.session.mrope:
+            out[OFFSETS] = self._rope(input_ids.shape[1])[None]
+        return out
+
+    def _rope(self, steps: int) -> np.ndarray:
+        """(3, steps) offsets of the next `steps` positions fed (a first step longer than the prompt: left pads)."""
+        if self._offsets is None:
+            prompt = self.prompt or []
+            self._offsets = rope_offsets(prompt, self.session.image_token_id, self.grids) if self.grids else \
+                (np.zeros((3, len(prompt)), np.int64), 0)
+        table, after = self._offsets
+        pads = steps - table.shape[1] if self.fed == 0 and steps > table.shape[1] else 0
+        out = np.zeros((3, steps), np.int64)
+        for k in range(pads, steps):
+            p = self.fed + k - pads
+            out[:, k] = table[:, p] if p < table.shape[1] else after
+        self.fed += steps - pads
+        return out
 
 
 class VisionBatcher(Batcher):
@@ -379,4 +414,4 @@ class VisionBatcher(Batcher):
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
         per_row = self.vision._image_rows(rows, images, True)
-        return super().submit(rows[0], config, inputs=self.vision.feed(per_row[0]))
+        return super().submit(rows[0], config, inputs=self.vision.feed(per_row[0], rows[0]))

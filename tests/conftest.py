@@ -485,3 +485,40 @@ def make_idefics3(path, seed: int = 0, **processor):
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
     return model, Idefics3Processor(images, fast, image_seq_len=4)
+
+
+QWEN2_VL_SPECIALS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def make_qwen2_vl(path, seed: int = 0):
+    """A transformers Qwen2-VL (its vision tower: 4 px patches, 2 x 2 merges, two frames a patch, 2-D RoPE; a Qwen2
+    decoder with multimodal RoPE in sections [2, 1, 3]) with seeded, perturbed random weights, saved at `path` with its
+    image processor (Pillow; 8 px merge blocks, 256..4096 pixels) and the byte-level tokenizer with Qwen2-VL's image
+    tokens (<|image_pad|> is 259); returns (model, image processor, tokenizer) in eval mode. (Qwen2VLProcessor
+    itself needs torchvision for its video half: tests write its text expansion, <|image_pad|> once per token of
+    the image's grid, themselves.)"""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from kvforge.tokenizer import Tokenizer
+
+    config = Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=48, num_heads=4, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, bos_token_id=256,
+                         eos_token_id=257,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 3]}),
+        image_token_id=259, video_token_id=262, vision_start_token_id=260, vision_end_token_id=261)
+    torch.manual_seed(seed)
+    model = save_perturbed(Qwen2VLForConditionalGeneration(config), path, seed)
+    images = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 256, "longest_edge": 4096})
+    images.save_pretrained(path)
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.backend.add_special_tokens(QWEN2_VL_SPECIALS)
+    tokenizer.save(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    return model, images, fast

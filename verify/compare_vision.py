@@ -28,7 +28,7 @@ from kvforge import metrics
 from kvforge.bundle import Bundle
 from kvforge.calibration.data import eval_ids
 from kvforge.errors import KvforgeError
-from kvforge.images import image_folder, same_size_batches, synthetic_images
+from kvforge.images import image_folder, rope_offsets, same_size_batches, synthetic_images
 from kvforge.metrics import VISION_METRICS, check_tolerances
 from kvforge.runtime.vision_session import VisionLanguageSession
 
@@ -82,8 +82,7 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
     if not isinstance(model, VisionLanguageModel):
         raise KvforgeError(f"the reference {ref_source} is not a vision-language model")
     images, images_name, text = _inputs(data, samples, seed)
-    per_image = cand.image_tokens
-    seq_len = max(1, min(seq_len, cand.max_context - per_image - 1))
+    seq_len = max(1, min(seq_len, cand.max_context - cand.image_tokens - 1))
     vocab = cand.vocab_size
     if random_data:
         rng = np.random.default_rng(seed)
@@ -97,54 +96,74 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
 
     with cand, torch.inference_mode():
         tiles, _ = cand.processing.process_tiles(images)
-        got = cand.image_features(images).astype(np.float32)
-        want = np.concatenate([model.image_features(torch.from_numpy(batch)).float().numpy()
-                               for batch in same_size_batches(tiles)])
+        got = [f.astype(np.float32) for f in cand.feature_sets(images)]
+        want = [f for batch in same_size_batches(tiles)
+                for f in model.image_features(torch.from_numpy(batch)).float().numpy()]
         progress("image features", 1, 1)
-        flat_c, flat_r = got.reshape(len(got), -1).astype(np.float64), want.reshape(len(want), -1).astype(np.float64)
-        cosines = (flat_c * flat_r).sum(-1) / np.maximum(np.linalg.norm(flat_c, axis=-1) * np.linalg.norm(flat_r, axis=-1),
-                                                         1e-30)
-        rel_l2 = float(np.linalg.norm(flat_c - flat_r) / max(np.linalg.norm(flat_r), 1e-30))
+        flat_c = [g.reshape(-1).astype(np.float64) for g in got]
+        flat_r = [w.reshape(-1).astype(np.float64) for w in want]
+        cosines = np.asarray([(c * r).sum() / max(np.linalg.norm(c) * np.linalg.norm(r), 1e-30)
+                              for c, r in zip(flat_c, flat_r)])
+        rel_l2 = float(np.linalg.norm(np.concatenate(flat_c) - np.concatenate(flat_r)) /
+                       max(np.linalg.norm(np.concatenate(flat_r)), 1e-30))
+        merge = cand.config["vision"].get("merge_size", 1)
 
-        def reference_logits(ids: list[int], features: np.ndarray | None, start: int = 0, past=None):
-            """(logits (T, V), the cache) of `ids` at positions start.. after `past`."""
+        def offsets_of(ids: list[int], i: int) -> tuple[np.ndarray | None, int]:
+            """Multimodal RoPE's offsets of a prompt holding feature set i's tokens, and the offset after it."""
+            if not cand.mrope:
+                return None, 0
+            grid = (tiles[i].shape[0] // merge, tiles[i].shape[1] // merge)
+            table, after = rope_offsets(ids, cand.image_token_id, [grid])
+            return table[None], after
+
+        def reference_logits(ids: list[int], features: np.ndarray | None, start: int = 0, past=None, offsets=None):
+            """(logits (T, V), the cache) of `ids` at positions start.. after `past` (offsets: multimodal RoPE's)."""
             t = torch.tensor([ids], dtype=torch.int64)
             mask = torch.ones(1, start + t.shape[1], dtype=torch.int64)
             positions = torch.arange(start, start + t.shape[1]).unsqueeze(0)
+            rope = None if offsets is None else positions[:, None, :] + torch.as_tensor(offsets)
             logits, present = model(t, None if features is None else torch.from_numpy(features), mask, positions,
-                                    past)
+                                    past, rope_positions=rope)
             return logits.float().numpy()[0], present
 
         # teacher-forced: each image's tokens, then a text window; the text positions are scored
         stats = metrics.WindowStats()
         for i in range(len(got)):  # each image's feature set (each tile's, where the processing splits images)
-            window = windows[i % len(windows)].tolist()
-            ids = [cand.image_token_id] * per_image + window
-            lc = cand.forward(np.asarray([ids], np.int64), got[i:i + 1])[0][0]
-            lr = reference_logits(ids, want[i:i + 1])[0]
-            scored = slice(per_image - 1, len(ids) - 1)
+            window = windows[i % len(windows)].tolist()[:max(cand.max_context - len(got[i]), 1)]
+            ids = [cand.image_token_id] * len(got[i]) + window
+            offsets, _ = offsets_of(ids, i)
+            lc = cand.forward(np.asarray([ids], np.int64), got[i], rope_offsets=offsets)[0][0]
+            lr = reference_logits(ids, want[i], offsets=offsets)[0]
+            scored = slice(len(got[i]) - 1, len(ids) - 1)
             stats.add(lc[scored], lr[scored], np.asarray(window, np.int64))
             progress("teacher-forced", i + 1, len(got))
 
         # greedy: the reference's tokens, the candidate fed them, and the candidate on its own
-        steps = max(1, min(steps, cand.max_context - per_image - GREEDY_PROMPT_TOKENS))
+        longest = max(len(g) for g in got)
+        steps = max(1, min(steps, cand.max_context - longest - GREEDY_PROMPT_TOKENS))
         chosen = np.linspace(0, len(got) - 1, min(prompts, len(got))).astype(int).tolist()
         hits, prefixes = [], []
         for n, i in enumerate(chosen):
-            prompt = [cand.image_token_id] * per_image + windows[i % len(windows)][:GREEDY_PROMPT_TOKENS].tolist()
-            logits, past = reference_logits(prompt, want[i:i + 1])
+            prompt = [cand.image_token_id] * len(got[i]) + windows[i % len(windows)][:GREEDY_PROMPT_TOKENS].tolist()
+            offsets, after = offsets_of(prompt, i)
+            step = None if offsets is None else np.full((1, 3, 1), after, np.int64)
+            logits, past = reference_logits(prompt, want[i], offsets=offsets)
             ref_tokens = [int(logits[-1].argmax())]
             while len(ref_tokens) < steps:
-                logits, past = reference_logits(ref_tokens[-1:], None, len(prompt) + len(ref_tokens) - 1, past)
+                logits, past = reference_logits(ref_tokens[-1:], None, len(prompt) + len(ref_tokens) - 1, past, step)
                 ref_tokens.append(int(logits[-1].argmax()))
-            fed = cand.forward(np.asarray([prompt + ref_tokens[:-1]], np.int64), got[i:i + 1])[0][0]
+            fed_ids = prompt + ref_tokens[:-1]
+            fed_offsets = None if offsets is None else \
+                np.concatenate([offsets, np.full((1, 3, len(ref_tokens) - 1), after, np.int64)], axis=2)
+            fed = cand.forward(np.asarray([fed_ids], np.int64), got[i], rope_offsets=fed_offsets)[0][0]
             hits.append(fed[len(prompt) - 1:].argmax(-1) == np.asarray(ref_tokens))
-            logits, cache = cand.forward(np.asarray([prompt], np.int64), got[i:i + 1], last_logits_only=True)
+            logits, cache = cand.forward(np.asarray([prompt], np.int64), got[i], last_logits_only=True,
+                                         rope_offsets=offsets)
             own = [int(logits[0, -1].argmax())]
             while len(own) < steps:
                 mask = np.ones((1, len(prompt) + len(own)), np.int64)
                 logits, cache = cand.forward(np.asarray([own[-1:]], np.int64), None, mask, cache=cache,
-                                             last_logits_only=True)
+                                             last_logits_only=True, rope_offsets=step)
                 own.append(int(logits[0, -1].argmax()))
             prefixes.append(next((k for k, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), steps) / steps)
             progress("greedy", n + 1, len(chosen))
