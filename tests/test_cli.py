@@ -37,7 +37,7 @@ def test_models_json(run):
     assert set(data["hf_families"]) == {"gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "phi3",
                                         "gemma", "gemma2", "gemma3_text", "gpt_neox", "gptj", "falcon", "bloom",
                                         "bert", "roberta", "t5", "bart", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                                        "llava", "idefics2"}
+                                        "llava", "idefics2", "idefics3", "qwen2_vl"}
     design = {p["name"]: p["design"] for p in data["presets"]}
     assert design["gemma-micro"] == ("rope rmsnorm-sandwich gated-gelu_tanh qk-norm=head window=8 on [0, 2] "
                                      "softcap=5.0/3.0 scaled")

@@ -256,7 +256,8 @@ def test_token_ids_beyond_the_vocabulary_are_named(fp32, tmp_path):
 
     from kvforge.calibration.data import load_calibration_set
 
-    small = types.SimpleNamespace(io=fp32.io, model_config={**fp32.model_config, "vocab_size": 300},
+    config = {**fp32.model_config, "vocab_size": 300}
+    small = types.SimpleNamespace(io=fp32.io, model_config=config, text_config=config,
                                   tokenizer_file=fp32.tokenizer_file, manifest=fp32.manifest, path=fp32.path)
     (tmp_path / "v.txt").write_text(heldout_text()[:5000])
     with pytest.raises(KvforgeError, match="tokenizes to id .*, but the model's vocabulary has 300 entries"):
