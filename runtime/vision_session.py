@@ -1,5 +1,5 @@
-"""Sessions over vision-language bundles (LLaVA): images through the vision graph once, then a decoder Session
-over the decoder graph that takes their features (issue 37).
+"""Sessions over vision-language bundles (LLaVA, Idefics2/3, Qwen2-VL): images through the vision graph once, then
+a decoder Session over the decoder graph that takes their features (issue 37).
 
     from kvforge import runtime
     with runtime.load("runs/llava") as session:                       # a VisionLanguageSession
@@ -14,7 +14,9 @@ image processor does (kvforge/images.py).
 
 Families whose processor writes more than image tokens (Idefics2's <fake_token_around_image>, Idefics3's tiles
 with their <row_r_col_c> and the whole image after <global-img>) get that text per placeholder, from each image's
-tiles (kvforge/images.py prompt_with_images). chat() and stream_chat() take messages with image parts (OpenAI's
+tiles (kvforge/images.py prompt_with_images); Qwen2-VL's placeholder is repeated once per token of the image's
+grid, and its decoder's multimodal RoPE takes each prompt's offsets (kvforge.images.rope_offsets), fed per row by
+a FeatureFeed with the row's features. chat() and stream_chat() take messages with image parts (OpenAI's
 image_url, transformers' image) through the model's chat template.
 
 Generation is the decoder Session's (runtime/generate.py: greedy or sampled, stop tokens, response formats,
