@@ -186,6 +186,11 @@ def test_an_idefics2_bundle_with_its_processor_generates_as_transformers(tmp_pat
         assert np.abs(features.reshape(-1, 48) - hf_features.reshape(-1, 48).numpy()).max() < ATOL
         expected = hf.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
         assert session.generate(text, images=pictures, max_new_tokens=6).tokens == expected
+        # a batch of rows whose images differ in size: each row as alone
+        other, picture = "<image>Describe it.", [_image(82, (50, 21))]
+        alone = session.generate(other, images=picture, max_new_tokens=6).tokens
+        together = session.generate([text, other], images=[pictures, picture], max_new_tokens=6)
+        assert [r.tokens for r in together] == [expected, alone]
     # an engine plan for the vision graph covers every size the processing makes (shape inference at each corner)
     from kvforge.export.engine import build_plan
 
