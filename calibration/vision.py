@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvforge.bundle import Bundle
+from kvforge.bundle import FEATURES, OFFSETS, PIXELS, Bundle
 from kvforge.images import ImageProcessing, image_folder, rope_offsets, same_size_batches, synthetic_images
 from kvforge.ort_session import make_session, prefill_feeds
 
@@ -29,7 +29,6 @@ from .multi_graph import graph_targets, quantize_graphs
 from .recipe import Quantized, Recipe
 
 SYNTHETIC_IMAGES = 32  # images made when none are given: enough for max/percentile ranges, a minute on big encoders
-FEATURES, OFFSETS = "image_features", "rope_offsets"
 
 
 def calibration_images(bundle: Bundle, data, samples: int, random_data: bool, seed: int = 0
@@ -103,10 +102,10 @@ def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress:
         pixels, text, image_record = calibration_images(bundle, recipe.data, recipe.samples, recipe.random_data)
         images = same_size_batches(pixels, recipe.batch_size)
         vision = make_session(bundle.path / graphs["vision"])
-        features = [f for b in images for f in vision.run(None, {"pixel_values": b})[0]]
-        merge = bundle.model_config["vision"].get("merge_size", 1)
+        features = [f for b in images for f in vision.run(None, {PIXELS: b})[0]]
+        processing = ImageProcessing(**bundle.model_config["image_processing"])
         mrope = bundle.text_config.get("mrope_section") is not None
-        grids = [(t.shape[0] // merge, t.shape[1] // merge) for t in pixels] if mrope else None
+        grids = [processing.token_grid(t) for t in pixels] if mrope else None
         prompts, text_record = decoder_items(bundle, recipe, text, features, grids)
         items = {"vision": images, "decoder": prompts}
         decoder_config = bundle.text_config
@@ -117,6 +116,6 @@ def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress:
                 out[OFFSETS] = item[2]
             return out
 
-        feeds = {"vision": lambda batch: {"pixel_values": batch}, "decoder": decoder_feeds}
+        feeds = {"vision": lambda batch: {PIXELS: batch}, "decoder": decoder_feeds}
         record = {**text_record, **image_record}
     return quantize_graphs(models, graphs, found, items, feeds, recipe, float_dtype, progress, record)

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from kvforge import metrics
-from kvforge.bundle import BATCH, FEATURE_ROWS, HEIGHT, IMAGE_TOKENS, IMAGES, SEQ, WIDTH, IOSpec, TensorSpec
+from kvforge.bundle import (BATCH, FEATURE_ROWS, FEATURES, HEIGHT, IMAGE_TOKENS, IMAGES, OFFSETS, PIXELS, SEQ, WIDTH,
+                            IOSpec, TensorSpec)
 from kvforge.images import ImageProcessing, rope_offsets
 from kvforge.errors import KvforgeError
 
@@ -35,7 +36,6 @@ from .onnx_export import layer_windows, output_names, save_program, trace
 from .validate import OrtRunner
 
 VISION_GRAPH, DECODER_GRAPH = "vision.onnx", "decoder.onnx"
-PIXELS, FEATURES, OFFSETS = "pixel_values", "image_features", "rope_offsets"
 LOCKSTEP_STEPS = 6
 # as the encoder-decoder's (export/seq2seq_export.py): absolute bounds on FP32, relative on half precision
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -68,12 +68,6 @@ def example_pixels(cfg, n: int, size: tuple[int, int], generator) -> torch.Tenso
     m, width = v.merge_size, v.channels * v.temporal_patch_size * v.patch_size ** 2
     rows, cols = (max(m, side // v.patch_size // m * m) for side in size)
     return torch.randn(n, rows, cols, width, generator=generator)
-
-
-def image_token_grid(cfg, pixels) -> tuple[int, int]:
-    """An example image's image-token grid (rows, cols): its patch grid in merge blocks (Qwen2-VL's)."""
-    m = cfg.vision_config.merge_size
-    return pixels.shape[1] // m, pixels.shape[2] // m
 
 
 def _pixel_dims(cfg) -> list:
@@ -145,7 +139,7 @@ def export_vision_language_onnx(model, directory: Path, opset: int, external_dat
     pixels = example_pixels(cfg, 2, size, torch.Generator().manual_seed(0))
     sides = (1, 2) if _patches(cfg) else (2, 3)
     axes = {0: dyn, **{a: dyn for a in sides}} if _variable(cfg) else {0: dyn}
-    program = trace(VisionGraph(model).eval(), (pixels,), {"pixel_values": axes}, [PIXELS], [FEATURES], opset)
+    program = trace(VisionGraph(model).eval(), (pixels,), {PIXELS: axes}, [PIXELS], [FEATURES], opset)
     named = {0: IMAGES, sides[0]: HEIGHT, sides[1]: WIDTH} if _variable(cfg) else {0: IMAGES}
     _name_axes(program.model.graph, {PIXELS: named, FEATURES: {0: IMAGES, 1: IMAGE_TOKENS} if _patches(cfg) else
                                      {0: IMAGES}})
@@ -289,7 +283,7 @@ def _offsets(cfg, ids: torch.Tensor, pixels: torch.Tensor) -> tuple[torch.Tensor
     images (pixels, in row order) each of its token grid; (None, None) for a decoder with plain RoPE."""
     if not _mrope(cfg):
         return None, None
-    grid = image_token_grid(cfg, pixels)
+    grid = ImageProcessing(**cfg.image_processing).token_grid(pixels[0])
     prompts, after = [], []
     for row in ids.tolist():
         count = sum(1 for t in row if t == cfg.image_token_id) // (grid[0] * grid[1])

@@ -38,6 +38,9 @@ BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length
 IMAGES, FEATURE_ROWS = "images", "image_feature_rows"  # a vision-language model's images; its feature rows
 HEIGHT, WIDTH = "height", "width"  # a vision graph's image sides, where the processing keeps each image's size
 IMAGE_TOKENS = "image_tokens"  # a vision graph's features per image, where each image's patch grid decides them
+# a vision-language model's graph inputs: the vision graph's pixels, the decoder's feature rows and (multimodal RoPE)
+# its position offsets
+PIXELS, FEATURES, OFFSETS = "pixel_values", "image_features", "rope_offsets"
 
 
 def window_dims(window: int) -> tuple[str, str]:

@@ -230,7 +230,13 @@ class ImageProcessing:
         rows, cols = self._patch_grid(image.height, image.width)
         return rows // m, cols // m
 
-    def image_tokens(self, image, per_tile: int) -> int:  # noqa: D401
+    def token_grid(self, tile) -> tuple[int, int]:
+        """The image-token grid (rows, cols) of one preprocessed Qwen2-VL image, (rows, cols, C*T*P*P): its patch
+        grid in merge blocks."""
+        m = self.patch_layout["merge_size"]
+        return tile.shape[0] // m, tile.shape[1] // m
+
+    def image_tokens(self, image, per_tile: int) -> int:
         """The image tokens an image stands for in a prompt (per_tile: a fixed-size tile's)."""
         if self.patch_layout is not None:
             rows, cols = self.prompt_grid(image)
@@ -307,13 +313,6 @@ class ImageProcessing:
             height = math.ceil(height / side) * side
             width = math.ceil(int(height * aspect) / side) * side
         return height, width
-
-    def one(self, image) -> np.ndarray:
-        """pixel_values (3, H, W) of one image that is one tile."""
-        parts, _ = self.tiles(image)
-        if len(parts) != 1:
-            raise KvforgeError("this image is split into tiles: use process()")
-        return parts[0]
 
     def _pixels(self, image) -> np.ndarray:
         x = np.moveaxis(np.asarray(image), -1, 0)  # (C, H, W) uint8

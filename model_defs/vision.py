@@ -419,6 +419,10 @@ class VisionLanguageConfig(ConfigDict):
             self.image_processing = ImageProcessing(size={"shortest_edge": size},
                                                     crop_size={"height": size, "width": size}).to_dict()
         processing = ImageProcessing(**self.image_processing)
+        v = self.vision_config
+        if v.patch_input == "patches" and (processing.patch_layout or {}).get("merge_size") != v.merge_size:
+            problems.append(f"an image encoder that takes flattened patches needs image_processing.patch_layout with "
+                            f"its merge_size {v.merge_size}, got {processing.patch_layout!r}")
         if processing.variable_size:
             takes_any = self.vision_config.position_buckets or self.vision_config.patch_input == "patches"
             if not takes_any or self.projector == "pixel_shuffle":

@@ -35,18 +35,17 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from kvforge.bundle import Bundle
+from kvforge.bundle import FEATURES, OFFSETS, PIXELS, Bundle
 from kvforge.errors import KvforgeError
-from kvforge.images import ImageProcessing, prompt_with_images, rope_offsets, same_size_batches
+from kvforge.images import ImageProcessing, load_image, prompt_with_images, rope_offsets, same_size_batches
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
 from .batcher import Batcher, Request, join_inputs
-from .generate import GenerationConfig, GenerationResult, TokenEvent, check_prompts, token_rows
+from .generate import GenerationConfig, GenerationResult, TokenEvent, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .session import Session
 
-FEATURES, OFFSETS = "image_features", "rope_offsets"
 
 
 class VisionLanguageSession:
@@ -128,7 +127,7 @@ class VisionLanguageSession:
     def feature_sets(self, images: list[Any]) -> list[np.ndarray]:
         """Each image's features (P, C), or each of its tiles' and then the whole image's where the processing
         splits images (Pillow images, paths, bytes or data URLs). P is image_tokens, or (Qwen2-VL) its own grid's."""
-        return self._tile_features(self.processing.process_tiles(list(images))[0]) if images else []
+        return self.tile_features(self.processing.process_tiles(list(images))[0]) if images else []
 
     def image_features(self, images: list[Any]) -> np.ndarray:
         """(N, image_tokens, C): feature_sets() as one array, where every set has the same size."""
@@ -140,10 +139,11 @@ class VisionLanguageSession:
                                "feature_sets()")
         return np.stack(sets)
 
-    def _tile_features(self, tiles: list[np.ndarray]) -> list[np.ndarray]:
-        """The vision graph over preprocessed tiles, one call per run of equal sizes; each tile's features."""
+    def tile_features(self, tiles: list[np.ndarray]) -> list[np.ndarray]:
+        """The vision graph over preprocessed tiles (ImageProcessing.process_tiles), one call per run of equal sizes;
+        each tile's features."""
         self.activate()
-        return [f for batch in same_size_batches(tiles) for f in self._vision.run(None, {"pixel_values": batch})[0]]
+        return [f for batch in same_size_batches(tiles) for f in self._vision.run(None, {PIXELS: batch})[0]]
 
     def _step_features(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The decoder step's inputs beyond the contract: each row's from its FeatureFeed (this thread's, set for
@@ -246,6 +246,14 @@ class VisionLanguageSession:
                     for p, ims in zip(prompt, per)], False
         return token_rows(prompt, self.encode)
 
+    @staticmethod
+    def _loaded(images):
+        """The images (one prompt's list, or a list per prompt) as Pillow images, each read once: the prompt's text,
+        its check and its pixels all look at them."""
+        if images is None:
+            return None
+        return [[load_image(x) for x in e] if isinstance(e, (list, tuple)) else load_image(e) for e in images]
+
     def _image_rows(self, rows: list[list[int]], images, single: bool) -> list[list[Any]]:
         """Each row's images, checked against its image tokens."""
         if images is None:
@@ -277,6 +285,11 @@ class VisionLanguageSession:
         """(prompt ids, images) of a conversation whose contents may hold image parts (kvforge.chat.split_images:
         OpenAI's image_url parts, transformers' image parts; a part without its image takes the next of
         `images`), written by the model's chat template with its image placeholder per image."""
+        ids, chosen, _ = self._chat(messages, images, add_generation_prompt)
+        return ids, chosen
+
+    def _chat(self, messages, images, add_generation_prompt: bool = True) -> tuple[list[int], list[Any], list[Any]]:
+        """chat_ids(), and the images read."""
         from kvforge.chat import split_images
 
         if self.tokenizer is None:
@@ -289,36 +302,31 @@ class VisionLanguageSession:
                                "image(s) were given beside them")
         supply = iter(given)
         chosen = [x if x is not None else next(supply) for x in found]
+        loaded = self._loaded(chosen)
         text = self.tokenizer.render_chat(template_messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False, grids=self._grids(chosen)), chosen
+        return self.encode(text, add_special_tokens=False, grids=self._grids(loaded)), chosen, loaded
 
     def chat(self, messages, config: GenerationConfig | None = None, images=None, **kwargs) -> GenerationResult:
         """The assistant's next reply to a conversation with images (chat_ids); kwargs are generation options."""
-        ids, chosen = self.chat_ids(messages, images)
-        return self.generate(ids, config, images=chosen, **kwargs)
+        ids, _, loaded = self._chat(messages, images)
+        return self.generate(ids, config, images=loaded, **kwargs)
 
     def stream_chat(self, messages, config: GenerationConfig | None = None, images=None, **kwargs
                     ) -> Iterator[TokenEvent]:
         """The assistant's next reply, token by token with its text (as stream())."""
-        ids, chosen = self.chat_ids(messages, images)
-        return self.stream(ids, config, images=chosen, **kwargs)
+        ids, _, loaded = self._chat(messages, images)
+        return self.stream(ids, config, images=loaded, **kwargs)
 
     # -- generation --------------------------------------------------------------------------
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
         return self.decoder._stop_ids(config)
-
-    def _sources(self, prompt) -> tuple[list[list[int]], bool]:
-        return self._prompts(prompt)
-
-    def _check(self, rows: list[list[int]]) -> None:
-        check_prompts(self.decoder, rows)
-        self._image_rows(rows, None, len(rows) == 1)
 
     def generate(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (its images: a list) or a batch (a list of images per prompt)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self._refuse(config)
+        images = self._loaded(images)
         rows, single = self._prompts(prompt, images)
         per_row = self._image_rows(rows, images, single)
         with self._lock:
@@ -333,6 +341,7 @@ class VisionLanguageSession:
         """Yield each generated token with its text (one prompt and its images)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self._refuse(config)
+        images = self._loaded(images)
         rows, single = self._prompts(prompt, images)
         if not single:
             raise KvforgeError("stream() takes one prompt; use generate() for a batch")
@@ -374,7 +383,7 @@ class FeatureFeed:
 
     def __call__(self, input_ids: np.ndarray) -> dict[str, np.ndarray]:
         if self.pending is None:
-            self.pending = deque(row for f in self.session._tile_features(self.tiles) for row in f)
+            self.pending = deque(row for f in self.session.tile_features(self.tiles) for row in f)
             self.tiles = []
         out = {FEATURES: self.session._take(self.pending, input_ids)}
         if self.session.mrope:
@@ -412,6 +421,7 @@ class VisionBatcher(Batcher):
     def submit(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Request:
         config = config or GenerationConfig.from_kwargs(**kwargs)
         self.vision._refuse(config)
+        images = self.vision._loaded(images)
         rows, single = self.vision._prompts(prompt, images)
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")

@@ -109,7 +109,7 @@ class Job:
     tools: list[dict] | None = None
     tool_format: Any = None
     id: str = field(default_factory=lambda: "")
-    images: list[str] = field(default_factory=list)  # a vision-language prompt's images (data URLs), in order
+    images: list[Any] = field(default_factory=list)  # a vision-language prompt's images (read from data URLs), in order
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -207,7 +207,7 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
     """A /v1/chat/completions request -> a Job (ApiError naming the field otherwise)."""
     body = check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = check_model(body, served)
-    images: list[str] = []
+    images: list[Any] = []
     if service.images:  # a vision-language model: its template takes the messages' image parts
         template_messages, images = _image_messages(body)
     try:  # the conversation's shape first: it is wrong whatever the model
@@ -259,23 +259,24 @@ def chat_job(body: Any, service, served: list[str]) -> Job:
                tools if tools and tool_choice != "none" else None, fmt, "chatcmpl-" + secrets.token_hex(12), images=images)
 
 
-def _image_messages(body: dict) -> tuple[list[dict], list[str]]:
+def _image_messages(body: dict) -> tuple[list[dict], list[Any]]:
     """A vision-language chat's messages as its template takes them, and their images: OpenAI image_url parts
-    whose url is a data URL (the server reads no files and fetches nothing), each checked to be an image now."""
+    whose url is a data URL (the server reads no files and fetches nothing), each read (so checked) now."""
     if body.get("tools"):
         raise ApiError("tools are not served for vision-language models yet", param="tools")
     try:
-        messages, images = split_images(body.get("messages"))
+        messages, urls = split_images(body.get("messages"))
         for i, m in enumerate(body["messages"]):
             if isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
                                                          for p in m["content"]):
                 raise KvforgeError(f"messages[{i}] has an 'image' part: send images as image_url parts with a data "
                                    "URL (data:image/png;base64,...)")
-        for n, url in enumerate(images):
+        images = []
+        for n, url in enumerate(urls):
             if not url.startswith("data:"):
                 raise KvforgeError(f"image {n} is not a data URL (data:image/png;base64,...): the server reads no "
                                    "files and fetches nothing")
-            load_image(url)
+            images.append(load_image(url))
     except KvforgeError as e:
         raise ApiError(str(e), param="messages") from None
     return messages, images

@@ -96,7 +96,7 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
 
     with cand, torch.inference_mode():
         tiles, _ = cand.processing.process_tiles(images)
-        got = [f.astype(np.float32) for f in cand.feature_sets(images)]
+        got = [f.astype(np.float32) for f in cand.tile_features(tiles)]
         want = [f for batch in same_size_batches(tiles)
                 for f in model.image_features(torch.from_numpy(batch)).float().numpy()]
         progress("image features", 1, 1)
@@ -106,14 +106,12 @@ def compare_vision_language(candidate: str | Path, reference: str | Path | None 
                               for c, r in zip(flat_c, flat_r)])
         rel_l2 = float(np.linalg.norm(np.concatenate(flat_c) - np.concatenate(flat_r)) /
                        max(np.linalg.norm(np.concatenate(flat_r)), 1e-30))
-        merge = cand.config["vision"].get("merge_size", 1)
 
         def offsets_of(ids: list[int], i: int) -> tuple[np.ndarray | None, int]:
             """Multimodal RoPE's offsets of a prompt holding feature set i's tokens, and the offset after it."""
             if not cand.mrope:
                 return None, 0
-            grid = (tiles[i].shape[0] // merge, tiles[i].shape[1] // merge)
-            table, after = rope_offsets(ids, cand.image_token_id, [grid])
+            table, after = rope_offsets(ids, cand.image_token_id, [cand.processing.token_grid(tiles[i])])
             return table[None], after
 
         def reference_logits(ids: list[int], features: np.ndarray | None, start: int = 0, past=None, offsets=None):
