@@ -20,9 +20,12 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
+def _commands() -> list[str]:
+    return [ln.strip() for ln in _blocks("bash")[0].splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
 def _first_commands() -> list[str]:
-    lines = [ln.strip() for ln in _blocks("bash")[0].splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return lines[:2]
+    return _commands()[:2]
 
 
 def test_the_first_two_commands_set_up_then_run_the_main_job_and_the_tests():
@@ -31,6 +34,17 @@ def test_the_first_two_commands_set_up_then_run_the_main_job_and_the_tests():
     assert tests.startswith("bash scripts/install.sh --test && ")
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci, ".ci/run must run the README's test command"
+
+
+def test_the_third_command_runs_the_slow_tier_and_ci_runs_it_after_the_rest():
+    """The default run leaves the slow tier out (pyproject's addopts); the README's third command runs it, and so
+    does .ci/run, after the README's test command, so that no test goes unrun in CI."""
+    slow = _commands()[2]
+    assert slow == "python3 -m pytest -q -m slow"
+    addopts = re.search(r'^addopts = "(.*)"$', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    assert shlex.split(addopts)[-2:] == ["-m", "not slow"]
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci.index(slow) > ci.index(_first_commands()[1])
 
 
 @pytest.mark.slow
@@ -53,6 +67,7 @@ def test_the_main_job_runs(tmp_path):
         assert (work / name / "kvforge.json").is_file() and (work / name / "model.onnx").is_file()
 
 
+@pytest.mark.slow  # each example is a fresh process that exports its own model: 20-45 s apiece
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_python_examples_run(tmp_path, index):
     code = _blocks("python")[index]

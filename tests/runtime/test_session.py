@@ -17,7 +17,7 @@ from kvforge.export import export
 from kvforge.model_defs import load as load_model
 from kvforge.model_defs.evaluate import greedy_continuation
 
-from ..conftest import HF_FAMILIES, make_hf_model
+from ..conftest import HF_FAMILIES, make_hf_model, second_sweep
 
 PROMPT = "def fibonacci(n):\n    if n"
 
@@ -73,7 +73,7 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
+@pytest.mark.parametrize("family", second_sweep(HF_FAMILIES))
 def test_greedy_matches_torch_reference_and_transformers_generate(hf_bundle, hf_checkpoint, family):
     bundle = hf_bundle(family).path
     hf_model = make_hf_model(family)

@@ -22,6 +22,8 @@ from kvforge.model_defs.config import PRESETS
 from kvforge.runtime.drafting import PromptLookup, verify
 from kvforge.runtime.sampling import SamplingConfig, probabilities
 
+from ..conftest import second_sweep
+
 MICRO = sorted(n for n in PRESETS if n.endswith("-micro"))
 # a prompt that repeats itself, so that prompt lookup finds n-grams to draft from
 ECHO = list(b"one two three four, one two three four, one two three four, one two")
@@ -47,7 +49,7 @@ def _greedy(session, prompt, n, speculative=None, **options):
 
 
 # -- greedy exactness ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", MICRO)
+@pytest.mark.parametrize("name", second_sweep(MICRO))
 def test_greedy_speculation_returns_plain_decodings_tokens_on_every_design(micro_bundle, name):
     """Prompt lookup (k=6) and a draft model of another design (llama3-micro, the same byte-level vocabulary;
     gpt2-micro drafts for llama3-micro) give exactly the plain greedy tokens, and they did draft and accept."""
