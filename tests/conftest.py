@@ -21,6 +21,18 @@ def pytest_configure(config):
     _share_the_cpus()
 
 
+# Fixtures that hold a real model's export (minutes each): a test that uses one is in the slow tier, marked or not,
+# so the default run never pays for a real model and the slow tier shares one export of each.
+REAL_MODEL_FIXTURES = {"smollm2_fp32_bundle"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection looks at the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_unconfigure(config):
     """Remove the cache the run made (several GB with the Optimum side environment: left behind, every run filled
     the disk further until a run failed for want of space). A cache the caller named stays."""

@@ -131,8 +131,9 @@ def test_cache_buffers_are_reused_only_once_no_cache_holds_them():
 
 # -- bundles and sessions (no GPU touched) ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    return export("mistral-micro", tmp_path_factory.mktemp("trt") / "fp32")
+def micro(micro_bundle):
+    """mistral-micro's FP32 export, the run's shared one (tests only read it: engine bundles are written beside)."""
+    return micro_bundle("mistral-micro")
 
 
 def _engine_bundle(source: Bundle, out, engine_bytes: bytes = b"\x00plan" * 40, **facts) -> Bundle:
