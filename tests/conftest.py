@@ -177,9 +177,11 @@ def second_sweep(names):
     With two xdist workers, tests/export/test_export.py (the makers of every micro and HF export) and a file that
     reads the same exports in the same order (tests/runtime/test_session.py ...) went in lock-step: the reader asked
     for each export while the maker held its lock and waited it out, one worker idle per export (test_session's
-    greedy tests took as long as test_export's exports of the same families, 300 s of waiting in all). Read in the
+    greedy tests took as long as test_export's exports of the same families: about 300 s of waiting in a run). Read in the
     opposite order, the two sweeps each make half of the exports and meet in the middle."""
     return tuple(reversed(tuple(names)))
+
+
 # Further valid configs per family (overrides of HF_CONFIGS), checked against transformers on the Torch reference.
 HF_VARIANTS = [
     ("gpt_neox", dict(use_parallel_residual=False, tie_word_embeddings=True, attention_bias=False)),
