@@ -36,6 +36,7 @@ and io.extra.lora records the slots, their targets and the max rank.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import warnings
@@ -47,6 +48,8 @@ from kvforge.bundle import BATCH, PAST, SEQ, TOTAL, IOSpec, TensorSpec, window_d
 from kvforge.errors import KvforgeError
 from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
+
+from .replicate import HIDDEN, NotReplicable, replicate, traced_prefix
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
 # capped cache's example past (min(W, 4)) must differ from them too: a window
@@ -134,10 +137,11 @@ def with_lora_inputs(io: IOSpec, model, max_rank: int, targets: list[str]) -> IO
     return io
 
 
-def group_cache(cfg, flat) -> tuple[tuple, list]:
-    """Flat cache tensors in IO-contract order (and whatever follows them) -> (per layer, its tensors), the rest."""
+def group_cache(cfg, flat, n_layers: int | None = None) -> tuple[tuple, list]:
+    """Flat cache tensors in IO-contract order (and whatever follows them) -> (per layer, its tensors), the rest;
+    n_layers: of the first n layers only."""
     cache, at = [], 0
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_layers if n_layers is None else n_layers):
         n = len(cfg.cache_entries(i))
         cache.append(tuple(flat[at:at + n]))
         at += n
@@ -145,24 +149,50 @@ def group_cache(cfg, flat) -> tuple[tuple, list]:
 
 
 class FlatKVModel(torch.nn.Module):
-    """The model with flat tensor inputs and outputs, in IO-contract order."""
+    """The model with flat tensor inputs and outputs, in IO-contract order.
 
-    def __init__(self, model):
+    n_layers: run only the first n layers (a traced prefix, export/replicate.py), with the hidden state entering
+    each of them and the last one's output as extra outputs after the present."""
+
+    def __init__(self, model, n_layers: int | None = None):
         super().__init__()
+        self.owner = [model]  # the model whose feed the LoRA slots read (a list: not a second submodule)
+        self.n_layers = n_layers
+        if n_layers is not None:
+            model = _prefix(model, n_layers)
         self.model = model
-        self.slots = list(getattr(model, "lora_slots", None) or [])
+        self.slots = [s for s in getattr(model, "lora_slots", None) or []
+                      if n_layers is None or int(s.split(".")[1]) < n_layers]
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
         slots take what the model's feed holds (model_defs.lora.feeding)."""
-        cache, lora = group_cache(self.model.config, rest)
-        if lora:
-            weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
-            with feeding(self.model, LoraFeed(lora[0], weights)):
+        cache, lora = group_cache(self.model.config, rest, self.n_layers)
+        hidden, hooks = [], []
+        if self.n_layers is not None:
+            for layer in self.model.layers:
+                hooks.append(layer.register_forward_pre_hook(lambda module, args: hidden.append(args[0])))
+            hooks.append(self.model.layers[-1].register_forward_hook(lambda module, args, out: hidden.append(out[0])))
+        try:
+            if lora:
+                weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
+                with feeding(self.owner[0], LoraFeed(lora[0], weights)):
+                    logits, present = self.model(input_ids, attention_mask, position_ids, cache)
+            else:
                 logits, present = self.model(input_ids, attention_mask, position_ids, cache)
-        else:
-            logits, present = self.model(input_ids, attention_mask, position_ids, cache)
-        return (logits, *[t for kv in present for t in kv])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return (logits, *[t for kv in present for t in kv], *hidden)
+
+
+def _prefix(model, n_layers: int):
+    """A shallow copy of `model` that runs its first n layers (sharing their modules and weights)."""
+    prefix = copy.copy(model)
+    prefix._modules = dict(model._modules)
+    prefix.layers = torch.nn.ModuleList(list(model.layers)[:n_layers])
+    prefix._windows = model._windows[:n_layers]
+    return prefix
 
 
 def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, seed: int = 0,
@@ -293,7 +323,8 @@ def _strip_debug_metadata(graph) -> None:
             node.metadata_props.pop(key, None)
 
 
-def trace(module, args, dynamic_shapes, input_names: list[str], output_names: list[str], opset: int):
+def trace(module, args, dynamic_shapes, input_names: list[str], output_names: list[str], opset: int,
+          optimize: bool = True):
     """torch.onnx's dynamo export of `module` on `args`, quietly; any failure is one KvforgeError."""
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
@@ -302,7 +333,7 @@ def trace(module, args, dynamic_shapes, input_names: list[str], output_names: li
         warnings.simplefilter("ignore")
         try:
             return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
-                                     output_names=output_names, opset_version=opset, optimize=True, verbose=False)
+                                     output_names=output_names, opset_version=opset, optimize=optimize, verbose=False)
         except Exception as e:  # the exporter raises many types; report them as one
             raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
         finally:
@@ -312,21 +343,48 @@ def trace(module, args, dynamic_shapes, input_names: list[str], output_names: li
 def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
     """Export `model` (already in its target dtype, eval mode) to `path`; returns the path.
 
+    Each distinct layer design is traced once and copied for the layers that share it (export/replicate.py);
+    a model whose layers cannot be copied is traced whole.
     external_data: True writes weights to model.onnx.data beside the graph; None
     does so only when the graph would exceed protobuf's 2 GB limit.
     """
-
     cfg = model.config
-    dtype = model.dtype
-    flat = FlatKVModel(model).eval()
+    program = None
+    k, rep = traced_prefix(model.layers)
+    if k < cfg.n_layers:
+        program = _trace_flat(model, opset, n_layers=k)
+        tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
+        tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+        slots = list(getattr(model, "lora_slots", None) or [])
+        try:
+            replicate(program.model, k, rep, tensors, output_names(cfg), input_names(cfg, slots))
+        except NotReplicable as e:
+            logging.getLogger("kvforge.export").warning("tracing all %d layers: %s", cfg.n_layers, e)
+            program = None
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program.optimize()
+    if program is None:
+        program = _trace_flat(model, opset)
+    rename_dims(program.model.graph, cfg, list(getattr(model, "lora_slots", None) or []))
+    return save_program(program, path, external_data)
+
+
+def _trace_flat(model, opset: int, n_layers: int | None = None):
+    """The traced program of FlatKVModel(model, n_layers): optimized when whole, left for replicate when a prefix."""
+    cfg = model.config
+    flat = FlatKVModel(model, n_layers).eval()
+    n = cfg.n_layers if n_layers is None else n_layers
     windows = layer_windows(cfg)
     batch, seq, past = example_sizes(windows)
-    args = example_inputs(cfg, dtype, batch, seq, past, capped_past=4)
+    args = example_inputs(cfg, model.dtype, batch, seq, past, capped_past=4)
+    n_past = sum(len(cfg.cache_entries(i)) for i in range(n))
+    args = args[:3 + n_past]
     dyn = torch.export.Dim.DYNAMIC
-    n_past = sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers))
     rest = [{0: dyn, 2: dyn} for _ in range(n_past)]
     if flat.slots:
-        args = args + lora_example(model, batch)
+        args = args + lora_example(model, batch, slots=flat.slots)
         rest += [{0: dyn, 1: dyn}] + [{1: dyn} if j % 2 == 0 else {0: dyn} for j in range(2 * len(flat.slots))]
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},
@@ -334,18 +392,28 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
         "position_ids": {0: dyn, 1: dyn},
         "rest": tuple(rest),
     }
-    program = trace(flat, args, dynamic_shapes, input_names(cfg, flat.slots), output_names(cfg), opset)
-    rename_dims(program.model.graph, cfg, flat.slots)
-    return save_program(program, path, external_data)
+    names_in = input_names(cfg, flat.slots)
+    names_out = output_names(cfg)
+    if n_layers is not None:
+        n_in = 3 + n_past
+        names_in = names_in[:3] + [x for layer in cache_names(cfg, "past_key_values")[:n] for x in layer] + names_in[
+            3 + sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers)):]
+        assert len(names_in) == n_in + (len(lora_input_names(flat.slots)))
+        names_out = ["logits"] + [x for layer in cache_names(cfg, "present")[:n] for x in layer] + [
+            f"{HIDDEN}.{j}" for j in range(n + 1)]
+    return trace(flat, args, dynamic_shapes, names_in, names_out, opset, optimize=n_layers is None)
 
 
-def lora_example(model, batch: int, width: int = _EX_WIDTH, seed: int = 0) -> tuple:
-    """Seeded LoRA inputs (lora_mask, then each slot's A and B) for `batch` rows over `width` columns."""
+def lora_example(model, batch: int, width: int = _EX_WIDTH, seed: int = 0, slots: list[str] | None = None) -> tuple:
+    """Seeded LoRA inputs (lora_mask, then each slot's A and B) for `batch` rows over `width` columns; slots: of
+    these slots only (the same tensors they get among all)."""
     gen = torch.Generator().manual_seed(seed)
     out = [(torch.rand(batch, width, generator=gen) > 0.5).to(model.dtype)]
-    for fan_in, fan_out in slot_shapes(model).values():
-        out.append((0.02 * torch.randn(fan_in, width, generator=gen)).to(model.dtype))
-        out.append((0.02 * torch.randn(width, fan_out, generator=gen)).to(model.dtype))
+    for slot, (fan_in, fan_out) in slot_shapes(model).items():
+        a = (0.02 * torch.randn(fan_in, width, generator=gen)).to(model.dtype)
+        b = (0.02 * torch.randn(width, fan_out, generator=gen)).to(model.dtype)
+        if slots is None or slot in slots:
+            out += [a, b]
     return tuple(out)
 
 
