@@ -1,10 +1,10 @@
 """How the torch.onnx step of an export grows with the number of layers (the test suite's main cost).
 
 One model design (llama3-micro's: dim 64, GQA, RoPE, SwiGLU) at 1, 2, 4, 8 and 16 layers, random weights, each
-traced by kvforge's export_onnx (torch.onnx's dynamo export with the bundle's dynamic shapes, then the optimizer)
-in this process after one warm-up export; the median over runs of each depth, interleaved. The figures say what a
-micro config costs the suite and what tracing one block and replicating it (issue 48's streaming export) would save:
-a fixed part plus a per-layer part that does not depend on the layer's size.
+exported by kvforge's export_onnx (torch.onnx's dynamo export with the bundle's dynamic shapes, then the optimizer)
+in this process after one warm-up export, two ways interleaved in one run: tracing every layer (`every_layer`, as
+export did before export/replicate.py) and tracing the one layer design and copying it (the default). The median
+over runs of each depth; a least-squares line gives each way's fixed part and part per layer.
 
     python3 benchmarks/export_trace_layers.py [--runs 3] [--out benchmarks/results/export_trace_layers.json]
 """
@@ -41,30 +41,38 @@ def main() -> None:
     base = ModelConfig.from_name("llama3-micro")
     work = Path(tempfile.mkdtemp(prefix="kvforge-trace-"))
     export_onnx(init_random_weights(build_model(base)).eval(), work / "warm.onnx")
-    seconds: dict[int, list[float]] = {n: [] for n in DEPTHS}
+    ways = {"every_layer": True, "replicated": False}
+    seconds: dict[str, dict[int, list[float]]] = {way: {n: [] for n in DEPTHS} for way in ways}
     for run in range(args.runs):
         for n in DEPTHS:
             model = init_random_weights(build_model(dataclasses.replace(base, n_layers=n))).eval()
-            start = time.perf_counter()
-            export_onnx(model, work / f"m{n}-{run}.onnx")
-            seconds[n].append(time.perf_counter() - start)
-            print(f"run {run}: {n} layers {seconds[n][-1]:.1f} s", flush=True)
-    median = {n: statistics.median(v) for n, v in seconds.items()}
-    # least-squares line through (layers, seconds): the fixed cost and the cost per layer
-    xs, ys = list(median), list(median.values())
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    per_layer = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            for way, every in ways.items():
+                start = time.perf_counter()
+                export_onnx(model, work / f"m{n}-{run}-{way}.onnx", every_layer=every)
+                seconds[way][n].append(time.perf_counter() - start)
+                print(f"run {run}: {n} layers, {way}: {seconds[way][n][-1]:.1f} s", flush=True)
     result = {
         "benchmark": "export_trace_layers", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "runs": args.runs,
         "design": "llama3-micro", "threads": 1,
-        "seconds_median_by_layers": {str(n): round(s, 2) for n, s in median.items()},
-        "seconds_all_runs": {str(n): [round(s, 2) for s in v] for n, v in seconds.items()},
-        "fit_fixed_s": round(my - per_layer * mx, 2), "fit_per_layer_s": round(per_layer, 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
+    for way in ways:
+        median = {n: statistics.median(v) for n, v in seconds[way].items()}
+        # least-squares line through (layers, seconds): the fixed cost and the cost per layer
+        xs, ys = list(median), list(median.values())
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        per_layer = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        result[way] = {
+            "seconds_median_by_layers": {str(n): round(s, 2) for n, s in median.items()},
+            "seconds_all_runs": {str(n): [round(s, 2) for s in v] for n, v in seconds[way].items()},
+            "fit_fixed_s": round(my - per_layer * mx, 2), "fit_per_layer_s": round(per_layer, 2),
+        }
+    result["speedup_by_layers"] = {str(n): round(statistics.median(seconds["every_layer"][n])
+                                                 / statistics.median(seconds["replicated"][n]), 2) for n in DEPTHS}
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("seconds_median_by_layers", "fit_fixed_s", "fit_per_layer_s")}))
+    print(json.dumps({way: {k: result[way][k] for k in ("seconds_median_by_layers", "fit_fixed_s", "fit_per_layer_s")}
+                      for way in ways} | {"speedup_by_layers": result["speedup_by_layers"]}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import kvforge
+from kvforge import resources
 from kvforge.bundle import Bundle, now_utc, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.outputs import check_output_path, staged_bundle
@@ -69,6 +70,9 @@ def calibrate(
         starved_experts=starved_experts, recipe=recipe,
     ).checked(bundle, quantizer.fits_budget)
     check_output_path(out, force, [bundle.path])
+    weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
+    width = {"float16": 2, "bfloat16": 2}.get(bundle.manifest.get("precision", {}).get("dtype"), 4)
+    resources.check(resources.calibrate_plan(weights // width, weights), out)  # before any work
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     # the budget's held-out text is read and checked now, not after the calibration
     held_out = budget_ids(bundle, recipe.budget_data, recipe.budget_tokens) if recipe.accuracy_budget else None

@@ -14,13 +14,14 @@ import onnxruntime
 import torch
 
 import kvforge
+from kvforge import resources
 from kvforge.bundle import Bundle, now_utc, sha256_file, sha256_tree, write_manifest
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
-from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, trained_dir
+from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, source_parameters, trained_dir
 from kvforge.model_defs.lora import add_slots, target_names
 from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.outputs import check_output_path, staged_bundle
@@ -118,6 +119,9 @@ def export(
     check_output_path(out, force, [source])  # fail before any work
     progress = progress or (lambda phase, done, total: None)
     source = DEFAULT_MODEL if source is None else source
+    parameters = source_parameters(source)
+    if parameters is not None:  # refuse a model this machine cannot hold before loading it
+        resources.check(resources.export_plan(parameters, torch.finfo(getattr(torch, dtype)).bits // 8), out)
     started = time.time()
 
     progress("load", 0, 1)

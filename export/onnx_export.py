@@ -340,18 +340,19 @@ def trace(module, args, dynamic_shapes, input_names: list[str], output_names: li
             quiet.setLevel(level)
 
 
-def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
+def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bool | None = None,
+                every_layer: bool = False) -> Path:
     """Export `model` (already in its target dtype, eval mode) to `path`; returns the path.
 
     Each distinct layer design is traced once and copied for the layers that share it (export/replicate.py);
-    a model whose layers cannot be copied is traced whole.
+    a model whose layers cannot be copied, or every_layer, is traced whole.
     external_data: True writes weights to model.onnx.data beside the graph; None
     does so only when the graph would exceed protobuf's 2 GB limit.
     """
     cfg = model.config
     program = None
     k, rep = traced_prefix(model.layers)
-    if k < cfg.n_layers:
+    if k < cfg.n_layers and not every_layer:
         program = _trace_flat(model, opset, n_layers=k)
         tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
         tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})

@@ -131,6 +131,29 @@ def prequantized(source: str | os.PathLike) -> bool:
     return False
 
 
+def source_parameters(source: str | os.PathLike) -> int | None:
+    """How many parameters `source` holds, read from its config or file index alone (no weight is read): the
+    model built on the meta device, or a GGUF file's tensor sizes; None where that cannot be told."""
+    kind = source_kind(source)
+    if kind == "gguf":
+        return sum(int(t.n_elements) for t in gguf._reader(gguf_path(source)).tensors)
+    try:
+        if kind == "preset" and str(source) not in TRAINED:
+            cfg = preset_config(str(source))
+        elif kind in ("preset", "kvforge"):
+            directory = trained_dir(str(source)) if kind == "preset" else Path(source)
+            cfg = config_from_dict(read_json(directory / CHECKPOINT_CONFIG)["model"])
+        else:
+            cfg = hf.config_from_hf(hf.read_hf_config(Path(source)))
+        with torch.device("meta"):
+            model = build(cfg)
+    except KvforgeError:
+        raise
+    except Exception:  # a module that computes on its weights while it is built: no count, no plan
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def load(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
     """Load a model in eval mode, with its tokenizer: `model, tokenizer = load("tiny")` (load_quantized's first half).
 

@@ -1,0 +1,127 @@
+"""Memory and disk plans: what an export or a calibration will need, checked before any work starts.
+
+A stage that runs out of memory midway is killed by the kernel (nothing half-written, but minutes lost and no
+word of why); one that runs out of disk fails while writing. Each stage estimates, from the model's parameter count
+alone, the peak resident memory and the disk it will need, compares them with what this process may use, and
+refuses with both figures when they do not fit. The coefficients are today's peaks measured on this design's
+exports and calibrations (`/usr/bin/time -v`, 2-core machine, issue 48): export of SmolLM2-135M 4.55 GB, of
+Gemma 3 270M 10.1 GB, of a 0.5B model 12.2 GB, i.e. at most ~8x the float32 weights over a ~1.5 GB runtime;
+calibration of SmolLM2 to INT8 10.4 GB, FP8 11.1 GB, of Gemma 3 270M over 24 GB, i.e. ~22x the float bundle. They
+are what the stages cost, not what they should: a stage made leaner lowers its coefficient here.
+
+    memory free = the least of: the system's MemAvailable, the cgroup's memory.max minus its memory.current, and
+                  the address-space limit (RLIMIT_AS, as `ulimit -v` or `prlimit --as` set it) minus what the
+                  process has mapped
+    disk free   = shutil.disk_usage of the output's directory
+
+KVFORGE_SKIP_RESOURCE_CHECK=1 starts the stage anyway (the plan is an estimate, and an operator may know better).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvforge.errors import KvforgeError
+
+GIB = 1 << 30
+SKIP = "KVFORGE_SKIP_RESOURCE_CHECK"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a stage will need: peak resident memory and disk, in bytes, for a model of `parameters`."""
+
+    stage: str
+    parameters: int
+    memory: int
+    disk: int
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "parameters": self.parameters, "memory_bytes": self.memory, "disk_bytes": self.disk}
+
+
+RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any weight
+EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 reference
+CALIBRATE_PER_BUNDLE_BYTE = 22  # peak resident bytes per byte of the float bundle's weights
+
+
+def export_plan(parameters: int, dtype_bytes: int) -> Plan:
+    """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight (the float32 reference is
+    loaded whatever the bundle's dtype)."""
+    return Plan("export", parameters, RUNTIME + EXPORT_PER_FP32_BYTE * 4 * parameters,
+                parameters * dtype_bytes * 5 // 4 + (64 << 20))
+
+
+def calibrate_plan(parameters: int, bundle_bytes: int) -> Plan:
+    """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk."""
+    return Plan("calibration", parameters, RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes, bundle_bytes)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_free() -> int | None:
+    base = Path("/sys/fs/cgroup")
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((base / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_free() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return soft - int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return soft
+
+
+def free_memory() -> tuple[int | None, str]:
+    """(bytes this process may still use, where the bound comes from); None where nothing bounds it."""
+    bounds = [(b, why) for b, why in ((_meminfo_available(), "available memory (MemAvailable)"),
+                                      (_cgroup_free(), "the cgroup's memory.max"),
+                                      (_address_space_free(), "the address-space limit (RLIMIT_AS)")) if b is not None]
+    if not bounds:
+        return None, "no bound found"
+    return min(bounds)
+
+
+def check(plan: Plan, out: str | Path) -> None:
+    """Refuse `plan` when this process's memory or the output's disk cannot hold it (nothing is written yet)."""
+    if os.environ.get(SKIP) == "1":
+        return
+    free, why = free_memory()
+    problems = []
+    if free is not None and plan.memory > free:
+        problems.append(f"about {plan.memory / GIB:.1f} GiB of memory at its peak, and {max(free, 0) / GIB:.1f} GiB "
+                        f"is free ({why})")
+    target = Path(out).resolve()
+    directory = next((p for p in [target, *target.parents] if p.exists()), None)
+    if directory is not None:
+        disk = shutil.disk_usage(directory).free
+        if plan.disk > disk:
+            problems.append(f"about {plan.disk / GIB:.1f} GiB of disk for the bundle, and {disk / GIB:.1f} GiB is "
+                            f"free on {directory}")
+    if problems:
+        raise KvforgeError(f"{plan.stage} of this model ({plan.parameters / 1e9:.2f}B parameters) needs "
+                           + "; and ".join(problems) + f". Nothing was started or written. Free memory or disk, use "
+                           f"a machine with more, or set {SKIP}=1 to start anyway")
