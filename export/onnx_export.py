@@ -368,8 +368,23 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
                 program.optimize()
     if program is None:
         program = _trace_flat(model, opset)
+    _batch_from_input_ids(program.model.graph)
     rename_dims(program.model.graph, cfg, list(getattr(model, "lora_slots", None) or []))
     return save_program(program, path, external_data)
+
+
+def _batch_from_input_ids(graph) -> None:
+    """Read the batch size from input_ids where the exporter read it from attention_mask (the two share it by the
+    contract): attention_mask then feeds the masks only, which the runtime's packed attention relies on when it
+    drops that input (runtime/ort/attention.py). Which input the exporter picks depends on the traced inputs."""
+    inputs = {v.name: v for v in graph.inputs}
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    for use in list(mask.uses()):
+        node = use.node
+        start = node.attributes.get("start")
+        end = node.attributes.get("end")
+        if node.op_type == "Shape" and start is not None and start.value == 0 and end is not None and end.value == 1:
+            node.replace_input_with(use.idx, ids)
 
 
 def _trace_flat(model, opset: int, n_layers: int | None = None):
