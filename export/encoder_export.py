@@ -21,6 +21,7 @@ tolerances are the decoders' (export/validate.py): FP32 1e-4 max abs (or
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs.encoder import head_output
 
 from .onnx_export import save_program, trace
+from .replicate import hidden_names, hidden_states, prefix, traced_program
 from .validate import OrtRunner
 
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -81,16 +83,20 @@ def io_spec(cfg, max_len: int) -> IOSpec:
 
 
 class FlatEncoder(torch.nn.Module):
-    """The encoder with positional tensor inputs and a tuple of outputs, in IO-contract order."""
+    """The encoder with positional tensor inputs and a tuple of outputs, in IO-contract order; n_layers: its first
+    n layers only, with their hidden states after the outputs (a traced prefix: export/replicate.py)."""
 
-    def __init__(self, model):
+    def __init__(self, model, n_layers: int | None = None):
         super().__init__()
-        self.model = model
+        self.model = model if n_layers is None else prefix(model, n_layers)
         self.names = output_names(model.config)
+        self.n_layers = n_layers
 
     def forward(self, input_ids, attention_mask, token_type_ids=None):
-        out = self.model(input_ids, attention_mask, token_type_ids)
-        return tuple(out[n] for n in self.names)
+        capture = hidden_states(self.model.layers) if self.n_layers is not None else contextlib.nullcontext([])
+        with capture as hidden:
+            out = self.model(input_ids, attention_mask, token_type_ids)
+        return (*(out[n] for n in self.names), *hidden)
 
 
 def example_inputs(cfg, batch: int, seq: int, lengths: list[int] | None = None, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -127,11 +133,12 @@ def _rename_dims(graph) -> None:
         raise KvforgeError(f"encoder export produced dimensions outside the IO contract: {sorted(unknown)}")
 
 
-def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | None = None) -> Path:
-    """Export an encoder (in its target dtype, eval mode) to `path`."""
+def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | None = None,
+                        every_layer: bool = False) -> Path:
+    """Export an encoder (in its target dtype, eval mode) to `path`: each layer design traced once and copied
+    (export/replicate.py) unless every_layer."""
 
     cfg = model.config
-    flat = FlatEncoder(model).eval()
     # distinct example sizes that are neither 0 nor 1 (nor a Perceiver's latent count), so none is specialized
     batch = next(b for b in (2, 3, 4) if b != getattr(cfg, "n_latents", None))
     seq = next(s for s in (5, 6, 7) if s not in (batch, getattr(cfg, "n_latents", None)))
@@ -139,7 +146,15 @@ def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | Non
     dyn = torch.export.Dim.DYNAMIC
     names = input_names(cfg)
     dynamic_shapes = {n: {0: dyn, 1: dyn} for n in ("input_ids", "attention_mask", "token_type_ids")[:len(names)]}
-    program = trace(flat, args, dynamic_shapes, names, output_names(cfg), opset)
+
+    def traced(n_layers: int | None):
+        flat = FlatEncoder(model, n_layers).eval()
+        outputs = output_names(cfg) + (hidden_names(n_layers) if n_layers is not None else [])
+        return trace(flat, args, dynamic_shapes, names, outputs, opset, optimize=n_layers is None)
+
+    layered = hasattr(model, "layers") and isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) > 0
+    program = (traced_program(model, traced, lambda: traced(None), names, output_names(cfg), every_layer)
+               if layered else traced(None))
     _rename_dims(program.model.graph)
     return save_program(program, path, external_data)
 

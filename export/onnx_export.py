@@ -36,7 +36,7 @@ and io.extra.lora records the slots, their targets and the max rank.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import re
 import warnings
@@ -49,7 +49,7 @@ from kvforge.errors import KvforgeError
 from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 
-from .replicate import HIDDEN, NotReplicable, replicate, traced_prefix
+from .replicate import hidden_names, hidden_states, prefix, traced_program
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
 # capped cache's example past (min(W, 4)) must differ from them too: a window
@@ -158,9 +158,7 @@ class FlatKVModel(torch.nn.Module):
         super().__init__()
         self.owner = [model]  # the model whose feed the LoRA slots read (a list: not a second submodule)
         self.n_layers = n_layers
-        if n_layers is not None:
-            model = _prefix(model, n_layers)
-        self.model = model
+        self.model = model if n_layers is None else prefix(model, n_layers)
         self.slots = [s for s in getattr(model, "lora_slots", None) or []
                       if n_layers is None or int(s.split(".")[1]) < n_layers]
 
@@ -168,31 +166,15 @@ class FlatKVModel(torch.nn.Module):
         """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
         slots take what the model's feed holds (model_defs.lora.feeding)."""
         cache, lora = group_cache(self.model.config, rest, self.n_layers)
-        hidden, hooks = [], []
-        if self.n_layers is not None:
-            for layer in self.model.layers:
-                hooks.append(layer.register_forward_pre_hook(lambda module, args: hidden.append(args[0])))
-            hooks.append(self.model.layers[-1].register_forward_hook(lambda module, args, out: hidden.append(out[0])))
-        try:
+        capture = hidden_states(self.model.layers) if self.n_layers is not None else contextlib.nullcontext([])
+        with capture as hidden:
             if lora:
                 weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
                 with feeding(self.owner[0], LoraFeed(lora[0], weights)):
                     logits, present = self.model(input_ids, attention_mask, position_ids, cache)
             else:
                 logits, present = self.model(input_ids, attention_mask, position_ids, cache)
-        finally:
-            for hook in hooks:
-                hook.remove()
         return (logits, *[t for kv in present for t in kv], *hidden)
-
-
-def _prefix(model, n_layers: int):
-    """A shallow copy of `model` that runs its first n layers (sharing their modules and weights)."""
-    prefix = copy.copy(model)
-    prefix._modules = dict(model._modules)
-    prefix.layers = torch.nn.ModuleList(list(model.layers)[:n_layers])
-    prefix._windows = model._windows[:n_layers]
-    return prefix
 
 
 def example_inputs(cfg, dtype: torch.dtype, batch: int, seq: int, past: int, seed: int = 0,
@@ -350,24 +332,9 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     does so only when the graph would exceed protobuf's 2 GB limit.
     """
     cfg = model.config
-    program = None
-    k, rep = traced_prefix(model.layers)
-    if k < cfg.n_layers and not every_layer:
-        program = _trace_flat(model, opset, n_layers=k)
-        tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
-        tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
-        slots = list(getattr(model, "lora_slots", None) or [])
-        try:
-            replicate(program.model, k, rep, tensors, output_names(cfg), input_names(cfg, slots))
-        except NotReplicable as e:
-            logging.getLogger("kvforge.export").warning("tracing all %d layers: %s", cfg.n_layers, e)
-            program = None
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program.optimize()
-    if program is None:
-        program = _trace_flat(model, opset)
+    slots = list(getattr(model, "lora_slots", None) or [])
+    program = traced_program(model, lambda k: _trace_flat(model, opset, n_layers=k), lambda: _trace_flat(model, opset),
+                             input_names(cfg, slots), output_names(cfg), every_layer)
     _batch_from_input_ids(program.model.graph)
     rename_dims(program.model.graph, cfg, list(getattr(model, "lora_slots", None) or []))
     return save_program(program, path, external_data)
@@ -415,8 +382,7 @@ def _trace_flat(model, opset: int, n_layers: int | None = None):
         names_in = names_in[:3] + [x for layer in cache_names(cfg, "past_key_values")[:n] for x in layer] + names_in[
             3 + sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers)):]
         assert len(names_in) == n_in + (len(lora_input_names(flat.slots)))
-        names_out = ["logits"] + [x for layer in cache_names(cfg, "present")[:n] for x in layer] + [
-            f"{HIDDEN}.{j}" for j in range(n + 1)]
+        names_out = ["logits"] + [x for layer in cache_names(cfg, "present")[:n] for x in layer] + hidden_names(n)
     return trace(flat, args, dynamic_shapes, names_in, names_out, opset, optimize=n_layers is None)
 
 

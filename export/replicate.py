@@ -22,8 +22,12 @@ nodes hold subgraphs is not replicated: `replicate` raises NotReplicable and the
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import re
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -88,6 +92,13 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _through_identity(value):
+    """The value an output Identity copies (the exporter's way to give one value two output names), else itself."""
+    while value.producer() is not None and value.producer().op_type == "Identity":
+        value = value.producer().inputs[0]
+    return value
+
+
 def _forward(seeds: set) -> set:
     """The nodes that depend on `seeds` (a layer's hidden state, cache inputs and weights). The shape of a cache
     input or weight is not the layer's own: the exporter reads the batch size from whichever input it chose, and
@@ -136,10 +147,13 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
     import onnx_ir as ir
 
     graph = ir_model.graph
-    outputs = {v.name: v for v in graph.outputs}
-    hidden = [outputs.get(f"{HIDDEN}.{j}") for j in range(k + 1)]
-    if any(h is None for h in hidden):
+    # The outputs by position: the contract's for the traced layers, then the k + 1 hidden states (a value that is
+    # two outputs, an encoder's last hidden state, carries only one of the names).
+    prefix_names = [n for n in output_order if _layer_of(n) is None or _layer_of(n) < k]
+    if len(graph.outputs) != len(prefix_names) + k + 1:
         raise NotReplicable("the traced graph lacks the layers' hidden states")
+    outputs = dict(zip(prefix_names, list(graph.outputs)[:len(prefix_names)]))
+    hidden = [_through_identity(v) for v in list(graph.outputs)[len(prefix_names):]]
     inputs = {v.name: v for v in graph.inputs}
     inits = dict(graph.initializers)
 
@@ -207,15 +221,74 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
         last = mapping[hidden[r + 1]]
     for node, idx in head_uses:
         node.replace_input_with(idx, last)
-    by_name = {v.name: v for v in list(graph.outputs) + new_outputs}
-    graph.outputs.clear()
-    graph.outputs.extend(by_name[name] for name in output_order)
     for j, h in enumerate(hidden):
         if h.name.startswith(HIDDEN):
             h.name = f"hidden_states.{j}"
+    by_name = {name: last if _through_identity(v) is hidden[k] else v for name, v in outputs.items()}
+    by_name.update({v.name: v for v in new_outputs})
+    graph.outputs.clear()
+    for name in output_order:
+        value = by_name[name]
+        if value in graph.outputs:  # one value, two outputs: the second through an Identity
+            node = ir.Node("", "Identity", [value], num_outputs=1)
+            graph.append(node)
+            value = node.outputs[0]
+            value.shape, value.type = by_name[name].shape, by_name[name].type
+        value.name = name
+        graph.outputs.append(value)
     by_name = {v.name: v for v in graph.inputs}
     if set(by_name) != set(input_order):
         raise NotReplicable(f"the replicated graph's inputs {sorted(set(by_name) ^ set(input_order))} differ from the contract's")
     graph.inputs.clear()
     graph.inputs.extend(by_name[name] for name in input_order)
     graph.sort()
+
+
+def prefix(model: nn.Module, n_layers: int) -> nn.Module:
+    """A shallow copy of `model` (its blocks in `model.layers`) that runs its first n layers, sharing their
+    modules and weights: what a traced prefix traces."""
+    short = copy.copy(model)
+    short._modules = dict(model._modules)
+    short.layers = nn.ModuleList(list(model.layers)[:n_layers])
+    return short
+
+
+@contextlib.contextmanager
+def hidden_states(layers: nn.ModuleList) -> Iterator[list]:
+    """While it is open, the hidden state entering each of `layers` and the last one's output (a block returns
+    (hidden, present)) are appended to the list it gives: a traced prefix returns them as the HIDDEN outputs."""
+    hidden: list = []
+    hooks = [layer.register_forward_pre_hook(lambda module, args: hidden.append(args[0])) for layer in layers]
+    hooks.append(layers[-1].register_forward_hook(lambda module, args, out: hidden.append(out[0])))
+    try:
+        yield hidden
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def hidden_names(n_layers: int) -> list[str]:
+    return [f"{HIDDEN}.{j}" for j in range(n_layers + 1)]
+
+
+def traced_program(model: nn.Module, trace_prefix: Callable[[int], object], trace_whole: Callable[[], object],
+                   input_order: list[str], output_order: list[str], every_layer: bool = False):
+    """The torch.onnx program of `model` (blocks in `model.layers`, weights under the wrapper's "model." prefix):
+    its traced prefix, replicated and optimized, or (every_layer, one design per layer, or NotReplicable: with a
+    warning) the whole model traced. trace_prefix(k): the unoptimized trace of the first k layers with the
+    HIDDEN outputs after the contract's; trace_whole(): the optimized trace of all of them."""
+    k, rep = traced_prefix(model.layers)
+    if k < len(model.layers) and not every_layer:
+        program = trace_prefix(k)
+        tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
+        tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+        try:
+            replicate(program.model, k, rep, tensors, output_order, input_order)
+        except NotReplicable as e:
+            logging.getLogger("kvforge.export").warning("tracing all %d layers: %s", len(model.layers), e)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program.optimize()
+            return program
+    return trace_whole()

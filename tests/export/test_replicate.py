@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvforge.export import onnx_export
+from kvforge.export import replicate as replicate_module
 from kvforge.export.onnx_export import FlatKVModel, example_inputs, export_onnx, input_names, output_names
 from kvforge.export.replicate import NotReplicable, replicate, traced_prefix
 from kvforge.model_defs.architectures import preset_config
@@ -54,7 +55,7 @@ def test_layers_of_one_design_share_a_traced_layer():
     assert traced_prefix(deepseek.layers)[0] == 2
 
 
-@pytest.mark.parametrize("preset,n_layers", [("llama3-micro", 6), ("gemma-micro", 5), ("mixtral-micro", 3)])
+@pytest.mark.parametrize("preset,n_layers", [("llama3-micro", 6), ("gemma-micro", 5), ("mixtral-micro", 2)])
 def test_a_deep_model_is_traced_as_its_prefix_and_matches_torch(tmp_path, monkeypatch, preset, n_layers):
     model = _model(preset, n_layers, seed=3)
     traced = []
@@ -100,13 +101,40 @@ def test_a_layer_that_reads_another_layers_values_is_not_copied():
 
 
 def test_a_model_that_cannot_be_copied_is_traced_whole(tmp_path, monkeypatch, caplog):
-    model = _model("llama3-micro", 3, seed=1)
+    model = _model("llama3-micro", 2, seed=1)
 
     def refuse(*args, **kwargs):
         raise NotReplicable("layer 1 reads another layer's value 'x'")
 
-    monkeypatch.setattr(onnx_export, "replicate", refuse)
+    monkeypatch.setattr(replicate_module, "replicate", refuse)
     with caplog.at_level(logging.WARNING, logger="kvforge.export"):
         path = export_onnx(model, tmp_path / "model.onnx")
-    assert "tracing all 3 layers: layer 1 reads another layer's value" in caplog.text
+    assert "tracing all 2 layers: layer 1 reads another layer's value" in caplog.text
     _assert_matches_torch(path, model)
+
+
+@torch.no_grad()
+def test_an_encoders_layers_are_copied_too(tmp_path, monkeypatch):
+    """An encoder (BERT: post-norm, its last hidden state the last layer's output, no cache) takes the same path."""
+    from kvforge.export import encoder_export
+    from kvforge.model_defs.architectures import build
+
+    cfg = dataclasses.replace(preset_config("bert-micro"), n_layers=4)
+    model = build(cfg).eval()
+    gen = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    traced = []
+    real = encoder_export.trace
+    monkeypatch.setattr(encoder_export, "trace",
+                        lambda module, *a, **kw: traced.append(len(module.model.layers)) or real(module, *a, **kw))
+    path = encoder_export.export_encoder_onnx(model, tmp_path / "model.onnx", 21)
+    assert traced == [1]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = encoder_export.input_names(cfg)
+    assert [o.name for o in sess.get_outputs()] == encoder_export.output_names(cfg)
+    for n, (batch, seq) in enumerate([(1, 3), (3, 9)]):
+        args = encoder_export.example_inputs(cfg, batch, seq, [seq, seq - 2, 1][:batch], seed=n)
+        out = sess.run(None, {k: a.numpy() for k, a in zip(names, args)})
+        for name, o, r in zip(encoder_export.output_names(cfg), out, encoder_export.FlatEncoder(model)(*args)):
+            np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=0, err_msg=name)
