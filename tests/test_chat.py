@@ -178,6 +178,13 @@ def test_kvforge_chat_in_a_terminal_answers_and_survives_ctrl_c(tmp_path):
     source = _chat_checkpoint(tmp_path)
     pid, fd = pty.fork()
     if pid == 0:  # the child: the real CLI, the pty its controlling terminal
+        # as a shell starts it: SIGINT delivered and handled by default. A blocked mask or an ignored SIGINT is
+        # inherited through fork and exec, and an xdist worker that ran other tests may carry either (the suite
+        # failed here twice with Ctrl-C never reaching the chat, passing alone).
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-c", "from kvforge.cli import main; main()", "chat", str(source),
                                   "--backend", "torch", "--max-new-tokens", "900"])
     seen = b""
