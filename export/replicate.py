@@ -154,6 +154,9 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
         raise NotReplicable("the traced graph lacks the layers' hidden states")
     outputs = dict(zip(prefix_names, list(graph.outputs)[:len(prefix_names)]))
     hidden = [_through_identity(v) for v in list(graph.outputs)[len(prefix_names):]]
+    for j, h in enumerate(hidden):
+        if h.name.startswith(HIDDEN):  # before the copies take their names from it
+            h.name = f"hidden_states.{j}"
     inputs = {v.name: v for v in graph.inputs}
     inits = dict(graph.initializers)
 
@@ -221,9 +224,6 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
         last = mapping[hidden[r + 1]]
     for node, idx in head_uses:
         node.replace_input_with(idx, last)
-    for j, h in enumerate(hidden):
-        if h.name.startswith(HIDDEN):
-            h.name = f"hidden_states.{j}"
     by_name = {name: last if _through_identity(v) is hidden[k] else v for name, v in outputs.items()}
     by_name.update({v.name: v for v in new_outputs})
     graph.outputs.clear()
