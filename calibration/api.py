@@ -71,8 +71,7 @@ def calibrate(
     ).checked(bundle, quantizer.fits_budget)
     check_output_path(out, force, [bundle.path])
     weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
-    width = {"float16": 2, "bfloat16": 2}.get(bundle.manifest.get("precision", {}).get("dtype"), 4)
-    resources.check(resources.calibrate_plan(weights // width, weights), out)  # before any work
+    resources.check(resources.calibrate_plan(weights // resources.dtype_bytes(bundle.dtype), weights), out)  # before any work
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     # the budget's held-out text is read and checked now, not after the calibration
     held_out = budget_ids(bundle, recipe.budget_data, recipe.budget_tokens) if recipe.accuracy_budget else None

@@ -121,7 +121,7 @@ def export(
     source = DEFAULT_MODEL if source is None else source
     parameters = source_parameters(source)
     if parameters is not None:  # refuse a model this machine cannot hold before loading it
-        resources.check(resources.export_plan(parameters, torch.finfo(getattr(torch, dtype)).bits // 8), out)
+        resources.check(resources.export_plan(parameters, resources.dtype_bytes(dtype)), out)
     started = time.time()
 
     progress("load", 0, 1)

@@ -152,9 +152,7 @@ def export_encoder_onnx(model, path: Path, opset: int, external_data: bool | Non
         outputs = output_names(cfg) + (hidden_names(n_layers) if n_layers is not None else [])
         return trace(flat, args, dynamic_shapes, names, outputs, opset, optimize=n_layers is None)
 
-    layered = hasattr(model, "layers") and isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) > 0
-    program = (traced_program(model, traced, lambda: traced(None), names, output_names(cfg), every_layer)
-               if layered else traced(None))
+    program = traced_program(model, traced, lambda: traced(None), names, output_names(cfg), every_layer)
     _rename_dims(program.model.graph)
     return save_program(program, path, external_data)
 

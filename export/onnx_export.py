@@ -49,7 +49,7 @@ from kvforge.errors import KvforgeError
 from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 
-from .replicate import hidden_names, hidden_states, prefix, traced_program
+from .replicate import hidden_names, hidden_states, layer_of, prefix, traced_program
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
 # capped cache's example past (min(W, 4)) must differ from them too: a window
@@ -160,7 +160,7 @@ class FlatKVModel(torch.nn.Module):
         self.n_layers = n_layers
         self.model = model if n_layers is None else prefix(model, n_layers)
         self.slots = [s for s in getattr(model, "lora_slots", None) or []
-                      if n_layers is None or int(s.split(".")[1]) < n_layers]
+                      if n_layers is None or layer_of(s) < n_layers]
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
@@ -336,7 +336,7 @@ def export_onnx(model, path: Path, opset: int = DEFAULT_OPSET, external_data: bo
     program = traced_program(model, lambda k: _trace_flat(model, opset, n_layers=k), lambda: _trace_flat(model, opset),
                              input_names(cfg, slots), output_names(cfg), every_layer)
     _batch_from_input_ids(program.model.graph)
-    rename_dims(program.model.graph, cfg, list(getattr(model, "lora_slots", None) or []))
+    rename_dims(program.model.graph, cfg, slots)
     return save_program(program, path, external_data)
 
 
@@ -375,13 +375,10 @@ def _trace_flat(model, opset: int, n_layers: int | None = None):
         "position_ids": {0: dyn, 1: dyn},
         "rest": tuple(rest),
     }
-    names_in = input_names(cfg, flat.slots)
-    names_out = output_names(cfg)
-    if n_layers is not None:
-        n_in = 3 + n_past
-        names_in = names_in[:3] + [x for layer in cache_names(cfg, "past_key_values")[:n] for x in layer] + names_in[
-            3 + sum(len(cfg.cache_entries(i)) for i in range(cfg.n_layers)):]
-        assert len(names_in) == n_in + (len(lora_input_names(flat.slots)))
+    names_in, names_out = input_names(cfg, flat.slots), output_names(cfg)
+    if n_layers is not None:  # the first n layers' cache, then the hidden states
+        names_in = names_in[:3] + [x for layer in cache_names(cfg, "past_key_values")[:n] for x in layer] + \
+            lora_input_names(flat.slots)
         names_out = ["logits"] + [x for layer in cache_names(cfg, "present")[:n] for x in layer] + hidden_names(n)
     return trace(flat, args, dynamic_shapes, names_in, names_out, opset, optimize=n_layers is None)
 

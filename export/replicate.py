@@ -87,7 +87,8 @@ def relayer(name: str, r: int, i: int) -> str:
     return re.sub(rf"^(past_key_values|present)\.{r}\.", rf"\1.{i}.", name)
 
 
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The layer whose weight, cache tensor, LoRA slot or input `name` is ("layers.3.attn.q_proj" -> 3), or None."""
     m = re.search(r"(?:^|\.)layers\.(\d+)\.", name) or re.match(r"(?:past_key_values|present)\.(\d+)\.", name)
     return int(m.group(1)) if m else None
 
@@ -149,7 +150,7 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
     graph = ir_model.graph
     # The outputs by position: the contract's for the traced layers, then the k + 1 hidden states (a value that is
     # two outputs, an encoder's last hidden state, carries only one of the names).
-    prefix_names = [n for n in output_order if _layer_of(n) is None or _layer_of(n) < k]
+    prefix_names = [n for n in output_order if layer_of(n) is None or layer_of(n) < k]
     if len(graph.outputs) != len(prefix_names) + k + 1:
         raise NotReplicable("the traced graph lacks the layers' hidden states")
     outputs = dict(zip(prefix_names, list(graph.outputs)[:len(prefix_names)]))
@@ -161,7 +162,7 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
     inits = dict(graph.initializers)
 
     def own(j: int) -> list:
-        return [v for v in list(inputs.values()) + list(inits.values()) if _layer_of(v.name) == j]
+        return [v for v in list(inputs.values()) + list(inits.values()) if layer_of(v.name) == j]
 
     members, layer_outputs = [], []
     for r in range(k):
@@ -277,8 +278,10 @@ def traced_program(model: nn.Module, trace_prefix: Callable[[int], object], trac
     its traced prefix, replicated and optimized, or (every_layer, one design per layer, or NotReplicable: with a
     warning) the whole model traced. trace_prefix(k): the unoptimized trace of the first k layers with the
     HIDDEN outputs after the contract's; trace_whole(): the optimized trace of all of them."""
+    if every_layer or not len(model.layers):
+        return trace_whole()
     k, rep = traced_prefix(model.layers)
-    if k < len(model.layers) and not every_layer:
+    if k < len(model.layers):
         program = trace_prefix(k)
         tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
         tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})

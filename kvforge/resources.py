@@ -49,6 +49,11 @@ EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 referenc
 CALIBRATE_PER_BUNDLE_BYTE = 22  # peak resident bytes per byte of the float bundle's weights
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per weight of a bundle's float dtype (float32, float16, bfloat16)."""
+    return {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+
+
 def export_plan(parameters: int, dtype_bytes: int) -> Plan:
     """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight (the float32 reference is
     loaded whatever the bundle's dtype)."""

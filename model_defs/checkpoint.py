@@ -136,7 +136,7 @@ def source_parameters(source: str | os.PathLike) -> int | None:
     model built on the meta device, or a GGUF file's tensor sizes; None where that cannot be told."""
     kind = source_kind(source)
     if kind == "gguf":
-        return sum(int(t.n_elements) for t in gguf._reader(gguf_path(source)).tensors)
+        return gguf.tensor_elements(gguf_path(source))
     try:
         if kind == "preset" and str(source) not in TRAINED:
             cfg = preset_config(str(source))

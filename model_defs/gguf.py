@@ -139,6 +139,11 @@ def has_quantized_tensors(path: str | Path) -> bool:
     return any(GGMLQuantizationType(t.tensor_type).name not in FLOAT_TYPES for t in _reader(Path(path)).tensors)
 
 
+def tensor_elements(path: str | Path) -> int:
+    """How many values the file's tensors hold (their logical sizes, whatever their codes), from its index alone."""
+    return sum(int(t.n_elements) for t in _reader(Path(path)).tensors)
+
+
 def read_gguf_tokenizer(path: str | Path) -> dict[str, Any]:
     """A GGUF file's tokenizer record alone (vocabulary, merges, special ids, chat template): no tensor is read."""
     reader = _reader(Path(path))
