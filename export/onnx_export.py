@@ -50,6 +50,7 @@ from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 
 from .replicate import hidden_names, hidden_states, layer_of, prefix, traced_program
+from .traces import traced
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
 # neither merges two dynamic dimensions nor specializes one to a constant. A
 # capped cache's example past (min(W, 4)) must differ from them too: a window
@@ -307,17 +308,23 @@ def _strip_debug_metadata(graph) -> None:
 
 def trace(module, args, dynamic_shapes, input_names: list[str], output_names: list[str], opset: int,
           optimize: bool = True):
-    """torch.onnx's dynamo export of `module` on `args`, quietly; any failure is one KvforgeError."""
+    """torch.onnx's dynamo export of `module` on `args`, quietly, made once per structure (export/traces.py);
+    any failure is one KvforgeError."""
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
+
+    def export():
+        try:
+            return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
+                                     output_names=output_names, opset_version=opset, optimize=False, verbose=False)
+        except Exception as e:  # the exporter raises many types; report them as one
+            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
+
     quiet.setLevel(logging.ERROR)  # the exporter warns about optional torchvision ops
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
-            return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
-                                     output_names=output_names, opset_version=opset, optimize=optimize, verbose=False)
-        except Exception as e:  # the exporter raises many types; report them as one
-            raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
+            return traced(module, (args, dynamic_shapes, input_names, output_names, opset), export, optimize)
         finally:
             quiet.setLevel(level)
 
