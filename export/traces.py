@@ -81,13 +81,23 @@ def _describe(value, depth: int = 0) -> str:
             f"{f.name}={_describe(getattr(value, f.name), depth + 1)}" for f in fields(value)) + ")"
     if isinstance(value, functools.partial):
         return f"partial({_describe(value.func, depth + 1)},{_describe(value.args, depth + 1)},{_describe(value.keywords, depth + 1)})"
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)) and "<locals>" not in value.__qualname__:
+    if isinstance(value, types.FunctionType):  # by its code, so that a lambda or a local function has a key too
+        closure = [cell.cell_contents for cell in value.__closure__ or ()]
+        return (f"fn({value.__module__}.{value.__qualname__},{_describe_code(value.__code__, depth + 1)},"
+                f"{_describe((value.__defaults__, value.__kwdefaults__, closure), depth + 1)})")
+    if isinstance(value, (types.BuiltinFunctionType, type)):
         return f"{value.__module__}.{value.__qualname__}"
     if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
         return f"method({type(value.__self__).__qualname__}.{value.__func__.__qualname__})"
     if isinstance(value, nn.Module):  # a module held outside _modules: its structure is keyed where it sits
         return f"module({type(value).__qualname__})"
     raise Unkeyable(f"{type(value).__qualname__}")
+
+
+def _describe_code(code: types.CodeType, depth: int) -> str:
+    consts = [_describe_code(c, depth + 1) if isinstance(c, types.CodeType) else _describe(c, depth + 1)
+              for c in code.co_consts]
+    return hashlib.sha256(code.co_code + repr((code.co_names, code.co_varnames, consts)).encode()).hexdigest()
 
 
 def structure_key(module: nn.Module, *parts) -> str | None:

@@ -92,6 +92,17 @@ def test_the_key_describes_constants_by_content_and_refuses_what_it_cannot_descr
     with_offset = traces.structure_key(module, (torch.zeros(1, 3),))
     module.offset = torch.ones(2)
     assert with_offset != key and traces.structure_key(module, (torch.zeros(1, 3),)) != with_offset
+    module.act = lambda x: x * 2  # a function by its code and what it closes over
+    doubled = traces.structure_key(module, (torch.zeros(1, 3),))
+    module.act = lambda x: x * 2
+    assert traces.structure_key(module, (torch.zeros(1, 3),)) == doubled
+    module.act = lambda x: x * 3
+    assert traces.structure_key(module, (torch.zeros(1, 3),)) != doubled
+    scale = 2.0
+    module.act = lambda x: x * scale
+    closed = traces.structure_key(module, (torch.zeros(1, 3),))
+    scale = 3.0  # noqa: F841 - read by the lambda's closure
+    assert traces.structure_key(module, (torch.zeros(1, 3),)) != closed
     module.helper = object()  # no description by content: no key, so traced afresh each time
     assert traces.structure_key(module, (torch.zeros(1, 3),)) is None
 
