@@ -2,9 +2,11 @@
 
 One model design (llama3-micro's: dim 64, GQA, RoPE, SwiGLU) at 1, 2, 4, 8 and 16 layers, random weights, each
 exported by kvforge's export_onnx (torch.onnx's dynamo export with the bundle's dynamic shapes, then the optimizer)
-in this process after one warm-up export, two ways interleaved in one run: tracing every layer (`every_layer`, as
-export did before export/replicate.py) and tracing the one layer design and copying it (the default). The median
-over runs of each depth; a least-squares line gives each way's fixed part and part per layer.
+in this process after one warm-up export, three ways interleaved in one run: tracing every layer (`every_layer`, as
+export did before export/replicate.py), tracing the one layer design and copying it (`replicated`), both with the
+store of traces off (KVFORGE_TRACE_CACHE=0), and `reused`: the default, an export of a structure this process
+already traced (another seed's weights bound to its template, export/traces.py). The median over runs of each
+depth; a least-squares line gives each way's fixed part and part per layer.
 
     python3 benchmarks/export_trace_layers.py [--runs 3] [--out benchmarks/results/export_trace_layers.json]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import resource
 import statistics
@@ -40,13 +43,18 @@ def main() -> None:
     torch.set_num_threads(1)  # as one xdist worker of the test suite runs it on a 2-core machine
     base = ModelConfig.from_name("llama3-micro")
     work = Path(tempfile.mkdtemp(prefix="kvforge-trace-"))
+    os.environ["KVFORGE_CACHE"] = str(work / "cache")  # no template of an earlier run
     export_onnx(init_random_weights(build_model(base)).eval(), work / "warm.onnx")
-    ways = {"every_layer": True, "replicated": False}
+    ways = {"every_layer": True, "replicated": False, "reused": False}
     seconds: dict[str, dict[int, list[float]]] = {way: {n: [] for n in DEPTHS} for way in ways}
     for run in range(args.runs):
         for n in DEPTHS:
-            model = init_random_weights(build_model(dataclasses.replace(base, n_layers=n))).eval()
+            cfg = dataclasses.replace(base, n_layers=n)
+            model = init_random_weights(build_model(cfg)).eval()
+            os.environ["KVFORGE_TRACE_CACHE"] = "1"  # other weights of this structure, traced and kept: `reused` binds
+            export_onnx(init_random_weights(build_model(cfg), seed=run + 1).eval(), work / f"m{n}-{run}-first.onnx")
             for way, every in ways.items():
+                os.environ["KVFORGE_TRACE_CACHE"] = "1" if way == "reused" else "0"
                 start = time.perf_counter()
                 export_onnx(model, work / f"m{n}-{run}-{way}.onnx", every_layer=every)
                 seconds[way][n].append(time.perf_counter() - start)
@@ -69,10 +77,12 @@ def main() -> None:
         }
     result["speedup_by_layers"] = {str(n): round(statistics.median(seconds["every_layer"][n])
                                                  / statistics.median(seconds["replicated"][n]), 2) for n in DEPTHS}
+    result["reuse_speedup_by_layers"] = {str(n): round(statistics.median(seconds["replicated"][n])
+                                                       / statistics.median(seconds["reused"][n]), 2) for n in DEPTHS}
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({way: {k: result[way][k] for k in ("seconds_median_by_layers", "fit_fixed_s", "fit_per_layer_s")}
-                      for way in ways} | {"speedup_by_layers": result["speedup_by_layers"]}))
+                      for way in ways} | {k: result[k] for k in ("speedup_by_layers", "reuse_speedup_by_layers")}))
 
 
 if __name__ == "__main__":
