@@ -27,24 +27,23 @@ from pathlib import Path
 
 GB = 1 << 30
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def _shape(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, theta: float,
+           **extra) -> dict:
+    return dict(architectures=[f"{arch.capitalize()}ForCausalLM"], model_type=arch, hidden_size=hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=True, rope_theta=theta, **extra)
+
+
 # the published configurations' shapes (the tokenizer is not part of the cost)
 SHAPES = {
-    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-                         vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
-                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, head_dim=64,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
-                         vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
-    "llama-3.2-3b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=3072,
-                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
-                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, head_dim=128,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "smollm2-135m": _shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0),
+    "llama-3.2-1b": _shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, head_dim=64, rope_scaling=LLAMA3_ROPE),
+    "qwen2.5-1.5b": _shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0),
+    "llama-3.2-3b": _shape("llama", 3072, 28, 24, 8, 8192, 128256, 500000.0, head_dim=128, rope_scaling=LLAMA3_ROPE),
 }
 COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, hidden_act="silu", torch_dtype="bfloat16",
               bos_token_id=1, eos_token_id=2)
