@@ -9,7 +9,7 @@ the first of a structure pays for torch.export (seconds to minutes, most of an e
 
 A structure is what the trace can read besides tensor values (`structure_key`): the modules' classes and every
 attribute they hold (configs, flags, sizes, functions), the name, shape and dtype of every parameter and buffer
-(a tied weight shows as one tensor under two names), the contents of any other tensor a module holds (the trace
+(a tied weight as one tensor under two names), the contents of any other tensor a module holds (the trace
 bakes those in as constants), and the example inputs, dynamic shapes, names and opset. A module holding what
 cannot be told apart by value (an object without a stable description) is traced afresh.
 
@@ -45,7 +45,7 @@ from torch import nn
 MAX_TEMPLATES = 32
 _templates: OrderedDict[str, Any] = OrderedDict()
 
-# nn.Module's own bookkeeping: tensors and submodules are keyed separately, hooks are not part of a trace
+# nn.Module's own bookkeeping: tensors and submodules are keyed separately
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
 
 
@@ -68,6 +68,8 @@ def _describe(value, depth: int = 0) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, torch.Tensor):
+        if value.is_meta or isinstance(value, torch._subclasses.FakeTensor):
+            raise Unkeyable("a tensor without values")
         data = value.detach().contiguous().cpu()
         digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
         return f"tensor({data.dtype},{tuple(data.shape)},{digest})"
@@ -108,11 +110,14 @@ def structure_key(module: nn.Module, *parts) -> str | None:
         for name, sub in module.named_modules(remove_duplicate=False):
             digest.update(f"|{name}:{type(sub).__module__}.{type(sub).__qualname__}".encode())
             for attr, value in sorted(vars(sub).items()):
-                if attr in _MODULE_STATE or "hook" in attr or attr.startswith("_state_dict") or attr.startswith("_load_state_dict"):
+                if attr in _MODULE_STATE:
                     continue
+                if attr.startswith("_") and "hook" in attr and isinstance(value, dict):
+                    value = list(value.values())  # a forward hook is traced; its handle's number is not
                 digest.update(f"{attr}={_describe(value)};".encode())
-        for name, tensor in module_tensors(module).items():
-            digest.update(f"|{name}:{tensor.dtype}{tuple(tensor.shape)}".encode())
+        first: dict[int, str] = {}
+        for name, tensor in module_tensors(module).items():  # with the name a tied tensor is first found under
+            digest.update(f"|{name}={first.setdefault(id(tensor), name)}:{tensor.dtype}{tuple(tensor.shape)}".encode())
         for part in parts:
             digest.update(f"|{_describe_shapes(part)}".encode())
     except Unkeyable:

@@ -127,3 +127,16 @@ def test_another_process_reads_the_stored_template_and_a_damaged_one_is_traced_a
     monkeypatch.setenv("KVFORGE_TRACE_CACHE", "0")  # the user's way to trace every export afresh
     export_onnx(second, tmp_path / "fresh.onnx")
     assert len(counted) == 3
+
+
+def test_the_key_tells_tied_weights_and_forward_hooks():
+    def pair():
+        return torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+
+    untied, tied = pair(), pair()
+    tied[1].weight = tied[0].weight  # one tensor under two names: torch.onnx keeps one initializer for both
+    assert traces.structure_key(untied) != traces.structure_key(tied)
+    assert traces.structure_key(untied) == traces.structure_key(pair())
+    hooked = pair()
+    hooked[0].register_forward_hook(lambda module, args, out: out * 2)  # traced with the module
+    assert traces.structure_key(hooked) != traces.structure_key(untied)
