@@ -29,6 +29,7 @@ import enum
 import functools
 import hashlib
 import importlib.metadata
+import logging
 import importlib.util
 import os
 import shutil
@@ -42,6 +43,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kvforge.errors import KvforgeError
+
+_log = logging.getLogger("kvforge.export")
 MAX_TEMPLATES = 32
 _templates: OrderedDict[str, Any] = OrderedDict()
 
@@ -202,11 +206,18 @@ def _enabled() -> bool:
 @contextlib.contextmanager
 def _stored(key: str):
     """The directory of the stored template `key` (its template.onnx there or not), held under a lock so that a
-    second process that needs it waits for the first to trace it instead of tracing it as well."""
+    second process that needs it waits for the first to trace it instead of tracing it as well; None where the
+    cache cannot be written (the export goes on, its trace kept in this process only)."""
     from kvforge.cache import cache_dir
 
-    root = cache_dir("traces")
-    with open(root / f"{key}.lock", "w") as lock:
+    try:
+        root = cache_dir("traces")
+        lock = open(root / f"{key}.lock", "w")
+    except (KvforgeError, OSError) as e:
+        _log.warning("traces are not kept on disk: %s", e)
+        yield None
+        return
+    with lock:
         try:
             import fcntl
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -216,15 +227,21 @@ def _stored(key: str):
 
 
 def _store(directory: Path, template) -> None:
+    """Write `template` as `directory` at once; a cache that cannot take it is only warned about."""
     import onnx_ir as ir
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    except OSError as e:
+        _log.warning("a trace is not kept on disk: %s", e)
+        return
     try:
         ir.save(template, tmp / "template.onnx")
-        try:
-            os.replace(tmp, directory)
-        except OSError:  # stored meanwhile (a process without the lock)
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.replace(tmp, directory)
+    except OSError as e:  # stored meanwhile by a process without the lock, or no room
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (directory / "template.onnx").is_file():
+            _log.warning("a trace is not kept on disk: %s", e)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -264,6 +281,8 @@ def _traced_on_disk(stored_key: str, tensors: dict[str, torch.Tensor], trace: Ca
     import onnx_ir as ir
 
     with _stored(stored_key) as directory:
+        if directory is None:
+            return None
         path = directory / "template.onnx"
         if path.is_file():
             try:

@@ -129,6 +129,21 @@ def test_another_process_reads_the_stored_template_and_a_damaged_one_is_traced_a
     assert len(counted) == 3
 
 
+def test_a_cache_that_cannot_be_written_keeps_the_trace_in_the_process_and_the_export_goes_on(tmp_path, counted,
+                                                                                                monkeypatch, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("KVFORGE_CACHE", str(blocked))
+    model = _model(seed=5)
+    with caplog.at_level("WARNING", logger="kvforge.export"):
+        export_onnx(model, tmp_path / "m.onnx")
+    assert len(counted) == 1 and "traces are not kept on disk" in caplog.text and str(blocked) in caplog.text
+    _assert_matches_torch(tmp_path / "m.onnx", model)
+    assert blocked.read_text() == "not a directory"
+    export_onnx(_model(seed=6), tmp_path / "again.onnx")  # still reused within the process
+    assert len(counted) == 1
+
+
 def test_the_key_tells_tied_weights_and_forward_hooks():
     def pair():
         return torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
