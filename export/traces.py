@@ -2,13 +2,12 @@
 
 torch.onnx traces a module with fake weights: its graph names each parameter and buffer (by its module path) and
 holds no value of theirs. So two modules that differ in weights alone (two checkpoints of one architecture, a
-preset at two seeds, one model exported at two dtypes' worth of options that change nothing it traces) share
-their trace. `traced` keeps, per structure, the unoptimized traced graph with the module's tensors left out (a
+preset at two seeds) share their trace; another dtype is another structure. `traced` keeps, per structure, the unoptimized traced graph with the module's tensors left out (a
 template) and gives each export a copy of it with that module's own tensors bound by name, then optimized; only
 the first of a structure pays for torch.export (seconds to minutes, most of an export's time).
 
 A structure is what the trace can read besides tensor values (`structure_key`): the modules' classes and every
-attribute they hold (configs, flags, sizes, functions), the name, shape and dtype of every parameter and buffer
+attribute they hold (configs, flags, sizes, functions by their code, forward hooks), the name, shape and dtype of every parameter and buffer
 (a tied weight as one tensor under two names), the contents of any other tensor a module holds (the trace
 bakes those in as constants), and the example inputs, dynamic shapes, names and opset. A module holding what
 cannot be told apart by value (an object without a stable description) is traced afresh.
