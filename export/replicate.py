@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from .traces import module_tensors
+
 HIDDEN = "kvforge.hidden"  # the traced prefix's extra outputs: the hidden state entering each layer, then the last's
 
 
@@ -283,8 +285,7 @@ def traced_program(model: nn.Module, trace_prefix: Callable[[int], object], trac
     k, rep = traced_prefix(model.layers)
     if k < len(model.layers):
         program = trace_prefix(k)
-        tensors = {f"model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
-        tensors.update({f"model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+        tensors = {f"model.{name}": t for name, t in module_tensors(model).items()}
         try:
             replicate(program.model, k, rep, tensors, output_order, input_order)
         except NotReplicable as e:

@@ -2,15 +2,16 @@
 
 torch.onnx traces a module with fake weights: its graph names each parameter and buffer (by its module path) and
 holds no value of theirs. So two modules that differ in weights alone (two checkpoints of one architecture, a
-preset at two seeds) share their trace; another dtype is another structure. `traced` keeps, per structure, the unoptimized traced graph with the module's tensors left out (a
-template) and gives each export a copy of it with that module's own tensors bound by name, then optimized; only
-the first of a structure pays for torch.export (seconds to minutes, most of an export's time).
+preset at two seeds) share their trace; another dtype is another structure. `traced` keeps, per structure, the
+unoptimized traced graph with the module's tensors left out (a template) and gives each export a copy of it with
+that module's own tensors bound by name, then optimized; only the first of a structure pays for torch.export
+(seconds to minutes, most of an export's time).
 
 A structure is what the trace can read besides tensor values (`structure_key`): the modules' classes and every
-attribute they hold (configs, flags, sizes, functions by their code, forward hooks), the name, shape and dtype of every parameter and buffer
-(a tied weight as one tensor under two names), the contents of any other tensor a module holds (the trace
-bakes those in as constants), and the example inputs, dynamic shapes, names and opset. A module holding what
-cannot be told apart by value (an object without a stable description) is traced afresh.
+attribute they hold (configs, flags, sizes, functions by their code, forward hooks), the name, shape and dtype
+of every parameter and buffer (a tied weight as one tensor under two names), the contents of any other tensor a
+module holds (the trace bakes those in as constants), and the example inputs, dynamic shapes, names and opset. A
+module holding what cannot be told apart by value (an object without a stable description) is traced afresh.
 
 Templates are kept in this process (at most MAX_TEMPLATES, the least recently used dropped first) and, where
 every module class of the structure is kvforge's or torch's (code whose version the key can name), under
@@ -28,15 +29,15 @@ import enum
 import functools
 import hashlib
 import importlib.metadata
-import logging
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 import types
-from pathlib import Path
 from collections import OrderedDict
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -80,12 +81,13 @@ def _describe(value, depth: int = 0) -> str:
         items = [_describe(v, depth + 1) for v in value]
         return f"{type(value).__name__}[{','.join(sorted(items) if isinstance(value, (set, frozenset)) else items)}]"
     if isinstance(value, dict):
-        return "{" + ",".join(sorted(f"{_describe(k, depth + 1)}:{_describe(v, depth + 1)}" for k, v in value.items())) + "}"
+        items = sorted(f"{_describe(k, depth + 1)}:{_describe(v, depth + 1)}" for k, v in value.items())
+        return "{" + ",".join(items) + "}"
     if is_dataclass(value) and not isinstance(value, type):
         return f"{type(value).__qualname__}(" + ",".join(
             f"{f.name}={_describe(getattr(value, f.name), depth + 1)}" for f in fields(value)) + ")"
     if isinstance(value, functools.partial):
-        return f"partial({_describe(value.func, depth + 1)},{_describe(value.args, depth + 1)},{_describe(value.keywords, depth + 1)})"
+        return f"partial({_describe((value.func, value.args, value.keywords), depth + 1)})"
     if isinstance(value, types.FunctionType):  # by its code, so that a lambda or a local function has a key too
         closure = [cell.cell_contents for cell in value.__closure__ or ()]
         return (f"fn({value.__module__}.{value.__qualname__},{_describe_code(value.__code__, depth + 1)},"
