@@ -9,7 +9,7 @@ last line of stderr (a refusal by the memory plan names its figures), and the is
 bundle + 2 GB, calibration peak <= 1.5 x its input bundle + 2 GB. One step at a time: never two heavy exports at
 once.
 
-    python3 benchmarks/export_scale.py [--shapes smollm2-135m,llama-3.2-1b] [--dtype float32] [--skip-calibrate]
+    python3 benchmarks/export_scale.py [--shapes smollm2-135m,llama-3.2-1b] [--dtypes float32,float16] [--skip-calibrate]
         [--gguf PATH ...] [--work DIR] [--out benchmarks/results/export_scale.json]
 """
 
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,7 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--gguf", nargs="*", default=[], help="real GGUF files to export as well")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", default="float32", help="comma-separated export dtypes, each exported in turn")
+    ap.add_argument("--keep-bundles", action="store_true", help="keep each bundle (default: removed once measured)")
     ap.add_argument("--shard-gb", type=float, default=2.0)
     ap.add_argument("--skip-calibrate", action="store_true")
     ap.add_argument("--work", default=None, help="where checkpoints and bundles go (default: a new temp dir)")
@@ -144,13 +147,13 @@ def main() -> None:
         sources.append((shape, directory, params))
     sources += [(Path(g).name, Path(g), None) for g in args.gguf]
     rows = []
-    for name, source, params in sources:
+    for (name, source, params), dtype in [(s, d) for s in sources for d in args.dtypes.split(",")]:
         from kvforge.model_defs.checkpoint import source_parameters
 
         row = {"model": name, "parameters": params or source_parameters(str(source)), "source_bytes": size_of(source)
-               if source.is_dir() else source.stat().st_size, "dtype": args.dtype}
-        bundle = work / f"{name}-{args.dtype}"
-        row["export"] = timed([*kvforge, "export", str(source), "-o", str(bundle), "--dtype", args.dtype, "--force"])
+               if source.is_dir() else source.stat().st_size, "dtype": dtype}
+        bundle = work / f"{name}-{dtype}"
+        row["export"] = timed([*kvforge, "export", str(source), "-o", str(bundle), "--dtype", dtype, "--force"])
         row["export"]["bundle_bytes"] = size_of(bundle)
         if row["export"]["rc"] == 0:
             row["export"]["within_bound"] = row["export"]["peak_rss_gb"] <= row["export"]["bundle_bytes"] / GB + 2
@@ -162,11 +165,20 @@ def main() -> None:
                 if row["calibrate"]["rc"] == 0:
                     row["calibrate"]["within_bound"] = (row["calibrate"]["peak_rss_gb"]
                                                         <= 1.5 * row["export"]["bundle_bytes"] / GB + 2)
+        if not args.keep_bundles:
+            for path in (bundle, work / f"{name}-int8"):
+                shutil.rmtree(path, ignore_errors=True)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        _write(args.out, rows)  # after each row: a run stopped part way keeps what it measured
+
+
+def _write(out: str, rows: list[dict]) -> None:
     result = {"benchmark": "export_scale", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-              "machine": platform.processor() or platform.machine(), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+              "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "bounds": "export peak RSS <= bundle + 2 GiB; calibration peak <= 1.5 x the float bundle + 2 GiB",
+              "rows": rows}
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

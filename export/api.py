@@ -21,9 +21,11 @@ from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
-from kvforge.model_defs.checkpoint import PACKAGED, TRAINED, gguf_path, load_quantized, source_parameters, trained_dir
+from kvforge.model_defs.checkpoint import (PACKAGED, TRAINED, gguf_path, load_quantized, load_streamed, prequantized,
+                                           source_parameters, trained_dir)
 from kvforge.model_defs.lora import add_slots, target_names
 from kvforge.model_defs.quantized import QuantizedCheckpoint
+from kvforge.model_defs.weights import for_tracing, streamed
 from kvforge.outputs import check_output_path, staged_bundle
 
 from .checkpoint_codes import keep_codes
@@ -119,15 +121,27 @@ def export(
     check_output_path(out, force, [source])  # fail before any work
     progress = progress or (lambda phase, done, total: None)
     source = DEFAULT_MODEL if source is None else source
+    streaming = load_streamed(source) if lora_max_rank is None and not _keeps_codes(source, dequantize) else None
+    if streaming is not None and not EXPORTS[kind_of(streaming[0].config).name].streams:
+        streaming = None  # this kind's export loads the model whole
     parameters = source_parameters(source)
     if parameters is not None:  # refuse a model this machine cannot hold before loading it
-        resources.check(resources.export_plan(parameters, resources.dtype_bytes(dtype)), out)
+        resources.check(resources.export_plan(parameters, resources.dtype_bytes(dtype), streaming is not None), out)
     started = time.time()
 
     progress("load", 0, 1)
-    # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)
-    (reference, tokenizer), quantized = load_quantized(source)
-    quantized = None if dequantize else quantized
+    if streaming is not None:
+        # weights read from the checkpoint where they are used (model_defs/weights.py): the graph's as it is
+        # written, the reference's one block at a time; the model is never held whole
+        skeleton, tokenizer, weights = streaming
+        model = for_tracing(skeleton, getattr(torch, dtype), weights)
+        # the weights go to model.onnx.data as they are read: a graph file holding them is made whole in memory
+        external_data = True if external_data is None else external_data
+        reference, quantized = streamed(skeleton, weights), None
+    else:
+        # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)
+        (reference, tokenizer), quantized = load_quantized(source)
+        quantized = None if dequantize else quantized
     if quantized is not None and dtype != "float32":  # before any work
         raise KvforgeError(f"a pre-quantized checkpoint's codes are kept in a float32 bundle (its scales and offsets are "
                            f"float32), not {dtype}: leave --dtype out, or pass --dequantize for a {dtype} bundle")
@@ -143,7 +157,8 @@ def export(
                                "(and calibrate the bundle) for a quantized base with slots")
         slots = add_slots(reference, lora_targets)
         targets = target_names(slots)
-    model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
+    if streaming is None:
+        model = reference if dtype == "float32" else copy.deepcopy(reference).to(getattr(torch, dtype)).eval()
     progress("load", 1, 1)
 
     with staged_bundle(out, force, [source]) as tmp:
@@ -202,6 +217,11 @@ def export(
         write_manifest(tmp, manifest)
         progress("write", 1, 1)
     return Bundle(out)
+
+
+def _keeps_codes(source, dequantize: bool) -> bool:
+    """Whether the export keeps `source`'s quantized codes (they are read with the model, model_defs.load_quantized)."""
+    return not dequantize and prequantized(source)
 
 
 def keep_checkpoint_codes(directory: Path, graph: str, quantized: QuantizedCheckpoint) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class KindExport(NamedTuple):
     io_spec: Callable[[Any, Any, int], IOSpec]
     # (io, model with slots, max rank, targets) -> io with the LoRA inputs; None: the kind takes no LoRA slots
     lora_io: Callable[[IOSpec, Any, int, list[str]], IOSpec] | None = None
+    # whether write and validate take a model whose weights are read where they are used (model_defs/weights.py:
+    # a traced copy with lazy weights, a streamed reference) instead of one held whole
+    streams: bool = False
 
 
 def _one_graph(export_fn) -> Callable[[Any, Path, int, bool | None], Graphs]:
@@ -91,7 +94,7 @@ _ENCODER = KindExport(_one_graph(export_encoder_onnx), _one_graph_validation(val
                       lambda cfg, dtype, max_context: encoder_io_spec(cfg, max_context))  # token ids in, floats out
 
 EXPORTS: dict[str, KindExport] = {
-    "decoder": KindExport(_one_graph(export_onnx), _validate_decoder, decoder_io_spec, with_lora_inputs),
+    "decoder": KindExport(_one_graph(export_onnx), _validate_decoder, decoder_io_spec, with_lora_inputs, streams=True),
     "encoder": _ENCODER,
     "perceiver": _ENCODER,
     "encoder-decoder": KindExport(_write_seq2seq, _validate_seq2seq, seq2seq_io_spec),

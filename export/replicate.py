@@ -26,12 +26,12 @@ import contextlib
 import copy
 import logging
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from .lazy_weights import ir_tensor, optimize
 from .traces import module_tensors
 
 HIDDEN = "kvforge.hidden"  # the traced prefix's extra outputs: the hidden state entering each layer, then the last's
@@ -205,7 +205,7 @@ def replicate(ir_model, k: int, rep: list[int], tensors: dict[str, torch.Tensor]
                 if tuple(tensor.shape) != tuple(v.shape):
                     raise NotReplicable(f"{name!r} is {tuple(tensor.shape)}, layer {r}'s is {tuple(v.shape)}")
                 copy = ir.Value(name=name, shape=ir.Shape(v.shape), type=v.type,
-                                const_value=type(v.const_value)(tensor, name=name))
+                                const_value=ir_tensor(tensor, name))
                 graph.register_initializer(copy)
             else:
                 copy = ir.Value(name=name, shape=v.shape, type=v.type)
@@ -291,8 +291,6 @@ def traced_program(model: nn.Module, trace_prefix: Callable[[int], object], trac
         except NotReplicable as e:
             logging.getLogger("kvforge.export").warning("tracing all %d layers: %s", len(model.layers), e)
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program.optimize()
+            optimize(program)
             return program
     return trace_whole()

@@ -45,6 +45,8 @@ from torch import nn
 
 from kvforge.errors import KvforgeError
 
+from . import lazy_weights
+
 _log = logging.getLogger("kvforge.export")
 MAX_TEMPLATES = 32
 _templates: OrderedDict[str, Any] = OrderedDict()
@@ -146,12 +148,12 @@ def _describe_shapes(value) -> str:
 def bind(model, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Give each weightless initializer of `model` the one of `tensors` it names (no copy); returns the names of
     those left without one."""
-    from onnx_ir.tensor_adapters import TorchTensor
+    from .lazy_weights import ir_tensor
 
     missing = []
     for name, value in model.graph.initializers.items():
         if name in tensors:
-            value.const_value = TorchTensor(tensors[name].detach(), name=name)
+            value.const_value = ir_tensor(tensors[name], name)
         elif value.const_value is None or _absent(value.const_value):
             missing.append(name)
     return missing
@@ -270,11 +272,19 @@ def traced(module: nn.Module, key_parts: tuple, trace: Callable[[], Any], optimi
             program = _traced_on_disk(hashlib.sha256(f"{key}|{_code_digest()}".encode()).hexdigest()[:32], tensors,
                                       trace, key)
     if program is None:
-        program = trace()
+        program = _fresh(trace, tensors)
         if key is not None:
             _remember(key, _template(program.model, tensors))
     if optimize:
-        program.optimize()
+        lazy_weights.optimize(program)
+    return program
+
+
+def _fresh(trace: Callable[[], Any], tensors: dict[str, torch.Tensor]):
+    """trace(), its weights bound again: a module's weights may be lazy values (model_defs/weights.py), its
+    traced parameters memory that holds none of them."""
+    program = trace()
+    bind(program.model, tensors)
     return program
 
 
@@ -296,7 +306,7 @@ def _traced_on_disk(stored_key: str, tensors: dict[str, torch.Tensor], trace: Ca
                     _remember(key, template)
                     return program
                 shutil.rmtree(directory, ignore_errors=True)
-        program = trace()
+        program = _fresh(trace, tensors)
         template = _template(program.model, tensors)
         _store(directory, template)
         _remember(key, template)

@@ -76,6 +76,7 @@ from kvforge import metrics
 from kvforge.errors import KvforgeError
 from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
+from kvforge.model_defs.weights import streamed_source
 
 from .bf16 import emulate_bfloat16
 from .onnx_export import FlatKVModel, input_names, output_names
@@ -88,6 +89,9 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "bfloat16": {"logits_rel_l2": 5e-2, "present_rel_l2": 5e-2},
 }
 LOCKSTEP_STEPS = 32
+# a reference streamed from its checkpoint (too large to keep: model_defs/weights.py) reads every weight on each
+# step of each side, so its lockstep is bounded: 8 steps of each side feeding its own cache back
+STREAMED_LOCKSTEP_STEPS = 8
 POOL_ROWS = 4  # distinct token sequences; the largest batch of any case
 PROMPT = 8  # the lockstep's prefill
 VALIDATION_RANK = 4  # the random adapter a graph with LoRA slots is validated with
@@ -115,6 +119,9 @@ class OrtRunner:
         self.dtype = dtype
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        # the weights stay where ONNX Runtime maps them from the data file: no packed copy of each (faster at
+        # batch sizes that serving sees, not at validation's) beside them
+        opts.add_session_config_entry("session.disable_prepacking", "1")
         if dtype == "bfloat16":
             model = emulate_bfloat16(path)
             self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
@@ -234,7 +241,9 @@ def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, pro
     all_cases = [c for c in grid if cases is None or c.name in cases] + _fuzz_cases(max_context, fuzz, seed)
     length = max([c.past + c.seq for c in all_cases] + [min(PROMPT, max_context - 1)])
     pool = token_pool(flat, tokens, POOL_ROWS, length, seed, max([c.past for c in all_cases if not c.pad], default=0))
-    total = len(all_cases) + (LOCKSTEP_STEPS if lockstep else 0)
+    source = streamed_source(reference)
+    steps = STREAMED_LOCKSTEP_STEPS if source is not None and not source.keep else LOCKSTEP_STEPS
+    total = len(all_cases) + (steps if lockstep else 0)
     names, records, failures = output_names(cfg), [], []
     margins = RoutingMargins(reference)
     for i, case in enumerate(all_cases):
@@ -258,7 +267,7 @@ def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, pro
     if lockstep:
         prompt = pool.ids[:1, :min(PROMPT, max_context - 1)]
         tick = lambda d: progress and progress(len(all_cases) + d, total)  # noqa: E731
-        lock = _lockstep(runner, flat, ref64, cfg, tol, prompt, max_context, tick)
+        lock = _lockstep(runner, flat, ref64, cfg, tol, prompt, max_context, tick, steps)
         failures += lock.pop("failures")
     given = tokens is not None and len(tokens) > 0
     return _summary(dtype, tol, records, lock, failures, (text or "text given by the caller") if given else None)
@@ -296,15 +305,16 @@ def _step_inputs(ids: torch.Tensor, past_len: int) -> tuple[torch.Tensor, ...]:
     return ids, torch.ones(1, total, dtype=torch.int64), torch.arange(past_len, total, dtype=torch.int64)[None]
 
 
-def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, max_context: int, tick) -> dict[str, Any]:
-    """Prefill the prompt, then 32 steps, each side feeding its own present back as its past.
+def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, max_context: int, tick,
+              steps: int = LOCKSTEP_STEPS) -> dict[str, Any]:
+    """Prefill the prompt, then `steps` steps (32), each side feeding its own present back as its past.
 
     Every side gets the FP32 reference's greedy token (the FP64 reference too), so logits and presents are
     compared at every step, the FP32 reference's own drift from FP64 giving the noise floor. The FP32 reference
     is thereby decoding greedily on its own; so is the candidate until its argmax first differs, from where it
     goes on alone (_free_run) to count the free-running greedy agreement.
     """
-    steps = min(LOCKSTEP_STEPS, max_context - prompt.shape[1])
+    steps = min(steps, max_context - prompt.shape[1])
     names = output_names(cfg)
     empty = tuple(t for layer in flat.model.empty_cache(1) for t in layer)
     past32, past64, past_c = empty, empty, [runner.cast(t) for t in empty]
@@ -327,7 +337,7 @@ def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, ma
             if diverged is None and own != int(ids):
                 margin = float(ref_logits[int(ids)] - ref_logits[own])
                 diverged = (step, margin, own, past_c, past_len)
-        tick(min(step + 1, LOCKSTEP_STEPS))
+        tick(min(step + 1, steps))
     # the largest logits error the bound allowed at any step: a free-running divergence within it is a near tie
     allowed = [j.get("allowed_max_abs", 0.0) for r in records for j in r["_judged"] if j["output"] == "logits"]
     slack = 2 * max(allowed, default=0.0)

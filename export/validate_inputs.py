@@ -14,7 +14,6 @@ from true FP64, a third of the FP32 reference's own 3.5e-6) and carries FP64 rou
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -24,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from kvforge.model_defs.checkpoint import is_tiny_tokenizer
 from kvforge.model_defs.moe import Router
+from kvforge.model_defs.weights import copy_in
 from kvforge.texts import builtin_prose
 
 from .onnx_export import FlatKVModel
@@ -94,7 +94,7 @@ class Float64Reference:
     """The reference evaluated in float64: a deep copy made once; call like FlatKVModel (inputs in any float dtype)."""
 
     def __init__(self, reference):
-        self.flat = FlatKVModel(copy.deepcopy(reference).to(_F64)).eval()
+        self.flat = FlatKVModel(copy_in(reference, _F64)).eval()
 
     @torch.no_grad()
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -46,6 +46,7 @@ class Plan:
 
 RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any weight
 EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 reference
+STREAMED_EXPORT_PER_BUNDLE_BYTE = 1.25  # peak resident bytes per byte of the bundle, weights streamed
 CALIBRATE_PER_BUNDLE_BYTE = 22  # peak resident bytes per byte of the float bundle's weights
 
 
@@ -54,11 +55,13 @@ def dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
-def export_plan(parameters: int, dtype_bytes: int) -> Plan:
-    """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight (the float32 reference is
-    loaded whatever the bundle's dtype)."""
-    return Plan("export", parameters, RUNTIME + EXPORT_PER_FP32_BYTE * 4 * parameters,
-                parameters * dtype_bytes * 5 // 4 + (64 << 20))
+def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False) -> Plan:
+    """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight: the float32 reference is
+    loaded whole whatever the bundle's dtype, or (streamed: weights read where they are used,
+    model_defs/weights.py) the bundle's session holds the weights once and the reference one block at a time."""
+    bundle = parameters * dtype_bytes
+    memory = RUNTIME + (STREAMED_EXPORT_PER_BUNDLE_BYTE * bundle if streamed else EXPORT_PER_FP32_BYTE * 4 * parameters)
+    return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20))
 
 
 def calibrate_plan(parameters: int, bundle_bytes: int) -> Plan:

@@ -26,6 +26,7 @@ from . import gguf, hf
 from .architectures import all_presets, build, config_from_dict, preset_config, tied_parameters
 from .model import Transformer, init_random_weights
 from .quantized import QuantizedCheckpoint
+from .weights import KEEP_BYTES, SafetensorsShards, WeightSource, no_init, skeleton
 
 CHECKPOINT_CONFIG = "kvforge_config.json"
 CHECKPOINT_FORMAT = "kvforge-checkpoint"
@@ -191,6 +192,66 @@ def load_quantized(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch
         model, tokenizer, quantized = _load_hf(Path(source), codes)
     _check_tokenizer(model.config, tokenizer, source)
     return LoadedModel(model.to(dtype).eval(), tokenizer), quantized
+
+
+def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer | None, WeightSource] | None:
+    """(the model as a skeleton, its tokenizer, the source of its FP32 weights read one tensor at a time) for a
+    source whose weights can be read so (model_defs/weights.py): a Hugging Face directory of float safetensors
+    or a kvforge checkpoint; None for the others (presets, GGUF files, quantized checkpoints: `load` them).
+    Every check of `load` runs before a weight is read (the names, the shapes after each transform)."""
+    kind = source_kind(source)
+    if kind == "preset" and str(source) in TRAINED:
+        source, kind = trained_dir(str(source)), "kvforge"
+    if kind == "kvforge":
+        directory = Path(source)
+        meta = read_json(directory / CHECKPOINT_CONFIG)
+        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("version", 0) > CHECKPOINT_VERSION:
+            return None  # load() names the problem
+        with no_init():
+            model = skeleton(build(config_from_dict(meta["model"])))
+        shards = SafetensorsShards([directory / WEIGHTS_FILE])
+        expected = {n: p.shape for n, p in model.named_parameters()}
+        found = {n: torch.Size(e[2]) for n, e in shards.entries.items()}
+        if found != expected:  # load() lists what differs
+            return None
+        weights = WeightSource(expected, shards.read, str(directory), KEEP_BYTES, shards.read_rows)
+        tokenizer = _read_tokenizer(directory)
+    elif kind == "hf":
+        directory = Path(source)
+        hf_config = hf.read_hf_config(directory)
+        if hf_config.get("quantization_config"):
+            return None
+        cfg = hf.config_from_hf(hf_config)
+        with no_init():
+            model = skeleton(build(cfg))
+        shards = SafetensorsShards(hf.safetensors_files(directory))
+        original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
+        metas = {n: shards.read_meta(original[n]) for n in original}
+
+        def same(a: str, b: str) -> bool:
+            x, y = shards.read(original[a], copy=True), shards.read(original[b])
+            return x.dtype == y.dtype and torch.equal(x, y)
+
+        plan = hf.weight_plan(model, cfg.family, metas, hf_config, same)
+        if set(plan) != {n for n, _ in model.named_parameters()}:  # a buffer read from the checkpoint: load() it
+            return None
+
+        def read(ours: str) -> torch.Tensor:
+            name, transform = plan[ours]
+            value = shards.read(original[name])
+            return value if transform is None else transform(value, cfg)
+
+        def read_rows(ours: str, rows: torch.Tensor) -> torch.Tensor | None:
+            name, transform = plan[ours]
+            return shards.read_rows(original[name], rows) if transform is None else None
+
+        weights = WeightSource({n: p.shape for n, p in model.named_parameters()}, read, str(directory), KEEP_BYTES,
+                               read_rows)
+        tokenizer = _read_tokenizer(directory)
+    else:
+        return None
+    _check_tokenizer(model.config, tokenizer, source)
+    return model.eval(), tokenizer, weights
 
 
 def _check_tokenizer(cfg, tokenizer: Tokenizer | None, source) -> None:

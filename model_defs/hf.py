@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -142,20 +142,35 @@ def _tied_names(duplicates: tuple[tuple[str, str], ...]) -> dict[str, list[str]]
 
 def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, torch.Tensor],
                        hf_config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Map checkpoint tensors onto `model`'s parameters, strictly.
+    """Map checkpoint tensors onto `model`'s parameters, strictly (weight_plan's checks).
 
     Raises one KvforgeError that lists every missing tensor, every unused one
     and every shape mismatch.
     """
     tensors = normalize_names(family, tensors)
+    same = lambda a, b: tensors[a].dtype == tensors[b].dtype and torch.equal(tensors[a], tensors[b])  # noqa: E731
+    plan = weight_plan(model, family, {n: t.to("meta") for n, t in tensors.items()}, hf_config, same)
+    return {ours: tensors[name] if transform is None else transform(tensors[name], model.config)
+            for ours, (name, transform) in plan.items()}
+
+
+def weight_plan(model: torch.nn.Module, family: str, tensors: dict[str, torch.Tensor],
+                hf_config: dict[str, Any] | None, same: Callable[[str, str], bool]) -> dict[str, tuple[str, Any]]:
+    """Each of `model`'s parameters (but the tied ones) -> (the checkpoint tensor it comes from, the transform it
+    takes), checked against `tensors` (names normalized; meta tensors do: only shapes are read): every parameter
+    from exactly one tensor of the right shape after its transform, every tensor used; a copy of a used tensor
+    (a tied head written anyway) is accepted where same(copy, name) says it equals it.
+
+    Raises one KvforgeError that lists every missing tensor, every unused one and every shape mismatch.
+    """
     spec = FAMILIES[family]
     table = spec.weights(hf_config or {}, model.config)
     tied = tied_parameters(model)
     partners = _tied_names(spec.duplicates)
-    wanted = [n for n in model.state_dict() if n not in tied]
+    expected = {n: p.shape for n, p in model.state_dict().items()}
+    wanted = [n for n in expected if n not in tied]
 
     out, used, missing, shapes = {}, set(), [], []
-    expected = model.state_dict()
     for ours in wanted:
         name, transform = source_name(table, family, ours)
         if name not in tensors:  # the same tied tensor, saved under another of its names
@@ -169,10 +184,10 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
         except (RuntimeError, ValueError) as e:  # a fused tensor that the config's sizes cannot split
             shapes.append(f"{name}: checkpoint {tuple(tensors[name].shape)} does not fit the config ({ours}: {e})")
             continue
-        if tuple(value.shape) != tuple(expected[ours].shape):
-            shapes.append(f"{name}: checkpoint {tuple(value.shape)} vs config {tuple(expected[ours].shape)} ({ours})")
+        if tuple(value.shape) != tuple(expected[ours]):
+            shapes.append(f"{name}: checkpoint {tuple(value.shape)} vs config {tuple(expected[ours])} ({ours})")
             continue
-        out[ours] = value
+        out[ours] = (name, transform)
     leftovers = spec.leftovers(model.config)
     extra = sorted(k for k in tensors
                    if k not in used and not any(p.search(k) for p in _IGNORED) and not k.startswith(leftovers))
@@ -185,7 +200,7 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
         if copy in extra and name in used:
             extra.remove(copy)
             a, b = tensors[copy], tensors[name]
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            if a.shape != b.shape or not same(copy, name):
                 differ.append(f"{copy} (tied to {name})")
     if missing or extra or shapes or differ:
         lines = []

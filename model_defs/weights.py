@@ -1,0 +1,430 @@
+"""Weights read where they are used: a model's structure without its weights, and a source that reads each of
+its parameters from the checkpoint on demand (docs/design.md, "Memory").
+
+A model of billions of parameters does not fit twice in a workstation's memory, and export holds it several
+times over when it loads it whole (an FP32 reference, an FP64 copy, the traced graph's weights, the session that
+validates it). Here the model is built as a *skeleton*: its modules, buffers and configuration as `build` makes
+them, and every parameter a placeholder of its shape and dtype that holds one element (a zero-stride view). A
+`WeightSource` reads any parameter by name: from a Hugging Face directory's safetensors shards, one tensor at a
+time with plain reads (not memory-mapped, so the page cache is not counted as the process's memory), each
+mapped by the family's weight table as `load` maps it; or from a model already in memory, without a copy.
+
+- `streamed(model, source, dtype)` makes a skeleton compute: each of its blocks reads its weights when it runs
+  and lets them go after, and what is outside the blocks (embeddings, final norm, head) for the model's forward;
+  so one block's weights are held at a time, in any dtype (the float64 reference of validation too).
+- `for_tracing(model, dtype, source)` gives a copy whose parameters are uninitialized memory that is never
+  written (the kernel backs it by no page) and each tagged with its lazy value for the ONNX graph
+  (`lazy_tensor`): torch.onnx traces it without reading a weight, and the graph's initializers are read from
+  the source one at a time as the file is written (export/lazy_weights.py).
+
+The values are those `load` gives: each checkpoint tensor mapped by the weight table's transform in its own
+dtype, then made float32 (the reference), then cast to the dtype asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import struct
+import weakref
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from kvforge.errors import KvforgeError
+
+# what a checkpoint's source keeps of the values it read (WeightSource.keep_bytes): a small model is read once,
+# a large one streamed past it
+KEEP_BYTES = 768 << 20
+_LAZY = "_kvforge_lazy"  # the attribute of a traced parameter that holds its lazy graph value
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class WeightSource:
+    """A model's parameters by name (the untied ones: a tied head reads the embedding's), read on demand.
+
+    shapes: name -> shape. read(name) -> the parameter's value in its checkpoint's dtype after the family's
+    transform (float32 is the reference's: `load` makes every value float32 before any other cast); it may be
+    a view of a buffer the next read reuses, or the model's own tensor for a source in memory: read copies it.
+    read_rows(name, rows) -> some rows of it alone (same terms), or None where the source cannot."""
+
+    def __init__(self, shapes: dict[str, torch.Size], read: Callable[[str], torch.Tensor], origin: str,
+                 keep_bytes: int = 0, read_rows: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None):
+        self.shapes = shapes
+        self._read = read
+        self._read_rows = read_rows
+        self.origin = origin
+        # values kept once read, when all of them fit in keep_bytes at float32 (a small model is then read once;
+        # a large one streams: keeping a part would cost memory where it is short and save little)
+        self.keep = self.nbytes(torch.float32) <= keep_bytes
+        self._kept: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def read(self, name: str, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight `name` in `dtype` (the reference's float32 values cast), into `out` when given."""
+        kept = self._kept.get((name, dtype))
+        if kept is None:
+            if name not in self.shapes:
+                raise KvforgeError(f"{self.origin} has no weight {name!r}")
+            base = self._kept.get((name, torch.float32))  # another dtype of a value kept: cast from it
+            value = self._read(name) if base is None else base
+            if tuple(value.shape) != tuple(self.shapes[name]):
+                raise KvforgeError(f"{self.origin}: {name} reads as {tuple(value.shape)}, not "
+                                   f"{tuple(self.shapes[name])}")
+            if self.keep:
+                kept = self._kept[(name, dtype)] = _cast(value, dtype)
+            else:
+                return _cast(value, dtype, out)
+        return kept if out is None else out.copy_(kept)
+
+    def read_rows(self, name: str, rows: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `rows` (sorted, distinct) of a weight: read alone where the source can (a table stored as is),
+        else cut from the whole value."""
+        for kept_dtype in (dtype, torch.float32):
+            kept = self._kept.get((name, kept_dtype))
+            if kept is not None:
+                return _cast(kept[rows], dtype, out)
+        value = self._read_rows(name, rows) if self._read_rows is not None and not self.keep else None
+        if value is None:
+            return _cast(self.read(name, dtype)[rows], dtype, out)
+        return _cast(value, dtype, out)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(int(torch.Size(s).numel()) * size for s in self.shapes.values())
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`value` in `dtype` as the reference makes it (float32 first), into `out` or a new tensor."""
+    if value.is_floating_point() and value.dtype not in (torch.float32, torch.float64) \
+            and dtype not in (torch.float32, torch.float64):
+        value = value.float()  # bfloat16 -> float16 as load -> .to(float16) rounds: through float32
+    if out is None:
+        return value.to(dtype, copy=True)
+    return out.copy_(value)
+
+
+def memory_source(model: nn.Module) -> WeightSource:
+    """The parameters of a model held in memory (no copy)."""
+    params = dict(model.named_parameters())
+    return WeightSource({n: p.shape for n, p in params.items()}, lambda n: params[n].detach(), "the model in memory")
+
+
+class SafetensorsShards:
+    """The tensors of safetensors files, read one at a time from their headers' offsets (no memory map), into
+    one buffer that each read reuses (fresh memory each time would cost a page fault per page)."""
+
+    def __init__(self, files: list[Path]):
+        self.checked: set[str] = set()  # tensors found finite (each checked whole on its first read)
+        self._fds: dict[Path, int] = {}
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    (size,) = struct.unpack("<Q", fh.read(8))
+                    if size > 100 << 20:
+                        raise ValueError(f"a header of {size} bytes")
+                    header = json.loads(fh.read(size))
+            except (OSError, ValueError, struct.error) as e:
+                raise KvforgeError(f"cannot read {f}: not a safetensors file ({e})") from e
+            data = 8 + size
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in self.entries:
+                    raise KvforgeError(f"tensors ['{name}'] appear in more than one shard ({f.name})")
+                dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+                if dtype is None:
+                    raise KvforgeError(f"{f}: {name} has dtype {entry.get('dtype')!r}, which kvforge does not read")
+                begin, end = entry["data_offsets"]
+                self.entries[name] = (f, dtype, tuple(entry["shape"]), data + begin, end - begin)
+
+    def read_meta(self, name: str) -> torch.Tensor:
+        """The tensor's shape and dtype, on the meta device."""
+        _, dtype, shape, _, _ = self.entries[name]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def read(self, name: str, copy: bool = False) -> torch.Tensor:
+        """The tensor `name`: a view of the shared buffer the next read overwrites (copy: a tensor of its own)."""
+        return self.read_rows(name, None, copy)
+
+    def read_rows(self, name: str, rows: torch.Tensor | None, copy: bool = False) -> torch.Tensor:
+        """Rows of a tensor (sorted, distinct; None: all), each run of consecutive rows read at once."""
+        f, dtype, shape, offset, length = self.entries[name]
+        if name not in self.checked:
+            self._check(name)
+        row = length // shape[0] if shape and shape[0] else length
+        runs = [(0, shape[0] if shape else 1)] if rows is None else _runs(rows.tolist())
+        count = sum(n for _, n in runs)
+        size = count * row
+        buffer = torch.empty(size, dtype=torch.uint8) if copy else self._scratch(size)
+        at = 0
+        for first, n in runs:
+            self._pread(f, name, buffer[at:at + n * row], offset + first * row)
+            at += n * row
+        out_shape = tuple(shape) if rows is None else (count, *shape[1:])
+        return buffer.view(dtype).reshape(out_shape) if size else torch.empty(out_shape, dtype=dtype)
+
+    def _check(self, name: str) -> None:
+        """NaN or infinity anywhere in the tensor is refused (read whole once, 64 MiB at a time)."""
+        f, dtype, shape, offset, length = self.entries[name]
+        if dtype.is_floating_point and length:
+            size = torch.empty((), dtype=dtype).element_size()
+            total, step = length // size, max(1, (64 << 20) // size)
+            for start in range(0, total, step):
+                part = self._scratch(min(step, total - start) * size)
+                self._pread(f, name, part, offset + start * size)
+                values = part.view(dtype)
+                if not bool(torch.isfinite(values if size > 1 else values.float()).all()):
+                    raise KvforgeError(f"{f} is damaged: {name} holds NaN or infinite values")
+        self.checked.add(name)
+
+    def _scratch(self, size: int) -> torch.Tensor:
+        if self._buffer.numel() < size:
+            self._buffer = torch.empty(size, dtype=torch.uint8)
+        return self._buffer[:size]
+
+    def _pread(self, f: Path, name: str, into: torch.Tensor, offset: int) -> None:
+        fd = self._fds.get(f)
+        if fd is None:
+            fd = self._fds[f] = os.open(f, os.O_RDONLY)
+        view, done = memoryview(into.numpy()), 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise KvforgeError(f"{f} is truncated: {name} ends past the file's end")
+            done += n
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct row numbers -> (first, count) of each run of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
+
+
+@contextlib.contextmanager
+def no_init() -> Iterator[None]:
+    """Modules built inside leave their parameters as allocated (torch.empty: memory no page backs until it is
+    written) instead of initializing them: building a model to load or stream its weights costs nothing."""
+    names = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+             "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+    saved = {n: getattr(nn.init, n) for n in names if hasattr(nn.init, n)}
+    try:
+        for n in saved:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` that holds one element (every index reads it)."""
+    return torch.zeros((), dtype=dtype).expand(*shape)
+
+
+def _unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """`model` with every parameter replaced by a placeholder of its dtype (buffers kept): built under
+    no_init, it never held a weight."""
+    for p in _unique_parameters(model).values():
+        p.data = placeholder(p.shape, p.dtype)
+    return model
+
+
+def cast_skeleton(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of the skeleton in `dtype` (floating placeholders and buffers cast, as `model.to(dtype)` does)."""
+    # each parameter copied as a new placeholder: deepcopy would write each one out whole (a zero-stride view's clone)
+    memo = {id(p): nn.Parameter(placeholder(p.shape, p.dtype), requires_grad=p.requires_grad)
+            for p in _unique_parameters(model).values()}
+    out = copy.deepcopy(model, memo)
+    for p in _unique_parameters(out).values():
+        p.data = placeholder(p.shape, dtype if p.is_floating_point() else p.dtype)
+    for b in out.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+_STREAMED: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightSource, torch.dtype]]" = weakref.WeakKeyDictionary()
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units that stream their own weights: the members of the model's outermost module lists (its layers)."""
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                out.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return out
+
+
+HEAD_CHUNK_BYTES = 64 << 20  # a streamed head's rows read at a time
+
+
+def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Make the skeleton `model` compute with `source`'s weights in `dtype`, one block's at a time; returns it.
+
+    Outside the blocks an embedding reads only the rows its ids select and a linear layer (the head) its rows
+    a chunk at a time (vocabulary-sized tables are the largest weights), and the other weights (norms) are read
+    for the whole forward. Its parameters are placeholders again after each forward."""
+    names = {id(p): n for n, p in _unique_parameters(model).items()}
+    units = blocks(model)
+    inner = {id(p) for u in units for p in u.parameters()}
+    tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear)) and id(m.weight) not in inner]
+    inner |= {id(m.weight) for m in tables}
+    outer = [p for p in _unique_parameters(model).values() if id(p) not in inner]
+
+    # released tensors, reused by the next of their shape (blocks share their shapes): fresh memory for every
+    # weight of every forward would cost a page fault per page; none where the source keeps its values
+    spare: dict[tuple, list[torch.Tensor]] = {}
+
+    def buffer(shape) -> torch.Tensor | None:
+        if source.keep:
+            return None
+        free = spare.get((tuple(shape), dtype))
+        return free.pop() if free else torch.empty(shape, dtype=dtype)
+
+    def load(params):
+        for p in params:
+            p.data = source.read(names[id(p)], dtype, buffer(source.shapes[names[id(p)]]))
+
+    def release(params):
+        for p in params:
+            if not source.keep and p.data.stride() and p.dtype == dtype:
+                spare.setdefault((tuple(p.shape), dtype), []).append(p.data)
+            p.data = placeholder(source.shapes[names[id(p)]], p.dtype)
+
+    def gather(module, args):  # the embedding of the rows the ids select: ids renumbered over them
+        ids, *rest = args
+        rows, index = torch.unique(ids, return_inverse=True)
+        module.weight.data = source.read_rows(names[id(module.weight)], rows, dtype)
+        return (index.reshape(ids.shape), *rest)
+
+    def head(module, x):  # rows of the weight a chunk at a time, each read when used
+        weight, bias = module.weight, module.bias
+        step = max(1, HEAD_CHUNK_BYTES // (weight.shape[1] * torch.empty((), dtype=dtype).element_size()))
+        parts = []
+        for start in range(0, weight.shape[0], step):
+            rows = torch.arange(start, min(start + step, weight.shape[0]))
+            chunk = buffer((len(rows), *weight.shape[1:]))
+            w = source.read_rows(names[id(weight)], rows, dtype, chunk)
+            b = None if bias is None else source.read_rows(names[id(bias)], rows, dtype)
+            parts.append(nn.functional.linear(x, w, b))
+            if chunk is not None:
+                spare.setdefault((tuple(chunk.shape), dtype), []).append(chunk)
+        return torch.cat(parts, dim=-1)
+
+    for unit in units:
+        own = list(unit.parameters())
+        unit.register_forward_pre_hook(lambda m, args, own=own: load(own))
+        unit.register_forward_hook(lambda m, args, out, own=own: release(own))
+    for table in tables:
+        if isinstance(table, nn.Embedding):
+            table.register_forward_pre_hook(gather)
+            table.register_forward_hook(lambda m, args, out: release([m.weight]))
+        else:
+            table.forward = functools.partial(head, table)
+    model.register_forward_pre_hook(lambda m, args: load(outer))
+
+    def done(module, args, out):
+        release(outer)
+        spare.clear()  # reused within a forward (block after block), not held between forwards
+
+    model.register_forward_hook(done)
+    for p in _unique_parameters(model).values():
+        p.data = placeholder(p.shape, dtype if p.is_floating_point() else p.dtype)
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(dtype)
+    _STREAMED[model] = (source, dtype)
+    return model
+
+
+def streamed_source(model: nn.Module) -> WeightSource | None:
+    """The source a streamed model reads (None: its weights are its own)."""
+    entry = _STREAMED.get(model)
+    return entry[0] if entry else None
+
+
+def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` in `dtype`: a copy cast whole (`deepcopy().to()`) when it holds its weights; another skeleton of
+    its config streamed from the same source when it is streamed."""
+    from .architectures import build
+
+    source = streamed_source(model)
+    if source is None:
+        return copy.deepcopy(model).to(dtype)
+    with no_init():
+        return streamed(skeleton(build(model.config)), source, dtype).eval()
+
+
+# ---------------------------------------------------------------------------------------------- tracing
+
+
+def lazy_tensor(value):
+    """The lazy graph value a traced parameter carries (for_tracing), or None."""
+    return getattr(value, _LAZY, None)
+
+
+def for_tracing(model: nn.Module, dtype: torch.dtype, source: WeightSource) -> nn.Module:
+    """A copy of the skeleton `model` to trace in `dtype`: parameters of unwritten memory (no page backs them),
+    each carrying its lazy ONNX value read from `source` and cast to `dtype` when the graph is saved."""
+    import onnx_ir as ir
+    from onnx_ir.tensor_adapters import TorchTensor
+
+    out = cast_skeleton(model, dtype)
+    for name, p in _unique_parameters(out).items():
+        target = dtype if p.is_floating_point() else p.dtype
+        p.data = torch.empty(p.shape, dtype=target)
+        read = lambda name=name, target=target: TorchTensor(source.read(name, target), name=name)  # noqa: E731
+        setattr(p, _LAZY, ir.LazyTensor(read, ir.DataType.from_numpy(_numpy_dtype(target)) if target != torch.bfloat16
+                                        else ir.DataType.BFLOAT16, ir.Shape(list(p.shape)), name=name))
+    return out
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def free_memory_hint() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise), so that the peak of one stage is
+    not carried into the next."""
+    if os.name != "posix":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
