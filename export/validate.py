@@ -119,14 +119,18 @@ class OrtRunner:
         self.dtype = dtype
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        # the weights stay where ONNX Runtime maps them from the data file: no packed copy of each (faster at
-        # batch sizes that serving sees, not at validation's) beside them
+        # The weights stay as the data file holds them, mapped: no packed copy of each (faster at the batch sizes
+        # serving sees, not at validation's), and no constant folded from a weight (a tied head's transposed
+        # table: the head becomes a FusedMatMul reading the embedding). Float16 weights still get a float32 copy
+        # each: the CPU's kernels compute in float32, and ONNX Runtime casts every weight once (folded at load,
+        # or at run time where folding is off, as large either way)
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        options = {"providers": ["CPUExecutionProvider"], "disabled_optimizers": ["ConstantFolding"]}
         if dtype == "bfloat16":
             model = emulate_bfloat16(path)
-            self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(model.SerializeToString(), opts, **options)
         else:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), opts, **options)
         self.names = [i.name for i in self.session.get_inputs()]
 
     def cast(self, t: torch.Tensor) -> np.ndarray:

@@ -1,13 +1,13 @@
 """Weights read where they are used: a model's structure without its weights, and a source that reads each of
-its parameters from the checkpoint on demand (docs/design.md, "Memory").
+its parameters from the checkpoint on demand (docs/design.md, "Export that streams its weights").
 
 A model of billions of parameters does not fit twice in a workstation's memory, and export holds it several
 times over when it loads it whole (an FP32 reference, an FP64 copy, the traced graph's weights, the session that
 validates it). Here the model is built as a *skeleton*: its modules, buffers and configuration as `build` makes
 them, and every parameter a placeholder of its shape and dtype that holds one element (a zero-stride view). A
 `WeightSource` reads any parameter by name: from a Hugging Face directory's safetensors shards, one tensor at a
-time with plain reads (not memory-mapped, so the page cache is not counted as the process's memory), each
-mapped by the family's weight table as `load` maps it; or from a model already in memory, without a copy.
+time with plain reads into one reused buffer (not memory-mapped, so the page cache is not counted as the
+process's memory), each mapped by the family's weight table as `load` maps it and checked finite once.
 
 - `streamed(model, source, dtype)` makes a skeleton compute: each of its blocks reads its weights when it runs
   and lets them go after, and what is outside the blocks (embeddings, final norm, head) for the model's forward;
@@ -64,8 +64,9 @@ class WeightSource:
         self._read = read
         self._read_rows = read_rows
         self.origin = origin
-        # values kept once read, when all of them fit in keep_bytes at float32 (a small model is then read once;
-        # a large one streams: keeping a part would cost memory where it is short and save little)
+        # float32 values kept once read, when all of them fit in keep_bytes (a small model is then read once, its
+        # other dtypes cast from them; a large one streams: keeping a part would cost memory where it is short
+        # and save little)
         self.keep = self.nbytes(torch.float32) <= keep_bytes
         self._kept: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -80,10 +81,11 @@ class WeightSource:
             if tuple(value.shape) != tuple(self.shapes[name]):
                 raise KvforgeError(f"{self.origin}: {name} reads as {tuple(value.shape)}, not "
                                    f"{tuple(self.shapes[name])}")
-            if self.keep:
-                kept = self._kept[(name, dtype)] = _cast(value, dtype)
-            else:
-                return _cast(value, dtype, out)
+            if self.keep and base is None:
+                base = self._kept[(name, torch.float32)] = _cast(value, torch.float32)
+            if dtype != torch.float32 or base is None:
+                return _cast(value if base is None else base, dtype, out)
+            kept = base
         return kept if out is None else out.copy_(kept)
 
     def read_rows(self, name: str, rows: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -112,12 +114,6 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = No
     if out is None:
         return value.to(dtype, copy=True)
     return out.copy_(value)
-
-
-def memory_source(model: nn.Module) -> WeightSource:
-    """The parameters of a model held in memory (no copy)."""
-    params = dict(model.named_parameters())
-    return WeightSource({n: p.shape for n, p in params.items()}, lambda n: params[n].detach(), "the model in memory")
 
 
 class SafetensorsShards:
@@ -310,7 +306,7 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
     spare: dict[tuple, list[torch.Tensor]] = {}
 
     def buffer(shape) -> torch.Tensor | None:
-        if source.keep:
+        if source.keep and dtype == torch.float32:  # the kept values themselves
             return None
         free = spare.get((tuple(shape), dtype))
         return free.pop() if free else torch.empty(shape, dtype=dtype)
@@ -321,7 +317,7 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
 
     def release(params):
         for p in params:
-            if not source.keep and p.data.stride() and p.dtype == dtype:
+            if not (source.keep and dtype == torch.float32) and p.data.stride() and p.dtype == dtype:
                 spare.setdefault((tuple(p.shape), dtype), []).append(p.data)
             p.data = placeholder(source.shapes[names[id(p)]], p.dtype)
 
@@ -415,16 +411,3 @@ def for_tracing(model: nn.Module, dtype: torch.dtype, source: WeightSource) -> n
 
 def _numpy_dtype(dtype: torch.dtype):
     return torch.empty((), dtype=dtype).numpy().dtype
-
-
-def free_memory_hint() -> None:
-    """Give freed heap memory back to the system (glibc keeps it otherwise), so that the peak of one stage is
-    not carried into the next."""
-    if os.name != "posix":
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
