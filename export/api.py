@@ -34,6 +34,7 @@ from .lint import lint, merge_lint
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA
 
 DTYPES = ("float32", "float16", "bfloat16")
+STREAM_INLINE_BYTES = 256 << 20  # a streamed export's weights up to this size are written into the graph file
 MAX_LORA_RANK = 1024
 
 # progress(phase, done, total): phases "load", "export", "lint", "validate", "write"
@@ -135,8 +136,10 @@ def export(
         # written, the reference's one block at a time; the model is never held whole
         skeleton, tokenizer, weights = streaming
         model = for_tracing(skeleton, getattr(torch, dtype), weights)
-        # the weights go to model.onnx.data as they are read: a graph file holding them is made whole in memory
-        external_data = True if external_data is None else external_data
+        # the weights of a model past STREAM_INLINE_BYTES go to model.onnx.data as they are read (a graph file
+        # holding them is made whole in memory); a small one stays one file, as a loaded model's does
+        if external_data is None:
+            external_data = weights.nbytes(getattr(torch, dtype)) > STREAM_INLINE_BYTES
         reference, quantized = streamed(skeleton, weights), None
     else:
         # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)

@@ -9,6 +9,7 @@ written. Weights held in memory take the same path (their transposes are read fr
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -64,17 +65,26 @@ def fold_weight_transposes(graph) -> int:
     return folded
 
 
+@contextlib.contextmanager
+def reading_weights():
+    """A weight that cannot be read while the graph is optimized or written (a damaged or truncated checkpoint)
+    surfaces as its own KvforgeError, not inside the optimizer's or serializer's error."""
+    try:
+        yield
+    except KvforgeError:
+        raise
+    except Exception as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, KvforgeError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from e
+
+
 def optimize(program) -> None:
     """The onnxscript optimizer over `program`, after the weights' transposes are folded lazily."""
     fold_weight_transposes(program.model.graph)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), reading_weights():
         warnings.simplefilter("ignore")
-        try:
-            program.optimize()
-        except Exception as e:  # a weight read by the optimizer (a small constant) that could not be read
-            cause = e
-            while cause is not None and not isinstance(cause, KvforgeError):
-                cause = cause.__cause__
-            if cause is None:
-                raise
-            raise cause from e
+        program.optimize()

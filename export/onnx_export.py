@@ -49,6 +49,7 @@ from kvforge.errors import KvforgeError
 from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 
+from .lazy_weights import reading_weights
 from .replicate import hidden_names, hidden_states, layer_of, prefix, traced_program
 from .traces import traced
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
@@ -415,5 +416,6 @@ def save_program(program, path: Path, external_data: bool | None = None) -> Path
     weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
     if external_data is None:
         external_data = weight_bytes > PROTOBUF_LIMIT - (64 << 20)
-    ir.save(program.model, path, external_data=EXTERNAL_DATA if external_data else None)
+    with reading_weights():
+        ir.save(program.model, path, external_data=EXTERNAL_DATA if external_data else None)
     return path
