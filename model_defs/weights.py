@@ -158,7 +158,7 @@ class SafetensorsShards:
     def read_rows(self, name: str, rows: torch.Tensor | None, copy: bool = False) -> torch.Tensor:
         """Rows of a tensor (sorted, distinct; None: all), each run of consecutive rows read at once."""
         f, dtype, shape, offset, length = self.entries[name]
-        if name not in self.checked:
+        if name not in self.checked and rows is not None:  # a whole read is checked as it is read, below
             self._check(name)
         row = length // shape[0] if shape and shape[0] else length
         runs = [(0, shape[0] if shape else 1)] if rows is None else _runs(rows.tolist())
@@ -170,21 +170,27 @@ class SafetensorsShards:
             self._pread(f, name, buffer[at:at + n * row], offset + first * row)
             at += n * row
         out_shape = tuple(shape) if rows is None else (count, *shape[1:])
-        return buffer.view(dtype).reshape(out_shape) if size else torch.empty(out_shape, dtype=dtype)
+        if not size:
+            return torch.empty(out_shape, dtype=dtype)
+        value = buffer.view(dtype).reshape(out_shape)
+        if name not in self.checked:
+            self._refuse_non_finite(name, _non_finite(value))
+        return value
 
     def _check(self, name: str) -> None:
         """NaN or infinity anywhere in the tensor is refused (read whole once, 64 MiB at a time)."""
         f, dtype, shape, offset, length = self.entries[name]
-        if dtype.is_floating_point and length:
-            size = torch.empty((), dtype=dtype).element_size()
-            total, step, bad = length // size, max(1, (64 << 20) // size), 0
-            for start in range(0, total, step):
-                part = self._scratch(min(step, total - start) * size)
-                self._pread(f, name, part, offset + start * size)
-                values = part.view(dtype)
-                bad += int((~torch.isfinite(values if size > 1 else values.float())).sum())
-            if bad:
-                raise KvforgeError(f"{f} is damaged: {name} holds {bad} NaN or infinite values")
+        size = torch.empty((), dtype=dtype).element_size()
+        total, step, bad = length // size, max(1, (64 << 20) // size), 0
+        for start in range(0, total, step):
+            part = self._scratch(min(step, total - start) * size)
+            self._pread(f, name, part, offset + start * size)
+            bad += _non_finite(part.view(dtype))
+        self._refuse_non_finite(name, bad)
+
+    def _refuse_non_finite(self, name: str, bad: int) -> None:
+        if bad:
+            raise KvforgeError(f"{self.entries[name][0]} is damaged: {name} holds {bad} NaN or infinite values")
         self.checked.add(name)
 
     def _scratch(self, size: int) -> torch.Tensor:
@@ -206,6 +212,13 @@ class SafetensorsShards:
     def __del__(self):
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
+
+
+def _non_finite(values: torch.Tensor) -> int:
+    """How many NaN or infinite values a tensor holds (0 for integers; FP8 counted through float32)."""
+    if not values.is_floating_point():
+        return 0
+    return int((~torch.isfinite(values if values.element_size() > 1 else values.float())).sum())
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
