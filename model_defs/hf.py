@@ -21,6 +21,7 @@ from kvforge.schema import path_problem, read_json
 from .architectures import ARCHITECTURES, tied_parameters
 from .hf_families import FAMILIES, NOT_BUILT
 from .quantized import QuantizedCheckpoint, exact, follow
+from .weights import count_non_finite
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 
@@ -119,8 +120,7 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         dup = sorted(set(part) & set(tensors))
         if dup:
             raise KvforgeError(f"tensors {dup[:5]} appear in more than one shard ({f.name})")
-        bad = {name: int((~torch.isfinite(t if t.element_size() > 1 else t.float())).sum())  # FP8: no isfinite
-               for name, t in part.items() if t.is_floating_point()}
+        bad = {name: count_non_finite(t) for name, t in part.items()}
         bad = {name: n for name, n in bad.items() if n}
         if bad:
             names = ", ".join(f"{name} holds {n} NaN or infinite values" for name, n in sorted(bad.items())[:5])

@@ -174,7 +174,7 @@ class SafetensorsShards:
             return torch.empty(out_shape, dtype=dtype)
         value = buffer.view(dtype).reshape(out_shape)
         if name not in self.checked:
-            self._refuse_non_finite(name, _non_finite(value))
+            self._refusecount_non_finite(name, count_non_finite(value))
         return value
 
     def _check(self, name: str) -> None:
@@ -185,10 +185,10 @@ class SafetensorsShards:
         for start in range(0, total, step):
             part = self._scratch(min(step, total - start) * size)
             self._pread(f, name, part, offset + start * size)
-            bad += _non_finite(part.view(dtype))
-        self._refuse_non_finite(name, bad)
+            bad += count_non_finite(part.view(dtype))
+        self._refusecount_non_finite(name, bad)
 
-    def _refuse_non_finite(self, name: str, bad: int) -> None:
+    def _refusecount_non_finite(self, name: str, bad: int) -> None:
         if bad:
             raise KvforgeError(f"{self.entries[name][0]} is damaged: {name} holds {bad} NaN or infinite values")
         self.checked.add(name)
@@ -214,7 +214,7 @@ class SafetensorsShards:
             os.close(fd)
 
 
-def _non_finite(values: torch.Tensor) -> int:
+def count_non_finite(values: torch.Tensor) -> int:
     """How many NaN or infinite values a tensor holds (0 for integers; FP8 counted through float32)."""
     if not values.is_floating_point():
         return 0
