@@ -82,9 +82,34 @@ def reading_weights():
         raise cause from e
 
 
+# onnxscript rewrite rules the optimizer runs without. SlicesSplit (two Slices that cover a tensor -> one Split)
+# looks for its second Slice by listing every node of the graph again for each Slice: quadratic in the graph's
+# size, more than half the optimizer's time on a mixture of experts' graph, where it never applies. Without it
+# such a pair stays two Slices: the same values, and the Slices are what runtime/ort/fusions.py looks for.
+SKIPPED_REWRITE_RULES = frozenset({"SlicesSplit"})
+
+
+@contextlib.contextmanager
+def _without_skipped_rules():
+    """onnxscript's default rewrite rules less SKIPPED_REWRITE_RULES while the optimizer runs (an onnxscript
+    without that table runs all its rules)."""
+    try:
+        from onnxscript import rewriter
+
+        rules = rewriter._DEFAULT_REWRITE_RULES
+    except (ImportError, AttributeError):
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in rules if getattr(r, "name", None) not in SKIPPED_REWRITE_RULES)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 def optimize(program) -> None:
     """The onnxscript optimizer over `program`, after the weights' transposes are folded lazily."""
     fold_weight_transposes(program.model.graph)
-    with warnings.catch_warnings(), reading_weights():
+    with warnings.catch_warnings(), reading_weights(), _without_skipped_rules():
         warnings.simplefilter("ignore")
         program.optimize()

@@ -307,6 +307,37 @@ def _strip_debug_metadata(graph) -> None:
             node.metadata_props.pop(key, None)
 
 
+_REGISTRIES: dict = {}
+
+
+@contextlib.contextmanager
+def _one_torchlib_registry():
+    """torch.onnx.export with the registry of torchlib's ONNX functions built once per opset in this process, not
+    once per export (about a second each time, a sixth of a small model's trace). kvforge passes no custom
+    translation table, so nothing is registered into it; a torch without that seam builds its own each time."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        build = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def cached(cls, opset_version=None, **kwargs):
+        if kwargs:
+            return build.__func__(cls, opset_version, **kwargs)
+        key = (cls, opset_version)
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build.__func__(cls) if opset_version is None else build.__func__(cls, opset_version)
+        return _REGISTRIES[key]
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(cached)
+    try:
+        yield
+    finally:
+        _registration.ONNXRegistry.from_torchlib = build
+
+
 def trace(module, args, dynamic_shapes, input_names: list[str], output_names: list[str], opset: int,
           optimize: bool = True):
     """torch.onnx's dynamo export of `module` on `args`, quietly, made once per structure (export/traces.py);
@@ -316,8 +347,10 @@ def trace(module, args, dynamic_shapes, input_names: list[str], output_names: li
 
     def export():
         try:
-            return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
-                                     output_names=output_names, opset_version=opset, optimize=False, verbose=False)
+            with _one_torchlib_registry():
+                return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
+                                         output_names=output_names, opset_version=opset, optimize=False,
+                                         verbose=False)
         except Exception as e:  # the exporter raises many types; report them as one
             raise KvforgeError(f"torch.onnx export failed: {type(e).__name__}: {e}") from e
 
