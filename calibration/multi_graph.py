@@ -51,8 +51,6 @@ def quantize_graphs(models: dict[str, Any], files: dict[str, str], found: dict[s
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(batches),
                                                  len(batches), recipe.precision, recipe.method, recipe.percentile,
                                                  recipe.smoothquant, report)
-        if run is not None:
-            run.release()  # its session's copy of the weights is not needed by the rewrite
         if recipe.gptq:
             round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, report,
                                         len(targets))

@@ -37,7 +37,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     routers = router_inputs(model, {e.moe for e in experts}) if experts else {}
     extra = [n for n in dict.fromkeys(routers.values()) if n not in activations]
 
-    act_amax, smooth, calibration, hessians, cset, chosen, run = None, None, {"data": None}, None, None, None, None
+    act_amax, smooth, calibration, hessians, cset, chosen = None, None, {"data": None}, None, None, None
     if recipe.needs_data:
         cset = load_calibration_set(bundle, recipe.data, samples=recipe.samples, seq_len=recipe.seq_len,
                                     random_data=recipe.random_data, hold_out=HOLD_OUT_TOKENS if recipe.auto else 0)
@@ -56,8 +56,6 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": recipe.batch_size,
         }
     expert_record, starved_float = None, []
-    if run is not None and (recipe.weight_only or recipe.auto or recipe.method in (None, "max")):
-        run.release()  # no second pass over the data follows: its session's copy of the weights goes now
     if not recipe.weight_only and recipe.auto:
         # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
         plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
@@ -70,8 +68,6 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
                                              progress)
-    if run is not None:
-        run.release()  # a later pass (GPTQ's Hessians for the automatic INT4 recipe) makes its own session
     if not recipe.weight_only and experts:
         for amax in [act_amax] + [c[0] for c in (chosen or {}).values()]:  # every candidate's ranges cover them
             expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,

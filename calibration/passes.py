@@ -27,12 +27,25 @@ def observe(model, activations: list[str], items: Callable[[], Any], n_batches: 
     activations, for pass 2's histograms); fills `hessians` (GPTQ's X^T X) when given. sample_rows: about this
     many rows of each activation, evenly spaced within every batch, are kept in its observer's `sampled`.
     """
-    run = Probe(model, activations, float_dtype, feeds)
+    from onnx import TensorProto, helper
+
+    probe = type(model)()
+    probe.CopyFrom(model)
+    del probe.graph.output[1:]  # keep the first output (logits, a hidden state); drop presents
+    elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
+    for name in activations:  # activations carry the model dtype
+        probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+    sess = make_session(probe.SerializeToString())
+    names = [o.name for o in sess.get_outputs()][1:]
+
+    def run(item):
+        return dict(zip(names, sess.run(names, feeds(item))))
+
     observers = {n: TensorObserver(n, keep_rows=(keep_rows or {}).get(n, 0)) for n in activations}
     channel_amax: dict[str, np.ndarray] = {}
     for i, item in enumerate(items()):
         for name, x in run(item).items():
-            x = np.asarray(x, dtype=np.float32)
+            x = x.astype(np.float32)
             observers[name].observe_range(x)
             if hessians is not None:
                 hessians.add(name, x)
@@ -45,46 +58,6 @@ def observe(model, activations: list[str], items: Callable[[], Any], n_batches: 
                 channel_amax[name] = np.maximum(channel_amax.get(name, 0), m)
         progress("observe", i + 1, n_batches)
     return observers, channel_amax, run
-
-
-class Probe:
-    """item -> {activation: its value}: the float graph run with only the activations as outputs (what follows the
-    last of them, the vocabulary projection of a decoder, is not computed). The session is made on the first call
-    and dropped by release() (pass 1 and pass 2 share one; a later pass makes its own): the graph is not copied,
-    its outputs are set while the session is made and put back."""
-
-    def __init__(self, model, activations: list[str], float_dtype, feeds: Callable[[Any], dict] | None = None):
-        self.model, self.activations, self.float_dtype, self.feeds = model, list(activations), float_dtype, feeds
-        self.session = None
-
-    def _make(self):
-        from onnx import TensorProto, helper
-
-        elem = TensorProto.FLOAT16 if self.float_dtype == np.float16 else TensorProto.FLOAT
-        outputs = list(self.model.graph.output)
-        kept = [o for o in outputs if o.name in self.activations]  # an activation that is a graph output already
-        del self.model.graph.output[:]
-        if not self.activations:  # nothing to observe: the first output, so that the session has one
-            self.model.graph.output.append(outputs[0])
-        self.model.graph.output.extend(kept)
-        for name in self.activations:  # activations carry the model dtype
-            if all(o.name != name for o in kept):
-                self.model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
-        try:
-            graph = self.model.SerializeToString()
-        finally:
-            del self.model.graph.output[:]
-            self.model.graph.output.extend(outputs)
-        return make_session(graph, prepacking=False)
-
-    def __call__(self, item, feeds: Callable[[Any], dict] | None = None) -> dict[str, np.ndarray]:
-        if self.session is None:
-            self.session = self._make()
-        names = [n for n in (o.name for o in self.session.get_outputs()) if n in self.activations]
-        return dict(zip(names, self.session.run(names, (feeds or self.feeds)(item))))
-
-    def release(self) -> None:
-        self.session = None
 
 
 def activation_scales(model, targets, observers, channel_amax, run, items, n_batches: int, precision: str, method: str,

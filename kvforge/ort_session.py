@@ -93,12 +93,10 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
 
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
-                 threads: int | None = None, spinning: bool = True, prepacking: bool = True):
+                 threads: int | None = None, spinning: bool = True):
     """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs.
     spinning=False: its threads stop spinning when a run ends (ORT's session.force_spinning_stop), so that they do
-    not take the cores from another session that runs in turn with it (a speculative draft and its target).
-    prepacking=False: the CPU kernels use the weights as stored instead of a packed copy of each (a session that
-    runs a few large batches, where the copy costs memory and saves little time)."""
+    not take the cores from another session that runs in turn with it (a speculative draft and its target)."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -114,9 +112,6 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         opts.add_session_config_entry(key, value)
     if not spinning:
         opts.add_session_config_entry("session.force_spinning_stop", "1")
-    if not prepacking:
-        opts.add_session_config_entry("session.disable_prepacking", "1")
-        opts.enable_cpu_mem_arena = False
     try:
         return ort.InferenceSession(
             model if isinstance(model, bytes) else str(model), opts, providers=providers or ["CPUExecutionProvider"],

@@ -153,40 +153,6 @@ def test_quantized_tiny_stays_close_to_fp32(tmp_path, fp32, heldout, precision, 
         assert m["calibration"]["data"] is None
 
 
-def test_observation_reads_the_activations_onnxruntime_computes_and_leaves_the_graph_as_it_was(fp32):
-    """The calibration probe sets the activations as the graph's outputs only while its session is made (no copy of
-    the graph), returns what a plain ONNX Runtime session of the graph with those outputs computes (the oracle: to
-    1e-5 of each activation's range, the rounding of ORT's GEMM with and without packed weights), and drops its
-    session (its copy of the weights) on release."""
-    from kvforge.calibration.passes import observe
-    from kvforge.calibration.qdq import find_targets
-    from kvforge.ort_session import prefill_feeds
-
-    model = fp32.load_graph()
-    outputs = [o.SerializeToString() for o in model.graph.output]
-    activations = list(dict.fromkeys(t.activation for t in find_targets(model)[0]))[:5]
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, fp32.model_config["vocab_size"], (2, 16)) for _ in range(2)]
-    feeds = lambda b: prefill_feeds(b, fp32.model_config, fp32.io, fp32.dtype)  # noqa: E731
-    observers, _, run = observe(model, activations, lambda: iter(batches), 2, feeds, False, np.float32,
-                                lambda *a: None)
-    assert [o.SerializeToString() for o in model.graph.output] == outputs
-    oracle = onnx.load(str(fp32.graph_file))
-    oracle.graph.output.extend(helper.make_tensor_value_info(a, TP.FLOAT, None) for a in activations)
-    sess = ort.InferenceSession(oracle.SerializeToString(), providers=["CPUExecutionProvider"])
-    want = [dict(zip(activations, sess.run(activations, feeds(b)))) for b in batches]
-    for a in activations:
-        assert observers[a].amax == pytest.approx(max(float(np.abs(w[a]).max()) for w in want), rel=1e-5)
-    got = run(batches[1])
-    assert sorted(got) == sorted(activations)
-    for a in activations:
-        np.testing.assert_allclose(got[a], want[1][a], rtol=0, atol=1e-5 * np.abs(want[1][a]).max())
-    run.release()
-    assert run.session is None
-    a = activations[0]
-    np.testing.assert_allclose(run(batches[0])[a], want[0][a], rtol=0, atol=1e-5 * np.abs(want[0][a]).max())
-
-
 def test_int8_runs_on_integer_kernels_in_onnxruntime(tmp_path, fp32):
     """The speed of INT8 comes from ORT fusing each Q/DQ/MatMul group; every quantized layer must fuse."""
     q = calibrate(fp32.path, tmp_path / "int8", precision="int8", samples=8, seq_len=64)
