@@ -323,9 +323,7 @@ def _one_torchlib_registry():
         yield
         return
 
-    def cached(cls, opset_version=None, **kwargs):
-        if kwargs:
-            return build.__func__(cls, opset_version, **kwargs)
+    def cached(cls, opset_version=None):
         key = (cls, opset_version)
         if key not in _REGISTRIES:
             _REGISTRIES[key] = build.__func__(cls) if opset_version is None else build.__func__(cls, opset_version)
