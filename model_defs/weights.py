@@ -174,21 +174,23 @@ class SafetensorsShards:
             return torch.empty(out_shape, dtype=dtype)
         value = buffer.view(dtype).reshape(out_shape)
         if name not in self.checked:
-            self._refusecount_non_finite(name, count_non_finite(value))
+            self._checked(name, count_non_finite(value))
         return value
 
     def _check(self, name: str) -> None:
-        """NaN or infinity anywhere in the tensor is refused (read whole once, 64 MiB at a time)."""
+        """NaN or infinity anywhere in the tensor is refused (read whole once, 64 MiB at a time; an integer tensor
+        holds none and is not read)."""
         f, dtype, shape, offset, length = self.entries[name]
         size = torch.empty((), dtype=dtype).element_size()
-        total, step, bad = length // size, max(1, (64 << 20) // size), 0
+        total, step, bad = length // size if dtype.is_floating_point else 0, max(1, (64 << 20) // size), 0
         for start in range(0, total, step):
             part = self._scratch(min(step, total - start) * size)
             self._pread(f, name, part, offset + start * size)
             bad += count_non_finite(part.view(dtype))
-        self._refusecount_non_finite(name, bad)
+        self._checked(name, bad)
 
-    def _refusecount_non_finite(self, name: str, bad: int) -> None:
+    def _checked(self, name: str, bad: int) -> None:
+        """`name` recorded as checked, or refused where it holds `bad` NaN or infinite values."""
         if bad:
             raise KvforgeError(f"{self.entries[name][0]} is damaged: {name} holds {bad} NaN or infinite values")
         self.checked.add(name)
