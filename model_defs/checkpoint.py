@@ -196,8 +196,9 @@ def load_quantized(source: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch
 
 def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer | None, WeightSource] | None:
     """(the model as a skeleton, its tokenizer, the source of its FP32 weights read one tensor at a time) for a
-    source whose weights can be read so (model_defs/weights.py): a Hugging Face directory of float safetensors
-    or a kvforge checkpoint; None for the others (presets, GGUF files, quantized checkpoints: `load` them).
+    source whose weights can be read so (model_defs/weights.py): a Hugging Face directory of float safetensors,
+    a GGUF file (its dequantization, each tensor decoded where it is read; its codes, when kept, are
+    `load_quantized`'s) or a kvforge checkpoint; None for the others (presets, quantized checkpoints: `load` them).
     Every check of `load` runs before a weight is read (the names, the shapes after each transform)."""
     kind = source_kind(source)
     if kind == "preset" and str(source) in TRAINED:
@@ -221,37 +222,53 @@ def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer
         hf_config = hf.read_hf_config(directory)
         if hf_config.get("quantization_config"):
             return None
-        cfg = hf.config_from_hf(hf_config)
-        with no_init():
-            model = skeleton(build(cfg))
-        shards = SafetensorsShards(hf.safetensors_files(directory))
-        original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
-        metas = {n: shards.read_meta(original[n]) for n in original}
-
-        def same(a: str, b: str) -> bool:
-            x, y = shards.read(original[a], copy=True), shards.read(original[b])
-            return x.dtype == y.dtype and torch.equal(x, y)
-
-        plan = hf.weight_plan(model, cfg.family, metas, hf_config, same)
-        if set(plan) != {n for n, _ in model.named_parameters()}:  # a buffer read from the checkpoint: load() it
+        found = _streamed_hf(hf_config, SafetensorsShards(hf.safetensors_files(directory)), str(directory))
+        if found is None:
             return None
-
-        def read(ours: str) -> torch.Tensor:
-            name, transform = plan[ours]
-            value = shards.read(original[name])
-            return value if transform is None else transform(value, cfg)
-
-        def read_rows(ours: str, rows: torch.Tensor) -> torch.Tensor | None:
-            name, transform = plan[ours]
-            return shards.read_rows(original[name], rows) if transform is None else None
-
-        weights = WeightSource({n: p.shape for n, p in model.named_parameters()}, read, str(directory), KEEP_BYTES,
-                               read_rows)
+        model, weights = found
         tokenizer = _read_tokenizer(directory)
+    elif kind == "gguf":  # the file's dequantization, each tensor decoded where it is read
+        path = gguf_path(source)
+        tensors = gguf.GgufTensors(path)
+        found = _streamed_hf(tensors.config, tensors, str(path))
+        if found is None:
+            return None
+        model, weights = found
+        tokenizer = gguf.gguf_tokenizer(gguf.read_gguf_tokenizer(path))
     else:
         return None
     _check_tokenizer(model.config, tokenizer, source)
     return model.eval(), tokenizer, weights
+
+
+def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module, WeightSource] | None:
+    """(the skeleton, its weight source) for tensors under transformers' names (`shards`: safetensors files, or a
+    GGUF file's decoded tensors), every name and shape checked as `load` checks them; None where a buffer is read
+    from the checkpoint (`load` it)."""
+    cfg = hf.config_from_hf(hf_config)
+    with no_init():
+        model = skeleton(build(cfg))
+    original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
+    metas = {n: shards.read_meta(original[n]) for n in original}
+
+    def same(a: str, b: str) -> bool:
+        x, y = shards.read(original[a], copy=True), shards.read(original[b])
+        return x.dtype == y.dtype and torch.equal(x, y)
+
+    plan = hf.weight_plan(model, cfg.family, metas, hf_config, same)
+    if set(plan) != {n for n, _ in model.named_parameters()}:  # a buffer read from the checkpoint: load() it
+        return None
+
+    def read(ours: str) -> torch.Tensor:
+        name, transform = plan[ours]
+        value = shards.read(original[name])
+        return value if transform is None else transform(value, cfg)
+
+    def read_rows(ours: str, rows: torch.Tensor) -> torch.Tensor | None:
+        name, transform = plan[ours]
+        return shards.read_rows(original[name], rows) if transform is None else None
+
+    return model, WeightSource({n: p.shape for n, p in model.named_parameters()}, read, origin, KEEP_BYTES, read_rows)
 
 
 def _check_tokenizer(cfg, tokenizer: Tokenizer | None, source) -> None:

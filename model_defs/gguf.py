@@ -24,6 +24,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .gguf_codes import FLOAT_TYPES, decode
 from .gguf_families import ARCHS, hf_tensors
+from .weights import count_non_finite
 from .quantized import QuantizedCheckpoint
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
@@ -72,13 +73,8 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
-    """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes (not
-    decoded where `codes` is false: a caller that wants only the float model)."""
-    from gguf import GGMLQuantizationType
-
-    path = Path(path)
-    reader = _reader(path)
+def _config(path: Path, reader) -> tuple[Any, dict[str, Any], dict[str, tuple[int, ...]]]:
+    """(the file's architecture table, its config.json-shaped dict, each tensor's shape in torch's order)."""
     name = _field(reader, "general.architecture")
     arch = ARCHS.get(name)
     if arch is None:
@@ -103,6 +99,24 @@ def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
             arch.finish_config(lambda key: _field(reader, key), hf, shapes)
         except KvforgeError as e:
             raise KvforgeError(f"{path}: {e}") from e
+    return arch, hf, shapes
+
+
+def _parts(path: Path, arch, hf: dict[str, Any], name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    try:
+        return hf_tensors(arch, hf, name, value)
+    except KvforgeError as e:
+        raise KvforgeError(f"{path}: {e}") from e
+
+
+def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
+    """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes (not
+    decoded where `codes` is false: a caller that wants only the float model)."""
+    from gguf import GGMLQuantizationType
+
+    path = Path(path)
+    reader = _reader(path)
+    arch, hf, shapes = _config(path, reader)
     tensors, types = {}, {}
     quantized = QuantizedCheckpoint("gguf", {})
     for t in reader.tensors:
@@ -110,10 +124,7 @@ def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
         type_name = GGMLQuantizationType(t.tensor_type).name
         types[type_name] = types.get(type_name, 0) + 1
         value = np.array(_dequantize(t, shape), np.float32)  # a writable copy of the file's data
-        try:
-            parts = hf_tensors(arch, hf, t.name, torch.from_numpy(value))
-        except KvforgeError as e:
-            raise KvforgeError(f"{path}: {e}") from e
+        parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
         tensors.update(parts)
         if not codes:
             continue
@@ -129,7 +140,53 @@ def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
                 quantized.converted[hf_name] = error
     file_type = _field(reader, "general.file_type")
     quantized.config = {"file_type": _FILE_TYPES.get(file_type, file_type), "tensor_types": dict(sorted(types.items()))}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
     return GgufModel(hf, tensors, _tokenizer_record(reader, tokens), quantized if quantized.codes else None)
+
+
+class GgufTensors:
+    """A GGUF file's tensors under transformers' names, as `read_gguf` gives them, each decoded to float32 only
+    when read: the file stays a read-only memory map, and a tensor's values exist while they are used (the
+    streamed export's reader, in the terms of weights.SafetensorsShards). The last tensor decoded is kept for
+    the next read of one of its parts (a stacked experts' tensor is one per expert)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        self.path, self._reader = path, _reader(path)
+        self.arch, self.config, shapes = _config(path, self._reader)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._shapes = shapes
+        self.entries: dict[str, tuple[str, torch.Size]] = {}  # transformers' name -> (the file's, its shape)
+        for t in self._reader.tensors:  # names and shapes from the layout changes alone, on meta tensors
+            meta = torch.empty(shapes[t.name], dtype=torch.float32, device="meta")
+            for hf_name, part in _parts(path, self.arch, self.config, t.name, meta).items():
+                self.entries[hf_name] = (t.name, part.shape)
+        self.checked: set[str] = set()  # the file's tensors found finite
+        self._last: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+
+    def read_meta(self, name: str) -> torch.Tensor:
+        return torch.empty(self.entries[name][1], dtype=torch.float32, device="meta")
+
+    def read(self, name: str, copy: bool = False) -> torch.Tensor:
+        """The float32 tensor `name` (the file's dequantization after the family's layout change); copy: one the
+        next read cannot change (the kept one otherwise, shared with the other parts of its file tensor)."""
+        file_name = self.entries[name][0]
+        if self._last[0] != file_name:
+            self._last = (None, {})  # the previous tensor's values go before the next one's are made
+            t = self._tensors[file_name]
+            value = torch.from_numpy(np.array(_dequantize(t, self._shapes[file_name]), np.float32))
+            if file_name not in self.checked:
+                bad = count_non_finite(value)
+                if bad:
+                    raise KvforgeError(f"{self.path} is damaged: {file_name} holds {bad} NaN or infinite values")
+                self.checked.add(file_name)
+            self._last = (file_name, _parts(self.path, self.arch, self.config, file_name, value))
+        value = self._last[1][name]
+        return value.clone() if copy else value
+
+    def read_rows(self, name: str, rows: torch.Tensor | None, copy: bool = False) -> torch.Tensor:
+        value = self.read(name)
+        return (value.clone() if copy else value) if rows is None else value[rows]
 
 
 def has_quantized_tensors(path: str | Path) -> bool:

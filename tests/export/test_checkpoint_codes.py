@@ -135,6 +135,30 @@ def test_kept_codes_bundle_matches_transformers_logits(all_types):
     assert len(nbits) == 4 and sum(n.op_type == "DequantizeLinear" for n in variant.graph.node) == 0
 
 
+def test_a_dequantized_export_reads_the_file_tensor_by_tensor_and_computes_transformers_logits(all_types, tmp_path,
+                                                                                                monkeypatch):
+    """`export --dequantize` of a GGUF file streams it (model_defs/checkpoint.load_streamed): each tensor decoded
+    where the graph's writer or a reference block reads it, the model never decoded whole (read_gguf, which
+    decodes every tensor at once, is not called). Every block type of the file, within 1e-4 of transformers'
+    logits on the same file, and no codes kept."""
+    from kvforge.model_defs import gguf as gguf_module
+
+    path, oracle, _ = all_types
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole file was decoded")
+
+    monkeypatch.setattr(gguf_module, "read_gguf", whole)
+    bundle = export(path, tmp_path / "float", dequantize=True)
+    assert bundle.quantization is None and bundle.manifest["validation"]["passed"]
+    ids = np.random.default_rng(4).integers(0, 320, (2, 17))
+    with runtime.load(bundle.path) as session:
+        got, _ = session.forward(ids)
+    with torch.no_grad():
+        expected = oracle(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(got - expected).max() <= 1e-4
+
+
 def test_pipeline_adds_the_checkpoints_codes_and_compares_them_with_its_dequantization(tmp_path):
     """A pre-quantized source's pipeline measures the float export of its dequantized weights and the bundle of
     its own codes (`checkpoint`), both against that dequantized Torch model, within float32's bounds."""

@@ -212,3 +212,38 @@ def test_what_kvforge_cannot_read_is_refused_by_name():
         ARCHS["qwen2"].finish_config({"qwen2.rope.scaling.type": "su", "qwen2.rope.scaling.factor": 2.0}.get, {}, {})
     with pytest.raises(KvforgeError, match="blk.0.ffn_gate.weight.*qwen2_moe"):
         hf_tensors(ARCHS["qwen2moe"], {}, "blk.0.ffn_gate.weight", torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("case,qtype", QUANTIZED, ids=[f"{c}-{q.name}" for c, q in QUANTIZED])
+def test_a_streamed_reading_computes_transformers_logits(tmp_path, case, qtype):
+    """The export's reader of a GGUF's float weights (load_streamed: the file's tensors decoded one at a time,
+    where a block uses them, through the same names and layout changes): the skeleton streamed from the file
+    gives transformers' logits within 1e-4, and every weight is bit for bit the one `load` decodes."""
+    from kvforge.model_defs.checkpoint import load_streamed
+    from kvforge.model_defs.weights import streamed
+
+    family, config = CASES[case]
+    path = write_gguf(make_model(family, config, seed=11), tmp_path / "m.gguf", qtype=qtype)
+    expected = _logits(_oracle(tmp_path))
+    skeleton, tokenizer, source = load_streamed(path)
+    assert tokenizer is not None and tokenizer.vocab_size == load(path)[1].vocab_size
+    assert all(p.data.untyped_storage().nbytes() <= p.element_size() for p in skeleton.parameters())  # none held
+    loaded = load(path)[0].state_dict()
+    for name in source.shapes:
+        assert torch.equal(source.read(name), loaded[name]), name
+    assert _max_error(_logits(streamed(skeleton, source)), expected) <= 1e-4
+
+
+def test_a_damaged_tensor_is_named_when_the_streamed_reading_reaches_it(tmp_path):
+    """A NaN in one tensor of an F32 file: refused by name when that tensor is decoded, not before."""
+    from kvforge.model_defs.checkpoint import load_streamed
+
+    family, config = CASES["llama"]
+    model = make_model(family, config)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    path = write_gguf(model, tmp_path / "m.gguf")
+    _, _, source = load_streamed(path)
+    source.read("layers.0.ffn.up_proj.weight")
+    with pytest.raises(KvforgeError, match=r"m.gguf is damaged: blk.1.ffn_up.weight holds 1 NaN"):
+        source.read("layers.1.ffn.up_proj.weight")
