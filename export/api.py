@@ -22,7 +22,7 @@ from kvforge.kinds import kind_of
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
 from kvforge.model_defs.checkpoint import (PACKAGED, TRAINED, gguf_path, load_quantized, load_streamed, prequantized,
-                                           source_parameters, trained_dir)
+                                           source_parameters, streamed_codes, trained_dir)
 from kvforge.model_defs.lora import add_slots, target_names
 from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.model_defs.weights import for_tracing, streamed
@@ -122,7 +122,8 @@ def export(
     check_output_path(out, force, [source])  # fail before any work
     progress = progress or (lambda phase, done, total: None)
     source = DEFAULT_MODEL if source is None else source
-    streaming = load_streamed(source) if lora_max_rank is None and not _keeps_codes(source, dequantize) else None
+    keeps_codes = _keeps_codes(source, dequantize)
+    streaming = load_streamed(source) if lora_max_rank is None else None
     if streaming is not None and not EXPORTS[kind_of(streaming[0].config).name].streams:
         streaming = None  # this kind's export loads the model whole
     parameters = source_parameters(source)
@@ -140,10 +141,12 @@ def export(
         # holding them is made whole in memory); a small one stays one file, as a loaded model's does
         if external_data is None:
             external_data = weights.nbytes(getattr(torch, dtype)) > STREAM_INLINE_BYTES
-        reference, quantized = streamed(skeleton, weights), None
+        # a GGUF file's codes, matched against the streamed weights one at a time (None: a float checkpoint)
+        quantized = streamed_codes(source, skeleton, weights) if keeps_codes else None
+        reference = streamed(skeleton, weights)
     else:
         # FP32: the reference every dtype is measured against (a pre-quantized checkpoint's dequantization)
-        (reference, tokenizer), quantized = load_quantized(source)
+        (reference, tokenizer), quantized = load_quantized(source, codes=keeps_codes)
         quantized = None if dequantize else quantized
     if quantized is not None and dtype != "float32":  # before any work
         raise KvforgeError(f"a pre-quantized checkpoint's codes are kept in a float32 bundle (its scales and offsets are "

@@ -241,6 +241,30 @@ def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer
     return model.eval(), tokenizer, weights
 
 
+def streamed_codes(source: str | os.PathLike, model: torch.nn.Module, weights: WeightSource
+                   ) -> QuantizedCheckpoint | None:
+    """The quantized codes of a source `load_streamed` reads (`model`, `weights`: what it returned) under
+    kvforge's parameter names, made without the float model: each kept only where it dequantizes to the streamed
+    parameter bit for bit (read one at a time), as load_quantized keeps them. None where the source holds none."""
+    if source_kind(source) != "gguf":
+        return None  # load_streamed reads float checkpoints only, besides GGUF files
+    path = gguf_path(source)
+    hf_config, _, _, quantized = gguf.read_gguf(path, codes=True, floats=False)
+    if quantized is None:
+        return None
+    return hf.codes_for_parameters(model, model.config.family, quantized, _StreamedState(weights), hf_config)
+
+
+class _StreamedState:
+    """A state dict whose values are read from a WeightSource one at a time, as they are asked for."""
+
+    def __init__(self, weights: WeightSource):
+        self.weights = weights
+
+    def items(self):
+        return ((name, self.weights.read(name)) for name in self.weights.shapes)
+
+
 def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module, WeightSource] | None:
     """(the skeleton, its weight source) for tensors under transformers' names (`shards`: safetensors files, or a
     GGUF file's decoded tensors), every name and shape checked as `load` checks them; None where a buffer is read

@@ -109,9 +109,10 @@ def _parts(path: Path, arch, hf: dict[str, Any], name: str, value: torch.Tensor)
         raise KvforgeError(f"{path}: {e}") from e
 
 
-def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
+def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> GgufModel:
     """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes (not
-    decoded where `codes` is false: a caller that wants only the float model)."""
+    decoded where `codes` is false: a caller that wants only the float model; the float tensors not kept where
+    `floats` is false: a caller that streams them, GgufTensors, and wants only the codes)."""
     from gguf import GGMLQuantizationType
 
     path = Path(path)
@@ -125,7 +126,8 @@ def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
         types[type_name] = types.get(type_name, 0) + 1
         value = np.array(_dequantize(t, shape), np.float32)  # a writable copy of the file's data
         parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
-        tensors.update(parts)
+        if floats:
+            tensors.update(parts)
         if not codes:
             continue
         if type_name in FLOAT_TYPES or len(shape) < 2:
