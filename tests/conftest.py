@@ -6,19 +6,21 @@ from pathlib import Path
 
 import pytest
 
+from . import schedule
 
 _MADE_CACHE = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
     """Keep the runtime's caches (ORT variants, side environments) inside the test run, not in ~/.cache; give each
-    xdist worker its share of the CPUs."""
+    xdist worker its share of the CPUs; hand the workers the longest test files first (tests/schedule.py)."""
     import os
     import tempfile
 
     if "KVFORGE_CACHE" not in os.environ:  # the xdist workers inherit the controller's
         os.environ["KVFORGE_CACHE"] = config.stash[_MADE_CACHE] = tempfile.mkdtemp(prefix="kvforge-test-cache-")
     _share_the_cpus()
+    schedule.configure(config)
 
 
 # Fixtures that hold a real model's export (minutes each): a test that uses one is in the slow tier, marked or not,
