@@ -167,15 +167,24 @@ class FlatKVModel(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         """rest: the cache, then (a model with LoRA slots) lora_mask and each slot's A and B; without them the
         slots take what the model's feed holds (model_defs.lora.feeding)."""
+        return self._run(input_ids, attention_mask, position_ids, rest)
+
+    def cache_after(self, input_ids, attention_mask, position_ids, *rest) -> tuple[torch.Tensor, ...]:
+        """The flat present alone (the forward's outputs after the logits), the head run on the last position
+        only: what a prefill leaves in the cache, without its (B, T, vocab) logits (3 GB in FP32 for 3 rows of
+        1,032 tokens over Gemma 3's 262k-token vocabulary)."""
+        return self._run(input_ids, attention_mask, position_ids, rest, logits_to_keep=1)[1:]
+
+    def _run(self, input_ids, attention_mask, position_ids, rest, **options):
         cache, lora = group_cache(self.model.config, rest, self.n_layers)
         capture = hidden_states(self.model.layers) if self.n_layers is not None else contextlib.nullcontext([])
         with capture as hidden:
             if lora:
                 weights = {s: (lora[1 + 2 * j], lora[2 + 2 * j]) for j, s in enumerate(self.slots)}
                 with feeding(self.owner[0], LoraFeed(lora[0], weights)):
-                    logits, present = self.model(input_ids, attention_mask, position_ids, cache)
+                    logits, present = self.model(input_ids, attention_mask, position_ids, cache, **options)
             else:
-                logits, present = self.model(input_ids, attention_mask, position_ids, cache)
+                logits, present = self.model(input_ids, attention_mask, position_ids, cache, **options)
         return (logits, *[t for kv in present for t in kv], *hidden)
 
 

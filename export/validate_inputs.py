@@ -159,7 +159,7 @@ def token_pool(flat: FlatKVModel, tokens: Sequence[int] | None, rows: int, lengt
         return TokenPool(ids, None)
     prefix = ids[:, :cached]
     mask = torch.ones_like(prefix)
-    return TokenPool(ids, tuple(flat(prefix, mask, positions_of(mask, cached), *_empty(flat, rows))[1:]))
+    return TokenPool(ids, tuple(flat.cache_after(prefix, mask, positions_of(mask, cached), *_empty(flat, rows))))
 
 
 @torch.no_grad()
@@ -178,7 +178,7 @@ def case_inputs(flat: FlatKVModel, pool: TokenPool, batch: int, seq: int, past: 
         cache = tuple(t[rows, :, :past].contiguous() for t in pool.cache)
     else:
         prefix = mask[:, :past]
-        cache = flat(ids[:, :past], prefix, positions_of(prefix, past), *_empty(flat, batch))[1:]
+        cache = flat.cache_after(ids[:, :past], prefix, positions_of(prefix, past), *_empty(flat, batch))
     return (ids[:, past:], mask, positions_of(mask, seq), *cache)
 
 

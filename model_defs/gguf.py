@@ -24,7 +24,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .gguf_codes import FLOAT_TYPES, decode
 from .gguf_families import ARCHS, hf_tensors
-from .weights import count_non_finite
+from .weights import ScratchTensors, count_non_finite
 from .quantized import QuantizedCheckpoint
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
@@ -148,9 +148,10 @@ def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> Gguf
 
 class GgufTensors:
     """A GGUF file's tensors under transformers' names, as `read_gguf` gives them, each decoded to float32 only
-    when read: the file stays a read-only memory map, and a tensor's values exist while they are used (the
-    streamed export's reader, in the terms of weights.SafetensorsShards). The last tensor decoded is kept for
-    the next read of one of its parts (a stacked experts' tensor is one per expert)."""
+    when first read: the file stays a read-only memory map, and what a tensor decodes to is written to a scratch
+    file (weights.ScratchTensors) and read back from it after, since decoding costs ~15x a read. So the decoded
+    model is never held in memory, and a source read on every forward (validation's streamed references) decodes
+    each tensor once (the streamed export's reader, in the terms of weights.SafetensorsShards)."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -163,32 +164,30 @@ class GgufTensors:
             meta = torch.empty(shapes[t.name], dtype=torch.float32, device="meta")
             for hf_name, part in _parts(path, self.arch, self.config, t.name, meta).items():
                 self.entries[hf_name] = (t.name, part.shape)
-        self.checked: set[str] = set()  # the file's tensors found finite
-        self._last: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+        self._decoded = ScratchTensors()
 
     def read_meta(self, name: str) -> torch.Tensor:
         return torch.empty(self.entries[name][1], dtype=torch.float32, device="meta")
 
     def read(self, name: str, copy: bool = False) -> torch.Tensor:
-        """The float32 tensor `name` (the file's dequantization after the family's layout change); copy: one the
-        next read cannot change (the kept one otherwise, shared with the other parts of its file tensor)."""
-        file_name = self.entries[name][0]
-        if self._last[0] != file_name:
-            self._last = (None, {})  # the previous tensor's values go before the next one's are made
-            t = self._tensors[file_name]
-            value = torch.from_numpy(np.array(_dequantize(t, self._shapes[file_name]), np.float32))
-            if file_name not in self.checked:
-                bad = count_non_finite(value)
-                if bad:
-                    raise KvforgeError(f"{self.path} is damaged: {file_name} holds {bad} NaN or infinite values")
-                self.checked.add(file_name)
-            self._last = (file_name, _parts(self.path, self.arch, self.config, file_name, value))
-        value = self._last[1][name]
-        return value.clone() if copy else value
+        """The float32 tensor `name` (the file's dequantization after the family's layout change): a view of a
+        buffer the next read reuses (copy: a tensor of its own)."""
+        return self.read_rows(name, None, copy)
 
     def read_rows(self, name: str, rows: torch.Tensor | None, copy: bool = False) -> torch.Tensor:
-        value = self.read(name)
-        return (value.clone() if copy else value) if rows is None else value[rows]
+        if name not in self._decoded.entries:
+            self._decode(self.entries[name][0])
+        return self._decoded.read_rows(name, rows, copy)
+
+    def _decode(self, file_name: str) -> None:
+        """The file's tensor decoded, checked finite and put through the layout change; each of its parts (one,
+        or one per expert of a stacked tensor) written to the scratch file."""
+        value = torch.from_numpy(np.array(_dequantize(self._tensors[file_name], self._shapes[file_name]), np.float32))
+        bad = count_non_finite(value)
+        if bad:
+            raise KvforgeError(f"{self.path} is damaged: {file_name} holds {bad} NaN or infinite values")
+        for hf_name, part in _parts(self.path, self.arch, self.config, file_name, value).items():
+            self._decoded.add(hf_name, part)
 
 
 def has_quantized_tensors(path: str | Path) -> bool:

@@ -143,11 +143,14 @@ class Transformer(nn.Module):
         past_key_values: KVCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         rope_positions: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """inputs_embeds (B, T, C): the embeddings to start from instead of embed(input_ids) (a vision-language
         model's text with its image features merged in); the embedding scale and norm still apply.
         rope_positions (B, 3, T): multimodal RoPE's three position streams (config.mrope_section), else the
-        position ids rotate every section."""
+        position ids rotate every section.
+        logits_to_keep: the head runs on the last this many positions only (transformers' argument of that name):
+        a prefill that fills the cache needs no (B, T, vocab) logits, the largest tensor of a long one."""
         cfg = self.config
         B, T = input_ids.shape
         if attention_mask is None:
@@ -179,6 +182,8 @@ class Transformer(nn.Module):
             layer_past = None if past_key_values is None else past_key_values[i]
             x, present = layer(x, masks[window], rope if window is None else local_rope, layer_past, bias)
             presents.append(present)
+        if logits_to_keep is not None:
+            x = x[:, -logits_to_keep:]
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x).float()  # (B, T, vocab)
