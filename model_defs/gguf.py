@@ -182,7 +182,9 @@ class GgufTensors:
     def _decode(self, file_name: str) -> None:
         """The file's tensor decoded, checked finite and put through the layout change; each of its parts (one,
         or one per expert of a stacked tensor) written to the scratch file."""
-        value = torch.from_numpy(np.array(_dequantize(self._tensors[file_name], self._shapes[file_name]), np.float32))
+        decoded = _dequantize(self._tensors[file_name], self._shapes[file_name])
+        # a decoding is already an array of its own; a float tensor is the file's read-only map, copied
+        value = torch.from_numpy(decoded if decoded.flags.writeable else decoded.copy())
         bad = count_non_finite(value)
         if bad:
             raise KvforgeError(f"{self.path} is damaged: {file_name} holds {bad} NaN or infinite values")
@@ -214,7 +216,7 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
 
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return np.asarray(t.data, np.float32).reshape(shape)
-    return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+    return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:
