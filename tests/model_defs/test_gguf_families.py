@@ -247,3 +247,27 @@ def test_a_damaged_tensor_is_named_when_the_streamed_reading_reaches_it(tmp_path
     source.read("layers.0.ffn.up_proj.weight")
     with pytest.raises(KvforgeError, match=r"m.gguf is damaged: blk.1.ffn_up.weight holds 1 NaN"):
         source.read("layers.1.ffn.up_proj.weight")
+
+
+def test_the_scratch_file_gives_back_what_was_written_whole_or_by_rows():
+    """weights.ScratchTensors (where GgufTensors keeps what a tensor decodes to): each tensor read back whole or
+    by rows equals what was written (torch indexing the oracle), a copy is the caller's own, and a shared read is
+    overwritten by the next one (the buffer is reused, as the shards' reads reuse theirs)."""
+    from kvforge.model_defs.weights import ScratchTensors
+
+    gen = torch.Generator().manual_seed(3)
+    written = {"table": torch.randn(50, 8, generator=gen), "norm": torch.randn(8, generator=gen),
+               "stack": torch.randn(3, 4, 5, generator=gen), "half": torch.randn(6, 4, generator=gen).half()}
+    scratch = ScratchTensors()
+    for name, value in written.items():
+        scratch.add(name, value)
+    for name, value in written.items():
+        assert torch.equal(scratch.read_rows(name), value), name
+    rows = torch.tensor([0, 1, 2, 7, 30, 31, 49])
+    assert torch.equal(scratch.read_rows("table", rows), written["table"][rows])
+    assert torch.equal(scratch.read_rows("stack", torch.tensor([2])), written["stack"][[2]])
+    own = scratch.read_rows("table", copy=True)
+    shared = scratch.read_rows("norm")
+    scratch.read_rows("table")
+    assert torch.equal(own, written["table"]) and not torch.equal(shared, written["norm"])
+    scratch.close()

@@ -61,6 +61,21 @@ def test_cached_decode_equals_full_forward(name):
 
 @pytest.mark.parametrize("name", MICRO)
 @torch.no_grad()
+def test_logits_to_keep_gives_the_last_positions_logits_and_the_same_cache(name):
+    """logits_to_keep=k (transformers' argument: validation's prefills that only fill the cache use k=1): the
+    full forward's last k positions' logits, and the very same present."""
+    model = _model(name)
+    ids = _ids(2, 9, model.config.vocab_size, seed=2)
+    full, present = model(ids)
+    for k in (1, 3):
+        logits, kept = model(ids, logits_to_keep=k)
+        assert logits.shape == (2, k, model.config.vocab_size)
+        torch.testing.assert_close(logits, full[:, -k:], atol=1e-5, rtol=0)
+        assert all(torch.equal(a, b) for pa, pb in zip(present, kept) for a, b in zip(pa, pb))
+
+
+@pytest.mark.parametrize("name", MICRO)
+@torch.no_grad()
 def test_left_padded_rows_match_rows_alone(name):
     model = _model(name)
     vocab = model.config.vocab_size
