@@ -12,6 +12,7 @@ from typing import Any, Callable
 import onnx
 import onnxruntime
 import torch
+from onnx.external_data_helper import load_external_data_for_model
 
 import kvforge
 from kvforge import resources
@@ -234,11 +235,14 @@ def keep_checkpoint_codes(directory: Path, graph: str, quantized: QuantizedCheck
     """The checkpoint's codes into `directory`'s graph file (rewritten in place, external data kept external);
     returns the manifest's quantization record."""
     path = directory / graph
-    model = onnx.load(str(path))
-    kept = keep_codes(model, quantized)
+    # the float graph without its external data: each weight the codes replace is read alone to be matched, and
+    # dropped; only the weights that stay float are read whole, before their file is rewritten
+    model = onnx.load(str(path), load_external_data=False)
+    kept = keep_codes(model, quantized, str(directory))
     data = directory / EXTERNAL_DATA
     external = data.exists()
     if external:
+        load_external_data_for_model(model, str(directory))
         data.unlink()  # onnx appends to an existing data file
     onnx.save(model, str(path), save_as_external_data=external, location=EXTERNAL_DATA)
     activations = {_activation_text(c.activation) for c in quantized.codes.values() if c.activation}

@@ -32,8 +32,10 @@ from kvforge.model_defs.quantized import QuantizedCheckpoint, WeightCodes
 _HALF_RANGE = {"int8": 127.5, "fp8": 448.0}
 
 
-def keep_codes(model, quantized: QuantizedCheckpoint) -> list[str]:
-    """Replace the graph's float weights by the checkpoint's codes, in place; returns the parameters kept."""
+def keep_codes(model, quantized: QuantizedCheckpoint, base_dir: str = "") -> list[str]:
+    """Replace the graph's float weights by the checkpoint's codes, in place; returns the parameters kept.
+    base_dir: where the graph's external data is, for a model loaded without it (each weight compared is read
+    from it alone)."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     readers: dict[str, list] = {}
@@ -45,7 +47,7 @@ def keep_codes(model, quantized: QuantizedCheckpoint) -> list[str]:
         by_shape.setdefault(tuple(init.dims), []).append(name)
     head, tail, kept = [], [], []
     for param, codes in sorted(quantized.codes.items()):
-        found = _find(param, codes.weight(), inits, by_shape)
+        found = _find(param, codes.weight(), inits, by_shape, base_dir)
         if found is None:
             raise KvforgeError(f"the exported graph holds no tensor equal to {param}'s dequantized codes "
                                f"({codes.source}); export with --dequantize for a float bundle")
@@ -67,7 +69,7 @@ def keep_codes(model, quantized: QuantizedCheckpoint) -> list[str]:
     return kept
 
 
-def _find(param: str, weight: np.ndarray, inits: dict, by_shape: dict) -> tuple[str, bool] | None:
+def _find(param: str, weight: np.ndarray, inits: dict, by_shape: dict, base_dir: str = "") -> tuple[str, bool] | None:
     """The initializer holding `weight` (the parameter's name first, then any of its shape holding the same
     values: a tied head is exported under the head's name), and whether it is stored transposed ([in, out])."""
     from onnx import numpy_helper
@@ -77,7 +79,7 @@ def _find(param: str, weight: np.ndarray, inits: dict, by_shape: dict) -> tuple[
     for name in dict.fromkeys(names):
         if name not in inits:
             continue
-        value = numpy_helper.to_array(inits[name])
+        value = numpy_helper.to_array(inits[name], base_dir)
         for transposed, candidate in ((True, weight.T), (False, weight)):
             if value.shape == candidate.shape and value.dtype == np.float32 and \
                     np.array_equal(value.view(np.uint32), np.ascontiguousarray(candidate).view(np.uint32)):
