@@ -24,8 +24,8 @@ from kvforge.tokenizer import Tokenizer
 
 from .gguf_codes import FLOAT_TYPES, decode
 from .gguf_families import ARCHS, hf_tensors
-from .weights import ScratchTensors, count_non_finite
 from .quantized import QuantizedCheckpoint
+from .weights import ScratchTensors, count_non_finite
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",

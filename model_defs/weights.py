@@ -238,12 +238,16 @@ class ScratchTensors:
     def add(self, name: str, value: torch.Tensor) -> None:
         import tempfile
 
-        if self._file is None:
-            self._file = tempfile.TemporaryFile(prefix="kvforge-scratch-")
         data = value.detach().contiguous().reshape(-1).view(torch.uint8)
         view, done = memoryview(data.numpy()), 0
-        while done < len(view):
-            done += os.pwrite(self._file.fileno(), view[done:], self._end + done)
+        try:
+            if self._file is None:
+                self._file = tempfile.TemporaryFile(prefix="kvforge-scratch-")
+            while done < len(view):
+                done += os.pwrite(self._file.fileno(), view[done:], self._end + done)
+        except OSError as e:
+            raise KvforgeError(f"cannot keep the decoded {name} ({len(view) / 2**20:.0f} MiB) in a scratch file under "
+                               f"{tempfile.gettempdir()}: {e.strerror or e}; point TMPDIR at a disk with room") from e
         self.entries[name] = (value.dtype, tuple(value.shape), self._end, len(view))
         self._end += len(view)
 

@@ -271,3 +271,15 @@ def test_the_scratch_file_gives_back_what_was_written_whole_or_by_rows():
     scratch.read_rows("table")
     assert torch.equal(own, written["table"]) and not torch.equal(shared, written["norm"])
     scratch.close()
+
+
+def test_a_scratch_file_that_cannot_be_written_is_named_with_the_way_out(tmp_path, monkeypatch):
+    """No room (or no permission) under TMPDIR for the decoded values: a KvforgeError naming the tensor, the
+    directory and TMPDIR, not an OSError from inside the export."""
+    import tempfile
+
+    from kvforge.model_defs.weights import ScratchTensors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "absent"))
+    with pytest.raises(KvforgeError, match=r"cannot keep the decoded blk\.0\.x .*absent.*TMPDIR"):
+        ScratchTensors().add("blk.0.x", torch.ones(4, 4))
