@@ -57,8 +57,8 @@ def longest_first(items: list, costs: dict[str, float]) -> list:
 
 
 class LongestFirst:
-    def __init__(self, config, costs: dict[str, float], record: str | None):
-        self.config, self.costs, self.record = config, costs, record
+    def __init__(self, costs: dict[str, float], record: str | None):
+        self.costs, self.record = costs, record
         self.spent: dict[str, float] = defaultdict(float)
 
     @pytest.hookimpl(trylast=True)  # after the -m selection: orders what runs
@@ -86,4 +86,4 @@ def configure(config) -> None:
     costs = load_costs()
     if hasattr(config.option, "loadscopereorder") and costs:
         config.option.loadscopereorder = False
-    config.pluginmanager.register(LongestFirst(config, costs, record), "kvforge-longest-first")
+    config.pluginmanager.register(LongestFirst(costs, record), "kvforge-longest-first")

@@ -27,7 +27,7 @@ def test_a_run_records_each_files_seconds_and_keeps_the_files_it_did_not_run(tmp
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     table = tmp_path / "costs.json"
     table.write_text(json.dumps({"tests/kept.py": 7.0, "tests/a.py": 99.0}))
-    plugin = schedule.LongestFirst(None, {}, str(table))
+    plugin = schedule.LongestFirst({}, str(table))
     for nodeid, seconds in [("tests/a.py::t1", 1.25), ("tests/a.py::t1", 0.5), ("tests/a.py::t2", 2.0),
                             ("tests/b.py::t", 4.0)]:
         plugin.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
