@@ -129,7 +129,9 @@ def export(
         streaming = None  # this kind's export loads the model whole
     parameters = source_parameters(source)
     if parameters is not None:  # refuse a model this machine cannot hold before loading it
-        resources.check(resources.export_plan(parameters, resources.dtype_bytes(dtype), streaming is not None), out)
+        scratch = streaming[2].scratch_bytes if streaming is not None else 0
+        resources.check(resources.export_plan(parameters, resources.dtype_bytes(dtype), streaming is not None, scratch),
+                        out)
     started = time.time()
 
     progress("load", 0, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +40,11 @@ class Plan:
     parameters: int
     memory: int
     disk: int
+    scratch: int = 0  # bytes of scratch files under TMPDIR (a GGUF file's decoded tensors: model_defs/weights.py)
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "parameters": self.parameters, "memory_bytes": self.memory, "disk_bytes": self.disk}
+        return {"stage": self.stage, "parameters": self.parameters, "memory_bytes": self.memory, "disk_bytes": self.disk,
+                "scratch_bytes": self.scratch}
 
 
 RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any weight
@@ -57,7 +60,7 @@ def dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
-def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False) -> Plan:
+def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False, scratch: int = 0) -> Plan:
     """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight: the float32 reference is
     loaded whole whatever the bundle's dtype, or (streamed: weights read where they are used,
     model_defs/weights.py) the validating session holds the bundle's weights, as float32 where they are half
@@ -67,7 +70,7 @@ def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False) -> Pl
         memory = RUNTIME + STREAMED_EXPORT_PER_BUNDLE_BYTE * bundle * (1 if dtype_bytes == 4 else 3)
     else:
         memory = RUNTIME + EXPORT_PER_FP32_BYTE * 4 * parameters
-    return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20))
+    return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20), scratch)
 
 
 def calibrate_plan(parameters: int, bundle_bytes: int) -> Plan:
@@ -130,11 +133,21 @@ def check(plan: Plan, out: str | Path) -> None:
                         f"is free ({why})")
     target = Path(out).resolve()
     directory = next((p for p in [target, *target.parents] if p.exists()), None)
+    scratch = Path(tempfile.gettempdir()) if plan.scratch else None
+    shared = directory is not None and scratch is not None and scratch.exists() \
+        and os.stat(scratch).st_dev == os.stat(directory).st_dev
     if directory is not None:
         disk = shutil.disk_usage(directory).free
-        if plan.disk > disk:
-            problems.append(f"about {plan.disk / GIB:.1f} GiB of disk for the bundle, and {disk / GIB:.1f} GiB is "
+        wanted = plan.disk + (plan.scratch if shared else 0)
+        if wanted > disk:
+            what = "the bundle and its scratch file (TMPDIR is on the same disk)" if shared else "the bundle"
+            problems.append(f"about {wanted / GIB:.1f} GiB of disk for {what}, and {disk / GIB:.1f} GiB is "
                             f"free on {directory}")
+    if scratch is not None and not shared:
+        room = shutil.disk_usage(scratch).free if scratch.exists() else 0
+        if plan.scratch > room:
+            problems.append(f"about {plan.scratch / GIB:.1f} GiB of scratch disk under TMPDIR ({scratch}) for the "
+                            f"decoded weights, and {room / GIB:.1f} GiB is free there (point TMPDIR at a disk with room)")
     if problems:
         raise KvforgeError(f"{plan.stage} of this model ({plan.parameters / 1e9:.2f}B parameters) needs "
                            + "; and ".join(problems) + f". Nothing was started or written. Free memory or disk, use "

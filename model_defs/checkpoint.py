@@ -292,7 +292,8 @@ def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module,
         name, transform = plan[ours]
         return shards.read_rows(original[name], rows) if transform is None else None
 
-    return model, WeightSource({n: p.shape for n, p in model.named_parameters()}, read, origin, KEEP_BYTES, read_rows)
+    return model, WeightSource({n: p.shape for n, p in model.named_parameters()}, read, origin, KEEP_BYTES, read_rows,
+                               shards.scratch_bytes)
 
 
 def _check_tokenizer(cfg, tokenizer: Tokenizer | None, source) -> None:

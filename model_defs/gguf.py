@@ -166,6 +166,11 @@ class GgufTensors:
                 self.entries[hf_name] = (t.name, part.shape)
         self._decoded = ScratchTensors()
 
+    @property
+    def scratch_bytes(self) -> int:
+        """The scratch file's size once every tensor is read: the decoded model in float32."""
+        return sum(4 * int(torch.Size(shape).numel()) for _, shape in self.entries.values())
+
     def read_meta(self, name: str) -> torch.Tensor:
         return torch.empty(self.entries[name][1], dtype=torch.float32, device="meta")
 

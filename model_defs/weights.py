@@ -59,8 +59,10 @@ class WeightSource:
     read_rows(name, rows) -> some rows of it alone (same terms), or None where the source cannot."""
 
     def __init__(self, shapes: dict[str, torch.Size], read: Callable[[str], torch.Tensor], origin: str,
-                 keep_bytes: int = 0, read_rows: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None):
+                 keep_bytes: int = 0, read_rows: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+                 scratch_bytes: int = 0):
         self.shapes = shapes
+        self.scratch_bytes = scratch_bytes  # what its reader writes to a scratch file once all is read (resources)
         self._read = read
         self._read_rows = read_rows
         self.origin = origin
@@ -119,6 +121,8 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = No
 class SafetensorsShards:
     """The tensors of safetensors files, read one at a time from their headers' offsets (no memory map), into
     one buffer that each read reuses (fresh memory each time would cost a page fault per page)."""
+
+    scratch_bytes = 0  # read where they lie: no scratch file
 
     def __init__(self, files: list[Path]):
         self.checked: set[str] = set()  # tensors found finite (each checked whole on its first read)

@@ -77,3 +77,23 @@ def test_an_unknown_source_is_named_by_the_plan(source):
 
     with pytest.raises(KvforgeError, match="unknown model source"):
         source_parameters(source)
+
+
+def test_a_scratch_file_the_disk_cannot_hold_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A streamed GGUF export writes the decoded model under TMPDIR (model_defs/weights.ScratchTensors): a plan
+    whose scratch file the disk cannot hold, on top of the bundle, is refused naming both; one that fits passes.
+    The disk is this machine's, its free space read as the check reads it."""
+    import shutil
+
+    from kvforge import resources
+    from kvforge.errors import KvforgeError
+
+    monkeypatch.delenv("KVFORGE_SKIP_RESOURCE_CHECK", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    free = shutil.disk_usage(tmp_path).free
+    out = tmp_path / "bundle"
+    resources.check(resources.Plan("export", 10, 0, 1 << 20, 1 << 20), out)  # fits
+    with pytest.raises(KvforgeError, match=r"disk for the bundle and its scratch file \(TMPDIR is on the same disk\)"):
+        resources.check(resources.Plan("export", 10, 0, free // 2, free // 2 + (1 << 30)), out)
+    assert not out.exists()

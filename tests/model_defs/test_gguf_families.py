@@ -283,3 +283,15 @@ def test_a_scratch_file_that_cannot_be_written_is_named_with_the_way_out(tmp_pat
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "absent"))
     with pytest.raises(KvforgeError, match=r"cannot keep the decoded blk\.0\.x .*absent.*TMPDIR"):
         ScratchTensors().add("blk.0.x", torch.ones(4, 4))
+
+
+def test_the_plan_counts_the_decoded_model_the_scratch_file_will_hold(tmp_path):
+    """What the export's plan reserves under TMPDIR for a streamed GGUF file: every value of the file in
+    float32 (each tensor's parts partition it), as the scratch file holds once all is read."""
+    from kvforge.model_defs.checkpoint import load_streamed
+
+    family, config = CASES["qwen2_moe"]
+    path = write_gguf(make_model(family, config), tmp_path / "m.gguf", qtype=Q.Q4_0)
+    reader = gguf.GGUFReader(str(path))
+    _, _, source = load_streamed(path)
+    assert source.scratch_bytes == 4 * sum(int(t.n_elements) for t in reader.tensors)
