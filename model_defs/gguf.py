@@ -124,7 +124,7 @@ def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> Gguf
         shape = shapes[t.name]
         type_name = GGMLQuantizationType(t.tensor_type).name
         types[type_name] = types.get(type_name, 0) + 1
-        value = np.array(_dequantize(t, shape), np.float32)  # a writable copy of the file's data
+        value = _dequantize(t, shape)
         parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
         if floats:
             tensors.update(parts)
@@ -187,9 +187,7 @@ class GgufTensors:
     def _decode(self, file_name: str) -> None:
         """The file's tensor decoded, checked finite and put through the layout change; each of its parts (one,
         or one per expert of a stacked tensor) written to the scratch file."""
-        decoded = _dequantize(self._tensors[file_name], self._shapes[file_name])
-        # a decoding is already an array of its own; a float tensor is the file's read-only map, copied
-        value = torch.from_numpy(decoded if decoded.flags.writeable else decoded.copy())
+        value = torch.from_numpy(_dequantize(self._tensors[file_name], self._shapes[file_name]))
         bad = count_non_finite(value)
         if bad:
             raise KvforgeError(f"{self.path} is damaged: {file_name} holds {bad} NaN or infinite values")
@@ -216,12 +214,16 @@ def read_gguf_tokenizer(path: str | Path) -> dict[str, Any]:
 
 
 def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor's values in float32, in an array of its own: a decoding already is one; an F32 tensor is the
+    file's read-only map, copied (once: Gemma 3's 671 MB embedding was held twice while it was decoded)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.asarray(t.data, np.float32).reshape(shape)
-    return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        values = np.asarray(t.data, np.float32)
+    else:
+        values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return (values if values.flags.writeable else values.copy()).reshape(shape)
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:
