@@ -249,7 +249,7 @@ def streamed_codes(source: str | os.PathLike, model: torch.nn.Module, weights: W
     if source_kind(source) != "gguf":
         return None  # load_streamed reads float checkpoints only, besides GGUF files
     path = gguf_path(source)
-    hf_config, _, _, quantized = gguf.read_gguf(path, codes=True, floats=False)
+    hf_config, quantized = gguf.read_gguf_codes(path)
     if quantized is None:
         return None
     return hf.codes_for_parameters(model, model.config.family, quantized, _StreamedState(weights), hf_config)

@@ -109,16 +109,34 @@ def _parts(path: Path, arch, hf: dict[str, Any], name: str, value: torch.Tensor)
         raise KvforgeError(f"{path}: {e}") from e
 
 
-def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> GgufModel:
+def read_gguf(path: str | Path, codes: bool = True) -> GgufModel:
     """A GGUF file as a Hugging Face checkpoint directory would give it, with its quantized tensors' codes (not
-    decoded where `codes` is false: a caller that wants only the float model; the float tensors not kept where
-    `floats` is false: a caller that streams them, GgufTensors, and wants only the codes)."""
-    from gguf import GGMLQuantizationType
-
+    decoded where `codes` is false: a caller that wants only the float model)."""
     path = Path(path)
     reader = _reader(path)
     arch, hf, shapes = _config(path, reader)
-    tensors, types = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = _read_tensors(path, reader, arch, hf, shapes, tensors, codes)
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return GgufModel(hf, tensors, _tokenizer_record(reader, tokens), quantized)
+
+
+def read_gguf_codes(path: str | Path) -> tuple[dict[str, Any], QuantizedCheckpoint | None]:
+    """(the config.json-shaped dict, the file's codes) alone, for a caller that streams the float tensors
+    (GgufTensors): each tensor is decoded to match its codes and dropped, and no tokenizer record is made."""
+    path = Path(path)
+    reader = _reader(path)
+    arch, hf, shapes = _config(path, reader)
+    return hf, _read_tensors(path, reader, arch, hf, shapes, None, codes=True)
+
+
+def _read_tensors(path: Path, reader, arch, hf: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                  tensors: dict[str, torch.Tensor] | None, codes: bool) -> QuantizedCheckpoint | None:
+    """Each of the file's tensors decoded under transformers' names, into `tensors` where it is given; the
+    codes of the quantized ones (None where `codes` is false or the file holds none)."""
+    from gguf import GGMLQuantizationType
+
+    types: dict[str, int] = {}
     quantized = QuantizedCheckpoint("gguf", {})
     for t in reader.tensors:
         shape = shapes[t.name]
@@ -126,7 +144,7 @@ def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> Gguf
         types[type_name] = types.get(type_name, 0) + 1
         value = _dequantize(t, shape)
         parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
-        if floats:
+        if tensors is not None:
             tensors.update(parts)
         if not codes:
             continue
@@ -142,8 +160,7 @@ def read_gguf(path: str | Path, codes: bool = True, floats: bool = True) -> Gguf
                 quantized.converted[hf_name] = error
     file_type = _field(reader, "general.file_type")
     quantized.config = {"file_type": _FILE_TYPES.get(file_type, file_type), "tensor_types": dict(sorted(types.items()))}
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    return GgufModel(hf, tensors, _tokenizer_record(reader, tokens), quantized if quantized.codes else None)
+    return quantized if quantized.codes else None
 
 
 class GgufTensors:
