@@ -208,79 +208,54 @@ class SafetensorsShards:
         fd = self._fds.get(f)
         if fd is None:
             fd = self._fds[f] = os.open(f, os.O_RDONLY)
-        if not _pread_all(fd, into, offset):
-            raise KvforgeError(f"{f} is truncated: {name} ends past the file's end")
+        view, done = memoryview(into.numpy()), 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise KvforgeError(f"{f} is truncated: {name} ends past the file's end")
+            done += n
 
     def __del__(self):
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
 
 
-def _pread_all(fd: int, into: torch.Tensor, offset: int) -> bool:
-    """Fill the uint8 tensor `into` from `fd` at `offset`; False where the file ends first."""
-    view, done = memoryview(into.numpy()), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            return False
-        done += n
-    return True
-
-
-class ScratchTensors:
-    """Tensors written once to an unlinked temporary file (under TMPDIR) and read back as a shard is read (into
-    one reused buffer, some rows alone where asked): values that cost far more to make again than to read back
-    (a GGUF tensor's decoding: ~15 ns a value here against ~1 for a read), kept without holding them in memory.
-    The file has no name, so it goes with the process however it ends."""
+class ScratchTensors(SafetensorsShards):
+    """Tensors written once to an unlinked temporary file (under TMPDIR) and read back as a shard's are
+    (SafetensorsShards' reads: one reused buffer, some rows alone where asked): values that cost far more to make
+    again than to read back (a GGUF tensor's decoding: ~15 ns a value here against ~1 for a read), kept without
+    holding them in memory. The file has no name, so it goes with the process however it ends."""
 
     def __init__(self):
-        self._file = None
+        super().__init__([])
+        self._file: Path | None = None  # the name it had, the key of its descriptor in _fds
         self._end = 0
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
 
     def add(self, name: str, value: torch.Tensor) -> None:
+        """Append `value` (checked by its maker: it is read back unchecked)."""
         import tempfile
 
         data = value.detach().contiguous().reshape(-1).view(torch.uint8)
         view, done = memoryview(data.numpy()), 0
         try:
             if self._file is None:
-                self._file = tempfile.TemporaryFile(prefix="kvforge-scratch-")
+                fd, path = tempfile.mkstemp(prefix="kvforge-scratch-")
+                self._file = Path(path)
+                self._fds[self._file] = fd  # closed with the object, whatever happens next
+                os.unlink(path)
             while done < len(view):
-                done += os.pwrite(self._file.fileno(), view[done:], self._end + done)
+                done += os.pwrite(self._fds[self._file], view[done:], self._end + done)
         except OSError as e:
             raise KvforgeError(f"cannot keep the decoded {name} ({len(view) / 2**20:.0f} MiB) in a scratch file under "
                                f"{tempfile.gettempdir()}: {e.strerror or e}; point TMPDIR at a disk with room") from e
-        self.entries[name] = (value.dtype, tuple(value.shape), self._end, len(view))
+        self.entries[name] = (self._file, value.dtype, tuple(value.shape), self._end, len(view))
+        self.checked.add(name)
         self._end += len(view)
 
-    def read_rows(self, name: str, rows: torch.Tensor | None = None, copy: bool = False) -> torch.Tensor:
-        """Rows of tensor `name` (sorted, distinct; None: all): a view of the shared buffer the next read
-        overwrites (copy: a tensor of its own)."""
-        dtype, shape, offset, length = self.entries[name]
-        row = length // shape[0] if shape and shape[0] else length
-        runs = [(0, shape[0] if shape else 1)] if rows is None else _runs(rows.tolist())
-        count = sum(n for _, n in runs)
-        size = count * row
-        if copy:
-            buffer = torch.empty(size, dtype=torch.uint8)
-        else:
-            if self._buffer.numel() < size:
-                self._buffer = torch.empty(size, dtype=torch.uint8)
-            buffer = self._buffer[:size]
-        at = 0
-        for first, n in runs:
-            if not _pread_all(self._file.fileno(), buffer[at:at + n * row], offset + first * row):
-                raise KvforgeError(f"the scratch file lost {name}")  # only if something else truncated it
-            at += n * row
-        out_shape = tuple(shape) if rows is None else (count, *shape[1:])
-        return buffer.view(dtype).reshape(out_shape) if size else torch.empty(out_shape, dtype=dtype)
-
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def count_non_finite(values: torch.Tensor) -> int:

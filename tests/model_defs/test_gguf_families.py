@@ -262,13 +262,13 @@ def test_the_scratch_file_gives_back_what_was_written_whole_or_by_rows():
     for name, value in written.items():
         scratch.add(name, value)
     for name, value in written.items():
-        assert torch.equal(scratch.read_rows(name), value), name
+        assert torch.equal(scratch.read(name), value), name
     rows = torch.tensor([0, 1, 2, 7, 30, 31, 49])
     assert torch.equal(scratch.read_rows("table", rows), written["table"][rows])
     assert torch.equal(scratch.read_rows("stack", torch.tensor([2])), written["stack"][[2]])
-    own = scratch.read_rows("table", copy=True)
-    shared = scratch.read_rows("norm")
-    scratch.read_rows("table")
+    own = scratch.read("table", copy=True)
+    shared = scratch.read("norm")
+    scratch.read("table")
     assert torch.equal(own, written["table"]) and not torch.equal(shared, written["norm"])
     scratch.close()
 
