@@ -19,6 +19,8 @@ from .kinds import quantizer_of
 from .passes import Progress
 from .recipe import Recipe
 
+EXTERNAL_FROM = 1 << 30  # a calibrated graph whose weights pass this many bytes keeps them in model.onnx.data
+
 def calibrate(
     bundle_path: str | Path,
     out: str | Path,
@@ -88,11 +90,21 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
 
     from kvforge.export.lint import lint, merge_lint  # the export package imports torch: only when writing
 
+    from onnx.external_data_helper import load_external_data_for_model
+
+    from kvforge.onnx_graph import external_bytes, save_with_data
+
     with staged_bundle(out, force, [bundle.path]) as tmp:
         shared = len(models) > 1
-        big = not shared and sum(len(i.raw_data) for m in models.values() for i in m.graph.initializer) > (1 << 30)
+        # a graph may still read float weights from the input bundle's data file (calibration loads them when used)
+        big = not shared and sum(len(i.raw_data) + external_bytes(i)
+                                 for m in models.values() for i in m.graph.initializer) > EXTERNAL_FROM
         for name, model in models.items():
-            onnx.save(model, str(tmp / name), save_as_external_data=big, location="model.onnx.data")
+            if big:  # the float weights are copied from the input's data file in pieces, the codes moved out
+                save_with_data(model, tmp / name, bundle.path, "model.onnx.data")
+            else:
+                load_external_data_for_model(model, str(bundle.path))
+                onnx.save(model, str(tmp / name))
         sharing = None
         if shared:
             from kvforge.export.seq2seq_export import share_weights

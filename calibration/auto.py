@@ -58,7 +58,7 @@ def choose_activations(targets, weights: dict[str, np.ndarray], observers, chann
                        clips=CLIPS) -> tuple[dict, dict, dict]:
     """Step 1: (activation -> amax, activation -> smoothing factors, activation -> its choice and errors).
 
-    weights: initializer name -> [K, N] float32; observers: pass 1's, with rows sampled (passes.observe);
+    weights: initializer name -> [K, N] float32 (a mapping that may read each when asked); observers: pass 1's, with rows sampled (passes.observe);
     plain: activations that are clipped but never smoothed; alphas, clips: the choices searched."""
     by_act: dict[str, list] = {}
     for t in targets:
@@ -70,7 +70,10 @@ def choose_activations(targets, weights: dict[str, np.ndarray], observers, chann
             chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": None, "clip": 1.0,
                            "output_error": None, "layer_errors": {}}
             continue
-        w = np.concatenate([weights[t.weight] for t in ts], axis=1)
+        parts = [weights[t.weight] for t in ts]  # each read once (weights may read them from disk)
+        widths = [part.shape[1] for part in parts]
+        w = np.concatenate(parts, axis=1)
+        del parts
         x = np.concatenate(observers[act].sampled)
         best = _best_choice(x, w, channel_amax[act], fmt, float_dtype, (None,) if act in plain else alphas, clips)
         alpha, clip, s, a, err = best
@@ -80,8 +83,7 @@ def choose_activations(targets, weights: dict[str, np.ndarray], observers, chann
         # each layer's own error under the chosen quantization: the ranking for step 3
         per_layer, start = {}, 0
         xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype)
-        for t in ts:
-            n = weights[t.weight].shape[1]
+        for t, n in zip(ts, widths):
             y = x @ w[:, start:start + n]
             per_layer[t.layer] = _rel_err(xq @ wq[:, start:start + n], y)
             start += n

@@ -65,24 +65,30 @@ class HeldOutEvaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
     KEEP_BYTES = 256 << 20  # of the float graph's logits kept between candidates
+    BATCH_LOGITS_BYTES = 256 << 20  # a batch of windows makes at most these logits (else fewer windows per batch)
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
                  batch_size: int = 4):
-        """held_out: budget_ids()'s token stream and its name."""
+        """held_out: budget_ids()'s token stream and its name. The graphs measured may be loaded without their
+        external data: it is read from the bundle's folder."""
         self.bundle = bundle
         self.dtype = bundle.dtype
         ids, self.data = held_out
         self.chunks = windows(ids, budget_window(bundle, seq_len))
-        self.batch_size = batch_size
+        window_logits = (self.chunks.shape[1] - 1) * bundle.model_config["vocab_size"] * 4
+        self.batch_size = max(1, min(batch_size, self.BATCH_LOGITS_BYTES // window_logits))
         self.float_model = float_model
-        self.reference = make_session(float_model.SerializeToString())
+        self.reference = self.session(float_model, None)
         self._reference_logits: dict[int, np.ndarray] = {}  # batch start -> the float graph's logits on it
+
+    def session(self, model, quant: str | None):
+        return make_session(model.SerializeToString(), quant, external_dir=self.bundle.path)
 
     def feeds(self, batch):
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
 
     def metrics(self, model, quant: str) -> dict[str, float]:
-        cand = make_session(model.SerializeToString(), quant)
+        cand = self.session(model, quant)
         stats = WindowStats()
         for i in range(0, len(self.chunks), self.batch_size):
             feeds = self.feeds(self.chunks[i : i + self.batch_size, :-1])
@@ -103,12 +109,15 @@ class HeldOutEvaluator:
     def ranking(self, model, quant: str) -> list[dict[str, Any]]:
         sample = np.ascontiguousarray(self.chunks[:2, :-1])
         cfg, io = self.bundle.model_config, self.bundle.io
-        return compare_blocks(lambda inject: graph_block_outputs(model, cfg, io, self.dtype, quant, sample, inject),
-                              graph_block_outputs(self.float_model, cfg, io, self.dtype, None, sample))
+        where = self.bundle.path
+        return compare_blocks(lambda inject: graph_block_outputs(model, cfg, io, self.dtype, quant, sample, inject,
+                                                                 where),
+                              graph_block_outputs(self.float_model, cfg, io, self.dtype, None, sample,
+                                                  external_dir=where))
 
     def decode_tokens_per_s(self, model, quant: str | None, past: int = 128, runs: int = 15) -> float:
         """Median single-token decode steps per second over a past of `past` tokens (batch 1)."""
-        sess = make_session(model.SerializeToString(), quant)
+        sess = self.session(model, quant)
         io = self.bundle.io
         rng = np.random.default_rng(0)
         np_dtype = np.float16 if self.dtype == "float16" else np.float32

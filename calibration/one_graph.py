@@ -9,6 +9,7 @@ layers that cost most in float (calibration/budget.py); an FP8 KV cache is quant
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -20,16 +21,19 @@ from .data import load_calibration_set
 from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_activations, search
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
-from .passes import Progress, activation_scales, observe
+from .passes import Progress, activation_scales, observe, rows_per_run
 from .qdq import add_kv_cache_qdq, check_weights_finite, find_targets, rewrite
 from .recipe import Quantized, Recipe
 
 
 def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progress) -> Quantized:
     """The bundle's graph quantized by the recipe; held_out: the accuracy budget's token stream (or None)."""
-    model = bundle.load_graph()  # a damage the manifest did not catch is named, not raised by protobuf
-    targets, _ = find_targets(model, list(recipe.exclude), recipe.quantize_lm_head)
-    check_weights_finite(model, targets)
+    # the graph without its weights (a damage the manifest did not catch is named, not raised by protobuf): each
+    # weight is read from the bundle's data file when it is used, and the sessions map that file
+    model = bundle.load_graph(external_data=False)
+    base = str(bundle.path)
+    targets, _ = find_targets(model, list(recipe.exclude), recipe.quantize_lm_head, base_dir=base)
+    check_weights_finite(model, targets, base)
     activations = list(dict.fromkeys(t.activation for t in targets))
     presents = [n for layer in bundle.io.present for n in layer] if recipe.kv_cache else []
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
@@ -37,7 +41,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     routers = router_inputs(model, {e.moe for e in experts}) if experts else {}
     extra = [n for n in dict.fromkeys(routers.values()) if n not in activations]
 
-    act_amax, smooth, calibration, hessians, cset, chosen = None, None, {"data": None}, None, None, None
+    act_amax, smooth, calibration, hessians, cset, chosen, probe = None, None, {"data": None}, None, None, None, None
     if recipe.needs_data:
         cset = load_calibration_set(bundle, recipe.data, samples=recipe.samples, seq_len=recipe.seq_len,
                                     random_data=recipe.random_data, hold_out=HOLD_OUT_TOKENS if recipe.auto else 0)
@@ -45,12 +49,15 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         n_batches = -(-len(cset.samples) // recipe.batch_size)
         items = lambda: cset.batches(recipe.batch_size)  # noqa: E731
         searching = recipe.auto and not recipe.weight_only
-        observers, channel_amax, run = observe(
-            model, activations + presents + extra, items, n_batches,
+        observed = activations + presents + extra
+        observers, channel_amax, probe = observe(
+            model, observed, items, n_batches,
             lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype),
             recipe.smoothquant is not None or searching, float_dtype, progress, hessians,
-            {n: KEEP_ROWS for n in routers.values()}, sample_rows=SAMPLE_ROWS if searching else 0,
+            {n: KEEP_ROWS for n in routers.values()}, sample_rows=SAMPLE_ROWS if searching else 0, base_dir=base,
+            max_rows=rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize),
         )
+        probe.release()  # its weights are mapped again only if a later pass runs it
         calibration = {
             "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
             "samples": int(len(cset.samples)), "seq_len": int(cset.samples.shape[1]), "batch_size": recipe.batch_size,
@@ -59,15 +66,17 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     if not recipe.weight_only and recipe.auto:
         # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
         plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
-        weights = _weights(model, targets)
+        weights = _Weights(model, base)
         chosen = {space: choose_activations(targets, weights, observers, channel_amax, recipe.precision, float_dtype,
                                             progress, plain, alphas, clips)
                   for space, (alphas, clips) in SPACES.items()}
         act_amax, smooth, _ = chosen[next(iter(SPACES))]
     elif not recipe.weight_only:
-        act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, items, n_batches,
+        act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
-                                             progress)
+                                             progress, base)
+        if probe is not None:
+            probe.release()
     if not recipe.weight_only and experts:
         for amax in [act_amax] + [c[0] for c in (chosen or {}).values()]:  # every candidate's ranges cover them
             expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
@@ -85,8 +94,10 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         if hessians is None:
             hessians = HessianAccumulator(activations)
             for item in items():
-                for name, x in run(item).items():
-                    hessians.add(name, x.astype(np.float32))
+                for part in probe.runs(item):
+                    for name, x in part.items():
+                        hessians.add(name, x.astype(np.float32))
+            probe.release()
         return hessians
 
     def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None):
@@ -95,8 +106,9 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         amax, factors = scales or (act_amax, smooth)
         q = type(model)()
         q.CopyFrom(model)
-        q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head)
-        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder)
+        q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head,
+                                             base_dir=base)
+        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder, base)
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)
@@ -121,11 +133,23 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
                       "recipe": recipe_record})
 
 
-def _weights(model, targets) -> dict[str, np.ndarray]:
-    from onnx import numpy_helper
+class _Weights(Mapping):
+    """A graph's weights by initializer name as float32 arrays, each read from the data file when asked for."""
 
-    inits = {i.name: i for i in model.graph.initializer}
-    return {t.weight: numpy_helper.to_array(inits[t.weight]).astype(np.float32) for t in targets}
+    def __init__(self, model, base_dir: str):
+        self.inits = {i.name: i for i in model.graph.initializer}
+        self.base_dir = base_dir
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(self.inits[name], self.base_dir).astype(np.float32, copy=False)
+
+    def __iter__(self):
+        return iter(self.inits)
+
+    def __len__(self) -> int:
+        return len(self.inits)
 
 
 def _cover_starved_experts(bundle: Bundle, model, experts, observers, routers, act_amax, recipe: Recipe):
@@ -133,6 +157,7 @@ def _cover_starved_experts(bundle: Bundle, model, experts, observers, routers, a
     from onnx import numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    weights = {w: numpy_helper.to_array(inits[w]).astype(np.float32) for e in experts for w in (e.gate_weight, e.up_weight)}
+    weights = {w: numpy_helper.to_array(inits[w], str(bundle.path)).astype(np.float32)
+               for e in experts for w in (e.gate_weight, e.up_weight)}
     return cover_starved(experts, observers, routers, weights, act_amax, recipe.min_expert_tokens,
                          recipe.starved_experts, bundle.model_config["activation"], bundle.model_config["dim"])

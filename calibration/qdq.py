@@ -59,12 +59,13 @@ def layer_name(node) -> str:
 TIED_FROM = "kvforge: tied to "
 
 
-def untie_lm_head(model) -> bool:
+def untie_lm_head(model, base_dir: str = "") -> bool:
     """Give a tied vocabulary projection (MatMul over Transpose(embedding)) its own [K, N] weight, in place.
 
     The projection gets a transposed copy, which calibration then quantizes like any linear layer; once
     quantized, share_tied_head makes the embedding read the same codes, so the bundle stores the tensor
-    once. Returns whether the graph changed.
+    once. base_dir: where the graph's external data lies (a graph loaded without it). Returns whether the graph
+    changed.
     """
     from onnx import numpy_helper
 
@@ -80,7 +81,7 @@ def untie_lm_head(model) -> bool:
     if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in inits:
         return False
     perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
-    embedding = numpy_helper.to_array(inits[transpose.input[0]])
+    embedding = numpy_helper.to_array(inits[transpose.input[0]], base_dir)
     if embedding.ndim != 2 or perm != [1, 0]:
         return False
     name = "lm_head.untied_weight"
@@ -94,14 +95,14 @@ def untie_lm_head(model) -> bool:
 
 
 def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
-                 require_matches: bool = True) -> tuple[list[Target], list[str]]:
+                 require_matches: bool = True, base_dir: str = "") -> tuple[list[Target], list[str]]:
     """The linear layers to quantize, and the names of those excluded (quantize_lm_head unties a tied head).
 
     require_matches: an exclude pattern that names no layer is an error (a typo); callers that quantize
     several graphs check that over all of them instead."""
     g = model.graph
     if quantize_lm_head:
-        untie_lm_head(model)
+        untie_lm_head(model, base_dir)
     inits = {i.name: i for i in g.initializer}
     patterns = []
     for p in exclude:
@@ -129,13 +130,13 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
 
 
 # --- primitives (numpy) ----------------------------------------------------------
-def check_weights_finite(model, targets: list[Target]) -> None:
+def check_weights_finite(model, targets: list[Target], base_dir: str = "") -> None:
     """A NaN or inf weight would quietly become a scale of 1 or inf (or NaN codes); name the layer instead."""
     from onnx import numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
     for t in targets:
-        w = numpy_helper.to_array(inits[t.weight])
+        w = numpy_helper.to_array(inits[t.weight], base_dir)
         bad = int(w.size - np.count_nonzero(np.isfinite(w)))
         if bad:
             raise KvforgeError(f"layer {t.layer}'s weight holds {bad} NaN or infinite values: the float bundle is broken; "
@@ -204,13 +205,15 @@ def recorded(scale: np.ndarray) -> list:
 
 # --- the graph rewrite -------------------------------------------------------------
 def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
-            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None) -> dict:
+            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None, base_dir: str = "") -> dict:
     """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
 
     round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
-    and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)).
+    and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)). base_dir:
+    where the graph's external data lies, for a graph loaded without it: each weight is read when it is quantized,
+    and the weights that stay float stay where they are.
     """
-    edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype)
+    edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype, base_dir)
     for t in targets:
         edit.weight(t, round_weight)
         if act_amax is not None:  # W8A8; weight-only formats stop at the weight
@@ -229,12 +232,14 @@ class _QdqEdit:
     """One Q/DQ rewrite of a graph in progress: new initializers go in at once, new nodes are collected per
     target node and spliced in before it at the end (so node indices stay valid while targets are visited)."""
 
-    def __init__(self, model, fmt: str, block_size: int | None, smooth: dict[str, np.ndarray] | None, float_dtype):
+    def __init__(self, model, fmt: str, block_size: int | None, smooth: dict[str, np.ndarray] | None, float_dtype,
+                 base_dir: str = ""):
         from onnx import TensorProto
 
         self.g = model.graph
         self.inits = {i.name: i for i in self.g.initializer}
         self.fmt, self.block_size, self.smooth, self.float_dtype = fmt, block_size, smooth, float_dtype
+        self.base_dir = base_dir
         self.q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
         self.new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
         self.index = {id(n): i for i, n in enumerate(self.g.node)}
@@ -250,7 +255,7 @@ class _QdqEdit:
         from onnx import helper, numpy_helper
 
         g, fmt, block_size = self.g, self.fmt, self.block_size
-        w = numpy_helper.to_array(self.inits[t.weight]).astype(np.float32)
+        w = numpy_helper.to_array(self.inits[t.weight], self.base_dir).astype(np.float32)
         if self.smooth and t.activation in self.smooth:
             w = w * self.smooth[t.activation][:, None]  # W' = diag(s) W
         if round_weight is not None:

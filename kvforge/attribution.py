@@ -83,13 +83,14 @@ def onnx_block_outputs(bundle: Bundle, batch: np.ndarray, inject: list[np.ndarra
     the graph's own, so that each block's output error is its own.
     """
     quant = bundle.quantization_format
-    return graph_block_outputs(bundle.load_graph(), bundle.model_config, bundle.io,
-                               bundle.dtype, quant, batch, inject)
+    return graph_block_outputs(bundle.load_graph(external_data=False), bundle.model_config, bundle.io,
+                               bundle.dtype, quant, batch, inject, bundle.path)
 
 
 def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str | None, batch: np.ndarray,
-                        inject: list[np.ndarray] | None = None) -> list[np.ndarray]:
-    """As onnx_block_outputs, for an in-memory graph (left unchanged) of the bundle format `quant`."""
+                        inject: list[np.ndarray] | None = None, external_dir=None) -> list[np.ndarray]:
+    """As onnx_block_outputs, for an in-memory graph (left unchanged) of the bundle format `quant`; external_dir:
+    where its external data lies, for a graph loaded without it."""
     from onnx import TensorProto, helper
 
     names = block_outputs(model, cfg["n_layers"])
@@ -109,7 +110,7 @@ def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str |
                         node.input[k] = fed
             probe.graph.input.append(helper.make_tensor_value_info(fed, elem, None))
             feeds[fed] = value.astype(np_dtype)
-    sess = make_session(probe.SerializeToString(), quant)
+    sess = make_session(probe.SerializeToString(), quant, external_dir=external_dir)
     return [x.astype(np.float32) for x in sess.run(names, feeds)]
 
 

@@ -381,12 +381,12 @@ class Bundle:
 
         bad = {}
         for name in self.onnx_files():
-            model = self.load_graph(external_data=True, graph=name)
+            model = self.load_graph(external_data=False, graph=name)  # each weight is read alone
             weight_reads = {x for node in model.graph.node if node.op_type in _WEIGHT_OPS for x in node.input}
             for init in model.graph.initializer:
                 if init.data_type not in _FLOAT_TYPES:
                     continue
-                values = numpy_helper.to_array(init).astype(np.float32, copy=False)
+                values = numpy_helper.to_array(init, str(self.path)).astype(np.float32, copy=False)
                 count = int(np.isnan(values).sum())
                 if init.name in weight_reads and values.size > 1:
                     count += int(np.isinf(values).sum())

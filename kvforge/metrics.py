@@ -180,7 +180,17 @@ class WindowStats:
         self.count = self.agree = 0
         self.max_abs = self.diff_sq = self.ref_sq = self.cand_sq = self.dot = 0.0
 
+    CHUNK_VALUES = 1 << 22  # logits per piece: float64 temporaries of 32 MB, whatever the batch and vocabulary
+
     def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
+        """Add the positions of logits (..., V) against their next tokens (...), a piece of positions at a time."""
+        v = cand.shape[-1]
+        cand, ref, targets = cand.reshape(-1, v), ref.reshape(-1, v), np.asarray(targets).reshape(-1)
+        step = max(1, self.CHUNK_VALUES // v)
+        for i in range(0, len(targets), step):
+            self._add(cand[i:i + step], ref[i:i + step], targets[i:i + step])
+
+    def _add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
         lc, lr = log_softmax(cand), log_softmax(ref)
         self.nll_c += target_nll(lc, targets)
         self.nll_r += target_nll(lr, targets)

@@ -170,3 +170,58 @@ def drop_dead_nodes(model) -> int:
         del g.value_info[:]
         g.value_info.extend(infos)
     return dropped
+
+
+def external_bytes(tensor) -> int:
+    """The bytes a tensor keeps in an external data file (0 for one held in the graph)."""
+    entries = {e.key: e.value for e in tensor.external_data}
+    return int(entries.get("length", 0)) if tensor.data_location == 1 else 0
+
+
+def save_with_data(model, path, base_dir, location: str, inline_max: int = 1024, align: int = 1 << 16,
+                   align_from: int = 1 << 20) -> None:
+    """Write `model` to `path` with each initializer of more than `inline_max` bytes in one data file, `location`
+    beside it, and the rest in the graph file: a weight held in the graph is moved out of it (the model then
+    refers to the new file), a weight already external (its file under `base_dir`, such as the float bundle a
+    calibrated graph was made from) is copied across in pieces. So no weight is held whole in memory twice, and
+    those that stayed on disk are never read whole. Tensors of `align_from` bytes or more start on a multiple of
+    `align` bytes, as onnx places them, so that ONNX Runtime can map each from the file."""
+    import os
+
+    from onnx import external_data_helper
+
+    path = os.fspath(path)
+    target = os.path.join(os.path.dirname(path), location)
+    chunk = 64 << 20
+    with open(target, "xb") as out:
+        for tensor in external_data_helper._get_all_tensors(model):
+            external = tensor.data_location == 1
+            size = external_bytes(tensor) if external else len(tensor.raw_data)
+            if not external and (size <= inline_max or not tensor.HasField("raw_data")):
+                continue
+            offset = out.tell()
+            if size >= align_from and offset % align:
+                offset += align - offset % align
+                out.seek(offset)
+            if external:
+                entries = {e.key: e.value for e in tensor.external_data}
+                with open(os.path.join(os.fspath(base_dir), entries["location"]), "rb") as src:
+                    src.seek(int(entries.get("offset", 0)))
+                    left = size
+                    while left:
+                        piece = src.read(min(chunk, left))
+                        if not piece:
+                            raise OSError(f"{entries['location']} ends before {tensor.name}'s {size} bytes")
+                        out.write(piece)
+                        left -= len(piece)
+            else:
+                out.write(tensor.raw_data)
+            tensor.ClearField("raw_data")
+            del tensor.external_data[:]
+            tensor.data_location = 1
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(size))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+    import onnx
+
+    onnx.save(model, path)

@@ -7,6 +7,7 @@ says; prefill_feeds builds a prefill from an empty cache as the IO spec shapes i
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 
@@ -93,10 +94,12 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
 
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
-                 threads: int | None = None, spinning: bool = True):
+                 threads: int | None = None, spinning: bool = True, external_dir: str | Path | None = None):
     """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs.
     spinning=False: its threads stop spinning when a run ends (ORT's session.force_spinning_stop), so that they do
-    not take the cores from another session that runs in turn with it (a speculative draft and its target)."""
+    not take the cores from another session that runs in turn with it (a speculative draft and its target).
+    external_dir: where the external data of a graph given as bytes lies (a bundle's folder): ONNX Runtime maps
+    that file as it does for a graph loaded from its path, so the weights are not copied through the bytes."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -112,6 +115,8 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         opts.add_session_config_entry(key, value)
     if not spinning:
         opts.add_session_config_entry("session.force_spinning_stop", "1")
+    if external_dir is not None and isinstance(model, bytes):
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_dir))
     try:
         return ort.InferenceSession(
             model if isinstance(model, bytes) else str(model), opts, providers=providers or ["CPUExecutionProvider"],
