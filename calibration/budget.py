@@ -64,7 +64,6 @@ def budget_ids(bundle, data, tokens: int, seq_len: int = BUDGET_SEQ_LEN) -> tupl
 class HeldOutEvaluator:
     """Candidate graphs against the float graph on the same held-out windows (ONNX Runtime, CPU)."""
 
-    KEEP_BYTES = 256 << 20  # of the float graph's logits kept between candidates
     BATCH_LOGITS_BYTES = 256 << 20  # a batch of windows makes at most these logits (else fewer windows per batch)
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], seq_len: int = BUDGET_SEQ_LEN,
@@ -78,8 +77,8 @@ class HeldOutEvaluator:
         window_logits = (self.chunks.shape[1] - 1) * bundle.model_config["vocab_size"] * 4
         self.batch_size = max(1, min(batch_size, self.BATCH_LOGITS_BYTES // window_logits))
         self.float_model = float_model
-        self.reference = self.session(float_model, None)
-        self._reference_logits: dict[int, np.ndarray] = {}  # batch start -> the float graph's logits on it
+        self._reference = None  # the float graph's logits on every batch, in a scratch file (_reference_logits)
+        self._reference_at: dict[int, tuple] = {}  # batch start -> (shape, dtype, offset) in it
 
     def session(self, model, quant: str | None):
         return make_session(model.SerializeToString(), quant, external_dir=self.bundle.path)
@@ -88,23 +87,40 @@ class HeldOutEvaluator:
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)
 
     def metrics(self, model, quant: str) -> dict[str, float]:
+        if self._reference is None:  # before the candidate's session: the two never run side by side
+            self._reference = self._write_reference()
         cand = self.session(model, quant)
         stats = WindowStats()
         for i in range(0, len(self.chunks), self.batch_size):
-            feeds = self.feeds(self.chunks[i : i + self.batch_size, :-1])
-            lc = cand.run(["logits"], feeds)[0]
-            stats.add(lc, self._reference_run(i, feeds), self.chunks[i : i + self.batch_size, 1:])
+            lc = cand.run(["logits"], self.feeds(self.chunks[i : i + self.batch_size, :-1]))[0]
+            stats.add(lc, self._reference_logits(i), self.chunks[i : i + self.batch_size, 1:])
         return stats.result()
 
-    def _reference_run(self, i: int, feeds) -> np.ndarray:
-        """The float graph's logits on the batch at window i: the same for every candidate measured, so kept after
-        the first (up to KEEP_BYTES in all; a large vocabulary's beyond that are computed again)."""
-        if i in self._reference_logits:
-            return self._reference_logits[i]
-        lr = self.reference.run(["logits"], feeds)[0]
-        if lr.nbytes + sum(a.nbytes for a in self._reference_logits.values()) <= self.KEEP_BYTES:
-            self._reference_logits[i] = lr
-        return lr
+    def _reference_logits(self, i: int) -> np.ndarray:
+        """The float graph's logits on the batch at window i: the same for every candidate measured, so made once
+        for every batch (_write_reference) and kept in an unlinked scratch file under TMPDIR, read back a batch
+        at a time; the float graph's session is dropped once they are written, so that a candidate's session
+        never runs beside it (Gemma 3's vocabulary projection alone is 0.7 GB per session)."""
+        shape, dtype, offset = self._reference_at[i]
+        self._reference.seek(offset)
+        return np.frombuffer(self._reference.read(int(np.prod(shape)) * dtype.itemsize), dtype).reshape(shape)
+
+    def _write_reference(self):
+        import tempfile
+
+        session = self.session(self.float_model, None)
+        scratch = tempfile.TemporaryFile()
+        try:
+            for i in range(0, len(self.chunks), self.batch_size):
+                logits = session.run(["logits"], self.feeds(self.chunks[i : i + self.batch_size, :-1]))[0]
+                self._reference_at[i] = (logits.shape, logits.dtype, scratch.tell())
+                scratch.write(np.ascontiguousarray(logits).tobytes())
+            scratch.flush()
+        except OSError as e:
+            scratch.close()
+            raise KvforgeError(f"cannot keep the float graph's held-out logits under TMPDIR "
+                               f"({tempfile.gettempdir()}): {e}") from e
+        return scratch
 
     def ranking(self, model, quant: str) -> list[dict[str, Any]]:
         sample = np.ascontiguousarray(self.chunks[:2, :-1])

@@ -124,3 +124,34 @@ def test_a_graph_is_written_with_its_weights_moved_and_copied(tmp_path):
     np.testing.assert_allclose(y, (x.astype(np.float64) @ w_inline @ w_far) + bias, rtol=1e-4, atol=1e-3)
     with pytest.raises(FileExistsError):  # nothing already written is overwritten
         save_with_data(model, out / "model.onnx", source, "model.onnx.data")
+
+
+def test_held_out_reference_logits_are_made_once_and_never_beside_a_candidate(tiny_fp32, tiny_heldout, monkeypatch):
+    """The automatic recipe's measurements: the float graph's logits on the held-out windows are made once, kept
+    in a scratch file and read back batch by batch (the float graph measured against itself: no change at
+    all, every batch), and its session is gone before a candidate's runs."""
+    import weakref
+
+    from kvforge.calibration import budget
+
+    model = tiny_fp32.load_graph(external_data=False)
+    ids = [int(t) for t in np.asarray(tiny_heldout[:9]).reshape(-1)]
+    ev = budget.HeldOutEvaluator(tiny_fp32, model, (ids, "held-out text"))
+    assert len(ev.chunks) > ev.batch_size  # several batches, so several offsets in the file
+    made, alive_at_make = [], []
+    real = budget.make_session
+
+    def tracking(*args, **kwargs):
+        alive_at_make.append(sum(r() is not None for r in made))
+        session = real(*args, **kwargs)
+        made.append(weakref.ref(session))
+        return session
+
+    monkeypatch.setattr(budget, "make_session", tracking)
+    first = ev.metrics(model, None)
+    second = ev.metrics(model, None)
+    assert len(made) == 3 and alive_at_make == [0, 0, 0]  # the reference once, then one session per candidate
+    for m in (first, second):
+        assert m["perplexity_delta_pct"] == 0.0 and m["top1_agreement"] == 1.0 and m["logits_max_abs"] == 0.0
+        assert m["kl_divergence_mean"] == 0.0
+    assert first == second
