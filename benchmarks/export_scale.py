@@ -4,13 +4,15 @@ Each shape is a Hugging Face checkpoint written here in the Hub's layout (config
 of at most --shard-gb with model.safetensors.index.json; random weights, written one tensor at a time so that
 making it never holds the model), or a real GGUF file given with --gguf. For each, in a fresh process under
 `/usr/bin/time -v`: `kvforge export SOURCE -o BUNDLE [--dtype D]`, then `kvforge calibrate BUNDLE -o OUT
---precision int8 --random-data`. Recorded per step: exit status, wall seconds, peak RSS, the bundle's bytes, the
+--precision P` for each of --precisions, with default flags (the built-in text) where the bundle has a tokenizer,
+else `--random-data` (the random-weight shapes have none). Recorded per step: exit status, wall seconds, peak RSS, the bundle's bytes, the
 last line of stderr (a refusal by the memory plan names its figures), and the issue's bounds: export peak <=
 bundle + 2 GB, calibration peak <= 1.5 x its input bundle + 2 GB. One step at a time: never two heavy exports at
 once.
 
     python3 benchmarks/export_scale.py [--shapes smollm2-135m,llama-3.2-1b] [--dtypes float32,float16] [--skip-calibrate]
-        [--gguf PATH ...] [--work DIR] [--out benchmarks/results/export_scale.json]
+        [--precisions int8,fp8,int4] [--bundle-from DIR] [--gguf PATH ...] [--work DIR]
+        [--out benchmarks/results/export_scale.json]
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def main() -> None:
     ap.add_argument("--keep-bundles", action="store_true", help="keep each bundle (default: removed once measured)")
     ap.add_argument("--shard-gb", type=float, default=2.0)
     ap.add_argument("--skip-calibrate", action="store_true")
+    ap.add_argument("--precisions", default="int8", help="comma-separated calibrations of each float bundle")
+    ap.add_argument("--skip-export", action="store_true",
+                    help="calibrate the bundles an earlier run kept under --work (--keep-bundles) instead")
     ap.add_argument("--work", default=None, help="where checkpoints and bundles go (default: a new temp dir)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_scale.json"))
     args = ap.parse_args()
@@ -153,21 +158,29 @@ def main() -> None:
         row = {"model": name, "parameters": params or source_parameters(str(source)), "source_bytes": size_of(source)
                if source.is_dir() else source.stat().st_size, "dtype": dtype}
         bundle = work / f"{name}-{dtype}"
-        row["export"] = timed([*kvforge, "export", str(source), "-o", str(bundle), "--dtype", dtype, "--force"])
+        if args.skip_export:
+            row["export"] = {"rc": 0 if (bundle / "kvforge.json").is_file() else None, "note": "kept from an earlier run"}
+        else:
+            row["export"] = timed([*kvforge, "export", str(source), "-o", str(bundle), "--dtype", dtype, "--force"])
+            row["export"]["within_bound"] = None
         row["export"]["bundle_bytes"] = size_of(bundle)
-        if row["export"]["rc"] == 0:
+        if row["export"]["rc"] == 0 and not args.skip_export:
             row["export"]["within_bound"] = row["export"]["peak_rss_gb"] <= row["export"]["bundle_bytes"] / GB + 2
-            if not args.skip_calibrate:
-                out = work / f"{name}-int8"
-                row["calibrate"] = timed([*kvforge, "calibrate", str(bundle), "-o", str(out), "--precision", "int8",
-                                          "--random-data", "--force"])
-                row["calibrate"]["bundle_bytes"] = size_of(out)
-                if row["calibrate"]["rc"] == 0:
-                    row["calibrate"]["within_bound"] = (row["calibrate"]["peak_rss_gb"]
-                                                        <= 1.5 * row["export"]["bundle_bytes"] / GB + 2)
+        if row["export"]["rc"] == 0 and not args.skip_calibrate:
+            text = (bundle / "tokenizer.json").is_file()  # default flags: the built-in text; else random tokens
+            for precision in filter(None, args.precisions.split(",")):
+                out = work / f"{name}-{dtype}-{precision}"
+                step = timed([*kvforge, "calibrate", str(bundle), "-o", str(out), "--precision", precision,
+                              *([] if text else ["--random-data"]), "--force"])
+                step["data"] = "built-in text" if text else "random tokens"
+                step["bundle_bytes"] = size_of(out)
+                if step["rc"] == 0:
+                    step["within_bound"] = step["peak_rss_gb"] <= 1.5 * row["export"]["bundle_bytes"] / GB + 2
+                    step["seconds_per_billion_parameters"] = round(step["wall_s"] / (row["parameters"] / 1e9), 1)
+                row[f"calibrate_{precision}"] = step
+                shutil.rmtree(out, ignore_errors=True)
         if not args.keep_bundles:
-            for path in (bundle, work / f"{name}-int8"):
-                shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(bundle, ignore_errors=True)
         print(json.dumps(row), flush=True)
         rows.append(row)
         _write(args.out, rows)  # after each row: a run stopped part way keeps what it measured

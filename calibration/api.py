@@ -73,7 +73,8 @@ def calibrate(
     ).checked(bundle, quantizer.fits_budget)
     check_output_path(out, force, [bundle.path])
     weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
-    resources.check(resources.calibrate_plan(weights // resources.dtype_bytes(bundle.dtype), weights), out)  # before any work
+    width = resources.dtype_bytes(bundle.dtype)
+    resources.check(resources.calibrate_plan(weights // width, weights, width), out)  # before any work
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     # the budget's held-out text is read and checked now, not after the calibration
     held_out = budget_ids(bundle, recipe.budget_data, recipe.budget_tokens) if recipe.accuracy_budget else None
@@ -96,9 +97,11 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
 
     with staged_bundle(out, force, [bundle.path]) as tmp:
         shared = len(models) > 1
-        # a graph may still read float weights from the input bundle's data file (calibration loads them when used)
-        big = not shared and sum(len(i.raw_data) + external_bytes(i)
-                                 for m in models.values() for i in m.graph.initializer) > EXTERNAL_FROM
+        # a graph may still read float weights from the input bundle's data file (calibration reads each when it
+        # is used): they stay in a data file, as does everything of a graph over EXTERNAL_FROM
+        inits = [i for m in models.values() for i in m.graph.initializer]
+        big = not shared and (sum(len(i.raw_data) + external_bytes(i) for i in inits) > EXTERNAL_FROM
+                              or any(external_bytes(i) for i in inits))
         for name, model in models.items():
             if big:  # the float weights are copied from the input's data file in pieces, the codes moved out
                 save_with_data(model, tmp / name, bundle.path, "model.onnx.data")

@@ -52,7 +52,10 @@ EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 referenc
 # peak resident bytes per byte of the bundle's float32 weights, weights streamed: Qwen2.5-1.5B's shape 7.94 GiB
 # for a 5.75 GiB bundle, its float16 bundle 9.07 GiB for 2.88 GiB (benchmarks/export_scale.py)
 STREAMED_EXPORT_PER_BUNDLE_BYTE = 1.25
-CALIBRATE_PER_BUNDLE_BYTE = 22  # peak resident bytes per byte of the float bundle's weights
+# calibration keeps the weights in the bundle's data file (calibration/one_graph.py): one ONNX Runtime session maps
+# them at a time, as float32 where they are half, beside one run's activations (calibration/passes.py RUN_BYTES)
+CALIBRATE_PER_BUNDLE_BYTE = 1.25
+CALIBRATE_ACTIVATIONS = 1 * GIB
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -73,9 +76,12 @@ def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False, scrat
     return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20), scratch)
 
 
-def calibrate_plan(parameters: int, bundle_bytes: int) -> Plan:
-    """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk."""
-    return Plan("calibration", parameters, RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes, bundle_bytes)
+def calibrate_plan(parameters: int, bundle_bytes: int, dtype_bytes: int = 4) -> Plan:
+    """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk, `dtype_bytes` per
+    weight: the session that observes (or measures a candidate) holds the weights, as float32 where they are half,
+    and one run's activations; the quantized graph is written beside the input."""
+    memory = RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes * (1 if dtype_bytes == 4 else 3) + CALIBRATE_ACTIVATIONS
+    return Plan("calibration", parameters, int(memory), bundle_bytes)
 
 
 def _meminfo_available() -> int | None:

@@ -14,7 +14,6 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from kvforge.bundle import MANIFEST, Bundle, write_manifest
-from kvforge.calibration import api as calibration_api
 from kvforge.calibration import calibrate, passes
 from kvforge.onnx_graph import save_with_data
 
@@ -38,18 +37,17 @@ def _initializers(path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("precision,options", [("int8", {"smoothquant": 0.5, "method": "percentile"}),
                                                ("int4", {"block_size": 32})])
-def test_weights_on_disk_calibrate_as_weights_in_the_graph(tiny_fp32, tmp_path, monkeypatch, precision, options):
+def test_weights_on_disk_calibrate_as_weights_in_the_graph(tiny_fp32, tmp_path, precision, options):
     """A bundle whose weights lie in its data file calibrates to the same graph, bit for bit, as the same bundle
-    with its weights in the graph; written with a data file (as a calibrated graph over 1 GB is), the weights
-    that stayed float are copied from the input's data file and onnx reads every tensor back equal."""
+    with its weights in the graph; its calibrated graph keeps a data file too, the weights that stayed float
+    copied from the input's, and onnx reads every tensor back equal."""
     external = _with_external_data(tiny_fp32, tmp_path / "external")
     assert (external.path / "model.onnx.data").stat().st_size > 0.9 * sum(
         a.nbytes for a in _initializers(tiny_fp32.graph_file).values())
     kw = dict(precision=precision, samples=8, seq_len=64, **options)
     inline = calibrate(tiny_fp32.path, tmp_path / "inline", **kw)
-    monkeypatch.setattr(calibration_api, "EXTERNAL_FROM", 0)  # every calibrated graph written with a data file
     streamed = calibrate(external.path, tmp_path / "streamed", **kw)
-    assert (streamed.path / "model.onnx.data").is_file()
+    assert (streamed.path / "model.onnx.data").is_file() and not (inline.path / "model.onnx.data").exists()
     assert streamed.manifest["calibration"]["scales"] == inline.manifest["calibration"]["scales"]
     a, b = _initializers(inline.graph_file), _initializers(streamed.graph_file)
     assert a.keys() == b.keys()
