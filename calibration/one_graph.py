@@ -21,7 +21,7 @@ from .data import load_calibration_set
 from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_activations, search
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
-from .passes import Progress, activation_scales, observe, rows_per_run
+from .passes import Probe, Progress, activation_scales, observe, rows_per_run
 from .qdq import add_kv_cache_qdq, check_weights_finite, find_targets, rewrite
 from .recipe import Quantized, Recipe
 
@@ -50,13 +50,17 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         items = lambda: cset.batches(recipe.batch_size)  # noqa: E731
         searching = recipe.auto and not recipe.weight_only
         observed = activations + presents + extra
-        observers, channel_amax, probe = observe(
-            model, observed, items, n_batches,
-            lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype),
-            recipe.smoothquant is not None or searching, float_dtype, progress, hessians,
-            {n: KEEP_ROWS for n in routers.values()}, sample_rows=SAMPLE_ROWS if searching else 0, base_dir=base,
-            max_rows=rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize),
-        )
+        feeds = lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype)  # noqa: E731
+        max_rows = rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize)
+        if recipe.weight_only and hessians is None and not presents:
+            # rounding to nearest reads no activation (an automatic recipe's text is for its held-out measurements,
+            # and a GPTQ candidate observes when it is tried: candidate_hessians)
+            observers, channel_amax, probe = {}, {}, Probe(model, observed, float_dtype, feeds, base, max_rows)
+        else:
+            observers, channel_amax, probe = observe(
+                model, observed, items, n_batches, feeds, recipe.smoothquant is not None or searching, float_dtype,
+                progress, hessians, {n: KEEP_ROWS for n in routers.values()},
+                sample_rows=SAMPLE_ROWS if searching else 0, base_dir=base, max_rows=max_rows)
         probe.release()  # its weights are mapped again only if a later pass runs it
         calibration = {
             "data": cset.source, "data_sha256": cset.sha256, "random_data": cset.random,
@@ -94,7 +98,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         if hessians is None:
             hessians = HessianAccumulator(activations)
             for item in items():
-                for part in probe.runs(item):
+                for part in probe.runs(item, max_rows=1):  # H sums one sample at a time whatever the batching
                     for name, x in part.items():
                         hessians.add(name, x.astype(np.float32))
             probe.release()

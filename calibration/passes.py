@@ -26,8 +26,9 @@ class Probe:
     Only what the activations need is kept of the graph (the vocabulary projection and the cache outputs go
     unless asked for). The weights stay in the bundle's data file (base_dir), which ONNX Runtime maps; the
     session is made when first run and dropped by release(), so that the weights are not held while later
-    stages run. A batch whose activations would pass RUN_BYTES (max_rows batch rows per run) is run in parts,
-    each part's activations given out before the next is computed."""
+    stages run (a graph loaded with its weights gets its session at once, kept: its bytes would be a copy). A
+    batch whose activations would pass RUN_BYTES (max_rows batch rows per run) is run in parts, each part's
+    activations given out before the next is computed."""
 
     def __init__(self, model, activations: list[str], float_dtype, feeds: Callable[[Any], dict], base_dir: str = "",
                  max_rows: int | None = None):
@@ -36,37 +37,47 @@ class Probe:
         from kvforge.onnx_graph import drop_dead_nodes
 
         probe = type(model)()
-        probe.CopyFrom(model)  # a graph without its external data is small
+        probe.CopyFrom(model)
         del probe.graph.output[:]
         elem = TensorProto.FLOAT16 if float_dtype == np.float16 else TensorProto.FLOAT
         for name in activations:  # activations carry the model dtype
             probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
         drop_dead_nodes(probe)
-        self.graph = probe.SerializeToString()
         self.names, self.feeds, self.base_dir, self.max_rows = list(activations), feeds, base_dir, max_rows
+        self.graph: bytes | None = probe.SerializeToString()
+        del probe
         self._session = None
+        if not base_dir:  # a graph holding its weights is as large as they are: its session is made now and kept
+            self._session = make_session(self.graph)
+            self.graph = None
 
-    def parts(self, item) -> list[dict[str, np.ndarray]]:
-        """The item's feeds, split along the batch axis into runs of at most max_rows rows."""
+    def parts(self, item, max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
+        """The item's feeds, split along the batch axis into runs of at most max_rows rows (the probe's own
+        bound where not given)."""
         feeds = self.feeds(item)
         rows = next(iter(feeds.values())).shape[0]
-        if not self.max_rows or rows <= self.max_rows:
+        limit = min(max_rows or rows, self.max_rows or rows)
+        if rows <= limit:
             return [feeds]
-        return [{k: (v[i:i + self.max_rows] if v.ndim and v.shape[0] == rows else v) for k, v in feeds.items()}
-                for i in range(0, rows, self.max_rows)]
+        return [{k: (v[i:i + limit] if v.ndim and v.shape[0] == rows else v) for k, v in feeds.items()}
+                for i in range(0, rows, limit)]
 
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
             self._session = make_session(self.graph, external_dir=self.base_dir or None)
         return dict(zip(self.names, self._session.run(self.names, feeds)))
 
-    def runs(self, item):
-        """Each part of the item's activations in turn (name -> array)."""
-        for feeds in self.parts(item):
+    def runs(self, item, max_rows: int | None = None):
+        """Each part of the item's activations in turn (name -> array). A pass whose statistics do not depend on
+        the batching (histograms, GPTQ's sums) runs one row at a time: its activations are the batch's / rows."""
+        for feeds in self.parts(item, max_rows):
             yield self.run_feeds(feeds)
 
     def release(self) -> None:
-        self._session = None
+        """Drop the session (and the weights it maps) until the next run; a probe of a graph that holds its
+        weights keeps it."""
+        if self.graph is not None:
+            self._session = None
 
 
 def rows_per_run(model, activations: list[str], seq_len: int, itemsize: int) -> int:
@@ -144,7 +155,7 @@ def activation_scales(model, targets, observers, channel_amax, probe: Probe | No
             observers[act].amax = float((channel_amax[act] / smooth[act]).max())
     if method != "max":
         for i, item in enumerate(items()):
-            for part in probe.runs(item):
+            for part in probe.runs(item, max_rows=1):
                 for name, x in part.items():
                     x = x.astype(np.float32)
                     observers[name].observe_histogram(x / smooth[name] if smooth and name in smooth else x)
