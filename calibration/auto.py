@@ -56,41 +56,64 @@ HOLD_OUT_TOKENS = 2048  # calibration text kept out of the samples, for step 2 a
 def choose_activations(targets, weights: dict[str, np.ndarray], observers, channel_amax: dict[str, np.ndarray],
                        fmt: str, float_dtype, progress, plain=frozenset(), alphas=ALPHAS,
                        clips=CLIPS) -> tuple[dict, dict, dict]:
-    """Step 1: (activation -> amax, activation -> smoothing factors, activation -> its choice and errors).
+    """Step 1 over one space of choices: (activation -> amax, activation -> smoothing factors, activation -> its
+    choice and errors); choose_in_spaces's arguments."""
+    return choose_in_spaces(targets, weights, observers, channel_amax, fmt, float_dtype, progress, plain,
+                            {"": (alphas, clips)})[""]
 
-    weights: initializer name -> [K, N] float32 (a mapping that may read each when asked); observers: pass 1's, with rows sampled (passes.observe);
-    plain: activations that are clipped but never smoothed; alphas, clips: the choices searched."""
+
+def choose_in_spaces(targets, weights: dict[str, np.ndarray], observers, channel_amax: dict[str, np.ndarray],
+                     fmt: str, float_dtype, progress, plain=frozenset(), spaces=SPACES) -> dict[str, tuple]:
+    """Step 1: per space of choices (name -> (alphas, clips)), (activation -> amax, activation -> smoothing
+    factors, activation -> its choice and errors).
+
+    weights: initializer name -> [K, N] float32 (a mapping that may read each when asked); observers: pass 1's,
+    with rows sampled (passes.observe); plain: activations that are clipped but never smoothed. Each activation's
+    weights are read and each (alpha, clip) measured once for all the spaces; a space takes the first smallest
+    error in its own order."""
     by_act: dict[str, list] = {}
     for t in targets:
         by_act.setdefault(t.activation, []).append(t)
-    amax, smooth, chosen = {}, {}, {}
+    results = {space: ({}, {}, {}) for space in spaces}
     for i, (act, ts) in enumerate(by_act.items()):
         if not observers[act].sampled:  # no calibration row reached it (a starved expert): its max, as observed
-            amax[act] = observers[act].amax or 1e-8
-            chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": None, "clip": 1.0,
-                           "output_error": None, "layer_errors": {}}
+            for amax, _, chosen in results.values():
+                amax[act] = observers[act].amax or 1e-8
+                chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": None, "clip": 1.0,
+                               "output_error": None, "layer_errors": {}}
             continue
         parts = [weights[t.weight] for t in ts]  # each read once (weights may read them from disk)
         widths = [part.shape[1] for part in parts]
         w = np.concatenate(parts, axis=1)
         del parts
         x = np.concatenate(observers[act].sampled)
-        best = _best_choice(x, w, channel_amax[act], fmt, float_dtype, (None,) if act in plain else alphas, clips)
-        alpha, clip, s, a, err = best
-        amax[act] = a
-        if s is not None:
-            smooth[act] = s
-        # each layer's own error under the chosen quantization: the ranking for step 3
-        per_layer, start = {}, 0
-        xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype)
-        for t, n in zip(ts, widths):
-            y = x @ w[:, start:start + n]
-            per_layer[t.layer] = _rel_err(xq @ wq[:, start:start + n], y)
-            start += n
-        chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": alpha, "clip": clip,
-                       "output_error": float(err), "layer_errors": per_layer}
+        allowed = {space: ((None,) if act in plain else alphas, clips) for space, (alphas, clips) in spaces.items()}
+        grid = _errors(x, w, channel_amax[act], fmt, float_dtype,
+                       list(dict.fromkeys(a for alphas, _ in allowed.values() for a in alphas)),
+                       list(dict.fromkeys(c for _, clips in allowed.values() for c in clips)))
+        y_layers = None
+        for space, (alphas, clips) in allowed.items():
+            amax, smooth, chosen = results[space]
+            alpha, clip = min(((a, c) for a in alphas for c in clips), key=lambda ac: grid[ac][2])
+            s, a, err = grid[(alpha, clip)]
+            amax[act] = a
+            if s is not None:
+                smooth[act] = s
+            # each layer's own error under the chosen quantization: the ranking for step 3
+            per_layer, start = {}, 0
+            xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype)
+            if y_layers is None:
+                y_layers, begin = [], 0
+                for n in widths:
+                    y_layers.append(x @ w[:, begin:begin + n])
+                    begin += n
+            for t, n, y in zip(ts, widths, y_layers):
+                per_layer[t.layer] = _rel_err(xq @ wq[:, start:start + n], y)
+                start += n
+            chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": alpha, "clip": clip,
+                           "output_error": float(err), "layer_errors": per_layer}
         progress("recipe", i + 1, len(by_act))
-    return amax, smooth, chosen
+    return results
 
 
 def _rel_err(y_hat: np.ndarray, y: np.ndarray) -> float:
@@ -108,10 +131,10 @@ def _quantized_pair(x, w, s, amax: float, fmt: str, float_dtype):
     return dequantize(quantize(xs, scale_x, fmt), scale_x, fmt), wq
 
 
-def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas, clips):
-    """(alpha, clip, factors, amax, error) with the smallest relative output error on the rows."""
+def _errors(x, w, channel_amax, fmt: str, float_dtype, alphas, clips) -> dict[tuple, tuple]:
+    """(alpha, clip) -> (factors, amax, relative output error on the rows) for every pair."""
     y = x @ w
-    best = None
+    grid = {}
     for alpha in alphas:
         s = smoothquant_factors(channel_amax, w, alpha) if alpha is not None else None
         full = float((channel_amax / s).max()) if s is not None else float(channel_amax.max())
@@ -122,10 +145,8 @@ def _best_choice(x, w, channel_amax, fmt: str, float_dtype, alphas, clips):
         for clip in clips:
             a = clip * full
             scale_x = stored_scale(max(a, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
-            err = _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y)
-            if best is None or err < best[4]:
-                best = (alpha, clip, s, a, err)
-    return best
+            grid[(alpha, clip)] = (s, a, _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y))
+    return grid
 
 
 def float_order(chosen: dict[str, dict], sizes: dict[str, int]) -> tuple[list[str], int]:

@@ -18,7 +18,7 @@ from kvforge.ort_session import prefill_feeds
 
 from .budget import fit_budget
 from .data import load_calibration_set
-from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_activations, search
+from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_in_spaces, search
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
 from .passes import Probe, Progress, activation_scales, observe, rows_per_run
@@ -71,9 +71,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
         plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
         weights = _Weights(model, base)
-        chosen = {space: choose_activations(targets, weights, observers, channel_amax, recipe.precision, float_dtype,
-                                            progress, plain, alphas, clips)
-                  for space, (alphas, clips) in SPACES.items()}
+        chosen = choose_in_spaces(targets, weights, observers, channel_amax, recipe.precision, float_dtype, progress,
+                                  plain, SPACES)
         act_amax, smooth, _ = chosen[next(iter(SPACES))]
     elif not recipe.weight_only:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
