@@ -21,6 +21,7 @@ from .recipe import Recipe
 
 EXTERNAL_FROM = 1 << 30  # a calibrated graph whose weights pass this many bytes keeps them in model.onnx.data
 
+
 def calibrate(
     bundle_path: str | Path,
     out: str | Path,
@@ -88,11 +89,9 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
     """Stage the quantized graphs (file name -> ModelProto) with the float bundle's tokenizer and a manifest
     that extends its lineage. Two graphs (an encoder-decoder) keep their weights in one shared file."""
     import onnx
-
-    from kvforge.export.lint import lint, merge_lint  # the export package imports torch: only when writing
-
     from onnx.external_data_helper import load_external_data_for_model
 
+    from kvforge.export.lint import lint, merge_lint  # the export package imports torch: only when writing
     from kvforge.onnx_graph import external_bytes, save_with_data
 
     with staged_bundle(out, force, [bundle.path]) as tmp:

@@ -53,10 +53,12 @@ class Probe:
 
     def parts(self, item, max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
         """The item's feeds, split along the batch axis into runs of at most max_rows rows (the probe's own
-        bound where not given)."""
+        bound where not given). Only a probe given a bound splits: its feeds are a prefill's, batch first."""
         feeds = self.feeds(item)
+        if not self.max_rows:
+            return [feeds]
         rows = next(iter(feeds.values())).shape[0]
-        limit = min(max_rows or rows, self.max_rows or rows)
+        limit = min(max_rows or self.max_rows, self.max_rows)
         if rows <= limit:
             return [feeds]
         return [{k: (v[i:i + limit] if v.ndim and v.shape[0] == rows else v) for k, v in feeds.items()}
