@@ -14,6 +14,7 @@ from kvforge.ecosystem import write_ecosystem_files
 from kvforge.outputs import check_output_path, staged_bundle
 from kvforge.tokenizer import Tokenizer
 
+from .auto import HOLD_OUT_TOKENS
 from .budget import budget_ids
 from .kinds import quantizer_of
 from .passes import Progress
@@ -75,7 +76,11 @@ def calibrate(
     check_output_path(out, force, [bundle.path])
     weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
     width = resources.dtype_bytes(bundle.dtype)
-    resources.check(resources.calibrate_plan(weights // width, weights, width), out)  # before any work
+    # the float logits that candidates are measured against, on the held-out windows (float32 per vocabulary entry)
+    held_out_tokens = (HOLD_OUT_TOKENS if recipe.auto and not recipe.random_data else 0) + \
+        (recipe.budget_tokens if recipe.accuracy_budget else 0)
+    scratch = held_out_tokens * bundle.model_config.get("vocab_size", 0) * 4
+    resources.check(resources.calibrate_plan(weights // width, weights, width, scratch), out)  # before any work
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     # the budget's held-out text is read and checked now, not after the calibration
     held_out = budget_ids(bundle, recipe.budget_data, recipe.budget_tokens) if recipe.accuracy_budget else None

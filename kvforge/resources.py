@@ -40,7 +40,7 @@ class Plan:
     parameters: int
     memory: int
     disk: int
-    scratch: int = 0  # bytes of scratch files under TMPDIR (a GGUF file's decoded tensors: model_defs/weights.py)
+    scratch: int = 0  # bytes of scratch files under TMPDIR (a GGUF file's decoded tensors, held-out logits)
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "parameters": self.parameters, "memory_bytes": self.memory, "disk_bytes": self.disk,
@@ -76,12 +76,13 @@ def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False, scrat
     return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20), scratch)
 
 
-def calibrate_plan(parameters: int, bundle_bytes: int, dtype_bytes: int = 4) -> Plan:
+def calibrate_plan(parameters: int, bundle_bytes: int, dtype_bytes: int = 4, scratch: int = 0) -> Plan:
     """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk, `dtype_bytes` per
     weight: the session that observes (or measures a candidate) holds the weights, as float32 where they are half,
-    and one run's activations; the quantized graph is written beside the input."""
+    and one run's activations; the quantized graph is written beside the input. scratch: the float logits on the
+    held-out windows that candidates are measured against (calibration/budget.py), kept under TMPDIR."""
     memory = RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes * (1 if dtype_bytes == 4 else 3) + CALIBRATE_ACTIVATIONS
-    return Plan("calibration", parameters, int(memory), bundle_bytes)
+    return Plan("calibration", parameters, int(memory), bundle_bytes, scratch)
 
 
 def _meminfo_available() -> int | None:
@@ -152,8 +153,8 @@ def check(plan: Plan, out: str | Path) -> None:
     if scratch is not None and not shared:
         room = shutil.disk_usage(scratch).free if scratch.exists() else 0
         if plan.scratch > room:
-            problems.append(f"about {plan.scratch / GIB:.1f} GiB of scratch disk under TMPDIR ({scratch}) for the "
-                            f"decoded weights, and {room / GIB:.1f} GiB is free there (point TMPDIR at a disk with room)")
+            problems.append(f"about {plan.scratch / GIB:.1f} GiB of scratch disk under TMPDIR ({scratch}), and "
+                            f"{room / GIB:.1f} GiB is free there (point TMPDIR at a disk with room)")
     if problems:
         raise KvforgeError(f"{plan.stage} of this model ({plan.parameters / 1e9:.2f}B parameters) needs "
                            + "; and ".join(problems) + f". Nothing was started or written. Free memory or disk, use "

@@ -153,3 +153,19 @@ def test_held_out_reference_logits_are_made_once_and_never_beside_a_candidate(ti
         assert m["perplexity_delta_pct"] == 0.0 and m["top1_agreement"] == 1.0 and m["logits_max_abs"] == 0.0
         assert m["kl_divergence_mean"] == 0.0
     assert first == second
+
+
+def test_the_plan_counts_the_held_out_logits_scratch_file(tiny_fp32, tmp_path, monkeypatch):
+    """The automatic recipe keeps the float logits of its held-out windows under TMPDIR: the plan checked before
+    any work counts them (the calibration text's held-out tokens x the vocabulary x 4 bytes); random tokens hold
+    nothing out, so nothing is counted."""
+    from kvforge import resources
+    from kvforge.calibration.auto import HOLD_OUT_TOKENS
+
+    plans = []
+    check = resources.check
+    monkeypatch.setattr(resources, "check", lambda plan, out: (plans.append(plan), check(plan, out))[1])
+    calibrate(tiny_fp32.path, tmp_path / "text", precision="int8", samples=8, seq_len=64)
+    calibrate(tiny_fp32.path, tmp_path / "random", precision="int8", samples=8, seq_len=64, random_data=True)
+    assert [p.scratch for p in plans] == [HOLD_OUT_TOKENS * tiny_fp32.model_config["vocab_size"] * 4, 0]
+    assert plans[0].stage == "calibration" and plans[0].disk > 0
