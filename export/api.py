@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -12,7 +14,6 @@ from typing import Any, Callable
 import onnx
 import onnxruntime
 import torch
-from onnx.external_data_helper import load_external_data_for_model
 
 import kvforge
 from kvforge import resources
@@ -20,6 +21,7 @@ from kvforge.bundle import Bundle, now_utc, sha256_file, sha256_tree, write_mani
 from kvforge.ecosystem import write_ecosystem_files
 from kvforge.errors import KvforgeError
 from kvforge.kinds import kind_of
+from kvforge.onnx_graph import save_with_data
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
 from kvforge.model_defs.checkpoint import (PACKAGED, TRAINED, gguf_path, load_quantized, load_streamed, prequantized,
@@ -238,15 +240,19 @@ def keep_checkpoint_codes(directory: Path, graph: str, quantized: QuantizedCheck
     returns the manifest's quantization record."""
     path = directory / graph
     # the float graph without its external data: each weight the codes replace is read alone to be matched, and
-    # dropped; only the weights that stay float are read whole, before their file is rewritten
+    # dropped; the weights that stay float are copied in pieces from the old data file into the new one
     model = onnx.load(str(path), load_external_data=False)
     kept = keep_codes(model, quantized, str(directory))
     data = directory / EXTERNAL_DATA
-    external = data.exists()
-    if external:
-        load_external_data_for_model(model, str(directory))
-        data.unlink()  # onnx appends to an existing data file
-    onnx.save(model, str(path), save_as_external_data=external, location=EXTERNAL_DATA)
+    if data.exists():
+        old = Path(tempfile.mkdtemp(dir=directory, prefix=".float-"))
+        data.rename(old / EXTERNAL_DATA)
+        try:
+            save_with_data(model, path, old, EXTERNAL_DATA)
+        finally:
+            shutil.rmtree(old)
+    else:
+        onnx.save(model, str(path))
     activations = {_activation_text(c.activation) for c in quantized.codes.values() if c.activation}
     return {"format": "checkpoint", "weights": "checkpoint codes", "activations": ", ".join(sorted(activations)) or None,
             "checkpoint": quantized.record(), "quantized_layers": kept, "excluded_layers": []}

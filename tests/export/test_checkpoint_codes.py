@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 
 from kvforge import runtime
 from kvforge.export import export
@@ -106,6 +107,22 @@ def test_kept_codes_are_transformers_weights_bit_for_bit(all_types):
         kept = f"{ours}_quantized" in stored
         assert kept == (ours != "model.layers.1.ffn.down_proj.weight"), ours
         assert np.array_equal(np.ascontiguousarray(got).view(np.uint32), expected.view(np.uint32)), ours
+
+
+def test_kept_codes_in_a_data_file_are_the_graph_files_bit_for_bit(all_types, tmp_path):
+    """With its weights in model.onnx.data, an export that keeps the codes moves them into a new data file and
+    copies the weights that stay float from the old one: onnx's own reader gets every tensor of the one-file
+    bundle back, bit for bit, and nothing of the old file is left behind."""
+    path, _, inline = all_types
+    external = export(path, tmp_path / "ext", external_data=True)
+    assert (external.path / "model.onnx.data").is_file()
+    assert sorted(p.name for p in external.path.iterdir()) == sorted(
+        [p.name for p in inline.path.iterdir()] + ["model.onnx.data"])
+    a = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(inline.graph_file)).graph.initializer}
+    b = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(external.graph_file)).graph.initializer}
+    assert a.keys() == b.keys() and any(n.endswith("_quantized") for n in a)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
 
 
 def test_kept_codes_bundle_matches_transformers_logits(all_types):
