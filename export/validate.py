@@ -74,6 +74,7 @@ import torch
 
 from kvforge import metrics
 from kvforge.errors import KvforgeError
+from kvforge.ort_session import block_when_idle
 from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
 from kvforge.model_defs.weights import streamed_source
@@ -125,6 +126,7 @@ class OrtRunner:
         # each: the CPU's kernels compute in float32, and ONNX Runtime casts every weight once (folded at load,
         # or at run time where folding is off, as large either way)
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        block_when_idle(opts)
         options = {"providers": ["CPUExecutionProvider"], "disabled_optimizers": ["ConstantFolding"]}
         if dtype == "bfloat16":
             model = emulate_bfloat16(path)

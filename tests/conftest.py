@@ -55,7 +55,12 @@ def _share_the_cpus() -> None:
     Runtime finished in 9 s on one thread each, 16 s on the default). Torch's setting goes through the
     environment, so the subprocesses the tests start (the README's main job, the killed writers) share the same
     way; an ONNX Runtime session whose options leave the thread count open gets the share (one that sets it
-    keeps its own). An OMP_NUM_THREADS set by the caller wins; a run without workers (-n 0) keeps the defaults."""
+    keeps its own). An OMP_NUM_THREADS set by the caller wins; a run without workers (-n 0) keeps the defaults.
+
+    ONNX Runtime in the subprocesses (a `kvforge serve` under soak, the README's examples, the CLI) sizes its pool to
+    the machine, and its threads spin after each run, taking the cores from the other worker and from the
+    process's own Python threads: KVFORGE_ORT_SPINNING=0 (kvforge/ort_session.py) makes them block instead
+    (the soak's requests 31.8 -> 19.8 ms each beside a busy process)."""
     import os
     import sys
 
@@ -65,6 +70,7 @@ def _share_the_cpus() -> None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cpus // workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("KVFORGE_ORT_SPINNING", "0")
     if "torch" in sys.modules:  # imported before this hook (by a plugin): its pool is already sized
         sys.modules["torch"].set_num_threads(threads)
     try:
