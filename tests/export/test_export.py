@@ -65,6 +65,7 @@ def test_every_micro_preset_exports_and_matches(micro_bundle, name):
     _independent_check(bundle, model, [(1, 1, 0), (2, 5, 0), (3, 1, 40), (2, 3, 17)])
 
 
+@pytest.mark.slow  # every Hugging Face family: 22 exports (~300 s of tracing); the default tier exports every preset
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_every_hf_family_exports_and_matches(hf_bundle, hf_checkpoint, family):
     bundle = hf_bundle(family)
@@ -74,6 +75,7 @@ def test_every_hf_family_exports_and_matches(hf_bundle, hf_checkpoint, family):
     assert bundle.manifest["lineage"][0]["input"]["kind"] == "hf"
 
 
+@pytest.mark.slow  # reads the slow tier's exports of every family
 @pytest.mark.parametrize("family", HF_FAMILIES)
 @torch.no_grad()
 def test_the_graph_matches_transformers(hf_bundle, family):

@@ -73,6 +73,7 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.") or
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # reads the slow tier's exports of every family (tests/export/test_export.py)
 @pytest.mark.parametrize("family", second_sweep(HF_FAMILIES))
 def test_greedy_matches_torch_reference_and_transformers_generate(hf_bundle, hf_checkpoint, family):
     bundle = hf_bundle(family).path
