@@ -43,15 +43,6 @@ COMMANDS = {
     # every kind is served (serving/kinds.py): a server runs until a signal, tests/serving/test_triton.py runs them
     "serve": (lambda b, w: [b, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], {}),
 }
-# The kinds whose micro exports nothing else in the default tier makes (tens of seconds of tracing apiece): their
-# CLI runs are in the slow tier; the default tier runs every command on a decoder and an encoder.
-SLOW_KINDS = {"encoder-decoder", "perceiver", "vision-language"}
-
-
-def _kinds(kinds) -> list:
-    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in sorted(kinds)]
-
-
 SUMMARY = {"inspect": r"files: intact", "lint": r"passed|lint", "calibrate": r"wrote .*int8", "compare": r"pass",
            "generate": r"\S", "embed": r"'hello': dim \d+", "bench": r"decode [\d.]+ tok/s", "build": r"build plan for",
            "triton": r"wrote .*: model"}
@@ -79,7 +70,7 @@ def exported(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("kind", _kinds(KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_export_writes_and_summarizes_every_kind(kind, exported):
     result, _ = exported(kind)
     assert result.exit_code == 0, result.output
@@ -87,7 +78,7 @@ def test_export_writes_and_summarizes_every_kind(kind, exported):
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-@pytest.mark.parametrize("kind", _kinds(KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, exported, tmp_path):
     args, refusals = COMMANDS[command]
     if command == "serve" and kind not in refusals:
@@ -115,7 +106,7 @@ def test_each_command_on_each_kind_answers_or_refuses_clearly(command, kind, exp
             assert 'key: "mixed_steps" value: { string_value: "True" }' in config
 
 
-@pytest.mark.parametrize("kind", _kinds(k for k in KINDS if k not in COMMANDS["compare"][1]))  # check compares
+@pytest.mark.parametrize("kind", sorted(k for k in KINDS if k not in COMMANDS["compare"][1]))  # check compares
 def test_check_runs_every_kind_against_its_baseline(kind, exported, tmp_path):
     """The baseline is written from the bundle `kvforge export` wrote (an artifact given as a bundle); the check
     then exports the source itself and compares with it."""
