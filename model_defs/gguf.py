@@ -59,13 +59,13 @@ def _reader(path: Path):
 
 @functools.lru_cache(maxsize=2)
 def _open_reader(path: str, stamp: tuple[int, int, int, int]):
-    """The parsed file (a read-only memory map and its index), kept for the next read of the same unchanged file:
-    parsing SmolLM2's 49k-token vocabulary takes seconds, and one process reads a file several times (its loads,
-    the tokenizer record, whether it holds quantized tensors). stamp: the file's identity, size and mtime, so a
-    file rewritten in place is parsed anew."""
-    from gguf import GGUFReader
+    """The file's index (model_defs/gguf_index.py: a read-only memory map, the metadata decoded when read), kept
+    for the next read of the same unchanged file: one process reads a file several times (its loads, the
+    tokenizer record, whether it holds quantized tensors). stamp: the file's identity, size and mtime, so a file
+    rewritten in place is read anew."""
+    from .gguf_index import GgufIndex
 
-    return GGUFReader(path)
+    return GgufIndex(path)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
