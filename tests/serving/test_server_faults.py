@@ -8,6 +8,7 @@ kills its model process and the fixture checks what the CLI did. Every request h
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -77,8 +78,19 @@ class Served:
         return found
 
     def stop(self) -> str:
+        """SIGTERM, as a user stops `kvforge serve` (it stops tritonserver, which runs in a session of its own);
+        a CLI still there after 60 s is killed with its group, and then the server and stub it would have stopped
+        (a SIGKILL of the CLI alone left them running: one orphaned tritonserver per slow-tier run)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            left = self.processes()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                for pid in left.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         self.proc.wait(30)
         self.reader.join(10)
         return "".join(self.printed + self.rest)
