@@ -34,8 +34,9 @@ def _row_pieces(*arrays):
     """The arrays (..., V) as (rows, V), and slices of rows holding about CHUNK_VALUES values each: a metric
     computed row by row over the pieces is the metric of the whole, without float64 copies of a large vocabulary's
     logits (Gemma 3's 262k: 67 MB an array for a batch of 32 positions, eight of them in a KL divergence)."""
+    arrays = np.broadcast_arrays(*(np.asarray(a) for a in arrays))  # (V,) against (1, V), as the whole would
     v = arrays[0].shape[-1] if arrays[0].ndim else 1
-    flat = [np.asarray(a).reshape(-1, v) for a in arrays]
+    flat = [a.reshape(-1, v) for a in arrays]
     step = max(1, CHUNK_VALUES // max(v, 1))
     return flat, [slice(i, i + step) for i in range(0, len(flat[0]), step)]
 
@@ -86,13 +87,13 @@ def top1_agreement(candidate, reference) -> float:
 
 def kl_divergence(candidate, reference) -> np.ndarray:
     """KL(P_reference || P_candidate) per position, in nats (computed a piece of positions at a time)."""
-    reference = np.asarray(reference)
-    (c, r), pieces = _row_pieces(np.asarray(candidate), reference)
+    shape = np.broadcast_shapes(np.shape(candidate), np.shape(reference))[:-1]
+    (c, r), pieces = _row_pieces(candidate, reference)
     out = np.empty(len(r), np.float64)
     for p in pieces:
         lr, lc = log_softmax(r[p]), log_softmax(c[p])
         out[p] = (np.exp(lr) * (lr - lc)).sum(axis=-1)
-    return out.reshape(reference.shape[:-1])
+    return out.reshape(shape)
 
 
 def tensor_metrics(candidate, reference) -> dict[str, float]:

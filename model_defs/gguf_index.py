@@ -90,6 +90,8 @@ class GgufIndex:
             offset += 12
             infos.append((name, dims, raw_type, relative))
         alignment = self.fields["general.alignment"].contents() if "general.alignment" in self.fields else 32
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+            raise GgufFormatError(f"general.alignment is {alignment!r}, not a positive integer")
         start = -(-offset // alignment) * alignment
         self.tensors: list[Tensor] = []
         seen = set()
