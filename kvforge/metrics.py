@@ -204,11 +204,10 @@ class WindowStats:
 
     def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
         """Add the positions of logits (..., V) against their next tokens (...), a piece of positions at a time."""
-        v = cand.shape[-1]
-        cand, ref, targets = cand.reshape(-1, v), ref.reshape(-1, v), np.asarray(targets).reshape(-1)
-        step = max(1, CHUNK_VALUES // v)
-        for i in range(0, len(targets), step):
-            self._add(cand[i:i + step], ref[i:i + step], targets[i:i + step])
+        (cand, ref), pieces = _row_pieces(cand, ref)
+        targets = np.asarray(targets).reshape(-1)
+        for p in pieces:
+            self._add(cand[p], ref[p], targets[p])
 
     def _add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
         lc, lr = log_softmax(cand), log_softmax(ref)
