@@ -106,7 +106,9 @@ class VisionLanguageSession:
         with self._lock:
             self.decoder.activate()
             if self._vision is None:
-                self._vision = make_session(str(self._vision_graph), threads=self._threads)
+                # the tower's quantized kernels as the decoder's: exact Q/DQ where the CPU's fused INT8 ones saturate
+                self._vision = make_session(str(self._vision_graph), self.bundle.quantization_format,
+                                            threads=self._threads)
         return self
 
     def deactivate(self) -> None:

@@ -70,6 +70,20 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
+def _assert_tower_runs_as_the_decoder(session, bundle) -> None:
+    """The vision tower's ONNX Runtime session holds the config entries of the bundle's Q/DQ format, as the
+    decoder's does (ORT's own record of each session's options): on a CPU whose fused INT8 kernels saturate (AVX2
+    without VNNI) the INT8 tower ran them and its image features fell to cosine 0.986 against transformers'."""
+    from kvforge.ort_session import session_config
+
+    want = session_config(bundle.quantization_format)
+    assert want or bundle.quantization_format == "int8"  # FP8 and INT4 always set entries; INT8 where inexact
+    for role, ort_session in (("vision", session._vision), ("decoder", session.decoder.backend.session)):
+        options = ort_session.get_session_options()
+        got = {key: options.get_session_config_entry(key) for key in want}
+        assert got == want, (role, got)
+
+
 def test_int8_vision_graph_keeps_transformers_features_on_unseen_images(vl_bundle, images_dir, tmp_path):
     name, hf, fp32 = vl_bundle
     int8 = calibrate(fp32.path, tmp_path / "int8", precision="int8", data=images_dir, seq_len=32, samples=16)
@@ -80,6 +94,7 @@ def test_int8_vision_graph_keeps_transformers_features_on_unseen_images(vl_bundl
     assert any(n.startswith("vision.") for n in quantized) and any(n.startswith("decoder.") for n in quantized)
     unseen = [_photo(np.random.default_rng(100 + i), (50, 45)) for i in range(4)]
     with runtime.load(int8.path) as q, runtime.load(fp32.path) as f:
+        _assert_tower_runs_as_the_decoder(q, int8)
         pixels = q.processing(unseen)
         got, exact = q.image_features(unseen), f.image_features(unseen)
     want = _hf_features(name, hf, pixels)
@@ -116,6 +131,7 @@ def test_fp8_and_int4_calibrate_both_graphs(vl_bundle, tmp_path):
     image = _photo(np.random.default_rng(7), (30, 30))
     for bundle, bound in ((fp8, 0.98), (int4, 0.98)):
         with runtime.load(bundle.path) as session:
+            _assert_tower_runs_as_the_decoder(session, bundle)
             cos = _cosines(session.image_features([image]), _hf_features(name, hf, session.processing([image])))
         assert bound <= cos.min() < 1 - 1e-6, (bundle.path, cos)
 
