@@ -47,7 +47,10 @@ def images_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module", params=sorted(MAKERS))
+# Idefics2's bundle (its two graphs traced, then calibrated) is in the slow tier with its export test
+# (tests/model_defs/test_vision.py): the default tier calibrates and compares LLaVA's
+@pytest.fixture(scope="module", params=[p if p != "idefics2" else pytest.param(p, marks=pytest.mark.slow)
+                                        for p in sorted(MAKERS)])
 def vl_bundle(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf = MAKERS[request.param](root / "hf")

@@ -51,6 +51,8 @@ _SPECIALS = {"t5": dict(vocab_size=300, pad_token_id=258, eos_token_id=257, deco
                           decoder_start_token_id=257, forced_eos_token_id=257)}
 
 
+@pytest.mark.slow  # four traces (T5 and BART, encoder and decoder) no default test shares; the default tier keeps
+# both designs against kvforge's Torch reference (tests/export/test_seq2seq.py) and the CLI's encoder-decoder kind
 @pytest.mark.parametrize("family, config", [
     ("t5", dict(s2s._T5, num_decoder_layers=2, feed_forward_proj="relu", layer_norm_epsilon=1e-5)),  # v1.0: tied + rescale
     ("bart", dict(s2s._BART, decoder_attention_heads=6, decoder_ffn_dim=64, scale_embedding=True)),

@@ -18,6 +18,12 @@ from kvforge.model_defs import load  # noqa: E402
 
 from ..conftest import make_hf_model  # noqa: E402
 
+# The slow tier (README's third command, run by .ci/run): every test here reads hf_bundle's exports of Hugging Face
+# families, which the slow tier makes anyway (tests/export/test_export.py::test_every_hf_family_exports_and_matches);
+# in the default tier they were six traces of their own (89 s of a run's 650 s of tracing). The default tier keeps
+# latent attention and the mixtures through the micro presets (deepseek-micro, mixtral-micro, qwen2moe-micro).
+pytestmark = pytest.mark.slow
+
 # ops that move or reshape data without computing on it
 _DATA_MOVEMENT = {"Concat", "Transpose", "Reshape", "Slice", "Unsqueeze", "Squeeze", "Expand", "Cast", "Identity",
                   "Split", "Gather"}

@@ -20,6 +20,10 @@ from ..conftest import make_idefics3
 Image = pytest.importorskip("PIL.Image")
 ATOL = 1e-4
 SIZES = [(37, 52), (80, 20), (15, 15), (64, 64), (13, 41), (120, 119)]
+# The exports (Idefics3's two graphs, Idefics2's with its own processor: four traces no other test shares, 45 s of
+# a default run) are in the slow tier, which .ci/run runs; the default tier keeps the processors and the Torch
+# model against transformers here, and vision-language export through LLaVA and Idefics2 (tests/model_defs/test_vision.py)
+_SLOW = pytest.mark.slow
 
 
 def _image(seed: int, size) -> "Image.Image":
@@ -80,6 +84,7 @@ def test_features_merged_embeddings_and_logits_are_transformers(idefics3, images
     assert (logits - step.logits).abs().max() < ATOL
 
 
+@_SLOW
 @torch.no_grad()
 def test_the_bundle_writes_the_processors_prompt_and_generates_as_transformers(idefics3, tmp_path):
     hf, processor, root = idefics3
@@ -101,6 +106,7 @@ def test_the_bundle_writes_the_processors_prompt_and_generates_as_transformers(i
         assert [r.tokens for r in together] == results
 
 
+@_SLOW
 def test_an_int8_idefics3_keeps_transformers_features_on_split_images(idefics3, tmp_path):
     """Calibration of the vision graph on images split into tiles, then compare over the tiles' features."""
     from kvforge.calibration import calibrate
@@ -151,6 +157,7 @@ def test_idefics2_pixel_values_are_the_processors_unpadded(split):
             assert np.abs(out["pixel_values"][0, k, :, :h, :w] - tile).max() <= 1e-6
 
 
+@_SLOW
 @torch.no_grad()
 def test_an_idefics2_bundle_with_its_processor_generates_as_transformers(tmp_path):
     """Idefics2 with its own image processor (bounded aspect-keeping resize): images of their own sizes go through

@@ -178,6 +178,9 @@ def test_idefics2_features_and_logits_are_transformers(tmp_path, images):
     assert (logits - step.logits).abs().max() < ATOL
 
 
+@pytest.mark.slow  # Idefics2's two graphs, traced for this test and the slow tier's Idefics2 calibration
+# (tests/calibration/test_vision_calibration.py): 23 s of tracing; the default tier keeps Idefics2's Torch model
+# against transformers (above) and vision-language export through LLaVA
 def test_an_idefics2_bundle_exports_and_validates(tmp_path):
     """Both graphs of the Idefics2 (the resampler's grouped attention over [features; latents] included) pass
     export validation against the Torch reference; the bundle runs an image on ONNX Runtime as transformers does."""

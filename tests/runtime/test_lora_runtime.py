@@ -257,6 +257,8 @@ def test_the_engine_plan_gains_the_lora_inputs_with_profiles_over_their_width(lo
     assert plan["shape_check"]["points"] == 6 and plan["lint"]["passed"]
 
 
+@pytest.mark.slow  # a Qwen2-MoE structure with adapter slots no other test traces (21 s); the default tier keeps
+# adapters through the exported graph on the dense designs above
 def test_a_mixtures_experts_take_adapters_through_the_exported_graph(tmp_path):
     """Qwen2-MoE exported with slots on its routed experts (opt-in) and its shared expert: a PEFT adapter of the
     fused experts (target_parameters), added with `kvforge lora add`, gives PEFT's merged logits on ONNX Runtime
