@@ -147,6 +147,8 @@ def test_bart_forces_its_end_token_and_cli_generate(micro_bundle):
     assert exact["greedy_agreement"] == 1.0 and exact["top1_agreement"] == 1.0
 
 
+@pytest.mark.slow  # BART's two graphs in float16: a structure of their own (18 s of tracing); the default tier exports
+# both seq2seq designs in float32 (above) and float16 decoders (tests/export/test_half_precision.py)
 def test_float16_seq2seq_export(tmp_path):
     from kvforge.export import export
 

@@ -97,6 +97,10 @@ def test_features_and_multimodal_rope_logits_are_transformers(qwen, count):
     assert (logits - step.logits).abs().max() < ATOL
 
 
+# The bundle's tests are in the slow tier (README's third command, run by .ci/run): Qwen2-VL's two graphs are
+# traced for them alone (20 s); the default tier keeps its processor and its Torch model with multimodal RoPE
+# against transformers (above), and vision-language export through LLaVA and kvforge's own kind
+@pytest.mark.slow
 @torch.no_grad()
 def test_the_bundle_generates_as_transformers_alone_batched_and_in_the_batcher(qwen, tmp_path):
     hf, images, tokenizer, root = qwen
@@ -130,6 +134,7 @@ def test_the_bundle_generates_as_transformers_alone_batched_and_in_the_batcher(q
     assert decoder["profiles"][1]["shapes"]["rope_offsets"]["max"] == [2, 3, 1]
 
 
+@pytest.mark.slow  # the same bundle's structure (above)
 def test_int8_keeps_transformers_features(qwen, tmp_path):
     from kvforge.calibration import calibrate
     from kvforge.verify import compare
