@@ -47,7 +47,7 @@ def keep_codes(model, quantized: QuantizedCheckpoint, base_dir: str = "") -> lis
         by_shape.setdefault(tuple(init.dims), []).append(name)
     head, tail, kept = [], [], []
     for param, codes in sorted(quantized.codes.items()):
-        found = _find(param, codes.weight(), inits, by_shape, base_dir)
+        found = _find(param, codes, inits, by_shape, base_dir)
         if found is None:
             raise KvforgeError(f"the exported graph holds no tensor equal to {param}'s dequantized codes "
                                f"({codes.source}); export with --dequantize for a float bundle")
@@ -69,20 +69,22 @@ def keep_codes(model, quantized: QuantizedCheckpoint, base_dir: str = "") -> lis
     return kept
 
 
-def _find(param: str, weight: np.ndarray, inits: dict, by_shape: dict, base_dir: str = "") -> tuple[str, bool] | None:
-    """The initializer holding `weight` (the parameter's name first, then any of its shape holding the same
-    values: a tied head is exported under the head's name), and whether it is stored transposed ([in, out])."""
+def _find(param: str, codes: WeightCodes, inits: dict, by_shape: dict, base_dir: str = "") -> tuple[str, bool] | None:
+    """The initializer holding the codes' weight (the parameter's name first, then any of its shape holding the
+    same values: a tied head is exported under the head's name), and whether it is stored transposed ([in, out]).
+    The initializer is read whole, the weight made a chunk of rows at a time against it."""
     from onnx import numpy_helper
 
-    out, k = weight.shape
+    out, k = codes.shape
     names = [f"model.{param}"] + by_shape.get((k, out), []) + by_shape.get((out, k), [])
     for name in dict.fromkeys(names):
         if name not in inits:
             continue
         value = numpy_helper.to_array(inits[name], base_dir)
-        for transposed, candidate in ((True, weight.T), (False, weight)):
-            if value.shape == candidate.shape and value.dtype == np.float32 and \
-                    np.array_equal(value.view(np.uint32), np.ascontiguousarray(candidate).view(np.uint32)):
+        if value.dtype != np.float32:
+            continue
+        for transposed in (True, False):
+            if codes.matches(value, transposed):
                 return name, transposed
     return None
 

@@ -24,7 +24,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .gguf_codes import FLOAT_TYPES, decode
 from .gguf_families import ARCHS, hf_tensors
-from .quantized import QuantizedCheckpoint
+from .quantized import ROW_CHUNK_VALUES, QuantizedCheckpoint
 from .weights import ScratchTensors, count_non_finite
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
@@ -238,9 +238,16 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
 
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         values = np.asarray(t.data, np.float32)
-    else:
-        values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-    return (values if values.flags.writeable else values.copy()).reshape(shape)
+        return (values if values.flags.writeable else values.copy()).reshape(shape)
+    # a chunk of rows at a time into the result: gguf's decoders hold several arrays of their input's size (a
+    # K-quant's 262k-row embedding took ~2 GB besides its 0.67 GB of values); each block decodes alike either way
+    data = np.asarray(t.data)
+    data = data.reshape(-1, data.shape[-1])
+    values = np.empty(int(np.prod(shape)), np.float32).reshape(data.shape[0], -1)
+    step = max(1, ROW_CHUNK_VALUES // values.shape[1])
+    for start in range(0, data.shape[0], step):
+        values[start:start + step] = dequantize(data[start:start + step], t.tensor_type)
+    return values.reshape(shape)
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:

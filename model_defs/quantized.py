@@ -27,6 +27,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+ROW_CHUNK_VALUES = 4 << 20  # values a weight's decoding or comparison makes at a time (16 MB of float32)
+
 CODE_TYPES = ("int4", "uint4", "int8", "uint8", "fp8")
 _RANGES = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
 
@@ -50,7 +52,16 @@ def narrowest(values: np.ndarray) -> str:
 def as_codes(values: np.ndarray, kind: str | None = None) -> np.ndarray:
     """Integer codes (any integer or integral float array) stored as `kind` (default: the narrowest that holds them)."""
     kind = kind or narrowest(values)
-    return np.asarray(values).astype(np.int16).astype(code_dtype(kind)) if kind != "fp8" else np.asarray(values)
+    values = np.asarray(values)
+    if kind == "fp8":
+        return values
+    # through int16 (a float's or an unsigned type's values to any code type) a chunk at a time: whole, the int16
+    # copy of a 168M-value embedding was 336 MB besides its codes
+    out = np.empty(values.shape, code_dtype(kind))
+    flat, into = values.reshape(-1), out.reshape(-1)
+    for start in range(0, flat.size, ROW_CHUNK_VALUES):
+        into[start:start + ROW_CHUNK_VALUES] = flat[start:start + ROW_CHUNK_VALUES].astype(np.int16).astype(out.dtype)
+    return out
 
 
 @dataclass
@@ -95,16 +106,47 @@ class WeightCodes:
         return np.repeat(a, self.block, axis=1)
 
     def dequantize(self) -> np.ndarray:
-        """The weight as the graph computes it ([out, in] float32, input order undone)."""
-        q = self.codes.astype(np.float32)
+        """The weight as the graph computes it ([out, in] float32, input order undone), made ROW_CHUNK_VALUES
+        values at a time: the arithmetic holds four arrays of its input's size (Gemma 3's 262k-row embedding
+        was 2.7 GB of them for a 0.67 GB result); each value is computed alike either way."""
+        out, k = self.shape
+        w, step = np.empty((out, k), np.float32), self._row_step()
+        for start in range(0, out, step):
+            w[start:start + step] = self.dequantize_rows(start, start + step)
+        return w
+
+    def _row_step(self) -> int:
+        return max(1, ROW_CHUNK_VALUES // max(1, self.shape[1]))
+
+    def dequantize_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of dequantize()."""
+        q = self.codes[start:stop].astype(np.float32)
         if self.zero_point is not None:
-            q = q - self.per_element(self.zero_point.astype(np.float32))
-        w = q * self.per_element(self.scale.astype(np.float32))
+            q = q - self.per_element(self.zero_point[start:stop].astype(np.float32))
+        w = q * self.per_element(self.scale[start:stop].astype(np.float32))
         if self.offset is not None:
-            w = w + self.per_element(self.offset.astype(np.float32))
+            w = w + self.per_element(self.offset[start:stop].astype(np.float32))
         if self.input_order is not None:
             w = w[:, np.argsort(self.input_order)]
-        return w.astype(np.float32)
+        return w.astype(np.float32, copy=False)
+
+    def weight_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of weight()."""
+        return self.dequantize_rows(start, stop) if self.reference is None else self.reference[start:stop]
+
+    def matches(self, weight: np.ndarray, transposed: bool = False) -> bool:
+        """Whether weight() equals `weight` ([out, in] float32 values, or [in, out] where transposed) bit for
+        bit, compared a chunk of rows at a time (neither side is made whole in float32 again)."""
+        out, k = self.shape
+        if tuple(weight.shape) != ((k, out) if transposed else (out, k)):
+            return False
+        step = self._row_step()
+        for start in range(0, out, step):
+            part = weight[:, start:start + step].T if transposed else weight[start:start + step]
+            mine = self.weight_rows(start, start + step)
+            if not np.array_equal(mine.view(np.uint32), np.asarray(part, np.float32).view(np.uint32)):
+                return False
+        return True
 
     def rows(self, index: np.ndarray) -> "WeightCodes":
         """These codes with only the rows `index` (a row permutation, a split of a fused projection)."""
@@ -199,5 +241,4 @@ def exact(codes: WeightCodes, weight: np.ndarray | torch.Tensor) -> bool:
     """Whether the codes stand for `weight` ([out, in]) bit for bit: they dequantize to it, or (converted codes)
     their reference is it."""
     w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, np.float32)
-    d = codes.weight()
-    return d.shape == w.shape and np.array_equal(d.view(np.uint32), w.astype(np.float32).view(np.uint32))
+    return codes.matches(w)

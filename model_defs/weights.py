@@ -41,6 +41,10 @@ from kvforge.errors import KvforgeError
 # what a checkpoint's source keeps of the values it read (WeightSource.keep_bytes): a small model is read once,
 # a large one streamed past it
 KEEP_BYTES = 768 << 20
+# the largest read buffer a reader keeps for its next reads (a block's weights, read on every forward of a streamed
+# reference); a larger tensor is read into memory of its own: kept, Gemma 3's 671 MB embedding (read whole to
+# write it and to match its codes) stayed resident through the whole export
+KEEP_BUFFER_BYTES = 256 << 20
 _LAZY = "_kvforge_lazy"  # the attribute of a traced parameter that holds its lazy graph value
 
 SAFETENSORS_DTYPES = {
@@ -200,6 +204,8 @@ class SafetensorsShards:
         self.checked.add(name)
 
     def _scratch(self, size: int) -> torch.Tensor:
+        if size > KEEP_BUFFER_BYTES:  # a vocabulary table: memory of its own, given back once its reader drops it
+            return torch.empty(size, dtype=torch.uint8)
         if self._buffer.numel() < size:
             self._buffer = torch.empty(size, dtype=torch.uint8)
         return self._buffer[:size]
