@@ -453,6 +453,8 @@ def test_speculative_decoding_on_a_stand_in_engine_matches_onnxruntime(micro, st
             assert got.speculation["drafted"] > 0
 
 
+@pytest.mark.slow  # Mistral with adapter slots: a structure no default test traces (8 s); the default tier keeps
+# adapters through ONNX Runtime (tests/runtime/test_lora_runtime.py) and the stand-in engine's other paths here
 def test_lora_adapters_on_a_stand_in_engine_match_onnxruntime(standin, tmp_path):
     """A bundle with LoRA slots built into an engine (profiles over lora_width): rows with different adapters and
     none, prefill and decode, equal ONNX Runtime on the bundle; each set of adapters goes to the device once."""
