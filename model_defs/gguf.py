@@ -24,7 +24,7 @@ from kvforge.tokenizer import Tokenizer
 
 from .gguf_codes import FLOAT_TYPES, decode
 from .gguf_families import ARCHS, hf_tensors
-from .quantized import ROW_CHUNK_VALUES, QuantizedCheckpoint
+from .quantized import QuantizedCheckpoint, row_chunks
 from .weights import ScratchTensors, count_non_finite
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) that name a file's main type
@@ -244,9 +244,8 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
     data = np.asarray(t.data)
     data = data.reshape(-1, data.shape[-1])
     values = np.empty(int(np.prod(shape)), np.float32).reshape(data.shape[0], -1)
-    step = max(1, ROW_CHUNK_VALUES // values.shape[1])
-    for start in range(0, data.shape[0], step):
-        values[start:start + step] = dequantize(data[start:start + step], t.tensor_type)
+    for rows in row_chunks(*values.shape):
+        values[rows] = dequantize(data[rows], t.tensor_type)
     return values.reshape(shape)
 
 

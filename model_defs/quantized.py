@@ -29,6 +29,13 @@ import torch
 
 ROW_CHUNK_VALUES = 4 << 20  # values a weight's decoding or comparison makes at a time (16 MB of float32)
 
+
+def row_chunks(rows: int, row_values: int) -> list[slice]:
+    """Slices over `rows` rows of `row_values` values each, about ROW_CHUNK_VALUES values a slice (one row at
+    least): what a large weight is decoded, compared or narrowed by, its temporaries a chunk's, not the whole's."""
+    step = max(1, ROW_CHUNK_VALUES // max(1, row_values))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
 CODE_TYPES = ("int4", "uint4", "int8", "uint8", "fp8")
 _RANGES = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
 
@@ -59,8 +66,8 @@ def as_codes(values: np.ndarray, kind: str | None = None) -> np.ndarray:
     # copy of a 168M-value embedding was 336 MB besides its codes
     out = np.empty(values.shape, code_dtype(kind))
     flat, into = values.reshape(-1), out.reshape(-1)
-    for start in range(0, flat.size, ROW_CHUNK_VALUES):
-        into[start:start + ROW_CHUNK_VALUES] = flat[start:start + ROW_CHUNK_VALUES].astype(np.int16).astype(out.dtype)
+    for part in row_chunks(flat.size, 1):
+        into[part] = flat[part].astype(np.int16).astype(out.dtype)
     return out
 
 
@@ -109,30 +116,26 @@ class WeightCodes:
         """The weight as the graph computes it ([out, in] float32, input order undone), made ROW_CHUNK_VALUES
         values at a time: the arithmetic holds four arrays of its input's size (Gemma 3's 262k-row embedding
         was 2.7 GB of them for a 0.67 GB result); each value is computed alike either way."""
-        out, k = self.shape
-        w, step = np.empty((out, k), np.float32), self._row_step()
-        for start in range(0, out, step):
-            w[start:start + step] = self.dequantize_rows(start, start + step)
+        w = np.empty(self.shape, np.float32)
+        for rows in row_chunks(*self.shape):
+            w[rows] = self.dequantize_rows(rows)
         return w
 
-    def _row_step(self) -> int:
-        return max(1, ROW_CHUNK_VALUES // max(1, self.shape[1]))
-
-    def dequantize_rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop-1 of dequantize()."""
-        q = self.codes[start:stop].astype(np.float32)
+    def dequantize_rows(self, rows: slice) -> np.ndarray:
+        """Those rows of dequantize()."""
+        q = self.codes[rows].astype(np.float32)
         if self.zero_point is not None:
-            q = q - self.per_element(self.zero_point[start:stop].astype(np.float32))
-        w = q * self.per_element(self.scale[start:stop].astype(np.float32))
+            q = q - self.per_element(self.zero_point[rows].astype(np.float32))
+        w = q * self.per_element(self.scale[rows].astype(np.float32))
         if self.offset is not None:
-            w = w + self.per_element(self.offset[start:stop].astype(np.float32))
+            w = w + self.per_element(self.offset[rows].astype(np.float32))
         if self.input_order is not None:
             w = w[:, np.argsort(self.input_order)]
         return w.astype(np.float32, copy=False)
 
-    def weight_rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop-1 of weight()."""
-        return self.dequantize_rows(start, stop) if self.reference is None else self.reference[start:stop]
+    def weight_rows(self, rows: slice) -> np.ndarray:
+        """Those rows of weight()."""
+        return self.dequantize_rows(rows) if self.reference is None else self.reference[rows]
 
     def matches(self, weight: np.ndarray, transposed: bool = False) -> bool:
         """Whether weight() equals `weight` ([out, in] float32 values, or [in, out] where transposed) bit for
@@ -140,11 +143,9 @@ class WeightCodes:
         out, k = self.shape
         if tuple(weight.shape) != ((k, out) if transposed else (out, k)):
             return False
-        step = self._row_step()
-        for start in range(0, out, step):
-            part = weight[:, start:start + step].T if transposed else weight[start:start + step]
-            mine = self.weight_rows(start, start + step)
-            if not np.array_equal(mine.view(np.uint32), np.asarray(part, np.float32).view(np.uint32)):
+        for rows in row_chunks(out, k):
+            part = weight[:, rows].T if transposed else weight[rows]
+            if not np.array_equal(self.weight_rows(rows).view(np.uint32), np.asarray(part, np.float32).view(np.uint32)):
                 return False
         return True
 

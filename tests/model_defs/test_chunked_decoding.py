@@ -41,7 +41,6 @@ def test_a_tensor_decoded_a_few_rows_at_a_time_is_ggufs_decoding(qtype, monkeypa
     """Chunks of 3 rows (not dividing the 16): the values are gguf's whole-tensor dequantization bit for bit; the
     codes made from them dequantize, and match, as the whole computation does, transposed or not."""
     monkeypatch.setattr(quantized, "ROW_CHUNK_VALUES", 3 * 512)
-    monkeypatch.setattr(kvgguf, "ROW_CHUNK_VALUES", 3 * 512)
     raw = _raw((16, 512), qtype)
     want = gguf.quants.dequantize(raw, qtype).reshape(16, 512).astype(np.float32)
     got = kvgguf._dequantize(SimpleNamespace(data=raw, tensor_type=qtype), (16, 512))
@@ -92,7 +91,6 @@ def test_decoding_holds_its_result_and_one_chunk(monkeypatch):
     """A 4M-value Q6_K tensor in chunks of 64k values: tracemalloc's peak is within 1.25x its 16 MB result
     (gguf's own decoding of the whole tensor holds several times it); its codes' dequantization too."""
     monkeypatch.setattr(quantized, "ROW_CHUNK_VALUES", 1 << 16)
-    monkeypatch.setattr(kvgguf, "ROW_CHUNK_VALUES", 1 << 16)
     raw = random_blocks((1024, 4096), Q.Q6_K, 1)
     result = 1024 * 4096 * 4
     tracemalloc.start()
