@@ -69,6 +69,31 @@ def log_softmax(logits) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def _log_softmax_and_probs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """log_softmax(x) and softmax(x) of a float64 (rows, V) from one exponential."""
+    x = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    z = e.sum(axis=-1, keepdims=True)
+    x -= np.log(z)
+    e /= z
+    return x, e
+
+
+def _window_sums(cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> tuple:
+    """WindowStats' sums over rows of logits (rows, V): both negative log-likelihoods, the KL divergence
+    KL(ref || cand), top-1 agreements, the largest difference and the sums of squares and products."""
+    c, r = _f64(cand), _f64(ref)
+    lc, _ = _log_softmax_and_probs(c)
+    lr, pr = _log_softmax_and_probs(r)
+    nll_c, nll_r = target_nll(lc, targets), target_nll(lr, targets)
+    lr -= lc
+    kl = float(np.einsum("ij,ij->", pr, lr))
+    agree = int((cand.argmax(-1) == ref.argmax(-1)).sum())
+    d = c - r
+    return (nll_c, nll_r, kl, agree, float(np.abs(d).max()), float(np.einsum("ij,ij->", d, d)),
+            float(np.einsum("ij,ij->", r, r)), float(np.einsum("ij,ij->", c, c)), float(np.einsum("ij,ij->", c, r)))
+
+
 def target_nll(logp: np.ndarray, targets: np.ndarray) -> float:
     """The summed negative log-likelihood of `targets` (...) under log-probabilities `logp` (..., V)."""
     return -float(np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1).sum())
@@ -197,6 +222,10 @@ def split_tolerance(item: str) -> tuple[str, str]:
 class WindowStats:
     """Streaming sums over every window position: perplexities and the logits metrics."""
 
+    # pieces of positions summed at once on this many threads (numpy's ufuncs let the interpreter go); the sums
+    # are added in the pieces' order, so the result does not depend on the threads
+    THREADS = 2
+
     def __init__(self):
         self.nll_c = self.nll_r = self.kl = 0.0
         self.count = self.agree = 0
@@ -204,24 +233,27 @@ class WindowStats:
 
     def add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
         """Add the positions of logits (..., V) against their next tokens (...), a piece of positions at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
         (cand, ref), pieces = _row_pieces(cand, ref)
         targets = np.asarray(targets).reshape(-1)
-        for p in pieces:
-            self._add(cand[p], ref[p], targets[p])
-
-    def _add(self, cand: np.ndarray, ref: np.ndarray, targets: np.ndarray) -> None:
-        lc, lr = log_softmax(cand), log_softmax(ref)
-        self.nll_c += target_nll(lc, targets)
-        self.nll_r += target_nll(lr, targets)
-        self.kl += float((np.exp(lr) * (lr - lc)).sum())
+        piece = lambda p: _window_sums(cand[p], ref[p], targets[p])  # noqa: E731
+        if len(pieces) > 1 and self.THREADS > 1:
+            with ThreadPoolExecutor(self.THREADS) as pool:
+                sums = list(pool.map(piece, pieces))
+        else:
+            sums = [piece(p) for p in pieces]
+        for nll_c, nll_r, kl, agree, max_abs, diff_sq, ref_sq, cand_sq, dot in sums:
+            self.nll_c += nll_c
+            self.nll_r += nll_r
+            self.kl += kl
+            self.agree += agree
+            self.max_abs = max(self.max_abs, max_abs)
+            self.diff_sq += diff_sq
+            self.ref_sq += ref_sq
+            self.cand_sq += cand_sq
+            self.dot += dot
         self.count += targets.size
-        self.agree += int((cand.argmax(-1) == ref.argmax(-1)).sum())
-        c, r = cand.astype(np.float64), ref.astype(np.float64)
-        self.max_abs = max(self.max_abs, float(np.abs(c - r).max()))
-        self.diff_sq += float(((c - r) ** 2).sum())
-        self.ref_sq += float((r**2).sum())
-        self.cand_sq += float((c**2).sum())
-        self.dot += float((c * r).sum())
 
     def result(self) -> dict[str, float]:
         ppl_c, ppl_r = perplexity(self.nll_c, self.count), perplexity(self.nll_r, self.count)
