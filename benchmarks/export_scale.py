@@ -8,11 +8,11 @@ making it never holds the model), or a real GGUF file given with --gguf. For eac
 else `--random-data` (the random-weight shapes have none). Recorded per step: exit status, wall seconds, peak RSS, the bundle's bytes, the
 last line of stderr (a refusal by the memory plan names its figures), and the issue's bounds: export peak <=
 bundle + 2 GB, calibration peak <= 1.5 x its input bundle + 2 GB. One step at a time: never two heavy exports at
-once.
+once. A run adds its rows, dated, to those --out holds (--replace: only this run's).
 
     python3 benchmarks/export_scale.py [--shapes smollm2-135m,llama-3.2-1b] [--dtypes float32,float16] [--skip-calibrate]
         [--precisions int8,fp8,int4] [--bundle-from DIR] [--gguf PATH ...] [--work DIR]
-        [--out benchmarks/results/export_scale.json]
+        [--out benchmarks/results/export_scale.json] [--replace]
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ def main() -> None:
                     help="calibrate the bundles an earlier run kept under --work (--keep-bundles) instead")
     ap.add_argument("--work", default=None, help="where checkpoints and bundles go (default: a new temp dir)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_scale.json"))
+    ap.add_argument("--replace", action="store_true", help="drop the rows --out holds (default: add to them)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="kvforge-scale-"))
     kvforge = [sys.executable, "-m", "kvforge.cli"]
@@ -151,7 +152,7 @@ def main() -> None:
             if not (directory / "model.safetensors.index.json").is_file() else None
         sources.append((shape, directory, params))
     sources += [(Path(g).name, Path(g), None) for g in args.gguf]
-    rows = []
+    rows, kept = [], ([] if args.replace else _earlier_rows(args.out))
     for (name, source, params), dtype in [(s, d) for s in sources for d in args.dtypes.split(",")]:
         from kvforge.model_defs.checkpoint import source_parameters
 
@@ -181,17 +182,26 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
         if not args.keep_bundles:
             shutil.rmtree(bundle, ignore_errors=True)
+        row["date"] = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
         print(json.dumps(row), flush=True)
         rows.append(row)
-        _write(args.out, rows)  # after each row: a run stopped part way keeps what it measured
+        _write(args.out, rows, kept)  # after each row: a run stopped part way keeps what it measured
 
 
-def _write(out: str, rows: list[dict]) -> None:
+def _write(out: str, rows: list[dict], kept: list[dict]) -> None:
+    """The file's rows from earlier runs (`kept`), then this run's, each dated."""
     result = {"benchmark": "export_scale", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
               "bounds": "export peak RSS <= bundle + 2 GiB; calibration peak <= 1.5 x the float bundle + 2 GiB",
-              "rows": rows}
+              "rows": kept + rows}
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _earlier_rows(out: str) -> list[dict]:
+    try:
+        return json.loads(Path(out).read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 if __name__ == "__main__":

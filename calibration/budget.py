@@ -81,7 +81,8 @@ class HeldOutEvaluator:
         self._reference_at: dict[int, tuple] = {}  # batch start -> (shape, dtype, offset) in it
 
     def session(self, model, quant: str | None):
-        return make_session(model.SerializeToString(), quant, external_dir=self.bundle.path)
+        return make_session(model.SerializeToString(), quant, external_dir=self.bundle.path,
+                            half_weights=self.dtype == "float16")
 
     def feeds(self, batch):
         return prefill_feeds(np.ascontiguousarray(batch), self.bundle.model_config, self.bundle.io, self.dtype)

@@ -44,11 +44,12 @@ class Probe:
             probe.graph.output.append(helper.make_tensor_value_info(name, elem, None))
         drop_dead_nodes(probe)
         self.names, self.feeds, self.base_dir, self.max_rows = list(activations), feeds, base_dir, max_rows
+        self.half = float_dtype == np.float16
         self.graph: bytes | None = probe.SerializeToString()
         del probe
         self._session = None
         if not base_dir:  # a graph holding its weights is as large as they are: its session is made now and kept
-            self._session = make_session(self.graph)
+            self._session = make_session(self.graph, half_weights=self.half)
             self.graph = None
 
     def parts(self, item, max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
@@ -66,7 +67,7 @@ class Probe:
 
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
-            self._session = make_session(self.graph, external_dir=self.base_dir or None)
+            self._session = make_session(self.graph, external_dir=self.base_dir or None, half_weights=self.half)
         return dict(zip(self.names, self._session.run(self.names, feeds)))
 
     def runs(self, item, max_rows: int | None = None):

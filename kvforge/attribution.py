@@ -110,7 +110,7 @@ def graph_block_outputs(model, cfg: dict[str, Any], io, dtype: str, quant: str |
                         node.input[k] = fed
             probe.graph.input.append(helper.make_tensor_value_info(fed, elem, None))
             feeds[fed] = value.astype(np_dtype)
-    sess = make_session(probe.SerializeToString(), quant, external_dir=external_dir)
+    sess = make_session(probe.SerializeToString(), quant, external_dir=external_dir, half_weights=dtype == "float16")
     return [x.astype(np.float32) for x in sess.run(names, feeds)]
 
 

@@ -49,8 +49,9 @@ class Plan:
 
 RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any weight
 EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 reference
-# peak resident bytes per byte of the bundle's float32 weights, weights streamed: Qwen2.5-1.5B's shape 7.94 GiB
-# for a 5.75 GiB bundle, its float16 bundle 9.07 GiB for 2.88 GiB (benchmarks/export_scale.py)
+# peak resident bytes per byte of the bundle's weights, weights streamed: Qwen2.5-1.5B's shape 7.94 GiB for a
+# 5.75 GiB float32 bundle, 4.93 GiB for its 2.88 GiB float16 bundle (each half weight cast to float32 where it is
+# used: kvforge/ort_session.py cast_half_weights_when_used; benchmarks/export_scale.py)
 STREAMED_EXPORT_PER_BUNDLE_BYTE = 1.25
 # calibration keeps the weights in the bundle's data file (calibration/one_graph.py): one ONNX Runtime session maps
 # them at a time, as float32 where they are half, beside one run's activations (calibration/passes.py RUN_BYTES)
@@ -66,11 +67,11 @@ def dtype_bytes(dtype: str) -> int:
 def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False, scratch: int = 0) -> Plan:
     """An export of a model of `parameters` to a bundle of `dtype_bytes` per weight: the float32 reference is
     loaded whole whatever the bundle's dtype, or (streamed: weights read where they are used,
-    model_defs/weights.py) the validating session holds the bundle's weights, as float32 where they are half
-    (ONNX Runtime's CPU kernels cast each weight once), and the reference one block at a time."""
+    model_defs/weights.py) the validating session maps the bundle's weights (a half weight cast to float32 where
+    it is used) and the reference reads one block at a time."""
     bundle = parameters * dtype_bytes
     if streamed:
-        memory = RUNTIME + STREAMED_EXPORT_PER_BUNDLE_BYTE * bundle * (1 if dtype_bytes == 4 else 3)
+        memory = RUNTIME + STREAMED_EXPORT_PER_BUNDLE_BYTE * bundle
     else:
         memory = RUNTIME + EXPORT_PER_FP32_BYTE * 4 * parameters
     return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20), scratch)
