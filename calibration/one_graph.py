@@ -111,13 +111,13 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head,
                                              base_dir=base)
-        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder, base)
+        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder, base,
+                      lambda done, total: progress("quantize", done, total))  # a bar per layer, each rewrite
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)
         return q, q_targets, q_excluded, rec
 
-    progress("quantize", 0, 1)
     budget_report, recipe_record = None, None
     starved = [f"^{re.escape(name)}$" for name in starved_float]
     if recipe.accuracy_budget:
@@ -130,7 +130,6 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
             progress)
     else:
         model, targets, excluded, record = quantize(starved)
-    progress("quantize", 1, 1)
     return Quantized({bundle.manifest["graph"]: model}, recipe.quantization_record([t.layer for t in targets], excluded),
                      {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record,
                       "recipe": recipe_record})

@@ -205,19 +205,22 @@ def recorded(scale: np.ndarray) -> list:
 
 # --- the graph rewrite -------------------------------------------------------------
 def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
-            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None, base_dir: str = "") -> dict:
+            smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None, base_dir: str = "",
+            progress=None) -> dict:
     """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
 
     round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
     and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)). base_dir:
     where the graph's external data lies, for a graph loaded without it: each weight is read when it is quantized,
-    and the weights that stay float stay where they are.
+    and the weights that stay float stay where they are. progress(done, total): after each target's weight.
     """
     edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype, base_dir)
-    for t in targets:
+    for i, t in enumerate(targets, 1):
         edit.weight(t, round_weight)
         if act_amax is not None:  # W8A8; weight-only formats stop at the weight
             edit.activation(t, act_amax[t.activation])
+        if progress is not None:
+            progress(i, len(targets))
     edit.splice()
     inits = edit.inits
     tied = [(t, inits[t.weight].doc_string[len(TIED_FROM):]) for t in targets

@@ -33,6 +33,7 @@ from kvforge.outputs import check_output_path, staged_bundle
 
 from .checkpoint_codes import keep_codes
 from .kinds import EXPORTS
+from .lazy_weights import write_progress
 from .lint import lint, merge_lint
 from .onnx_export import DEFAULT_OPSET, EXTERNAL_DATA
 
@@ -40,7 +41,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 STREAM_INLINE_BYTES = 256 << 20  # a streamed export's weights up to this size are written into the graph file
 MAX_LORA_RANK = 1024
 
-# progress(phase, done, total): phases "load", "export", "lint", "validate", "write"
+# progress(phase, done, total): phases "load", "export", "weights" (each weight read from the source as the graph
+# is written, where they are read then), "lint", "validate", "write"
 Progress = Callable[[str, int, int], None]
 
 
@@ -174,7 +176,8 @@ def export(
 
     with staged_bundle(out, force, [source]) as tmp:
         progress("export", 0, 1)
-        graphs = plan.write(model, tmp, opset, external_data)
+        with write_progress(lambda done, total: progress("weights", done, total)):  # each streamed weight written
+            graphs = plan.write(model, tmp, opset, external_data)
         export_seconds = time.time() - started
         progress("export", 1, 1)
         progress("lint", 0, 1)

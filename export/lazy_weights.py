@@ -10,7 +10,9 @@ written. Weights held in memory take the same path (their transposes are read fr
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
+from typing import Callable
 
 import torch
 
@@ -80,6 +82,48 @@ def reading_weights():
         if cause is None:
             raise
         raise cause from e
+
+
+_WRITE_PROGRESS: contextvars.ContextVar[Callable[[int, int], None] | None] = contextvars.ContextVar(
+    "kvforge_write_progress", default=None)
+
+
+@contextlib.contextmanager
+def write_progress(progress: Callable[[int, int], None]):
+    """Within: progress(done, total) as each weight read when the graph is written is written (count_writes)."""
+    token = _WRITE_PROGRESS.set(progress)
+    try:
+        yield
+    finally:
+        _WRITE_PROGRESS.reset(token)
+
+
+def count_writes(graph) -> int:
+    """Make each lazy initializer of `graph` report to write_progress's callback when it is read to be written;
+    returns how many there are (0 where no callback is set: nothing changes)."""
+    import onnx_ir as ir
+
+    progress = _WRITE_PROGRESS.get()
+    lazy = [v for v in graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
+    if progress is None or not lazy:
+        return 0
+    done = 0
+
+    def counted(tensor):
+        def read():
+            nonlocal done
+            value = tensor.raw()
+            done += 1
+            progress(done, len(lazy))
+            return value
+
+        return ir.LazyTensor(read, tensor.dtype, tensor.shape, name=tensor.name, doc_string=tensor.doc_string,
+                             metadata_props=tensor.metadata_props)
+
+    for value in lazy:
+        value.const_value = counted(value.const_value)
+    progress(0, len(lazy))
+    return len(lazy)
 
 
 # onnxscript rewrite rules the optimizer runs without. SlicesSplit (two Slices that cover a tensor -> one Split)

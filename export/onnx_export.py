@@ -49,7 +49,7 @@ from kvforge.errors import KvforgeError
 from kvforge.adapters import LORA_WIDTH, MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, slot_shapes
 
-from .lazy_weights import reading_weights
+from .lazy_weights import count_writes, reading_weights
 from .replicate import hidden_names, hidden_states, layer_of, prefix, traced_program
 from .traces import traced
 # Example sizes for tracing: distinct, and neither 0 nor 1, so that the exporter
@@ -456,6 +456,7 @@ def save_program(program, path: Path, external_data: bool | None = None) -> Path
     weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
     if external_data is None:
         external_data = weight_bytes > PROTOBUF_LIMIT - (64 << 20)
+    count_writes(graph)  # a progress bar per weight, where the export asked for one
     with reading_weights():
         ir.save(program.model, path, external_data=EXTERNAL_DATA if external_data else None)
     return path

@@ -214,10 +214,15 @@ def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
 
 
 def test_exclusions_keep_layers_in_float(tmp_path, fp32):
-    q = calibrate(fp32.path, tmp_path / "ex", precision="fp8", exclude=[r"down_proj", r"layers\.0\."], samples=8, seq_len=64)
+    seen = []
+    q = calibrate(fp32.path, tmp_path / "ex", precision="fp8", exclude=[r"down_proj", r"layers\.0\."], samples=8,
+                  seq_len=64, progress=lambda phase, done, total: seen.append((phase, done, total)))
     quant = q.manifest["precision"]["quantization"]
     assert not any("down_proj" in n or n.startswith("layers.0.") for n in quant["quantized_layers"])
     assert len(quant["quantized_layers"]) == 3 * 6 and "layers.2.ffn.down_proj" in quant["excluded_layers"]
+    # the quantize bar moves a layer at a time over the layers quantized (each rewrite a candidate makes anew)
+    steps = [(done, total) for phase, done, total in seen if phase == "quantize"]
+    assert steps and steps[-len(quant["quantized_layers"]):] == [(i, 3 * 6) for i in range(1, 3 * 6 + 1)]
 
 
 def test_data_files_and_their_errors(tmp_path, fp32):

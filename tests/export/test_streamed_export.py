@@ -83,8 +83,15 @@ def test_a_streamed_reference_computes_what_transformers_and_the_loaded_model_co
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_the_export_writes_the_checkpoints_weights_and_runs_as_transformers(sharded, tmp_path, dtype):
     external = dtype == "float32"  # a model this small is one file unless asked; each way is written as read
-    bundle = export(sharded, tmp_path / "b", dtype=dtype, external_data=True if external else None)
+    seen = []
+    bundle = export(sharded, tmp_path / "b", dtype=dtype, external_data=True if external else None,
+                    progress=lambda phase, done, total: seen.append((phase, done, total)))
     assert bundle.manifest["validation"]["passed"]
+    # a bar per weight: each parameter read from the checkpoint once, counted as it is written, in order
+    skeleton, _, _ = load_streamed(sharded)
+    weights = [(done, total) for phase, done, total in seen if phase == "weights"]
+    assert weights == [(i, len(dict(skeleton.named_parameters()))) for i in range(len(weights))]
+    assert weights[-1][0] == weights[-1][1] == 3 * 9 + 2  # 9 tensors a layer, the embedding (tied) and the norm
     assert (bundle.path / "model.onnx.data").is_file() == external
     graph = onnx.load(str(bundle.path / "model.onnx"))
     reference = _transformers(sharded)
