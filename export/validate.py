@@ -74,7 +74,7 @@ import torch
 
 from kvforge import metrics
 from kvforge.errors import KvforgeError
-from kvforge.ort_session import block_when_idle, cast_half_weights_when_used
+from kvforge.ort_session import block_when_idle, cast_half_weights_when_used, half_weight_graph
 from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
 from kvforge.model_defs.weights import streamed_source
@@ -129,12 +129,15 @@ class OrtRunner:
         opts.enable_cpu_mem_arena = False
         opts.add_session_config_entry("session.disable_prepacking", "1")
         block_when_idle(opts)
-        if dtype == "float16":
-            cast_half_weights_when_used(opts, ort)
         options = {"providers": ["CPUExecutionProvider"], "disabled_optimizers": ["ConstantFolding"]}
         if dtype == "bfloat16":
             model = emulate_bfloat16(path)
             self.session = ort.InferenceSession(model.SerializeToString(), opts, **options)
+        elif dtype == "float16":
+            cast_half_weights_when_used(opts, ort)
+            graph, folder = half_weight_graph(path)
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+            self.session = ort.InferenceSession(graph, opts, **options)
         else:
             self.session = ort.InferenceSession(str(path), opts, **options)
         self.names = [i.name for i in self.session.get_inputs()]

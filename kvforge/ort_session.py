@@ -135,6 +135,26 @@ def cast_half_weights_when_used(opts, ort) -> None:
     opts.enable_cpu_mem_arena = False
 
 
+def half_weight_graph(model, external_dir: str | Path | None = None) -> tuple[bytes, str | Path | None]:
+    """A float16 graph (a path, or serialized bytes whose external data lies in external_dir) as serialized
+    bytes for a session whose half weights are cast where they are used, and the folder its external data is
+    read from: the graph is read without its external data and each weight read through a Transpose is read in
+    place (onnx_graph.matmul_transposed_weights), so no float32 copy of it is transposed again."""
+    import onnx
+
+    from kvforge.onnx_graph import matmul_transposed_weights
+
+    if isinstance(model, bytes):
+        proto = onnx.ModelProto()
+        proto.ParseFromString(model)
+    else:
+        proto = onnx.load(str(model), load_external_data=False)
+        external_dir = Path(model).parent
+    if not matmul_transposed_weights(proto) and isinstance(model, bytes):
+        return model, external_dir
+    return proto.SerializeToString(), external_dir
+
+
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
                  threads: int | None = None, spinning: bool = True, external_dir: str | Path | None = None,
                  half_weights: bool = False):
@@ -163,6 +183,7 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     block_when_idle(opts)
     if half_weights:
         cast_half_weights_when_used(opts, ort)
+        model, external_dir = half_weight_graph(model, external_dir)
     if external_dir is not None and isinstance(model, bytes):
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_dir))
     try:

@@ -81,3 +81,62 @@ def test_half_weights_are_cast_where_used_not_copied_whole(tmp_path):
         # the mapped half weights, and a few layers' float32 casts at a time (not 24)
         assert grew < HALF_BYTES + 6 * WEIGHT_F32, (how, grew, default_grew)
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=0, atol=2e-3)
+
+
+VOCAB, WIDTH = 32768, 1024
+TABLE_F32 = VOCAB * WIDTH * 4  # the tied table's float32 copy: 128 MiB
+
+
+def _tied_head(path):
+    """A float16 embedding read by the lookup (Gather) and, through a Transpose, by the head (MatMul): what a
+    tied head exports as."""
+    rng = np.random.default_rng(2)
+    table = (rng.standard_normal((VOCAB, WIDTH)) * 0.05).astype(np.float16)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"]),
+             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"])]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "t"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "t", VOCAB])],
+                              [numpy_helper.from_array(table, "table")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path), save_as_external_data=True, location="head.onnx.data")
+
+
+def test_a_tied_heads_table_is_read_in_place_not_transposed_again(tmp_path):
+    path = tmp_path / "head.onnx"
+    _tied_head(path)
+    probe = PROBE.replace("np.random.default_rng(1).standard_normal((2, %d)).astype(np.float16)" % DIM,
+                          "np.arange(8).reshape(2, 4) * 3001").replace('{"x": x}', '{"ids": x}')
+    assert probe != PROBE
+    runs = {}
+    for how in ("default", "validation", "calibration"):
+        done = subprocess.run([sys.executable, "-c", probe, str(path), how, str(tmp_path / f"{how}.npy")],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[how] = json.loads(done.stdout.strip().splitlines()[-1])["grew"], np.load(tmp_path / f"{how}.npy")
+    for how in ("validation", "calibration"):
+        grew, got = runs[how]
+        # the mapped table and one float32 copy of it (cast), not a transposed copy of that besides
+        assert grew < VOCAB * WIDTH * 2 + 1.5 * TABLE_F32, (how, grew, runs["default"][0])
+        # the same products summed in another blocking: apart by float16 roundings at most
+        np.testing.assert_allclose(got.astype(np.float32), runs["default"][1].astype(np.float32), rtol=0, atol=2e-3)
+
+
+def test_only_a_weight_read_through_its_own_transpose_is_rewritten():
+    from kvforge.onnx_graph import matmul_transposed_weights
+
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    v = numpy_helper.from_array(np.ones((4, 3), np.float32), "v")
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"]),
+             helper.make_node("Transpose", ["v"], ["vt"], perm=[1, 0]),  # read twice: left as it is
+             helper.make_node("MatMul", ["x", "vt"], ["z"]),
+             helper.make_node("Relu", ["vt"], ["r"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "yzr"], [w, v])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert matmul_transposed_weights(model) == 1
+    ops = [(n.op_type, n.domain, list(n.input)) for n in model.graph.node]
+    assert ops[0] == ("FusedMatMul", "com.microsoft", ["x", "w"]) and ("Transpose", "", ["v"]) in ops
+    assert len(ops) == 4
