@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import kvforge
 from kvforge import resources
@@ -23,56 +24,31 @@ from .recipe import Recipe
 EXTERNAL_FROM = 1 << 30  # a calibrated graph whose weights pass this many bytes keeps them in model.onnx.data
 
 
-def calibrate(
-    bundle_path: str | Path,
-    out: str | Path,
-    *, precision: str = "int8",
-    method: str | None = None,
-    percentile: float | None = None,
-    data: str | Path | None = None,
-    samples: int = 128,
-    seq_len: int = 256,
-    smoothquant: float | None = None,
-    exclude: Sequence[str] = (),
-    block_size: int | None = None,
-    random_data: bool = False,
-    batch_size: int = 8,
-    quantize_lm_head: bool = False,
-    force: bool = False,
-    progress: Progress | None = None,
-    kv_cache: str | None = None,
-    accuracy_budget: dict[str, float] | None = None,
-    budget_data: str | Path | None = None,
-    budget_tokens: int = 4096,
-    gptq: bool | None = None,
-    min_expert_tokens: int = 16,
-    starved_experts: str = "all-tokens",
-    recipe: str | None = None,
-) -> Bundle:
+def calibrate(bundle_path: str | Path, out: str | Path, *, options: Recipe | None = None, force: bool = False,
+              progress: Progress | None = None, **fields: Any) -> Bundle:
     """Quantize a float bundle: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only.
 
-    recipe: "auto" (a decoder LM's default when none of method, percentile, smoothquant, block_size, gptq and
-    accuracy_budget is given; encoders and encoder-decoders take "fixed") chooses smoothing, clipping, layers kept in float and INT4's block size and
-    rounding by measurement on the calibration text (calibration/auto.py); "fixed" takes the options as given,
-    with max ranges, no smoothing, block 128 and rounding to nearest where they are not.
-
-    gptq: round weights with GPTQ (error-compensating, from the calibration activations) instead of
-    to nearest; INT4 then needs calibration data too. A mixture's expert that fewer than min_expert_tokens
-    calibration tokens reach is calibrated on all of them ("all-tokens") or kept in float ("float"):
-    calibration/experts.py. The options make a Recipe (calibration/recipe.py), checked against the bundle before
-    any work; the bundle's kind picks its quantizer (calibration/kinds.py).
+    options: the calibration's Recipe (calibration/recipe.py: every option, what it means and its default);
+    `fields` are Recipe fields given by name instead (`precision="int8", samples=64`), or over `options`'
+    own. The recipe is checked against the bundle before any work, and the bundle's kind picks its quantizer
+    (calibration/kinds.py). Recipe.recipe "auto" (a decoder LM's default when none of method, percentile,
+    smoothquant, block_size, gptq and accuracy_budget is given; encoders and encoder-decoders take "fixed")
+    chooses smoothing, clipping, layers kept in float and INT4's block size and rounding by measurement on the
+    calibration text (calibration/auto.py); "fixed" takes the options as given, with max ranges, no smoothing,
+    block 128 and rounding to nearest where they are not.
     """
+    if options is not None and not isinstance(options, Recipe):
+        raise TypeError(f"calibrate()'s options are a Recipe, not {type(options).__name__}: name the fields "
+                        f"(precision=..., recipe=...)")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Recipe)})
+    if unknown:
+        raise TypeError(f"calibrate() got options that are not Recipe fields: {unknown}")
+    recipe_given = dataclasses.replace(options or Recipe(), **fields)
     progress = progress or (lambda phase, done, total: None)
     started = time.time()
     bundle = Bundle(bundle_path)
     quantizer = quantizer_of(bundle.kind)
-    recipe = Recipe(
-        precision=precision, method=method, percentile=percentile, data=data, samples=samples, seq_len=seq_len,
-        smoothquant=smoothquant, exclude=exclude, block_size=block_size, random_data=random_data,
-        batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache, accuracy_budget=accuracy_budget,
-        budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq, min_expert_tokens=min_expert_tokens,
-        starved_experts=starved_experts, recipe=recipe,
-    ).checked(bundle, quantizer.fits_budget)
+    recipe = recipe_given.checked(bundle, quantizer.fits_budget)
     check_output_path(out, force, [bundle.path])
     weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
     width = resources.dtype_bytes(bundle.dtype)

@@ -16,6 +16,7 @@ import click
 from kvforge import runtime, serving
 from kvforge.adapters import list_adapters, lora_spec, remove_adapter
 from kvforge.bundle import Bundle
+from kvforge.calibration import Recipe
 from kvforge.calibration import calibrate as calibrate_bundle
 from kvforge.calibration.auto import recipe_summary
 from kvforge.errors import KvforgeError
@@ -257,13 +258,13 @@ def calibrate(bundle, out, precision, recipe, method, percentile, data, samples,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     with PhaseProgress(enabled=not quiet) as progress:
-        b = calibrate_bundle(
-            bundle, out, precision=precision, method=method, percentile=percentile, data=data, samples=samples,
-            seq_len=seq_len, smoothquant=smoothquant, exclude=list(exclude), block_size=block_size,
-            random_data=random_data, batch_size=batch_size, quantize_lm_head=quantize_lm_head, force=force,
-            progress=progress, kv_cache=kv_cache, accuracy_budget=list(budget) or None, budget_data=budget_data,
-            budget_tokens=budget_tokens, gptq=gptq, min_expert_tokens=min_expert_tokens,
-            starved_experts=starved_experts, recipe=recipe)
+        options = Recipe(
+            precision=precision, method=method, percentile=percentile, data=data, samples=samples, seq_len=seq_len,
+            smoothquant=smoothquant, exclude=tuple(exclude), block_size=block_size, random_data=random_data,
+            batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache,
+            accuracy_budget=list(budget) or None, budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq,
+            min_expert_tokens=min_expert_tokens, starved_experts=starved_experts, recipe=recipe)
+        b = calibrate_bundle(bundle, out, options=options, force=force, progress=progress)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
     data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
     if c.get("image_count"):

@@ -15,7 +15,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from kvforge import metrics, runtime
-from kvforge.calibration import TensorObserver, calibrate
+from kvforge.calibration import Recipe, TensorObserver, calibrate
 from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
 from kvforge.model_defs.evaluate import heldout_text
@@ -208,9 +208,13 @@ def test_int8_computes_what_the_graph_says_on_this_cpu(tmp_path, fp32):
 
 
 def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
-    a = calibrate(fp32.path, tmp_path / "a", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
-    b = calibrate(fp32.path, tmp_path / "b", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=12)
+    # one as a Recipe (the options object the CLI passes), one as named fields over it: the same options
+    options = Recipe(precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
+    a = calibrate(fp32.path, tmp_path / "a", options=options)
+    b = calibrate(fp32.path, tmp_path / "b", options=options, batch_size=12)
     assert a.manifest["calibration"]["scales"] == b.manifest["calibration"]["scales"]
+    assert [a.manifest["calibration"]["batch_size"], b.manifest["calibration"]["batch_size"]] == [1, 12]
+    assert a.manifest["precision"]["quantization"]["method"] == "percentile"  # the object's options, not defaults
 
 
 def test_exclusions_keep_layers_in_float(tmp_path, fp32):
@@ -306,6 +310,10 @@ def test_other_models_calibrate_on_the_built_in_prose_or_an_explicit_random_flag
 
 
 def test_option_errors(tmp_path, fp32):
+    with pytest.raises(TypeError, match=r"not Recipe fields: \['precison'\]"):
+        calibrate(fp32.path, tmp_path / "x", precison="int8")
+    with pytest.raises(TypeError, match="options are a Recipe, not str"):
+        calibrate(fp32.path, tmp_path / "x", options="int8")
     with pytest.raises(KvforgeError, match="precision 'int3'"):
         calibrate(fp32.path, tmp_path / "x", precision="int3")
     with pytest.raises(KvforgeError, match="not a valid regular expression"):
