@@ -56,7 +56,7 @@ def calibrate(bundle_path: str | Path, out: str | Path, *, options: Recipe | Non
     held_out_tokens = (HOLD_OUT_TOKENS if recipe.auto and not recipe.random_data else 0) + \
         (recipe.budget_tokens if recipe.accuracy_budget else 0)
     scratch = held_out_tokens * bundle.model_config.get("vocab_size", 0) * 4
-    resources.check(resources.calibrate_plan(weights // width, weights, width, scratch), out)  # before any work
+    resources.check(resources.calibrate_plan(weights // width, weights, scratch), out)  # before any work
     bundle.verify(full=True)  # a truncated, altered or non-finite graph is named here, not mid-calibration
     # the budget's held-out text is read and checked now, not after the calibration
     held_out = budget_ids(bundle, recipe.budget_data, recipe.budget_tokens) if recipe.accuracy_budget else None

@@ -50,11 +50,12 @@ class Plan:
 RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any weight
 EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 reference
 # peak resident bytes per byte of the bundle's weights, weights streamed: Qwen2.5-1.5B's shape 7.94 GiB for a
-# 5.75 GiB float32 bundle, 4.93 GiB for its 2.88 GiB float16 bundle (each half weight cast to float32 where it is
+# 5.75 GiB float32 bundle, 4.79 GiB for its 2.88 GiB float16 bundle (each half weight cast to float32 where it is
 # used: kvforge/ort_session.py cast_half_weights_when_used; benchmarks/export_scale.py)
 STREAMED_EXPORT_PER_BUNDLE_BYTE = 1.25
 # calibration keeps the weights in the bundle's data file (calibration/one_graph.py): one ONNX Runtime session maps
-# them at a time, as float32 where they are half, beside one run's activations (calibration/passes.py RUN_BYTES)
+# them at a time (a half weight cast to float32 where it is used), beside one run's activations
+# (calibration/passes.py RUN_BYTES)
 CALIBRATE_PER_BUNDLE_BYTE = 1.25
 CALIBRATE_ACTIVATIONS = 1 * GIB
 
@@ -77,12 +78,13 @@ def export_plan(parameters: int, dtype_bytes: int, streamed: bool = False, scrat
     return Plan("export", parameters, int(memory), bundle * 5 // 4 + (64 << 20), scratch)
 
 
-def calibrate_plan(parameters: int, bundle_bytes: int, dtype_bytes: int = 4, scratch: int = 0) -> Plan:
-    """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk, `dtype_bytes` per
-    weight: the session that observes (or measures a candidate) holds the weights, as float32 where they are half,
-    and one run's activations; the quantized graph is written beside the input. scratch: the float logits on the
-    held-out windows that candidates are measured against (calibration/budget.py), kept under TMPDIR."""
-    memory = RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes * (1 if dtype_bytes == 4 else 3) + CALIBRATE_ACTIVATIONS
+def calibrate_plan(parameters: int, bundle_bytes: int, scratch: int = 0) -> Plan:
+    """A calibration of a float bundle whose graph and weights take `bundle_bytes` on disk: the session that
+    observes (or measures a candidate) maps the weights (a half weight cast to float32 where it is used:
+    ort_session.cast_half_weights_when_used) and one run's activations; the quantized graph is written beside
+    the input. scratch: the float logits on the held-out windows that candidates are measured against
+    (calibration/budget.py), kept under TMPDIR."""
+    memory = RUNTIME + CALIBRATE_PER_BUNDLE_BYTE * bundle_bytes + CALIBRATE_ACTIVATIONS
     return Plan("calibration", parameters, int(memory), bundle_bytes, scratch)
 
 
