@@ -47,25 +47,28 @@ PROBE = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
-    path, how = sys.argv[1], sys.argv[2]
-    x = np.random.default_rng(1).standard_normal((2, %d)).astype(np.float16)
+    path, how, feed = sys.argv[1], sys.argv[2], sys.argv[4]
+    if feed == "x":  # a float16 activation
+        feeds = {"x": np.random.default_rng(1).standard_normal((2, %d)).astype(np.float16)}
+    else:  # token ids
+        feeds = {feed: np.arange(8).reshape(2, 4) * 3001}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the kernel's peak resident set (VmHWM) starts again from now: the imports' is not counted
     before = status("VmRSS:")
     if how == "validation":
-        y = OrtRunner(path, "float16").session.run(None, {"x": x})[0]
+        y = OrtRunner(path, "float16").session.run(None, feeds)[0]
     elif how == "calibration":
-        y = make_session(path, half_weights=True).run(None, {"x": x})[0]
+        y = make_session(path, half_weights=True).run(None, feeds)[0]
     else:  # ONNX Runtime's defaults
-        y = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        y = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.save(sys.argv[3], y)
     print(json.dumps({"grew": status("VmHWM:") - before}))
 """ % DIM)
 
 
-def _run(path, how, out):
-    done = subprocess.run([sys.executable, "-c", PROBE, str(path), how, str(out)], capture_output=True, text=True,
-                          timeout=300)
+def _run(path, how, out, feed="x"):
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path), how, str(out), feed], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["grew"], np.load(out)
 
@@ -106,15 +109,8 @@ def _tied_head(path):
 def test_a_tied_heads_table_is_read_in_place_not_transposed_again(tmp_path):
     path = tmp_path / "head.onnx"
     _tied_head(path)
-    probe = PROBE.replace("np.random.default_rng(1).standard_normal((2, %d)).astype(np.float16)" % DIM,
-                          "np.arange(8).reshape(2, 4) * 3001").replace('{"x": x}', '{"ids": x}')
-    assert probe != PROBE
-    runs = {}
-    for how in ("default", "validation", "calibration"):
-        done = subprocess.run([sys.executable, "-c", probe, str(path), how, str(tmp_path / f"{how}.npy")],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        runs[how] = json.loads(done.stdout.strip().splitlines()[-1])["grew"], np.load(tmp_path / f"{how}.npy")
+    runs = {how: _run(path, how, tmp_path / f"{how}.npy", feed="ids")
+            for how in ("default", "validation", "calibration")}
     for how in ("validation", "calibration"):
         grew, got = runs[how]
         # the mapped table and one float32 copy of it (cast), not a transposed copy of that besides
