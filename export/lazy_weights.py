@@ -98,15 +98,15 @@ def write_progress(progress: Callable[[int, int], None]):
         _WRITE_PROGRESS.reset(token)
 
 
-def count_writes(graph) -> int:
-    """Make each lazy initializer of `graph` report to write_progress's callback when it is read to be written;
-    returns how many there are (0 where no callback is set: nothing changes)."""
+def count_writes(graph) -> None:
+    """Make each lazy initializer of `graph` report to write_progress's callback when it is read to be written
+    (where no callback is set, nothing changes)."""
     import onnx_ir as ir
 
     progress = _WRITE_PROGRESS.get()
     lazy = [v for v in graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
     if progress is None or not lazy:
-        return 0
+        return
     done = 0
 
     def counted(tensor):
@@ -123,7 +123,6 @@ def count_writes(graph) -> int:
     for value in lazy:
         value.const_value = counted(value.const_value)
     progress(0, len(lazy))
-    return len(lazy)
 
 
 # onnxscript rewrite rules the optimizer runs without. SlicesSplit (two Slices that cover a tensor -> one Split)

@@ -134,7 +134,7 @@ class OrtRunner:
             model = emulate_bfloat16(path)
             self.session = ort.InferenceSession(model.SerializeToString(), opts, **options)
         elif dtype == "float16":
-            cast_half_weights_when_used(opts, ort)
+            cast_half_weights_when_used(opts)
             graph, folder = half_weight_graph(path)
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
             self.session = ort.InferenceSession(graph, opts, **options)

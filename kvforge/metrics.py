@@ -30,6 +30,13 @@ def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def row_slices(rows: int, row_values: int, values: int) -> list[slice]:
+    """Slices over `rows` rows of `row_values` values each, about `values` values a slice (one row at least):
+    what a large array is computed over a piece at a time, its temporaries a piece's, not the whole's."""
+    step = max(1, values // max(1, row_values))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
 def _row_pieces(*arrays, values: int | None = None):
     """The arrays (..., V) as (rows, V), and slices of rows holding about `values` (CHUNK_VALUES) each: a metric
     computed row by row over the pieces is the metric of the whole, without float64 copies of a large vocabulary's
@@ -37,8 +44,7 @@ def _row_pieces(*arrays, values: int | None = None):
     arrays = np.broadcast_arrays(*(np.asarray(a) for a in arrays))  # (V,) against (1, V), as the whole would
     v = arrays[0].shape[-1] if arrays[0].ndim else 1
     flat = [a.reshape(-1, v) for a in arrays]
-    step = max(1, (values or CHUNK_VALUES) // max(v, 1))
-    return flat, [slice(i, i + step) for i in range(0, len(flat[0]), step)]
+    return flat, row_slices(len(flat[0]), v, values or CHUNK_VALUES)
 
 
 def max_abs(candidate, reference) -> float:

@@ -118,7 +118,7 @@ def block_when_idle(opts) -> None:
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
 
 
-def cast_half_weights_when_used(opts, ort) -> None:
+def cast_half_weights_when_used(opts) -> None:
     """ORT SessionOptions `opts` for a float16 graph on the CPU, whose kernels compute in float32: each half weight
     is cast where it is used instead of copied whole. ONNX Runtime casts every float16 weight to float32; at
     ORT_ENABLE_ALL the casts are folded into a float32 copy of each weight when the session loads (its
@@ -129,6 +129,7 @@ def cast_half_weights_when_used(opts, ort) -> None:
     ORT_ENABLE_EXTENDED in priority order. The CPU arena is off: it would keep the memory of the largest casts
     live together (a tied head's float32 table beside a layer's) after the run. Each run casts the weights
     again: for a session that runs a few times (validation, calibration), not for serving."""
+    ort = import_onnxruntime()
     if opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -182,7 +183,7 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     block_when_idle(opts)
     if half_weights:
-        cast_half_weights_when_used(opts, ort)
+        cast_half_weights_when_used(opts)
         model, external_dir = half_weight_graph(model, external_dir)
     if external_dir is not None and isinstance(model, bytes):
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_dir))

@@ -27,14 +27,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from kvforge.metrics import row_slices
+
 ROW_CHUNK_VALUES = 4 << 20  # values a weight's decoding or comparison makes at a time (16 MB of float32)
 
 
 def row_chunks(rows: int, row_values: int) -> list[slice]:
-    """Slices over `rows` rows of `row_values` values each, about ROW_CHUNK_VALUES values a slice (one row at
-    least): what a large weight is decoded, compared or narrowed by, its temporaries a chunk's, not the whole's."""
-    step = max(1, ROW_CHUNK_VALUES // max(1, row_values))
-    return [slice(start, start + step) for start in range(0, rows, step)]
+    """metrics.row_slices of ROW_CHUNK_VALUES values: what a large weight is decoded, compared or narrowed by."""
+    return row_slices(rows, row_values, ROW_CHUNK_VALUES)
 
 CODE_TYPES = ("int4", "uint4", "int8", "uint8", "fp8")
 _RANGES = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
