@@ -81,14 +81,16 @@ from kvforge.model_defs.weights import streamed_source
 
 from .bf16 import emulate_bfloat16
 from .onnx_export import FlatKVModel, input_names, output_names
-from .validate_inputs import Float64Reference, RoutingMargins, case_inputs, token_pool
+from .validate_inputs import Float64Reference, HalfReference, RoutingMargins, case_inputs, token_pool
 from .validate_report import case_failures, compare_case, first_failure, public, worst_record
 
+HALF_MULTIPLE = 8.0  # provisional
 TOLERANCES: dict[str, dict[str, float]] = {
-    "float32": {"noise_multiple": 32.0, "floor_ulps": 1.0, "greedy_min": 32},
-    "float16": {"logits_rel_l2": 1e-2, "present_rel_l2": 1e-2},
-    "bfloat16": {"logits_rel_l2": 5e-2, "present_rel_l2": 5e-2},
+    "float32": {"noise_multiple": 32.0, "floor_ulps": 1.0, "judge_max_abs": 1.0, "greedy_min": 32},
+    "float16": {"noise_multiple": HALF_MULTIPLE, "floor_ulps": 1.0, "judge_max_abs": 0.0},
+    "bfloat16": {"noise_multiple": HALF_MULTIPLE, "floor_ulps": 1.0, "judge_max_abs": 0.0},
 }
+EPS = {dtype: float(torch.finfo(getattr(torch, dtype)).eps) for dtype in TOLERANCES}  # one ulp at 1.0
 LOCKSTEP_STEPS = 32
 # a reference streamed from its checkpoint (too large to keep: model_defs/weights.py) reads every weight on each
 # step of each side, so its lockstep is bounded: 8 steps of each side feeding its own cache back
@@ -235,17 +237,26 @@ def validate(
     flat = FlatKVModel(reference).eval()
     if runner.names != input_names(cfg, flat.slots):
         raise KvforgeError(f"graph inputs {runner.names} do not follow the IO contract {input_names(cfg, flat.slots)}")
-    ref64 = None if dtype != "float32" else reference64 if reference64 is not None else Float64Reference(reference)
+    if dtype == "float32":
+        floor = reference64 if reference64 is not None else Float64Reference(reference)
+    else:
+        floor = HalfReference(reference, getattr(torch, dtype))
     with contextlib.ExitStack() as lora:
         if flat.slots:  # the slots run with a random adapter on every row, in the graph and the references alike
             runner.lora = validation_feed(reference, VALIDATION_RANK)
-            for model in [reference] + ([ref64.flat.model] if ref64 is not None else []):
+            for model in [reference, floor.flat.model]:
                 lora.enter_context(feeding(model, runner.lora))
-        return _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases,
+        return _validate(runner, flat, floor, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases,
                          lockstep, text, reference)
 
 
-def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases, lockstep, text,
+def _judged(names, cand, out32, other, valid, floor, dtype: str) -> dict[str, Any]:
+    """compare_case with the truth and the noisy reference in their places (see Float64Reference, HalfReference)."""
+    truth, noisy = (other, out32) if floor.is_truth else (out32, other)
+    return compare_case(names, cand, truth, noisy, valid, TOLERANCES[dtype], EPS[dtype])
+
+
+def _validate(runner, flat, floor, cfg, tol, dtype, max_context, fuzz, seed, progress, tokens, cases, lockstep, text,
               reference) -> dict[str, Any]:
     grid = _grid(cfg, max_context)
     unknown = set(cases or ()) - {c.name for c in grid}
@@ -265,22 +276,22 @@ def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, pro
         ref_args = tuple(torch.from_numpy(runner.cast(a)).float() if a.is_floating_point() else a for a in args)
         outputs = runner.run(args)
         valid = args[1][:, -case.seq:].numpy().astype(bool) if case.pad else None
-        out64 = ref64(*ref_args) if ref64 is not None else None
+        other = floor(*ref_args)
         with margins:
             expected = flat(*ref_args)
-        record = compare_case(names, outputs, expected, out64, valid, tol)
+        record = _judged(names, outputs, expected, other, valid, floor, dtype)
         record.update(case=case.name, shape=[case.batch, case.seq, case.past])
         if margins.tied:  # a mixture's routing at a tie: either choice is right, and the outputs may differ
             record["routing_margin"] = margins.smallest
         records.append(record)
-        failures += [] if margins.tied else case_failures(_label(case), record, ref64 is not None)
+        failures += [] if margins.tied else case_failures(_label(case), record, floor.noise)
         if progress:
             progress(i + 1, total)
     lock = None
     if lockstep:
         prompt = pool.ids[:1, :min(PROMPT, max_context - 1)]
         tick = lambda d: progress and progress(len(all_cases) + d, total)  # noqa: E731
-        lock = _lockstep(runner, flat, ref64, cfg, tol, prompt, max_context, tick, steps)
+        lock = _lockstep(runner, flat, floor, cfg, dtype, prompt, max_context, tick, steps)
         failures += lock.pop("failures")
     given = tokens is not None and len(tokens) > 0
     return _summary(dtype, tol, records, lock, failures, (text or "text given by the caller") if given else None)
@@ -288,21 +299,19 @@ def _validate(runner, flat, ref64, cfg, tol, dtype, max_context, fuzz, seed, pro
 
 def _summary(dtype: str, tol, records: list[dict], lock: dict | None, failures: list[str],
              text: str | None) -> dict[str, Any]:
-    fp32 = dtype == "float32"
     steps = lock.pop("records") if lock else []
     judged = [r for r in records if "routing_margin" not in r]  # cases routed at a tie are shown, not judged
     summary = {
         "dtype": dtype,
-        "reference": "torch float64 (bounded by torch float32's own rounding)" if fp32 else "torch float32",
+        "reference": ("torch float64 (bounded by torch float32's own rounding)" if dtype == "float32" else
+                      f"torch float32 (bounded by torch {dtype}'s own rounding: each operation's result rounded)"),
         "tolerances": tol,
         "inputs": f"token ids of {text}" if text else "token ids sampled from the reference",
         "cases": len(records),
         "logits": metrics.worst([r["logits"] for r in judged]),
         "present": metrics.worst([r["present"] for r in judged if r["present"]]),
     }
-    if fp32:
-        summary["noise"] = {part: metrics.worst([r["noise"][part] for r in judged + steps])
-                            for part in ("logits", "present")}
+    summary["noise"] = {part: metrics.worst([r["noise"][part] for r in judged + steps]) for part in ("logits", "present")}
     summary["worst"] = worst_record(judged + steps)
     summary["first_failure"] = first_failure(judged + steps)
     keys = ("case", "shape", "worst_output", "ratio", "excess", "first_layer", "routing_margin")
@@ -318,7 +327,7 @@ def _step_inputs(ids: torch.Tensor, past_len: int) -> tuple[torch.Tensor, ...]:
     return ids, torch.ones(1, total, dtype=torch.int64), torch.arange(past_len, total, dtype=torch.int64)[None]
 
 
-def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, max_context: int, tick,
+def _lockstep(runner: OrtRunner, flat, floor, cfg, dtype: str, prompt: torch.Tensor, max_context: int, tick,
               steps: int = LOCKSTEP_STEPS) -> dict[str, Any]:
     """Prefill the prompt, then `steps` steps (32), each side feeding its own present back as its past.
 
@@ -330,17 +339,17 @@ def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, ma
     steps = min(steps, max_context - prompt.shape[1])
     names = output_names(cfg)
     empty = tuple(t for layer in flat.model.empty_cache(1) for t in layer)
-    past32, past64, past_c = empty, empty, [runner.cast(t) for t in empty]
+    past32, past_o, past_c = empty, empty, [runner.cast(t) for t in empty]
     ids, past_len, records, failures, tokens, diverged = prompt, 0, [], [], [], None
     for step in range(steps + 1):
         base = _step_inputs(ids, past_len)
         out32, out_c = flat(*base, *past32), runner.step(base, past_c)
-        out64 = ref64(*base, *past64) if ref64 is not None else None
-        record = compare_case(names, out_c, out32, out64, None, tol)
+        out_o = floor(*base, *past_o)
+        record = _judged(names, out_c, out32, out_o, None, floor, dtype)
         record.update(case=f"lockstep step {step}", shape=[1, ids.shape[1], past_len])
         records.append(record)
-        failures += case_failures(f"lockstep step {step}", record, ref64 is not None)
-        past32, past_c, past64 = out32[1:], out_c[1:], (out64[1:] if out64 is not None else None)
+        failures += case_failures(f"lockstep step {step}", record, floor.noise)
+        past32, past_c, past_o = out32[1:], out_c[1:], out_o[1:]
         past_len += ids.shape[1]
         ref_logits = out32[0][0, -1].double().numpy()
         ids = torch.tensor([[int(ref_logits.argmax())]])
@@ -354,7 +363,7 @@ def _lockstep(runner: OrtRunner, flat, ref64, cfg, tol, prompt: torch.Tensor, ma
     # the largest logits error the bound allowed at any step: a free-running divergence within it is a near tie
     allowed = [j.get("allowed_max_abs", 0.0) for r in records for j in r["_judged"] if j["output"] == "logits"]
     slack = 2 * max(allowed, default=0.0)
-    greedy = _greedy(runner, tokens, diverged, steps, tol, slack)
+    greedy = _greedy(runner, tokens, diverged, steps, TOLERANCES[dtype], slack)
     return {
         "steps": steps,
         "logits": metrics.worst([r["logits"] for r in records]),

@@ -76,6 +76,94 @@ class RoutingMargins:
         return self.smallest < ROUTING_TIE
 
 
+class HalfReference:
+    """The reference computed as a float16 / bfloat16 graph is on ONNX Runtime's CPU provider: weights, cache and
+    every value between two operations held in the dtype, each operation computed in float32 from them and its
+    result rounded to the dtype (the provider's kernels compute in float32 and cast around each node); what the
+    model computes in float32 itself (its norms, softmax, RoPE angles: x.float()) stays float32. Its distance from
+    the FP32 reference is the dtype's own rounding noise on those inputs, the floor a half graph is judged by
+    (judge_noise). A copy in the dtype made once (half the FP32 copy's size), or one streamed from the source."""
+
+    is_truth = False  # the FP32 reference is the truth; this one's distance from it is the noise
+
+    def __init__(self, reference, dtype: torch.dtype):
+        self.dtype = dtype
+        self.flat = FlatKVModel(copy_in(reference, dtype)).eval()
+        self.noise = f"the {str(dtype).removeprefix('torch.')} reference's rounding noise"
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args = tuple(a.to(self.dtype) if a.is_floating_point() else a for a in args)
+        with half_mode(self.dtype):
+            return self.flat(*args)
+
+
+# functions whose result is the same in any dtype (casts, attribute reads, moving values): run as called
+_AS_CALLED = {"__get__", "__set__", "detach", "to", "float", "half", "bfloat16", "double", "type", "type_as", "view", "reshape", "size",
+              "dim", "element_size", "is_floating_point", "contiguous", "transpose", "permute", "unsqueeze", "squeeze",
+              "expand", "flatten", "unflatten", "__getitem__", "__setitem__", "cat", "stack", "split", "chunk",
+              "narrow", "embedding", "copy_", "clone", "new_empty", "new_zeros", "new_ones", "new_full"}
+_LINEAR_CHUNK = 1 << 24  # weight values upcast at a time by a linear layer (a vocabulary-sized head in row blocks)
+
+
+class half_mode(TorchFunctionMode):
+    """Inside: an operation on `dtype` tensors computes in float32 and rounds its result to `dtype` (see
+    HalfReference); one with a float32 tensor among its inputs, or a dtype asked for, returns what it computes."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        floats = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        if name in _AS_CALLED or self.dtype not in floats:
+            return func(*args, **kwargs)
+        up_args, up_kwargs = _map_tensors((args, kwargs), lambda t: t.float() if t.dtype == self.dtype else t)
+        if func is torch.nn.functional.linear and args[1].numel() > _LINEAR_CHUNK:
+            bias = up_kwargs.get("bias", up_args[2] if len(up_args) > 2 else None)
+            out = _linear_in_row_blocks(up_args[0], args[1], bias)
+        else:
+            out = func(*up_args, **up_kwargs)
+        if name.endswith("_") and not name.endswith("__"):  # in place: the result into the input
+            return args[0].copy_(out)
+        if "dtype" in kwargs or _F32 in floats:
+            return out
+        return _map_tensors(out, lambda t: t.to(self.dtype) if t.dtype == _F32 else t)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts (a function's arguments)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _map_tensors(tree, fn):
+    """`tree` with fn applied to each tensor in it (tuples, lists and dicts rebuilt; anything else as is)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_tensors(item, fn) for item in tree) if not hasattr(tree, "_fields") \
+            else type(tree)(*(_map_tensors(item, fn) for item in tree))
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def _linear_in_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32 with the half `weight` upcast a block of rows at a time."""
+    step = max(1, _LINEAR_CHUNK // weight.shape[1])
+    return torch.cat([torch.nn.functional.linear(x, weight[i:i + step].float(),
+                                                 None if bias is None else bias[i:i + step])
+                      for i in range(0, weight.shape[0], step)], dim=-1)
+
+
 class float64_mode(TorchFunctionMode):
     """Inside: every float32 the model asks for (x.float(), .to(torch.float32), dtype=torch.float32) is float64."""
 
@@ -92,6 +180,9 @@ class float64_mode(TorchFunctionMode):
 
 class Float64Reference:
     """The reference evaluated in float64: a deep copy made once; call like FlatKVModel (inputs in any float dtype)."""
+
+    is_truth = True  # the truth an FP32 graph is measured against; the FP32 reference's distance from it is the noise
+    noise = "the FP32 reference's rounding noise"
 
     def __init__(self, reference):
         self.flat = FlatKVModel(copy_in(reference, _F64)).eval()

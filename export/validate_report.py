@@ -1,10 +1,11 @@
 """Per-output comparison of the candidate with the reference, the bounds, and the validation report.
 
-Every output is judged on its own: the logits and each layer's present key/value (latent). In FP32 the
-candidate is measured against the FP64 reference and its error is divided by the reference's own FP32
-rounding noise on the same inputs (|ref32 - ref64|; at least one FP32 ulp of the output's magnitude), which
-gives the ratio the bound is stated in. In FP16/BF16 it is measured against the FP32 reference (rel L2),
-and the ratio is the error over the dtype's bound. Presents are per layer, so the report can name the first
+Every output is judged on its own: the logits and each layer's present key/value (latent). The candidate
+is measured against the truth and its error divided by a reference's own rounding noise in the graph's dtype
+on the same inputs, which gives the ratio the bound is stated in: in FP32, against the FP64 reference, the
+noise being the FP32 reference's (|ref32 - ref64|); in FP16/BF16, against the FP32 reference, the noise
+being the reference computed in the dtype's (|ref_half - ref32|, HalfReference); at least one ulp of the
+dtype at the output's magnitude. Presents are per layer, so the report can name the first
 layer whose cache departs from the reference: everything before it computed what the reference computed.
 """
 
@@ -22,7 +23,9 @@ EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one ulp at 1.0
 
 
 def _np(t) -> np.ndarray:
-    return t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    if isinstance(t, torch.Tensor):  # (bfloat16 has no numpy dtype: widened, exactly)
+        return (t.float() if t.dtype == torch.bfloat16 else t).detach().numpy()
+    return np.asarray(t)
 
 
 def _abs_rel(candidate: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
@@ -40,16 +43,18 @@ def layer_of(name: str) -> int | None:
     return int(parts[1]) if len(parts) > 2 and parts[0] == "present" else None
 
 
-def judge_fp32(name: str, cand: np.ndarray, ref64: np.ndarray, ref32: np.ndarray,
-               tol: dict[str, float]) -> dict[str, Any]:
-    """Candidate vs FP64 reference, in multiples of the FP32 reference's own error on the same inputs."""
-    err_abs, err_rel = _abs_rel(cand, ref64)
-    noise_abs, noise_rel = _abs_rel(ref32, ref64)
-    magnitude = float(np.abs(ref64).max()) if ref64.size else 0.0
-    floor_abs = max(noise_abs, tol["floor_ulps"] * EPS32 * magnitude, 1e-30)
-    floor_rel = max(noise_rel, tol["floor_ulps"] * EPS32)
+def judge_noise(name: str, cand: np.ndarray, truth: np.ndarray, noisy: np.ndarray, tol: dict[str, float],
+                eps: float) -> dict[str, Any]:
+    """Candidate vs the truth, in multiples of a reference's own rounding error on the same inputs (|noisy - truth|;
+    at least floor_ulps of `eps`, the dtype's ulp at 1.0, times the output's magnitude for max abs). Judged on
+    the worse of max abs and rel L2, or on rel L2 alone where tol["judge_max_abs"] is 0."""
+    err_abs, err_rel = _abs_rel(cand, truth)
+    noise_abs, noise_rel = _abs_rel(noisy, truth)
+    magnitude = float(np.abs(truth).max()) if truth.size else 0.0
+    floor_abs = max(noise_abs, tol["floor_ulps"] * eps * magnitude, 1e-30)
+    floor_rel = max(noise_rel, tol["floor_ulps"] * eps)
     ratio_abs, ratio_rel = _ratio(err_abs, floor_abs), _ratio(err_rel, floor_rel)
-    worse = "max_abs" if ratio_abs >= ratio_rel else "rel_l2"
+    worse = "max_abs" if tol["judge_max_abs"] and ratio_abs >= ratio_rel else "rel_l2"
     value, floor, ratio = (err_abs, floor_abs, ratio_abs) if worse == "max_abs" else (err_rel, floor_rel, ratio_rel)
     limit = tol["noise_multiple"]
     return {"output": name, "metric": worse, "value": value, "noise": floor, "ratio": ratio, "allowed": limit * floor,
@@ -58,34 +63,25 @@ def judge_fp32(name: str, cand: np.ndarray, ref64: np.ndarray, ref32: np.ndarray
             "allowed_max_abs": limit * floor_abs}
 
 
-def judge_half(name: str, cand: np.ndarray, ref32: np.ndarray, tol: dict[str, float]) -> dict[str, Any]:
-    """Candidate vs FP32 reference: rel L2 against the dtype's fixed bound."""
-    err_abs, err_rel = _abs_rel(cand, ref32)
-    limit = tol["logits_rel_l2" if name == "logits" else "present_rel_l2"]
-    return {"output": name, "metric": "rel_l2", "value": err_rel, "ratio": _ratio(err_rel, limit), "allowed": limit,
-            "excess": _ratio(err_rel, limit), "magnitude": float(np.abs(ref32).max()) if ref32.size else 0.0}
-
-
-def compare_case(names: list[str], cand, ref32, ref64, valid: np.ndarray | None,
-                 tol: dict[str, float]) -> dict[str, Any]:
-    """Metrics (candidate vs the reference it is judged against) and per-output verdicts for one run.
-
-    ref64 None: half precision, judged against ref32. valid: the real (unpadded) query positions, for logits."""
+def compare_case(names: list[str], cand, truth, noisy, valid: np.ndarray | None, tol: dict[str, float],
+                 eps: float) -> dict[str, Any]:
+    """Metrics (candidate vs the truth) and per-output verdicts for one run (judge_noise). FP32 graphs: the truth
+    is the FP64 reference and `noisy` the FP32 one; half graphs: the FP32 reference and the reference computed in
+    the graph's dtype (HalfReference). valid: the real (unpadded) query positions, for logits."""
     judged, per_output = [], []
     for i, name in enumerate(names):
         c = np.asarray(cand[i]).astype(np.float32)
-        r32 = _np(ref32[i]).astype(np.float32)
-        r64 = _np(ref64[i]).astype(np.float64) if ref64 is not None else None
+        t = _np(truth[i]).astype(np.float64)
+        n = _np(noisy[i]).astype(np.float64)
         if i == 0 and valid is not None:
-            c, r32, r64 = c[valid], r32[valid], (r64[valid] if r64 is not None else None)
-        target = r64 if r64 is not None else r32
-        magnitude = float(np.abs(target).max()) if target.size else 0.0
-        m = {**metrics.tensor_metrics(c, target), "reference_magnitude": magnitude}
+            c, t, n = c[valid], t[valid], n[valid]
+        magnitude = float(np.abs(t).max()) if t.size else 0.0
+        m = {**metrics.tensor_metrics(c, t), "reference_magnitude": magnitude}
         if i == 0:
-            m.update(top1_agreement=metrics.top1_agreement(c, target),
-                     kl_divergence_mean=float(metrics.kl_divergence(c, target).mean()))
+            m.update(top1_agreement=metrics.top1_agreement(c, t),
+                     kl_divergence_mean=float(metrics.kl_divergence(c, t).mean()))
         per_output.append(m)
-        judged.append(judge_fp32(name, c, r64, r32, tol) if r64 is not None else judge_half(name, c, r32, tol))
+        judged.append(judge_noise(name, c, t, n, tol, eps))
     finite = all(np.isfinite(np.asarray(o, dtype=np.float32)).all() for o in cand)
     return _case_record(judged, per_output, finite)
 
@@ -105,33 +101,29 @@ def _case_record(judged: list[dict], per_output: list[dict], finite: bool) -> di
         "failing_outputs": [j["output"] for j in failing],
         "_judged": judged,  # dropped before the summary
     }
-    if "noise" in worst:
-        record["noise"] = {
-            "logits": {"max_abs": judged[0]["noise_max_abs"], "rel_l2": judged[0]["noise_rel_l2"]},
-            "present": {"max_abs": max((j["noise_max_abs"] for j in judged[1:]), default=0.0),
-                        "rel_l2": max((j["noise_rel_l2"] for j in judged[1:]), default=0.0)},
-        }
+    record["noise"] = {
+        "logits": {"max_abs": judged[0]["noise_max_abs"], "rel_l2": judged[0]["noise_rel_l2"]},
+        "present": {"max_abs": max((j["noise_max_abs"] for j in judged[1:]), default=0.0),
+                    "rel_l2": max((j["noise_rel_l2"] for j in judged[1:]), default=0.0)},
+    }
     return record
 
 
-def describe(j: dict[str, Any], fp32: bool) -> str:
-    """One verdict in words, e.g.
-    `logits_max_abs 0.0073 > 6.7e-05 (3.5e+03x the reference's FP32 noise floor 2.1e-06, allowed 32x)`."""
-    text = f"{j['output']}_{j['metric']} {j['value']:.3g} > {j['allowed']:.3g}"
-    if fp32:
-        return text + (f" ({j['ratio']:.3g}x the reference's FP32 noise floor {j['noise']:.3g}, "
-                       f"allowed {j['allowed'] / j['noise']:.3g}x)")
-    return text + f" ({j['ratio']:.3g}x the bound)"
+def describe(j: dict[str, Any], noise: str) -> str:
+    """One verdict in words, e.g. `logits_max_abs 0.0073 > 6.7e-05 (3.5e+03x the FP32 reference's rounding noise
+    2.1e-06, allowed 32x)`; noise: whose rounding the floor is."""
+    return (f"{j['output']}_{j['metric']} {j['value']:.3g} > {j['allowed']:.3g} "
+            f"({j['ratio']:.3g}x {noise} {j['noise']:.3g}, allowed {j['allowed'] / j['noise']:.3g}x)")
 
 
-def case_failures(label: str, record: dict[str, Any], fp32: bool) -> list[str]:
+def case_failures(label: str, record: dict[str, Any], noise: str) -> list[str]:
     """The failure lines of one run: non-finite outputs; else its worst output, how many others, the first layer."""
     lines = [] if record["finite"] else [f"{label}: non-finite values in the outputs"]
     failing = [j for j in record["_judged"] if j["excess"] > 1.0]
     if not failing:
         return lines
     worst = max(failing, key=lambda j: j["excess"])
-    text = f"{label}: {describe(worst, fp32)}"
+    text = f"{label}: {describe(worst, noise)}"
     others = len(failing) - 1
     if others:
         text += f"; {others} more output{'s' if others > 1 else ''} off"

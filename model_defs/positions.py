@@ -18,6 +18,23 @@ from torch import nn
 from .config import ModelConfig
 
 
+class Float32Tables(nn.Module):
+    """A module whose floating buffers are tables computed in float32 (RoPE's inverse frequencies, ALiBi's
+    slopes): they stay float32 when the model is cast to float16 or bfloat16 (moved to another device, they
+    keep their values), as transformers keeps them. Rounded to float16, RoPE's inverse frequencies turn a
+    key at position 1000 by up to ~0.5 rad more or less than the model was trained with (2^-11 relative on
+    an angle of up to 1000 rad); its angles are computed in float32 from them either way."""
+
+    float32_tables = True  # model_defs/weights.py's casts of skeletons leave these buffers alone too
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: b for name, b in self.named_buffers(recurse=False) if b.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for name, b in kept.items():
+            setattr(self, name, b.to(device=getattr(self, name).device))
+        return out
+
+
 # --- RoPE ---------------------------------------------------------------------
 def _rope_powers(rotary_dim: int, theta: float) -> torch.Tensor:
     """theta^(2i/rot) for i < rot/2: the inverse of RoPE's unscaled frequencies."""
@@ -77,7 +94,7 @@ def _yarn_attention_factor(scaling: dict[str, Any] | None) -> float:
     return 1.0 if scaling["factor"] <= 1 else 0.1 * math.log(scaling["factor"]) + 1.0
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Float32Tables):
     """RoPE with real cos/sin computed from position ids (no table to outgrow).
 
     Its base and scaling are the config's `rope_theta` and `rope_scaling`, or
@@ -106,7 +123,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-class LongRope(nn.Module):
+class LongRope(Float32Tables):
     """Phi-3's LongRoPE: per-frequency divisors, `short_factor` while the batch's positions stay within the
     original context and `long_factor` beyond it, and cos/sin scaled by the attention factor.
 
@@ -175,7 +192,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class Alibi(nn.Module):
+class Alibi(Float32Tables):
     """Attention-score biases slope_h * (key position - query position), float32 (B, H, T, S).
 
     Positions count real tokens (the attention mask's cumulative sum), as BLOOM
@@ -202,7 +219,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-class FalconAlibi(nn.Module):
+class FalconAlibi(Float32Tables):
     """Falcon's ALiBi as transformers computes it, whatever the model dtype: bf16(bf16(slope) * bf16(key position)),
     times alibi_scale; (B, H, 1, S), the same for every query. The rounding makes the biases depend on absolute
     positions, so they are not made relative as in `Alibi`."""
@@ -232,7 +249,7 @@ class LearnedPositions(nn.Module):
         return F.embedding(position_ids, self.weight)  # (B, T, C)
 
 
-class SinusoidalPositions(nn.Module):
+class SinusoidalPositions(Float32Tables):
     """sin/cos of position * 10000^(-2i/C), interleaved as in the original Transformer."""
 
     def __init__(self, cfg: ModelConfig):

@@ -31,6 +31,7 @@ from kvforge.images import ImageProcessing
 
 from .config import ConfigDict, ModelConfig
 from .layers import Attention, activation_fn, build_ffn, build_norm
+from .positions import Float32Tables
 from .model import Block, Transformer, build_model
 from .resampler import Resampler, ResamplerConfig
 
@@ -191,7 +192,7 @@ def bucketized_positions(rows, cols, side: int, boundaries: torch.Tensor | None 
     return (buckets(rows)[:, None] * side + buckets(cols)[None, :]).reshape(-1)
 
 
-class FlatPatchEmbeddings(nn.Module):
+class FlatPatchEmbeddings(Float32Tables):
     """Qwen2-VL's patch embedding: each flattened patch (C*T*P*P, its Conv3d's window) through one linear map;
     pixel_values (N, rows, cols, C*T*P*P) -> (N, rows*cols, dim), and the patches' 2-D RoPE (cos, sin)."""
 

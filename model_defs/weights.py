@@ -323,10 +323,18 @@ def cast_skeleton(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     out = copy.deepcopy(model, memo)
     for p in _unique_parameters(out).values():
         p.data = placeholder(p.shape, dtype if p.is_floating_point() else p.dtype)
-    for b in out.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(dtype)
+    cast_buffers(out, dtype)
     return out
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """The floating buffers cast in place as `model.to(dtype)` casts them: float32 tables kept (Float32Tables)."""
+    for module in model.modules():
+        if getattr(module, "float32_tables", False):
+            continue
+        for b in module.buffers(recurse=False):
+            if b.is_floating_point():
+                b.data = b.data.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- streaming
@@ -424,9 +432,7 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
     model.register_forward_hook(done)
     for p in _unique_parameters(model).values():
         p.data = placeholder(p.shape, dtype if p.is_floating_point() else p.dtype)
-    for b in model.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(dtype)
+    cast_buffers(model, dtype)
     _STREAMED[model] = (source, dtype)
     return model
 

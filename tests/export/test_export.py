@@ -198,7 +198,7 @@ def test_a_wrong_graph_fails_the_export_and_writes_nothing(tmp_path, monkeypatch
 
     _with_decoder_writer(monkeypatch, corrupting)
     out = tmp_path / "bad"
-    with pytest.raises(ExportValidationError, match=r"(?s)logits_max_abs .* noise floor.*no bundle was written") as err:
+    with pytest.raises(ExportValidationError, match=r"(?s)logits_max_abs .* rounding noise.*no bundle was written") as err:
         export("gpt2-micro", out)
     assert err.value.summary["failures"]
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor a temporary directory

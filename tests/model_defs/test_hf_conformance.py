@@ -202,3 +202,20 @@ def test_a_checkpoint_quantized_by_an_unread_method_is_refused_by_name(hf_checkp
     (tmp_path / "nf4" / "config.json").write_text(json.dumps(config))
     with pytest.raises(KvforgeError, match="bitsandbytes.*compressed-tensors"):
         load(tmp_path / "nf4")
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3_text", "gpt_neox", "falcon"])
+def test_half_models_keep_position_tables_in_float32_as_transformers_does(hf_checkpoint, family):
+    """Loaded in float16, transformers keeps RoPE's inverse frequencies (and ALiBi's slopes) in float32; so does
+    kvforge's model, loaded in float16 or cast to it (rounded to float16, a key at position 1000 would turn by
+    up to ~0.5 rad more or less)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_checkpoint(family), dtype=torch.float16)
+    theirs = [b for name, b in hf.named_buffers() if name.endswith(("inv_freq", "slopes")) and "original" not in name]
+    assert theirs and all(b.dtype == torch.float32 for b in theirs)
+    for ours in (load(hf_checkpoint(family), dtype="float16").model, load(hf_checkpoint(family))[0].half()):
+        assert next(ours.parameters()).dtype == torch.float16
+        tables = [b for b in ours.buffers() if b.is_floating_point()]
+        assert tables and all(b.dtype == torch.float32 for b in tables)
+        for table in tables:  # each equals one of transformers' tables
+            assert any(b.shape == table.shape and torch.allclose(b, table, rtol=1e-6, atol=0) for b in theirs), table
