@@ -77,10 +77,11 @@ class RoutingMargins:
 
 
 class HalfReference:
-    """The reference computed as a float16 / bfloat16 graph is on ONNX Runtime's CPU provider: weights, cache and
-    every value between two operations held in the dtype, each operation computed in float32 from them and its
-    result rounded to the dtype (the provider's kernels compute in float32 and cast around each node); what the
-    model computes in float32 itself (its norms, softmax, RoPE angles: x.float()) stays float32. Its distance from
+    """The reference computed as half kernels compute a float16 / bfloat16 graph: weights, cache and every value
+    between two operations held in the dtype, each operation computed in float32 from them and its result
+    rounded to the dtype (as GPU kernels accumulate in float32 and store half; ONNX Runtime's CPU kernels compute
+    in float32 and round at most as often); what the model computes in float32 itself (its norms, softmax, RoPE
+    angles: x.float()) stays float32. Its distance from
     the FP32 reference is the dtype's own rounding noise on those inputs, the floor a half graph is judged by
     (judge_noise). A copy in the dtype made once (half the FP32 copy's size), or one streamed from the source."""
 
