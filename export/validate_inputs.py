@@ -81,9 +81,9 @@ class HalfReference:
     between two operations held in the dtype, each operation computed in float32 from them and its result
     rounded to the dtype (as GPU kernels accumulate in float32 and store half; ONNX Runtime's CPU kernels compute
     in float32 and round at most as often); what the model computes in float32 itself (its norms, softmax, RoPE
-    angles: x.float()) stays float32. Its distance from
-    the FP32 reference is the dtype's own rounding noise on those inputs, the floor a half graph is judged by
-    (judge_noise). A copy in the dtype made once (half the FP32 copy's size), or one streamed from the source."""
+    angles: x.float()) stays float32. Its distance from the FP32 reference is the dtype's own rounding noise on
+    those inputs, the floor a half graph is judged by (judge_noise). A copy in the dtype made once (half the FP32
+    copy's size), or one streamed from the source."""
 
     is_truth = False  # the FP32 reference is the truth; this one's distance from it is the noise
 
@@ -100,16 +100,19 @@ class HalfReference:
 
 
 # functions whose result is the same in any dtype (casts, attribute reads, moving values): run as called
-_AS_CALLED = {"__get__", "__set__", "detach", "to", "float", "half", "bfloat16", "double", "type", "type_as", "view", "reshape", "size",
-              "dim", "element_size", "is_floating_point", "contiguous", "transpose", "permute", "unsqueeze", "squeeze",
-              "expand", "flatten", "unflatten", "__getitem__", "__setitem__", "cat", "stack", "split", "chunk",
-              "narrow", "embedding", "copy_", "clone", "new_empty", "new_zeros", "new_ones", "new_full"}
+_AS_CALLED = {"__get__", "__set__", "detach", "to", "float", "half", "bfloat16", "double", "type", "type_as", "view",
+              "reshape", "size", "dim", "element_size", "is_floating_point", "contiguous", "transpose", "permute",
+              "unsqueeze", "squeeze", "expand", "flatten", "unflatten", "__getitem__", "__setitem__", "cat", "stack",
+              "split", "chunk", "narrow", "embedding", "copy_", "clone", "new_empty", "new_zeros", "new_ones",
+              "new_full"}
 _LINEAR_CHUNK = 1 << 24  # weight values upcast at a time by a linear layer (a vocabulary-sized head in row blocks)
 
 
 class half_mode(TorchFunctionMode):
     """Inside: an operation on `dtype` tensors computes in float32 and rounds its result to `dtype` (see
-    HalfReference); one with a float32 tensor among its inputs, or a dtype asked for, returns what it computes."""
+    HalfReference); one with a float32 tensor of one or more dimensions among its inputs, or a dtype asked for,
+    returns what it computes (as type promotion would: a 0-d float32 tensor, like a Python number, does not
+    promote a half one)."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
@@ -118,8 +121,8 @@ class half_mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        floats = [t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()]
-        if name in _AS_CALLED or self.dtype not in floats:
+        floats = [(t.dtype, t.dim()) for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        if name in _AS_CALLED or not any(dtype == self.dtype for dtype, _ in floats):
             return func(*args, **kwargs)
         up_args, up_kwargs = _map_tensors((args, kwargs), lambda t: t.float() if t.dtype == self.dtype else t)
         if func is torch.nn.functional.linear and args[1].numel() > _LINEAR_CHUNK:
@@ -129,7 +132,7 @@ class half_mode(TorchFunctionMode):
             out = func(*up_args, **up_kwargs)
         if name.endswith("_") and not name.endswith("__"):  # in place: the result into the input
             return args[0].copy_(out)
-        if "dtype" in kwargs or _F32 in floats:
+        if "dtype" in kwargs or any(dtype == _F32 and dims for dtype, dims in floats):
             return out
         return _map_tensors(out, lambda t: t.to(self.dtype) if t.dtype == _F32 else t)
 
