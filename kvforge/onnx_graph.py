@@ -172,6 +172,86 @@ def matmul_transposed_weights(model) -> int:
     return len(added)
 
 
+HALF_BLOCK_BYTES = 64 << 20  # the float32 copy of a weight's block of rows: what a half session casts at a time
+
+
+def read_half_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTES) -> int:
+    """Rewrite each MatMul / FusedMatMul(transB=1) whose weight is a 2-D float16 / bfloat16 initializer in external
+    data, and larger than `block_bytes` as float32, to read it a block of rows at a time: each block is an
+    initializer over the same bytes of the data file (its offset and length), so ONNX Runtime, which casts a half
+    weight to float32 where it is used, casts one block at a time (a tied head's table: 1.5 GiB as float32 for
+    Llama-3.2-3B's vocabulary) and frees it before the next. FusedMatMul(x, W[out, in], transB=1): each block's
+    output columns, concatenated; MatMul(x, W[in, out]): each block's rows times its slice of x's last axis,
+    added in turn. The products are the same; a MatMul's sums are split at the blocks. Returns how many."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    half = {TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    removed, added, blocks_of = set(), {}, {}
+    for n in g.node:
+        w = inits.get(n.input[1]) if len(n.input) > 1 else None
+        fused = n.op_type == "FusedMatMul" and n.domain == MS_DOMAIN
+        if w is None or not (fused or (n.op_type == "MatMul" and n.domain in ("", "ai.onnx"))) \
+                or w.data_type not in half or len(w.dims) != 2 or w.data_location != TensorProto.EXTERNAL:
+            continue
+        if fused and (node_attribute(n, "transB", 0) != 1 or node_attribute(n, "transA", 0) != 0):
+            continue
+        rows, cols = w.dims
+        count = -(-rows * cols * 4 // block_bytes)
+        if count < 2:
+            continue
+        if w.name not in blocks_of:
+            blocks_of[w.name] = _row_blocks(w, -(-rows // count), half[w.data_type])
+            g.initializer.extend(blocks_of[w.name])
+        out, nodes = n.output[0], []
+        parts = [f"{out}__block{i}" for i in range(len(blocks_of[w.name]))]
+        if fused:
+            for block, part in zip(blocks_of[w.name], parts):
+                nodes.append(helper.make_node("FusedMatMul", [n.input[0], block.name], [part], domain=MS_DOMAIN,
+                                              transA=0, transB=1, alpha=node_attribute(n, "alpha", 1.0)))
+            nodes.append(helper.make_node("Concat", parts, [out], axis=-1))
+        else:
+            start, axes, total = 0, f"{out}__axes", None
+            g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
+            for i, (block, part) in enumerate(zip(blocks_of[w.name], parts)):
+                end = start + block.dims[0]
+                bounds = [f"{out}__starts{i}", f"{out}__ends{i}"]
+                g.initializer.extend(numpy_helper.from_array(np.array([v], np.int64), b)
+                                     for v, b in zip((start, end), bounds))
+                nodes += [helper.make_node("Slice", [n.input[0], *bounds, axes], [f"{part}__x"]),
+                          helper.make_node("MatMul", [f"{part}__x", block.name], [part])]
+                if total is not None:
+                    last = i == len(parts) - 1
+                    nodes.append(helper.make_node("Add", [total, part], [out if last else f"{part}__sum"]))
+                    part = out if last else f"{part}__sum"
+                total, start = part, end
+        removed.add(id(n))
+        added[id(n)] = nodes
+    if removed:
+        replace_nodes(g, removed, added)
+    return len(removed)
+
+
+def _row_blocks(w, rows_per_block: int, item: int) -> list:
+    """Initializers over consecutive blocks of `w`'s rows, each reading its bytes of w's external data file."""
+    from onnx import TensorProto
+
+    where = {e.key: e.value for e in w.external_data}
+    offset, (rows, cols) = int(where.get("offset", 0)), w.dims
+    out = []
+    for start in range(0, rows, rows_per_block):
+        n = min(rows_per_block, rows - start)
+        block = TensorProto(name=f"{w.name}__rows{start}", data_type=w.data_type, dims=[n, cols],
+                            data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", where["location"]), ("offset", str(offset + start * cols * item)),
+                           ("length", str(n * cols * item))):
+            entry = block.external_data.add()
+            entry.key, entry.value = key, value
+        out.append(block)
+    return out
+
+
 def node_reads(node) -> list[str]:
     """What a node reads: its inputs and, for If / Loop / Scan, every name its subgraphs read."""
     names = [i for i in node.input if i]

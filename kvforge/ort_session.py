@@ -139,11 +139,13 @@ def cast_half_weights_when_used(opts) -> None:
 def half_weight_graph(model, external_dir: str | Path | None = None) -> tuple[bytes, str | Path | None]:
     """A float16 graph (a path, or serialized bytes whose external data lies in external_dir) as serialized
     bytes for a session whose half weights are cast where they are used, and the folder its external data is
-    read from: the graph is read without its external data and each weight read through a Transpose is read in
-    place (onnx_graph.matmul_transposed_weights), so no float32 copy of it is transposed again."""
+    read from: the graph is read without its external data, each weight read through a Transpose is read in
+    place (onnx_graph.matmul_transposed_weights), so no float32 copy of it is transposed again, and a weight
+    whose float32 copy exceeds 64 MiB (a head) is read a block of rows at a time
+    (onnx_graph.read_half_weights_in_blocks), so its float32 copy is made a block at a time."""
     import onnx
 
-    from kvforge.onnx_graph import matmul_transposed_weights
+    from kvforge.onnx_graph import matmul_transposed_weights, read_half_weights_in_blocks
 
     if isinstance(model, bytes):
         proto = onnx.ModelProto()
@@ -151,7 +153,9 @@ def half_weight_graph(model, external_dir: str | Path | None = None) -> tuple[by
     else:
         proto = onnx.load(str(model), load_external_data=False)
         external_dir = Path(model).parent
-    if not matmul_transposed_weights(proto) and isinstance(model, bytes):
+    changed = matmul_transposed_weights(proto)
+    changed += read_half_weights_in_blocks(proto)
+    if not changed and isinstance(model, bytes):
         return model, external_dir
     return proto.SerializeToString(), external_dir
 

@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 LAYERS, DIM = 24, 2048
@@ -86,37 +87,56 @@ def test_half_weights_are_cast_where_used_not_copied_whole(tmp_path):
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=0, atol=2e-3)
 
 
-VOCAB, WIDTH = 32768, 1024
-TABLE_F32 = VOCAB * WIDTH * 4  # the tied table's float32 copy: 128 MiB
+VOCAB, WIDTH = 65536, 1024
+TABLE_F32 = VOCAB * WIDTH * 4  # the head's float32 copy: 256 MiB (four of onnx_graph.HALF_BLOCK_BYTES)
 
 
-def _tied_head(path):
-    """A float16 embedding read by the lookup (Gather) and, through a Transpose, by the head (MatMul): what a
-    tied head exports as."""
+def _head(path, tied: bool):
+    """A float16 embedding read by the lookup (Gather) and by the head (MatMul): through a Transpose, as a tied
+    head exports, or an untied head's own [in, out] weight."""
     rng = np.random.default_rng(2)
     table = (rng.standard_normal((VOCAB, WIDTH)) * 0.05).astype(np.float16)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"]),
-             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
-             helper.make_node("MatMul", ["h", "table_t"], ["logits"])]
+    inits = [numpy_helper.from_array(table, "table")]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"])]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["h", "table_t"], ["logits"])]
+    else:
+        inits.append(numpy_helper.from_array((rng.standard_normal((WIDTH, VOCAB)) * 0.05).astype(np.float16), "head"))
+        nodes.append(helper.make_node("MatMul", ["h", "head"], ["logits"]))
     graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "t"])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "t", VOCAB])],
-                              [numpy_helper.from_array(table, "table")])
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "t", VOCAB])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path), save_as_external_data=True, location="head.onnx.data")
 
 
-def test_a_tied_heads_table_is_read_in_place_not_transposed_again(tmp_path):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_heads_weight_is_read_in_place_and_cast_a_block_at_a_time(tmp_path, tied):
     path = tmp_path / "head.onnx"
-    _tied_head(path)
+    _head(path, tied)
     runs = {how: _run(path, how, tmp_path / f"{how}.npy", feed="ids")
             for how in ("default", "validation", "calibration")}
     for how in ("validation", "calibration"):
         grew, got = runs[how]
-        # the mapped table and one float32 copy of it (cast), not a transposed copy of that besides
-        assert grew < VOCAB * WIDTH * 2 + 1.5 * TABLE_F32, (how, grew, runs["default"][0])
+        # the mapped weight and a block's float32 copy (a quarter of it), not a whole copy (nor a transposed one)
+        assert grew < VOCAB * WIDTH * 2 + 0.5 * TABLE_F32, (how, grew, runs["default"][0])
         # the same products summed in another blocking: apart by float16 roundings at most
         np.testing.assert_allclose(got.astype(np.float32), runs["default"][1].astype(np.float32), rtol=0, atol=2e-3)
+
+
+def test_the_blocks_of_a_weight_are_views_of_its_bytes(tmp_path):
+    from kvforge.onnx_graph import read_half_weights_in_blocks
+
+    path = tmp_path / "head.onnx"
+    _head(path, tied=False)
+    model = onnx.load(str(path), load_external_data=False)
+    assert read_half_weights_in_blocks(model, block_bytes=TABLE_F32 // 3 + 1) == 1  # the head; the lookup is no MatMul
+    blocks = [i for i in model.graph.initializer if i.name.startswith("head__rows")]
+    assert [list(b.dims) for b in blocks] == [[342, VOCAB], [342, VOCAB], [340, VOCAB]]
+    whole = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[1])
+    for b, start in zip(blocks, (0, 342, 684)):
+        np.testing.assert_array_equal(numpy_helper.to_array(b, str(tmp_path)), whole[start:start + b.dims[0]])
 
 
 def test_only_a_weight_read_through_its_own_transpose_is_rewritten():
