@@ -42,23 +42,24 @@ the first layer whose cache departs (everything before it computed what the
 reference computed).
 
 float16 / bfloat16: bounded the same way by the dtype's own rounding noise. The truth is the FP32 reference
-(its own error, ~1e-5, is far below a half dtype's); the noise is that of the reference computed in the
-dtype as half kernels compute (HalfReference: weights, cache and every value between two operations in the
-dtype, each operation computed in float32 and its result rounded, as GPU FP16 kernels accumulate in float32
-and store half; what the model computes in float32 itself, its norms, softmax and RoPE angles, in float32).
-ONNX Runtime's CPU provider rounds less than that on a real model: SmolLM2-135M's FP16 graph is 12x closer
-to FP32 than that reference on its logits (rel L2 9.6e-4 against 1.2e-2; worst ratio 0.90, in the lockstep). Per output, the graph's
-rel L2 error is divided by the half reference's (at least one ulp of the dtype, 2^-10 / 2^-7) and passes
-at <= 8. Rel L2 only: a half dtype's max abs error is that of a few rounded outliers. Measured ratios of
-correct exports: FP16 0.6-1.4 over 12 micro presets and tiny (noise 5e-4 .. 3e-3), the real Gemma 3
-270M 0.79 (logits rel L2 3.2e-3 against a noise of 7.4e-3), the real SmolLM2-135M 0.90; BF16 1.0-2.3. Injected defects in tiny's
-FP16 export (tests/export/test_validate_defects.py; per case over a prefill, a decode and a left-padded
-decode): norm epsilon x10 19 / 15 / 6.2, RoPE base / 10 47-144, causal mask off by one 236-673, two KV
-heads swapped 395-1053. The fixed rel L2 bounds this replaced (1e-2 FP16, 5e-2 BF16) sat 3-20x above
-the noise of small models and at the noise of large ones (a Llama-3.2-3B shape's logits: 1.1e-2 / 1.3e-2).
-A mixture model's half reference may route a token at a near tie to another expert than the FP32
-reference does; its noise is then larger on that case, which the bound allows (and a graph that routes a
-token differently from both fails: the micro mixtures in BF16 are refused, as they were before).
+(its own error, ~1e-5, is far below a half dtype's); the noise is that of the reference computed in the dtype
+as half kernels compute (HalfReference: weights, cache and every value between two operations in the dtype,
+each operation computed in float32 and its result rounded, as GPU FP16 kernels accumulate in float32 and store
+half; what the model computes in float32 itself, its norms, softmax and RoPE angles, in float32). ONNX
+Runtime's CPU provider rounds less than that on a real model: SmolLM2-135M's FP16 graph is 12x closer to FP32
+than that reference on its logits (rel L2 9.6e-4 against 1.2e-2; worst ratio 0.90, in the lockstep). Per
+output, the graph's rel L2 error is divided by the half reference's (at least one ulp of the dtype, 2^-10 /
+2^-7) and passes at <= 8. Rel L2 only: a half dtype's max abs error is that of a few rounded outliers.
+Measured ratios of correct exports: FP16 0.6-1.4 over 12 micro presets and tiny (noise 5e-4 .. 3e-3), the real
+Gemma 3 270M 0.79 (logits rel L2 3.2e-3 against a noise of 7.4e-3), the real SmolLM2-135M 0.90; BF16 1.0-2.3.
+Injected defects in tiny's FP16 export (tests/export/test_validate_defects.py; per case over a prefill, a
+decode and a left-padded decode): norm epsilon x10 19 / 15 / 6.2, RoPE base / 10 47-144, causal mask off by
+one 236-673, two KV heads swapped 395-1053. The fixed rel L2 bounds this replaced (1e-2 FP16, 5e-2 BF16) sat
+3-20x above the noise of small models and at the noise of large ones (a Llama-3.2-3B shape's logits: 1.1e-2 /
+1.3e-2). A mixture model's half reference may route a token at a near tie to another expert than the FP32
+reference does; its noise is then larger on that case, which the bound allows (and a graph that routes a token
+differently from both fails: mixtral-micro and deepseek-micro in BF16 are refused, the latter on 5 cases
+at the fixed bound before, on one lockstep step now).
 Greedy agreement over 32 free-running steps: all 32 for float32, or a first
 divergence at a near tie (the reference's logits of the two tokens closer than
 twice the largest logits error the bound allowed). For FP16 and BF16 it is
@@ -318,7 +319,8 @@ def _summary(dtype: str, tol, records: list[dict], lock: dict | None, failures: 
         "logits": metrics.worst([r["logits"] for r in judged]),
         "present": metrics.worst([r["present"] for r in judged if r["present"]]),
     }
-    summary["noise"] = {part: metrics.worst([r["noise"][part] for r in judged + steps]) for part in ("logits", "present")}
+    summary["noise"] = {part: metrics.worst([r["noise"][part] for r in judged + steps])
+                        for part in ("logits", "present")}
     summary["worst"] = worst_record(judged + steps)
     summary["first_failure"] = first_failure(judged + steps)
     keys = ("case", "shape", "worst_output", "ratio", "excess", "first_layer", "routing_margin")
@@ -338,10 +340,10 @@ def _lockstep(runner: OrtRunner, flat, floor, cfg, dtype: str, prompt: torch.Ten
               steps: int = LOCKSTEP_STEPS) -> dict[str, Any]:
     """Prefill the prompt, then `steps` steps (32), each side feeding its own present back as its past.
 
-    Every side gets the FP32 reference's greedy token (the FP64 reference too), so logits and presents are
-    compared at every step, the FP32 reference's own drift from FP64 giving the noise floor. The FP32 reference
-    is thereby decoding greedily on its own; so is the candidate until its argmax first differs, from where it
-    goes on alone (_free_run) to count the free-running greedy agreement.
+    Every side gets the FP32 reference's greedy token (the other reference too: FP64, or the half one), so logits
+    and presents are compared at every step, the noisy reference's own drift from the truth giving the floor. The
+    FP32 reference is thereby decoding greedily on its own; so is the candidate until its argmax first differs, from
+    where it goes on alone (_free_run) to count the free-running greedy agreement.
     """
     steps = min(steps, max_context - prompt.shape[1])
     names = output_names(cfg)
