@@ -121,7 +121,9 @@ def scalar_value(value: np.ndarray | None) -> float | None:
 
 
 def replace_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
-    """Drop nodes whose id is in `removed`; put added[id] where that node stood."""
+    """Drop nodes whose id is in `removed`; put added[id] where that node stood. The caller holds the nodes it took
+    ids of (a list of them, or a map such as producers): protobuf's upb makes a node's Python object when it is
+    read and may give a freed one's id to the next."""
     nodes = []
     for n in graph.node:
         nodes += added.get(id(n), [])
@@ -189,7 +191,8 @@ def read_half_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTES) -> i
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     removed, added, blocks_of = set(), {}, {}
-    for n in g.node:
+    held = list(g.node)  # alive until replace_nodes has found them by id
+    for n in held:
         w = inits.get(n.input[1]) if len(n.input) > 1 else None
         fused = n.op_type == "FusedMatMul" and n.domain == MS_DOMAIN
         if w is None or not (fused or (n.op_type == "MatMul" and n.domain in ("", "ai.onnx"))) \

@@ -156,3 +156,35 @@ def test_only_a_weight_read_through_its_own_transpose_is_rewritten():
     ops = [(n.op_type, n.domain, list(n.input)) for n in model.graph.node]
     assert ops[0] == ("FusedMatMul", "com.microsoft", ["x", "w"]) and ("Transpose", "", ["v"]) in ops
     assert len(ops) == 4
+
+
+def test_only_the_large_weights_matmul_is_replaced_in_a_long_graph(tmp_path):
+    """Hundreds of other nodes stay as they were (protobuf gives node objects read in turn the same ids once freed,
+    so a rewrite that forgot to hold them dropped other nodes), and the blocked graph computes what the whole
+    weight does, on ONNX Runtime's defaults."""
+    import onnxruntime as ort
+
+    from kvforge.onnx_graph import read_half_weights_in_blocks
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Relu", [f"x{i}"], [f"x{i + 1}"]) for i in range(400)]
+    nodes.insert(200, helper.make_node("MatMul", ["x0", "w"], ["y"]))  # among them
+    w = numpy_helper.from_array((rng.standard_normal((64, 4096)) * 0.1).astype(np.float16), "w")
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, shape) for n, shape in (("y", [2, 4096]),
+                                                                                         ("x200", [2, 64]))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x0", TensorProto.FLOAT16, [2, 64])], outputs,
+                              [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    blocked = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert read_half_weights_in_blocks(blocked, block_bytes=1 << 18) == 1  # 1 MiB as float32: four blocks
+    ops = [n.op_type for n in blocked.graph.node]
+    assert ops.count("Relu") == 400 and ops.count("MatMul") == 4 and ops.count("Slice") == 4 and ops.count("Add") == 3
+    onnx.save(blocked, str(tmp_path / "blocked.onnx"))
+    onnx.checker.check_model(str(tmp_path / "blocked.onnx"))
+    x = {"x0": rng.standard_normal((2, 64)).astype(np.float16)}
+    want = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, x)
+    got = ort.InferenceSession(str(tmp_path / "blocked.onnx"), providers=["CPUExecutionProvider"]).run(None, x)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=0, atol=2e-3)
