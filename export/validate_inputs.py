@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvforge.metrics import row_slices
 from kvforge.model_defs.checkpoint import is_tiny_tokenizer
 from kvforge.model_defs.moe import Router
 from kvforge.model_defs.weights import copy_in
@@ -76,7 +77,22 @@ class RoutingMargins:
         return self.smallest < ROUTING_TIE
 
 
-class HalfReference:
+class ReferenceIn:
+    """The reference computed in `dtype` under `mode` (a TorchFunctionMode): a copy made once in that dtype (or a
+    skeleton streamed from the same source); call like FlatKVModel, inputs in any float dtype."""
+
+    def __init__(self, reference, dtype: torch.dtype, mode):
+        self.dtype, self.mode = dtype, mode
+        self.flat = FlatKVModel(copy_in(reference, dtype)).eval()
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args = tuple(a.to(self.dtype) if a.is_floating_point() else a for a in args)
+        with self.mode:
+            return self.flat(*args)
+
+
+class HalfReference(ReferenceIn):
     """The reference computed as half kernels compute a float16 / bfloat16 graph: weights, cache and every value
     between two operations held in the dtype, each operation computed in float32 from them and its result
     rounded to the dtype (as GPU kernels accumulate in float32 and store half; ONNX Runtime's CPU kernels compute
@@ -88,15 +104,8 @@ class HalfReference:
     is_truth = False  # the FP32 reference is the truth; this one's distance from it is the noise
 
     def __init__(self, reference, dtype: torch.dtype):
-        self.dtype = dtype
-        self.flat = FlatKVModel(copy_in(reference, dtype)).eval()
+        super().__init__(reference, dtype, half_mode(dtype))
         self.noise = f"the {str(dtype).removeprefix('torch.')} reference's rounding noise"
-
-    @torch.no_grad()
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        args = tuple(a.to(self.dtype) if a.is_floating_point() else a for a in args)
-        with half_mode(self.dtype):
-            return self.flat(*args)
 
 
 # functions whose result is the same in any dtype (casts, attribute reads, moving values): run as called
@@ -162,10 +171,8 @@ def _map_tensors(tree, fn):
 
 def _linear_in_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32 with the half `weight` upcast a block of rows at a time."""
-    step = max(1, _LINEAR_CHUNK // weight.shape[1])
-    return torch.cat([torch.nn.functional.linear(x, weight[i:i + step].float(),
-                                                 None if bias is None else bias[i:i + step])
-                      for i in range(0, weight.shape[0], step)], dim=-1)
+    return torch.cat([torch.nn.functional.linear(x, weight[rows].float(), None if bias is None else bias[rows])
+                      for rows in row_slices(*weight.shape, _LINEAR_CHUNK)], dim=-1)
 
 
 class float64_mode(TorchFunctionMode):
@@ -182,20 +189,14 @@ class float64_mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class Float64Reference:
-    """The reference evaluated in float64: a deep copy made once; call like FlatKVModel (inputs in any float dtype)."""
+class Float64Reference(ReferenceIn):
+    """The reference evaluated in float64 throughout (float64_mode)."""
 
     is_truth = True  # the truth an FP32 graph is measured against; the FP32 reference's distance from it is the noise
     noise = "the FP32 reference's rounding noise"
 
     def __init__(self, reference):
-        self.flat = FlatKVModel(copy_in(reference, _F64)).eval()
-
-    @torch.no_grad()
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        args = tuple(a.to(_F64) if a.is_floating_point() else a for a in args)
-        with float64_mode():
-            return self.flat(*args)
+        super().__init__(reference, _F64, float64_mode())
 
 
 def positions_of(mask: torch.Tensor, seq: int) -> torch.Tensor:
