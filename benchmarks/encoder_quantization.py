@@ -48,7 +48,7 @@ def main() -> None:
             results[preset] = {}
             for precision in ("fp32", *PRECISIONS):
                 bundle = fp32 if precision == "fp32" else calibrate(
-                    fp32.path, tmp / f"{preset}-{precision}", precision=precision, data=corpus, samples=64, seq_len=128,
+                    fp32.path, tmp / f"{preset}-{precision}", recipe="fixed", precision=precision, data=corpus, samples=64, seq_len=128,
                     block_size=32 if precision == "int4" else None)
                 r = compare(bundle.path, seq_len=seq_len).result
                 results[preset][precision] = {k: r[k] for k in KEYS[kind] if r.get(k) is not None}

@@ -39,7 +39,7 @@ def _bundle(source: str, precision: str, root: Path, fp32):
         return fp32
     if precision == "fp16":
         return export(source, root / "fp16", dtype="float16")
-    return calibrate(fp32.path, root / precision, precision=precision, method="mse" if precision == "int8" else "max",
+    return calibrate(fp32.path, root / precision, recipe="fixed", precision=precision, method="mse" if precision == "int8" else "max",
                      smoothquant=0.5 if precision == "int8" else None, samples=64, seq_len=256,
                      random_data=source != "tiny")  # speed does not depend on the calibration text
 

@@ -143,7 +143,7 @@ def main() -> int:
                 out = model(inputs[i : i + 16])
                 reference.append((out[0] if isinstance(out, tuple) else out).numpy())
         # the real FP8 bundle on ONNX Runtime, against the same Torch reference
-        q = calibrate(fp32.path, Path(tmp) / "fp8", precision="fp8", method="max")
+        q = calibrate(fp32.path, Path(tmp) / "fp8", recipe="fixed", precision="fp8", method="max")
         with runtime.load(q.path) as s:
             bundle_logits = np.concatenate([lg for lg, _ in window_logits(s, chunks)])
     ref = np.concatenate(reference)

@@ -48,12 +48,12 @@ def main() -> int:
         make_checkpoint(tmp / "ckpt")
         fp32 = export(tmp / "ckpt", tmp / "fp32")
         t = time.perf_counter()
-        int8 = calibrate(fp32.path, tmp / "int8", precision="int8", method="mse", smoothquant=0.5,
+        int8 = calibrate(fp32.path, tmp / "int8", recipe="fixed", precision="int8", method="mse", smoothquant=0.5,
                          data=TINY_DIR / "calibration.txt", samples=64, seq_len=256)
         calib_s = time.perf_counter() - t
         # the same recipe with the vocabulary projection quantized too (GenAI's INT8 build quantizes it): at batch 1
         # the 32000 x 768 FP32 lm_head is a third of what every decode step reads
-        int8_head = calibrate(fp32.path, tmp / "int8-head", precision="int8", method="mse", smoothquant=0.5,
+        int8_head = calibrate(fp32.path, tmp / "int8-head", recipe="fixed", precision="int8", method="mse", smoothquant=0.5,
                               data=TINY_DIR / "calibration.txt", samples=64, seq_len=256, quantize_lm_head=True)
         sessions = {"fp32": runtime.load(fp32.path).activate(), "int8": runtime.load(int8.path).activate(),
                     "int8+lm_head": runtime.load(int8_head.path).activate()}

@@ -98,7 +98,7 @@ def main() -> int:
         rows = []
         for precision, options in RECIPES:
             t = time.perf_counter()
-            q = calibrate(fp32.path, tmp / "q", precision=precision, force=True, **options)
+            q = calibrate(fp32.path, tmp / "q", recipe="fixed", precision=precision, force=True, **options)
             seconds = time.perf_counter() - t
             nll, logits, routes = probe(q, chunks)
             ppl = float(np.exp(nll.mean()))

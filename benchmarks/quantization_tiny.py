@@ -58,7 +58,7 @@ CHILD = r"""
 import json, resource, sys, time
 from kvforge.calibration import calibrate
 t = time.perf_counter()
-calibrate(sys.argv[1], sys.argv[2], precision="int8", method="mse", smoothquant=0.5, samples=128, seq_len=256, force=True)
+calibrate(sys.argv[1], sys.argv[2], recipe="fixed", precision="int8", method="mse", smoothquant=0.5, samples=128, seq_len=256, force=True)
 print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -121,7 +121,7 @@ def main() -> int:
         rows = []
         for precision, options in recipes:
             t = time.perf_counter()
-            q = calibrate(fp32.path, tmp / "q", precision=precision, force=True, **options)
+            q = calibrate(fp32.path, tmp / "q", recipe="fixed", precision=precision, force=True, **options)
             seconds = time.perf_counter() - t
             ppl, top1, kl = evaluate(q.path, reference, chunks)
             budget = q.manifest["calibration"].get("accuracy_budget")

@@ -37,15 +37,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, bandwidth_gbs, decode_rate, interleaved_runs, make_checkpoint  # noqa: E402
 
-INT8 = dict(precision="int8", method="mse", smoothquant=0.5)
+INT8 = dict(recipe="fixed", precision="int8", method="mse", smoothquant=0.5)
 BUNDLES = {  # name -> calibrate() options (None: the FP32 export)
     "fp32": None,
     "int8": INT8,
     "int8+head": dict(INT8, quantize_lm_head=True),
-    "int4-b128": dict(precision="int4", block_size=128),
-    "int4-b32": dict(precision="int4", block_size=32),
-    "int4-b128+head": dict(precision="int4", block_size=128, quantize_lm_head=True),
-    "int4-b32+head": dict(precision="int4", block_size=32, quantize_lm_head=True),
+    "int4-b128": dict(recipe="fixed", precision="int4", block_size=128),
+    "int4-b32": dict(recipe="fixed", precision="int4", block_size=32),
+    "int4-b128+head": dict(recipe="fixed", precision="int4", block_size=128, quantize_lm_head=True),
+    "int4-b32+head": dict(recipe="fixed", precision="int4", block_size=32, quantize_lm_head=True),
 }
 CONTEXTS = (64, 1024, 4096)
 

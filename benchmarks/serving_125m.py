@@ -212,7 +212,7 @@ def main() -> int:
         make_checkpoint(tmp / "ckpt")
         bundles = {"fp32": export(tmp / "ckpt", tmp / "fp32").path}
         if "int8" in args.precisions:
-            bundles["int8"] = calibrate(bundles["fp32"], tmp / "int8", precision="int8", method="mse", smoothquant=0.5,
+            bundles["int8"] = calibrate(bundles["fp32"], tmp / "int8", recipe="fixed", precision="int8", method="mse", smoothquant=0.5,
                                         data=TINY_DIR / "calibration.txt", samples=64, seq_len=256).path
         prompts = prompts_of_length(Tokenizer.from_file(tmp / "ckpt" / "tokenizer.json"), PROMPT_LEN, max(CLIENTS))
         for name in args.precisions.split(","):

@@ -31,8 +31,8 @@ def calibrate(bundle_path: str | Path, out: str | Path, *, options: Recipe | Non
     options: the calibration's Recipe (calibration/recipe.py: every option, what it means and its default);
     `fields` are Recipe fields given by name instead (`precision="int8", samples=64`), or over `options`'
     own. The recipe is checked against the bundle before any work, and the bundle's kind picks its quantizer
-    (calibration/kinds.py). Recipe.recipe "auto" (a decoder LM's default when none of method, percentile,
-    smoothquant, block_size, gptq and accuracy_budget is given; encoders and encoder-decoders take "fixed")
+    (calibration/kinds.py). Recipe.recipe "auto" (a decoder LM's default; encoders and encoder-decoders take
+    "fixed"; method, percentile, smoothquant, block_size, gptq and accuracy_budget need "fixed" stated)
     chooses smoothing, clipping, layers kept in float and INT4's block size and rounding by measurement on the
     calibration text (calibration/auto.py); "fixed" takes the options as given, with max ranges, no smoothing,
     block 128 and rounding to nearest where they are not.

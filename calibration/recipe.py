@@ -54,7 +54,9 @@ class Recipe:
     gptq: bool | None = None  # None: False in a fixed recipe, chosen in an automatic one
     min_expert_tokens: int = 16
     starved_experts: str = "all-tokens"
-    recipe: str | None = None  # "auto" | "fixed"; None: auto unless a tuning option is given (calibration/auto.py)
+    # "auto" | "fixed"; None: the kind's default, auto where its quantizer measures a decoder's perplexity
+    # (calibration/auto.py), fixed elsewhere; a tuning option never changes it (it is refused under auto)
+    recipe: str | None = None
 
     @property
     def auto(self) -> bool:
@@ -77,7 +79,9 @@ class Recipe:
         return not self.weight_only or bool(self.gptq) or self.auto
 
     def _mode(self, bundle: Bundle, searchable: bool) -> str:
-        """searchable: the kind's quantizer measures a decoder's perplexity (the automatic recipe's yardstick)."""
+        """The recipe's mode as stated, or the kind's default when none is: auto where the quantizer can measure a
+        decoder's perplexity (searchable) and there is text to measure on, fixed elsewhere. The tuning options never
+        choose it: under auto they are refused, naming --recipe fixed."""
         tuning = self.tuning_options()
         if self.recipe not in (None, "auto", "fixed"):
             raise KvforgeError(f"--recipe {self.recipe!r} is not one of ('auto', 'fixed')")
@@ -86,13 +90,15 @@ class Recipe:
                 raise KvforgeError(f"--recipe auto measures a decoder's perplexity; {bundle.path} is "
                                    f"{bundle.kind.article}: calibrate it with the fixed recipe's options")
             return "fixed"
-        if self.recipe == "auto" and tuning:
-            raise KvforgeError(f"--recipe auto chooses {', '.join(tuning)} itself; drop them, or ask for --recipe fixed")
-        if self.recipe is not None:
-            return self.recipe
-        # INT4 rounded to nearest needs no data: without text to measure on, it stays the fixed recipe
+        # INT4 rounded to nearest needs no data: without text to measure on, the default is the fixed recipe
         no_text = self.data is None and not self.random_data and bundle.tokenizer_file is None
-        return "fixed" if tuning or (self.weight_only and no_text) else "auto"
+        mode = self.recipe or ("fixed" if self.weight_only and no_text else "auto")
+        if mode == "auto" and tuning:
+            options = ", ".join("--" + name.replace("_", "-") for name in tuning)
+            stated = "--recipe auto chooses" if self.recipe else "the automatic recipe (the default) chooses"
+            raise KvforgeError(f"{stated} what {options} would fix; add --recipe fixed to calibrate with "
+                               f"{'it' if len(tuning) == 1 else 'them'}, or drop {'it' if len(tuning) == 1 else 'them'}")
+        return mode
 
     def checked(self, bundle: Bundle, fits_budget: bool) -> "Recipe":
         """The recipe with its defaults resolved, or a KvforgeError naming the first option that cannot apply to

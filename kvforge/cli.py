@@ -224,9 +224,11 @@ def inspect(bundle, as_json):
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write.")
 @click.option("--precision", required=True, type=click.Choice(["int8", "fp8", "int4"]))
 @click.option("--recipe", type=click.Choice(["auto", "fixed"]),
-              help="auto (the default unless a tuning option below is given): smoothing, clipping, layers kept in "
+              help="auto (the default for decoders): smoothing, clipping, layers kept in "
                    "float, INT4 block size and rounding chosen by measurement on held-out calibration text; fixed: "
-                   "the options as given (max, no smoothing, block 128, nearest where not given).")
+                   "the options as given (max, no smoothing, block 128, nearest where not given); the default for encoders, "
+                   "encoder-decoders and INT4 with no text to measure on. The options below that fix a choice "
+                   "(--method, --percentile, --smoothquant, --block-size, --gptq, --accuracy-budget) need --recipe fixed.")
 @click.option("--method", type=click.Choice(["max", "percentile", "entropy", "mse"]),
               help="How activation ranges are chosen from the statistics (a fixed recipe; default max).")
 @click.option("--percentile", type=float, help="For --method percentile (default 99.99).")

@@ -86,8 +86,8 @@ def test_eval_on_a_text_file(run, tmp_path):
 
 
 def test_calibrate_gptq_from_the_command_line(run, tmp_path, tiny_fp32):
-    out = run("calibrate", tiny_fp32.path, "-o", tmp_path / "q", "--precision", "int4", "--gptq",
-              "--samples", "4", "--seq-len", "32", "--quiet")
+    out = run("calibrate", tiny_fp32.path, "-o", tmp_path / "q", "--precision", "int4", "--recipe", "fixed",
+              "--gptq", "--samples", "4", "--seq-len", "32", "--quiet")
     assert out.exit_code == 0, out.output
     assert "block-wise weights, GPTQ-rounded" in out.output and "4 x 32 tokens of built-in tiny corpus" in out.output
     manifest = json.loads(run("inspect", tmp_path / "q", "--json").output)

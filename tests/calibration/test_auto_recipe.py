@@ -100,11 +100,16 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     assert d_auto <= max(d_fixed, 0.0) + 0.5 and d_auto < 1.0, (d_auto, d_fixed)
 
 
-def test_tuning_options_fix_the_recipe_and_conflicts_are_named(tmp_path, tiny_fp32):
-    q = calibrate(tiny_fp32.path, tmp_path / "mse", precision="fp8", method="mse", samples=8, seq_len=64)
+def test_the_recipe_mode_is_stated_not_inferred_from_tuning_options(tmp_path, tiny_fp32):
+    q = calibrate(tiny_fp32.path, tmp_path / "mse", precision="fp8", recipe="fixed", method="mse", samples=8, seq_len=64)
     assert q.manifest["precision"]["quantization"]["recipe"] == "fixed"
     assert q.manifest["precision"]["quantization"]["method"] == "mse" and q.manifest["calibration"]["recipe"] is None
-    with pytest.raises(KvforgeError, match="--recipe auto chooses smoothquant, gptq itself"):
+    # a tuning option under the default (auto) is refused before any work, naming the mode that takes it
+    with pytest.raises(KvforgeError, match=r"the automatic recipe \(the default\) chooses what --method would fix; "
+                                           r"add --recipe fixed"):
+        calibrate(tiny_fp32.path, tmp_path / "y", precision="fp8", method="mse", samples=8, seq_len=64)
+    assert not (tmp_path / "y").exists()
+    with pytest.raises(KvforgeError, match="--recipe auto chooses what --smoothquant, --gptq would fix; add --recipe fixed"):
         calibrate(tiny_fp32.path, tmp_path / "x", precision="int8", recipe="auto", smoothquant=0.5, gptq=True)
     with pytest.raises(KvforgeError, match="--recipe 'best' is not one of"):
         calibrate(tiny_fp32.path, tmp_path / "x", precision="int8", recipe="best")

@@ -7,7 +7,7 @@ import pytest
 from kvforge.calibration import calibrate
 from kvforge.errors import KvforgeError
 
-QUICK = dict(samples=32, seq_len=128, budget_tokens=1024)
+QUICK = dict(recipe="fixed", samples=32, seq_len=128, budget_tokens=1024)
 
 
 def test_a_met_budget_keeps_nothing_and_a_tighter_one_keeps_the_top_ranked_blocks(tiny_fp32, tmp_path):

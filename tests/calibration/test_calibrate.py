@@ -209,7 +209,7 @@ def test_int8_computes_what_the_graph_says_on_this_cpu(tmp_path, fp32):
 
 def test_scales_do_not_depend_on_the_batch_size(tmp_path, fp32):
     # one as a Recipe (the options object the CLI passes), one as named fields over it: the same options
-    options = Recipe(precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
+    options = Recipe(recipe="fixed", precision="int8", method="percentile", samples=12, seq_len=64, batch_size=1)
     a = calibrate(fp32.path, tmp_path / "a", options=options)
     b = calibrate(fp32.path, tmp_path / "b", options=options, batch_size=12)
     assert a.manifest["calibration"]["scales"] == b.manifest["calibration"]["scales"]
@@ -319,11 +319,11 @@ def test_option_errors(tmp_path, fp32):
     with pytest.raises(KvforgeError, match="not a valid regular expression"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", exclude=["("])
     with pytest.raises(KvforgeError, match="not weight-only int4"):
-        calibrate(fp32.path, tmp_path / "x", precision="int4", smoothquant=0.5)
+        calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int4", smoothquant=0.5)
     with pytest.raises(KvforgeError, match="seq_len 2000 exceeds the bundle's max context 1024"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", seq_len=2000)
     with pytest.raises(KvforgeError, match="--block-size applies to int4"):
-        calibrate(fp32.path, tmp_path / "x", precision="int8", block_size=64)
+        calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int8", block_size=64)
     (tmp_path / "c.txt").write_text(heldout_text()[:20000])
     with pytest.raises(KvforgeError, match="--data and --random-data name two different calibration sets"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", data=tmp_path / "c.txt", random_data=True)
@@ -333,9 +333,9 @@ def test_option_errors(tmp_path, fp32):
                              ({"method": "percentile", "percentile": "99"}, "--percentile must be a number in \\(0, 100\\], got '99'"),
                              ({"method": "percentile", "percentile": 150}, "--percentile must be a number in \\(0, 100\\], got 150")]:
         with pytest.raises(KvforgeError, match=message):  # before any work
-            calibrate(fp32.path, tmp_path / "x", precision="int8", **options)
+            calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int8", **options)
     with pytest.raises(KvforgeError, match="block_size must be a positive integer, got 2.5"):
-        calibrate(fp32.path, tmp_path / "x", precision="int4", block_size=2.5)
+        calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int4", block_size=2.5)
     with pytest.raises(KvforgeError, match=r"--exclude \['c_attn'\] matches no linear layer; their names look like \['layers.0.attn.q_proj'"):
         calibrate(fp32.path, tmp_path / "x", precision="int4", exclude=["c_attn", "down_proj"])
     with pytest.raises(KvforgeError, match="would sit inside the input bundle"):
@@ -349,7 +349,7 @@ def test_option_errors(tmp_path, fp32):
 
 
 def test_fp8_kv_cache_holds_only_fp8_values(tmp_path, fp32, heldout):
-    q = calibrate(fp32.path, tmp_path / "kv", precision="int8", method="mse", smoothquant=0.5, kv_cache="fp8")
+    q = calibrate(fp32.path, tmp_path / "kv", recipe="fixed", precision="int8", method="mse", smoothquant=0.5, kv_cache="fp8")
     kv = q.manifest["calibration"]["scales"]["kv_cache"]
     names = [n for layer in q.io.present for n in layer]
     assert sorted(kv) == sorted(names) and q.manifest["precision"]["quantization"]["kv_cache"] == "fp8"
@@ -388,9 +388,9 @@ def test_a_tied_lm_head_is_quantized_and_stored_once(fp32, heldout, tmp_path, pr
     Transpose of its DequantizeLinear, the embedding Gather through the same DequantizeLinear (INT4 block 48 pads
     K=256 to 288: the Gather reads the unpadded columns). No float copy of the table is left in the bundle; the ORT
     variant computes what the graph says."""
-    q = calibrate(fp32.path, tmp_path / "q", precision=precision, samples=16, seq_len=128, quantize_lm_head=True,
-                  **({"block_size": block} if block else {}),
-                  **({"smoothquant": smoothquant} if smoothquant else {"recipe": "fixed"}))
+    q = calibrate(fp32.path, tmp_path / "q", recipe="fixed", precision=precision, samples=16, seq_len=128,
+                  quantize_lm_head=True, **({"block_size": block} if block else {}),
+                  **({"smoothquant": smoothquant} if smoothquant else {}))
     assert "lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]
     assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"] == "model.lm_head.weight"
     g = onnx.load(str(q.graph_file)).graph
@@ -434,7 +434,7 @@ def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, f
     block size as K / scale rows), the activation gets zero columns, and the graph computes exactly x @ dequant(W)."""
     from kvforge.calibration.qdq import find_targets
 
-    q = calibrate(fp32.path, tmp_path / "int4", precision="int4", block_size=48, random_data=True)
+    q = calibrate(fp32.path, tmp_path / "int4", recipe="fixed", precision="int4", block_size=48, random_data=True)
     assert q.manifest["lint"]["passed"], q.manifest["lint"]["findings"]
     step = q.manifest["lineage"][-1]
     assert step["input"]["source"] == str(fp32.path.resolve())  # absolute, as docs/bundle.md says

@@ -47,7 +47,7 @@ def test_every_expert_is_counted_and_the_starved_are_covered(micro_bundle, tmp_p
 
 # cosine bounds on random weights: FP8 is close; 4-bit codes of random 16-wide blocks are coarse
 @pytest.mark.parametrize("precision, options, cosine", [
-    ("fp8", {"random_data": True, "samples": 4, "seq_len": 16}, 0.95), ("int4", {"block_size": 16}, 0.8)])
+    ("fp8", {"random_data": True, "samples": 4, "seq_len": 16}, 0.95), ("int4", {"recipe": "fixed", "block_size": 16}, 0.8)])
 def test_latent_attention_and_grouped_routing_quantize(micro_bundle, tmp_path, precision, options, cosine):
     """DeepSeek-shaped (latent attention, sigmoid group-limited routing): every projection quantizes, the router
     and the absorbed per-head kv_b_proj halves (3-D, no linear layer) stay float, the cache stays the latent,

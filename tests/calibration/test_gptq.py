@@ -104,8 +104,9 @@ def _kl(candidate, reference, chunks):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,options", [("int4", {"block_size": 32}), ("fp8", {"method": "max"})])
 def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, precision, options):
-    nearest = calibrate(tiny_fp32.path, tmp_path / "nearest", precision=precision, samples=16, seq_len=128, **options)
-    gptq = calibrate(tiny_fp32.path, tmp_path / "gptq", precision=precision, samples=16, seq_len=128, gptq=True, **options)
+    fixed = dict(recipe="fixed", precision=precision, samples=16, seq_len=128, **options)
+    nearest = calibrate(tiny_fp32.path, tmp_path / "nearest", **fixed)
+    gptq = calibrate(tiny_fp32.path, tmp_path / "gptq", gptq=True, **fixed)
     kl_nearest, kl_gptq = _kl(nearest.path, tiny_fp32.path, heldout), _kl(gptq.path, tiny_fp32.path, heldout)
     assert kl_gptq < 0.9 * kl_nearest, (kl_gptq, kl_nearest)
     m = gptq.manifest
@@ -119,8 +120,8 @@ def test_gptq_bundles_of_tiny_are_closer_to_fp32(tmp_path, tiny_fp32, heldout, p
 
 def test_gptq_int4_reads_data_for_other_models(micro_bundle, tmp_path):
     b = micro_bundle("llama3-micro")
-    q = calibrate(b.path, tmp_path / "prose", precision="int4", gptq=True, samples=4, seq_len=32, block_size=16)
+    q = calibrate(b.path, tmp_path / "prose", recipe="fixed", precision="int4", gptq=True, samples=4, seq_len=32, block_size=16)
     assert q.manifest["calibration"]["data"].startswith("built-in English prose")
-    q = calibrate(b.path, tmp_path / "q", precision="int4", gptq=True, random_data=True, samples=4, seq_len=32, block_size=16)
+    q = calibrate(b.path, tmp_path / "q", recipe="fixed", precision="int4", gptq=True, random_data=True, samples=4, seq_len=32, block_size=16)
     assert q.manifest["calibration"]["random_data"] is True
     assert q.manifest["precision"]["quantization"]["weight_rounding"] == "gptq"

@@ -35,8 +35,8 @@ def _initializers(path) -> dict[str, np.ndarray]:
     return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
 
 
-@pytest.mark.parametrize("precision,options", [("int8", {"smoothquant": 0.5, "method": "percentile"}),
-                                               ("int4", {"block_size": 32})])
+@pytest.mark.parametrize("precision,options", [("int8", {"recipe": "fixed", "smoothquant": 0.5, "method": "percentile"}),
+                                               ("int4", {"recipe": "fixed", "block_size": 32})])
 def test_weights_on_disk_calibrate_as_weights_in_the_graph(tiny_fp32, tmp_path, precision, options):
     """A bundle whose weights lie in its data file calibrates to the same graph, bit for bit, as the same bundle
     with its weights in the graph; its calibrated graph keeps a data file too, the weights that stayed float
@@ -68,7 +68,7 @@ def test_weights_on_disk_calibrate_as_weights_in_the_graph(tiny_fp32, tmp_path, 
 def test_a_batch_run_in_parts_gives_the_batch_scales(tiny_fp32, tmp_path, monkeypatch):
     """A batch whose activations pass the probe's run bound runs in parts of fewer rows; the observers are
     order-independent, so the scales are those of the batch run whole."""
-    kw = dict(precision="int8", method="percentile", smoothquant=0.5, samples=12, seq_len=64, batch_size=12)
+    kw = dict(recipe="fixed", precision="int8", method="percentile", smoothquant=0.5, samples=12, seq_len=64, batch_size=12)
     whole = calibrate(tiny_fp32.path, tmp_path / "whole", **kw)
     rows = []
     run_feeds = passes.Probe.run_feeds

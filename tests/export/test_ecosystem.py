@@ -30,7 +30,7 @@ OPTIMUM_REQUIREMENTS = ["transformers>=4.45,<4.58", "optimum-onnx[onnxruntime]==
 
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_fp32, tmp_path_factory):
-    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("eco") / "int4", precision="int4", block_size=128)
+    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("eco") / "int4", recipe="fixed", precision="int4", block_size=128)
 
 
 def _kvforge_greedy(path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:

@@ -112,7 +112,8 @@ def test_quantized_sibling_matmuls_fuse(micro_bundle, tmp_path, precision, optio
     from kvforge.calibration import calibrate
 
     fp32 = micro_bundle("llama3-micro")
-    q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=8, seq_len=32, **options)
+    q = calibrate(fp32.path, tmp_path / precision, recipe="fixed", precision=precision, random_data=True, samples=8,
+                  seq_len=32, **options)
     layers = q.model_config["n_layers"]
     before, after = _ops(q.graph_file), _ops(variant_path(Bundle(q.path), attention=True))
     assert before["MatMul"] - after["MatMul"] >= 3 * layers  # q/k/v: 3 -> 1, gate/up: 2 -> 1 per layer

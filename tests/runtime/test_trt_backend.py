@@ -550,7 +550,7 @@ def tiny_onnx(tmp_path_factory):
     return {
         "fp32": fp32,
         "fp16": export("tiny", root / "fp16", dtype="float16"),
-        "int8": calibrate(fp32.path, root / "int8", precision="int8", method="mse", samples=32, seq_len=128),
+        "int8": calibrate(fp32.path, root / "int8", recipe="fixed", precision="int8", method="mse", samples=32, seq_len=128),
         "fp8": calibrate(fp32.path, root / "fp8", precision="fp8", samples=32, seq_len=128),
     }
 
