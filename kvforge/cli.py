@@ -449,9 +449,13 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
 @main.command()
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--text", "texts", multiple=True, required=True, help="A text to embed; repeatable.")
-@click.option("--pooling", default="mean", show_default=True, type=click.Choice(["mean", "cls"]),
-              help="mean: the average of the tokens' (a Perceiver: the latents') last hidden states; cls: the first token's.")
-@click.option("--normalize", is_flag=True, help="L2-normalize each vector.")
+@click.option("--pooling", type=click.Choice(["mean", "cls", "max", "mean_sqrt_len", "last"]),
+              help="mean: the average of the tokens' (a Perceiver: the latents') last hidden states; cls: the first "
+                   "token's; max, mean_sqrt_len, last: as sentence-transformers. Default: the checkpoint's own (a "
+                   "sentence-transformers directory's Pooling module), else mean.")
+@click.option("--normalize/--no-normalize", default=None,
+              help="L2-normalize each vector. Default: the checkpoint's own (a sentence-transformers Normalize "
+                   "module), else not.")
 @click.option("--classify", "with_classes", is_flag=True, help="Also print each text's class (a model with a classification head).")
 @click.option("--truncate", is_flag=True, help="Cut texts longer than the bundle's maximum input instead of failing.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
@@ -465,10 +469,13 @@ def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as
         raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge embed` runs encoder bundles "
                            "(BERT, RoBERTa, Perceiver): use `kvforge generate`")
     with session:
+        defaults = session.embedding_defaults()
+        pooling = defaults["pooling"] if pooling is None else pooling
+        normalize = defaults["normalize"] if normalize is None else normalize
         vectors = session.embed(list(texts), pooling=pooling, normalize=normalize, truncate=truncate)
         classes = session.classify(list(texts), truncate=truncate) if with_classes else None
     if as_json:
-        record = {"pooling": pooling, "normalized": normalize, "dim": int(vectors.shape[1]),
+        record = {"pooling": pooling, "normalized": normalize, "defaults_from": defaults["source"], "dim": int(vectors.shape[1]),
                   "vectors": [[round(float(x), 7) for x in v] for v in vectors], "backend": session.backend_name}
         if classes is not None:
             record["classes"] = classes

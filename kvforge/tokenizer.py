@@ -40,6 +40,19 @@ def _check_utf8(text: str) -> None:
                            f"{text[e.start:e.end]!r}, not a character") from e
 
 
+def _file_setting(key: str, setting: dict | None) -> dict | None:
+    """tokenizer.json's "padding" or "truncation" entry for a setting as the tokenizers library reports it."""
+    if setting is None:
+        return None
+    tk = _import_tokenizers()
+    probe = tk.Tokenizer(tk.models.WordLevel({"[PAD]": 0}, unk_token="[PAD]"))
+    if key == "padding":
+        probe.enable_padding(**setting)
+    else:
+        probe.enable_truncation(**setting)
+    return json.loads(probe.to_str())[key]
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -64,6 +77,14 @@ class Tokenizer:
     def __init__(self, backend, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
                  chat_template: str | None = None):
         self.backend = backend
+        # tokenizer.json's own padding and truncation, kept for save() but not applied: transformers' fast
+        # tokenizers pad and truncate only when a call asks (a sentence-transformers file's "Fixed 128" padding
+        # would otherwise make every text 128 ids, the padding attended and pooled); its pad token is the default
+        self.file_padding, self.file_truncation = backend.padding, backend.truncation
+        backend.no_padding()
+        backend.no_truncation()
+        if pad_token is None and self.file_padding and backend.token_to_id(self.file_padding["pad_token"]) is not None:
+            pad_token = self.file_padding["pad_token"]
         self.special_tokens = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
         self.chat_template = chat_template  # the checkpoint's Jinja chat template (kvforge/chat.py), if it has one
         for role, token in self.special_tokens.items():
@@ -136,7 +157,10 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        self.backend.save(str(directory / TOKENIZER_FILE))
+        data = json.loads(self.backend.to_str())
+        for key, setting in (("padding", self.file_padding), ("truncation", self.file_truncation)):
+            data[key] = _file_setting(key, setting)  # as the checkpoint shipped them (readers apply them on request)
+        (directory / TOKENIZER_FILE).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
         cfg: dict[str, Any] = {f"{role}_token": tok for role, tok in self.special_tokens.items() if tok is not None}
         # How encode() adds special tokens, said the way every reader of these files understands it: transformers
         # (a fast tokenizer over tokenizer.json) and ONNX Runtime GenAI (onnxruntime-extensions reads the class and

@@ -222,7 +222,7 @@ def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer
         hf_config = hf.read_hf_config(directory)
         if hf_config.get("quantization_config"):
             return None
-        found = _streamed_hf(hf_config, SafetensorsShards(hf.safetensors_files(directory)), str(directory))
+        found = _streamed_hf(hf_config, hf.weight_shards(hf.weight_files(directory)), str(directory))
         if found is None:
             return None
         model, weights = found
@@ -269,7 +269,7 @@ def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module,
     """(the skeleton, its weight source) for tensors under transformers' names (`shards`: safetensors files, or a
     GGUF file's decoded tensors), every name and shape checked as `load` checks them; None where a buffer is read
     from the checkpoint (`load` it)."""
-    cfg = hf.config_from_hf(hf_config)
+    cfg = hf.config_from_hf(hf_config, shards.entries)
     with no_init():
         model = skeleton(build(cfg))
     original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
@@ -340,8 +340,9 @@ def _load_kvforge(directory: Path) -> tuple[Transformer, Tokenizer | None]:
 
 def _load_hf(directory: Path, codes: bool = True) -> tuple[Transformer, Tokenizer | None, QuantizedCheckpoint | None]:
     hf_config = hf.read_hf_config(directory)
-    cfg = hf.config_from_hf(hf_config)
-    tensors = hf.read_safetensors(hf.safetensors_files(directory))
+    hf.config_from_hf(hf_config)  # what the config lacks or kvforge does not build, named before weights are read
+    tensors = hf.read_weights(hf.weight_files(directory))
+    cfg = hf.config_from_hf(hf_config, tensors)  # a head the file lacks left out (Family.absent_heads)
     quantized = None
     if hf_config.get("quantization_config"):
         from .hf_quantized import read_quantized

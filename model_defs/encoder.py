@@ -73,6 +73,9 @@ class EncoderConfig(ConfigDict):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     labels: list[str] | None = None  # class names (id2label), for classify()
+    # how embed() pools and normalizes by default: a sentence-transformers directory's modules.json and Pooling
+    # config (model_defs/sentence_transformers.py: pooling, normalize, max_seq_length, source); None: mean, as is
+    embedding: dict[str, Any] | None = None
     dropout: float = 0.0
     family: str = "kvforge"
     architecture: str = "encoder"

@@ -4,11 +4,12 @@ Two explicit tables per family (hf_families.py): config keys -> ModelConfig
 fields, and weight names -> kvforge parameter names (with the transform each
 needs). Loading is strict: every kvforge parameter must come from exactly one
 checkpoint tensor of the right shape, and every checkpoint tensor must be
-used. Only safetensors are read; pickle-based files are refused.
+used. Safetensors are read, and pytorch_model.bin through torch.load(weights_only=True), which runs no code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +22,8 @@ from kvforge.schema import path_problem, read_json
 from .architectures import ARCHITECTURES, tied_parameters
 from .hf_families import FAMILIES, NOT_BUILT
 from .quantized import QuantizedCheckpoint, exact, follow
-from .weights import count_non_finite
+from .sentence_transformers import read_embedding
+from .weights import SafetensorsShards, TorchPickleShards, count_non_finite
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 
@@ -30,10 +32,15 @@ _IGNORED = (
     re.compile(r"(^|\.)attn\.(bias|masked_bias)$"),
     re.compile(r"(^|\.)attention\.(bias|masked_bias)$"),
     re.compile(r"rotary_emb\.inv_freq$"),
+    re.compile(r"(^|\.)embeddings\.(position_ids|token_type_ids)$"),  # BERT's buffers, saved by older transformers
 )
+# Names transformers renames on load for every model (TensorFlow-era BERT checkpoints: LayerNorm gamma and beta)
+_LEGACY_SUFFIXES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
 
 
-def config_from_hf(hf: dict[str, Any]):
+def config_from_hf(hf: dict[str, Any], names=None):
+    """The kvforge config of a config.json; names: the checkpoint's tensor names, where a head the config names
+    may be absent from the file (Family.absent_heads)."""
     family = hf.get("model_type")
     if family in NOT_BUILT:
         raise KvforgeError(f"model_type={family!r} is not built by kvforge: {NOT_BUILT[family]}")
@@ -45,9 +52,15 @@ def config_from_hf(hf: dict[str, Any]):
         )
     try:
         spec = FAMILIES[family]
-        return ARCHITECTURES[spec.architecture].config(**spec.config(hf))
+        config = ARCHITECTURES[spec.architecture].config(**spec.config(hf))
     except KeyError as e:
         raise KvforgeError(f"{family} config.json lacks the key {e.args[0]!r}") from e
+    prefix = spec.absent_heads.get(getattr(config, "head", None))
+    if prefix and names is not None and not any(n.startswith(prefix) for n in normalize_names(family, dict.fromkeys(names))):
+        config = dataclasses.replace(config, head=None)
+    if hf.get("sentence_transformers") and "embedding" in {f.name for f in dataclasses.fields(config)}:
+        config = dataclasses.replace(config, embedding=hf["sentence_transformers"])
+    return config
 
 
 def source_name(table, family: str, ours: str) -> tuple[str, Any]:
@@ -71,6 +84,9 @@ def normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
     spec = FAMILIES[family]
     out = {}
     for name, t in tensors.items():
+        for before, after in _LEGACY_SUFFIXES:
+            if name.endswith(before):
+                name = name[:-len(before)] + after
         for before, after in spec.renames:
             if name.startswith(before):
                 name = after + name[len(before):]
@@ -83,28 +99,49 @@ def normalize_names(family: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and not path_problem(f) for f in weight_map.values()):
-            raise KvforgeError(f"{index} has no usable weight_map (tensor name -> a shard file beside it)")
-        files = sorted({directory / f for f in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise KvforgeError(f"{index} names shard files that do not exist: {missing}")
-        return files
-    if (directory / "model.safetensors").is_file():  # as transformers: other .safetensors (adapters, ...) are not the model
-        return [directory / "model.safetensors"]
+def weight_files(directory: Path) -> list[Path]:
+    """The files that hold the model's weights, as transformers finds them: model.safetensors or the shards its
+    index names; else pytorch_model.bin or the shards of pytorch_model.bin.index.json (read with
+    torch.load(weights_only=True): no code from the file runs)."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = directory / index
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and not path_problem(f)
+                                                           for f in weight_map.values()):
+                raise KvforgeError(f"{index} has no usable weight_map (tensor name -> a shard file beside it)")
+            files = sorted({directory / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise KvforgeError(f"{index} names shard files that do not exist: {missing}")
+            return files
+        if (directory / single).is_file():  # as transformers: other .safetensors (adapters, ...) are not the model
+            return [directory / single]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        hint = f" It has {pickles}: kvforge reads no pickle files; convert them to safetensors first." if pickles else ""
-        raise KvforgeError(f"no *.safetensors weights in {directory}.{hint}")
+        hint = (f" It has {pickles}, which transformers does not read as a model's weights (it reads "
+                f"pytorch_model.bin)." if pickles else "")
+        raise KvforgeError(f"no model weights in {directory}: neither *.safetensors nor pytorch_model.bin.{hint}")
     if len(files) > 1:
         raise KvforgeError(f"{directory} has several .safetensors files ({[f.name for f in files]}) but neither "
                            "model.safetensors nor model.safetensors.index.json to say which hold the model")
     return files
+
+
+def weight_shards(files: list[Path]):
+    """The tensors of weight_files(), read one at a time (model_defs/weights.py)."""
+    pickled = [f for f in files if f.suffix == ".bin"]
+    return TorchPickleShards(pickled) if pickled else SafetensorsShards(files)
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of weight_files() (a safetensors file read whole, a pickle file mapped)."""
+    if any(f.suffix == ".bin" for f in files):
+        shards = TorchPickleShards(files)
+        return {name: shards.read(name) for name in shards.entries}
+    return read_safetensors(files)
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -270,6 +307,9 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     processor = directory / "preprocessor_config.json"  # an image processor's (vision-language models)
     if processor.is_file() and "preprocessor_config" not in hf:
         hf["preprocessor_config"] = _read_json(processor)
+    embedding = read_embedding(directory)  # a sentence-transformers directory's pooling and normalization
+    if embedding is not None and "sentence_transformers" not in hf:
+        hf["sentence_transformers"] = embedding
     generation = directory / "generation_config.json"
     if generation.is_file():
         gen = _read_json(generation)

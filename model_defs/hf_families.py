@@ -91,6 +91,10 @@ class Family:
     # (old prefix, new prefix) pairs applied to checkpoint names first: the names transformers' module tree gives
     # a part, as the released files name it (a vision-language model's `model.language_model.`)
     renames: tuple[tuple[str, str], ...] = ()
+    # heads the config's class has but released files may lack (sentence-transformers saves BERT without its
+    # pooler): config head -> the checkpoint prefix of its tensors. Where no tensor has it, the model is built
+    # without the head (transformers would give it random weights; nothing the checkpoint computes uses it)
+    absent_heads: dict[str, str] = field(default_factory=dict)
 
 
 def _static(table: Table) -> Callable[[dict[str, Any], Any], Table]:
@@ -124,11 +128,13 @@ FAMILIES: dict[str, Family] = {
     "bert": Family(bert, bert_weights, add_prefix="bert.", head_prefixes=("cls.", "classifier."),
                    architecture="encoder", embedding="embed.tokens.weight",
                    duplicates=(("cls.predictions.decoder.bias", "cls.predictions.bias"),),
-                   leftovers=lambda cfg: ("bert.pooler.", "cls.seq_relationship.") if cfg.head == "mlm" else ()),
+                   leftovers=lambda cfg: ("bert.pooler.", "cls.seq_relationship.") if cfg.head == "mlm" else (),
+                   absent_heads={"pooler": "bert.pooler."}),
     "roberta": Family(roberta, roberta_weights, add_prefix="roberta.", head_prefixes=("lm_head.", "classifier."),
                       architecture="encoder", embedding="embed.tokens.weight",
                       duplicates=(("lm_head.decoder.bias", "lm_head.bias"),),
-                      leftovers=lambda cfg: ("roberta.pooler.",) if cfg.head == "mlm" else ()),
+                      leftovers=lambda cfg: ("roberta.pooler.",) if cfg.head == "mlm" else (),
+                      absent_heads={"pooler": "roberta.pooler."}),
     # Both stacks read the shared embeddings, which files may also hold under each stack's name.
     "t5": Family(t5, t5_weights, architecture="encoder-decoder", embedding="shared.weight",
                  duplicates=(("encoder.embed_tokens.weight", "shared.weight"), ("decoder.embed_tokens.weight", "shared.weight")),

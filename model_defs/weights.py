@@ -226,6 +226,62 @@ class SafetensorsShards:
             os.close(fd)
 
 
+class TorchPickleShards:
+    """The tensors of PyTorch checkpoint files (pytorch_model.bin and its shards), read with
+    torch.load(weights_only=True): the unpickler builds tensors and plain containers only and never runs code
+    from the file (anything else is refused). Memory-mapped where the file is torch's zip format, so a tensor's
+    pages are read where it is read; the same reads as SafetensorsShards'."""
+
+    scratch_bytes = 0
+
+    def __init__(self, files: list[Path]):
+        import pickle
+
+        self.checked: set[str] = set()
+        self.entries: dict[str, torch.Tensor] = {}
+        self.files: dict[str, Path] = {}
+        for f in files:
+            try:
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:  # a legacy (pre-zip) file cannot be mapped: read whole
+                    if "mmap" not in str(e):
+                        raise
+                    state = torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                first = str(e).split(". ")[0].splitlines()[0]
+                raise KvforgeError(f"{f} cannot be read as tensors alone: torch.load(weights_only=True) refuses it "
+                                   f"({first}); kvforge runs no code from a checkpoint") from e
+            except (OSError, RuntimeError, EOFError) as e:
+                raise KvforgeError(f"cannot read {f}: {e}") from e
+            if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+                raise KvforgeError(f"{f} is not a state dict (tensor name -> tensor): it holds {type(state).__name__}")
+            for name, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise KvforgeError(f"{f}: {name} is a {type(value).__name__}, not a tensor")
+                if name in self.entries:
+                    raise KvforgeError(f"tensors ['{name}'] appear in more than one shard ({f.name})")
+                self.entries[name], self.files[name] = value, f
+
+    def read_meta(self, name: str) -> torch.Tensor:
+        value = self.entries[name]
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+    def read(self, name: str, copy: bool = False) -> torch.Tensor:
+        return self.read_rows(name, None, copy)
+
+    def read_rows(self, name: str, rows: torch.Tensor | None, copy: bool = False) -> torch.Tensor:
+        value = self.entries[name]
+        if name not in self.checked:  # NaN or infinity anywhere is refused, as in a safetensors file
+            bad = count_non_finite(value)
+            if bad:
+                raise KvforgeError(f"{self.files[name]} is damaged: {name} holds {bad} NaN or infinite values")
+            self.checked.add(name)
+        if rows is not None:
+            return value[rows]
+        return value.clone() if copy else value
+
+
 class ScratchTensors(SafetensorsShards):
     """Tensors written once to an unlinked temporary file (under TMPDIR) and read back as a shard's are
     (SafetensorsShards' reads: one reused buffer, some rows alone where asked): values that cost far more to make

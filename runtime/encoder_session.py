@@ -27,7 +27,15 @@ from .generate import right_padded
 from .graph_backends import ENCODER_BACKENDS
 from .graph_session import GraphSession
 
-POOLINGS = ("mean", "cls")
+# pooling -> the vector of one text's token states h (tokens, dim); the modes of sentence-transformers' Pooling
+POOLINGS = {
+    "mean": lambda h: h.mean(axis=0),
+    "cls": lambda h: h[0],
+    "max": lambda h: h.max(axis=0),
+    "mean_sqrt_len": lambda h: h.sum(axis=0) / np.sqrt(h.shape[0]),
+    "last": lambda h: h[-1],
+}
+TOKEN_POOLINGS = ("cls", "last")  # poolings that pick one token's state: a Perceiver's latents have no such token
 
 
 class EncoderSession(GraphSession):
@@ -143,17 +151,28 @@ class EncoderSession(GraphSession):
                 results.append({n: (v[i, :len(r)] if n in per_token else v[i]) for n, v in out.items()})
         return results
 
-    def embed(self, texts: str | Sequence[str], pooling: str = "mean", *, normalize: bool = False,
+    def embedding_defaults(self) -> dict[str, Any]:
+        """The pooling and normalization embed() applies when not told: the checkpoint's own (a sentence-transformers
+        directory's modules.json, recorded at export), else the mean of the tokens' states, not normalized."""
+        recorded = self.config.get("embedding") or {}
+        return {"pooling": recorded.get("pooling", "mean"), "normalize": bool(recorded.get("normalize", False)),
+                "source": recorded.get("source", "kvforge's default")}
+
+    def embed(self, texts: str | Sequence[str], pooling: str | None = None, *, normalize: bool | None = None,
               batch_size: int = 32, truncate: bool = False) -> np.ndarray:
-        """One vector per text, (n, dim): the mean of its tokens' last hidden states (a Perceiver: of its
-        latents), or the first token's ("cls"); L2-normalized when asked."""
+        """One vector per text, (n, dim), pooled from its tokens' last hidden states (a Perceiver: its latents) by
+        `pooling` (POOLINGS: mean, cls, max, mean_sqrt_len, last) and L2-normalized when `normalize`; either left
+        None takes embedding_defaults() (a sentence-transformers checkpoint's own pooling and normalization)."""
+        defaults = self.embedding_defaults()
+        pooling = defaults["pooling"] if pooling is None else pooling
+        normalize = defaults["normalize"] if normalize is None else normalize
         if pooling not in POOLINGS:
-            raise KvforgeError(f"pooling {pooling!r} is not one of {POOLINGS}")
-        if pooling == "cls" and not self.bundle.kind.cls_pooling:
-            raise KvforgeError(f"{self.bundle.kind.article}'s outputs are latents, not tokens: there is no CLS token; "
-                               "use pooling='mean'")
+            raise KvforgeError(f"pooling {pooling!r} is not one of {list(POOLINGS)}")
+        if pooling in TOKEN_POOLINGS and not self.bundle.kind.cls_pooling:
+            raise KvforgeError(f"{self.bundle.kind.article}'s outputs are latents, not tokens: there is no token to "
+                               f"pool by {pooling!r}; use pooling='mean'")
         hidden = [r["last_hidden_state"] for r in self.encode(texts, batch_size, truncate)]
-        vectors = np.stack([h.mean(axis=0) if pooling == "mean" else h[0] for h in hidden]).astype(np.float32)
+        vectors = np.stack([POOLINGS[pooling](h.astype(np.float32)) for h in hidden]).astype(np.float32)
         if normalize:
             vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return vectors

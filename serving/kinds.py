@@ -158,10 +158,13 @@ class Service:
         return self.runner.submit(prompt, config)
 
     def embed(self, inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int]:
-        """L2-normalized mean-pooled vectors (n, dim) and the number of tokens they read."""
+        """Vectors (n, dim), pooled and normalized as the checkpoint says (a sentence-transformers directory's
+        modules.json, EncoderSession.embedding_defaults), else mean-pooled and L2-normalized as OpenAI's are; and
+        the number of tokens they read."""
         rows = self.session.tokenize(inputs)
+        recorded = self.session.config.get("embedding") is not None
         with self._lock:  # one graph call at a time; the server's threads queue here
-            vectors = self.session.embed(rows, normalize=True)
+            vectors = self.session.embed(rows, normalize=None if recorded else True)
         self.finished("embedding", 0)
         return vectors, sum(len(r) for r in rows)
 

@@ -144,7 +144,7 @@ def test_encoder_session_names_bad_input(micro_bundle, tmp_path):
         s.classify("hi")
     with pytest.raises(KvforgeError, match="does not generate"):
         s.generate("hi")
-    with pytest.raises(KvforgeError, match="no CLS token"):
+    with pytest.raises(KvforgeError, match="latents, not tokens: there is no token to pool by 'cls'"):
         runtime.load(micro_bundle("perceiver-micro").path).embed("hi", pooling="cls")
     from kvforge.serving import write_repository
 

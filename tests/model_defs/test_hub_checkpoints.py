@@ -1,0 +1,206 @@
+"""Checkpoint and tokenizer files as the Hub ships them, exported and compared with transformers end to end.
+
+One small sentence-transformers BERT directory is written here the way the Hub holds one (transformers'
+save_pretrained, a WordPiece tokenizer.json whose file carries fixed padding and truncation as
+all-MiniLM-L6-v2's does, modules.json with Pooling and Normalize); each quirk is that directory edited the way
+real checkpoints differ (a position_ids buffer, TensorFlow-era LayerNorm gamma/beta, sharded safetensors with an
+index, pytorch_model.bin, a "bert." prefix). Each is exported and embedded through kvforge from text, and
+compared with transformers' tokenizer and model from the same files, pooled as sentence-transformers pools
+(mean over the attention mask, then L2): token ids equal, cosine >= 1 - 1e-6 on every text.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvforge import runtime  # noqa: E402
+from kvforge.errors import KvforgeError  # noqa: E402
+from kvforge.export import export  # noqa: E402
+from kvforge.tokenizer import Tokenizer  # noqa: E402
+
+COSINE = 1 - 1e-6
+FIXED = 24  # the tokenizer file's own padding length and truncation, which no reader applies unless asked
+TEXTS = ["the cat sat on the mat.", "a dog!", "is the dog on a mat, and the cat?", "cats and dogs and mats",
+         "zq", "the " * 20 + "end", "12 3"]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "is", "and", "end", "##s", ".", ",", "!", "?"]
+
+
+def _tokenizer_json(path) -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    vocab = SPECIALS + WORDS + letters + ["##" + c for c in letters]
+    backend = Backend(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    backend.decoder = decoders.WordPiece()
+    backend.enable_padding(length=FIXED, pad_id=0, pad_token="[PAD]")
+    backend.enable_truncation(FIXED)
+    backend.save(str(path))
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def hub_bert(tmp_path_factory):
+    """(the transformers model, its sentence-transformers directory)."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("st-bert")
+    vocab = _tokenizer_json(directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+        "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": FIXED}))
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=vocab, max_position_embeddings=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms at 1 and biases at 0 would hide a dropped or swapped mapping
+            p.add_(0.05 * torch.randn(p.shape))
+    model.save_pretrained(directory)
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    return model, directory
+
+
+def _state(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _variant(src, dst, tensors=None, write=None):
+    """src's files copied to dst, its weights replaced by `tensors` (written by `write(tensors, dst)`)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        (dst / "model.safetensors").unlink()
+        (write or (lambda t, d: save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})))(tensors, dst)
+    return dst
+
+
+def _sharded(tensors, d):
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n].contiguous() for n in part}, str(d / file), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+
+
+QUIRKS = {
+    "as-saved": lambda t: None,
+    # transformers ignores the buffer older releases saved with BERT's embeddings
+    "position-ids": lambda t: {**t, "embeddings.position_ids": torch.arange(128)[None]},
+    # TensorFlow-era names, renamed by transformers on load
+    "gamma-beta": lambda t: {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+                             v for k, v in t.items()},
+    # a wrapper's prefix (BertForMaskedLM and friends save "bert.")
+    "prefixed": lambda t: {f"bert.{k}": v for k, v in t.items()},
+    "sharded": lambda t: t,
+    "pytorch-bin": lambda t: t,
+}
+WRITERS = {"sharded": _sharded, "pytorch-bin": lambda t, d: torch.save(t, d / "pytorch_model.bin")}
+
+
+def _reference(model, directory, texts):
+    """transformers from text: its tokenizer on the directory's files, the model, mean pooling, L2 norm."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+    mask = enc["attention_mask"][..., None].float()
+    pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
+    ids = [row[: int(m.sum())] for row, m in zip(enc["input_ids"].tolist(), enc["attention_mask"])]
+    return ids, pooled.numpy()
+
+
+@pytest.mark.parametrize("quirk", list(QUIRKS))
+def test_hub_checkpoint_quirks_export_and_equal_transformers_from_text(hub_bert, tmp_path, quirk):
+    model, src = hub_bert
+    tensors = QUIRKS[quirk](_state(src))
+    directory = _variant(src, tmp_path / quirk, tensors, WRITERS.get(quirk))
+    bundle = export(str(directory), tmp_path / "bundle")
+    ids, expected = _reference(model, src, TEXTS)
+    with runtime.load(bundle.path) as session:
+        assert session.tokenize(TEXTS) == ids  # the file's fixed padding and truncation not applied
+        vectors = session.embed(TEXTS)  # the directory's own pooling (mean) and normalization
+    assert bundle.model_config["embedding"]["pooling"] == "mean" and bundle.model_config["embedding"]["normalize"]
+    cosine = (vectors * expected).sum(1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= COSINE, cosine
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_tokenizer_file_padding_and_truncation_apply_only_on_request(hub_bert, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, src = hub_bert
+    ours, theirs = Tokenizer.from_file(src / "tokenizer.json"), AutoTokenizer.from_pretrained(src)
+    long_text = "the cat " * 30
+    for text in ["a dog", long_text]:
+        assert ours.encode(text) == theirs(text)["input_ids"]
+    assert len(ours.encode(long_text)) > FIXED and ours.pad_token_id == 0
+    ours.save(tmp_path)  # the file as shipped: its settings kept for the readers that apply them on request
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert saved["padding"]["strategy"] == {"Fixed": FIXED} and saved["truncation"]["max_length"] == FIXED
+    assert Tokenizer.from_file(tmp_path / "tokenizer.json").encode(long_text) == ours.encode(long_text)
+
+
+class _Payload:
+    def __reduce__(self):  # what a malicious pickle does: call something when loaded
+        return (print, ("this ran",))
+
+
+def test_pickles_run_no_code_and_checkpoints_missing_what_matters_are_refused(hub_bert, tmp_path, capsys):
+    _, src = hub_bert
+    evil = _variant(src, tmp_path / "evil", {"x": 1},
+                    lambda t, d: (d / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Payload()})))
+    with pytest.raises(KvforgeError, match="runs no code from a checkpoint"):
+        export(str(evil), tmp_path / "b1")
+    assert "this ran" not in capsys.readouterr().out
+    state = _state(src)
+    state.pop("encoder.layer.1.output.dense.weight")
+    missing = _variant(src, tmp_path / "missing", state)
+    with pytest.raises(KvforgeError, match=r"missing tensors \(1\): \['bert.encoder.layer.1.output.dense.weight'\]"):
+        export(str(missing), tmp_path / "b2")
+    assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "modules.json").write_text(json.dumps(json.loads((d / "modules.json").read_text())[:2] + [
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}])),
+     r"module '2' \(sentence_transformers.models.Dense\) changes the embedding"),
+    (lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True})),
+     "pools by weighted mean, which kvforge does not apply"),
+    (lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
+                                                                        "pooling_mode_mean_tokens": True})),
+     r"concatenates several poolings \(\['cls', 'mean'\]\)"),
+], ids=["dense", "weighted-mean", "concatenated"])
+def test_sentence_transformers_modules_that_are_not_applied_are_refused(hub_bert, tmp_path, edit, message):
+    directory = _variant(hub_bert[1], tmp_path / "st")
+    edit(directory)
+    with pytest.raises(KvforgeError, match=message):
+        export(str(directory), tmp_path / "bundle")
