@@ -32,6 +32,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 from kvforge.onnx_graph import TYPE_NAMES, constant, value_types
+from kvforge.schema import path_problem
 
 from .trt_ops import SUPPORTED_OPS, UNSUPPORTED_OPS
 
@@ -85,6 +86,8 @@ def _load_qdq_parameters(model, directory: Path) -> None:
               for i in (1, 2) if len(n.input) > i}
     for init in model.graph.initializer:
         if init.name in wanted and uses_external_data(init):
+            if path_problem(next((e.value for e in init.external_data if e.key == "location"), "")):
+                continue  # never read outside the graph's folder: _external_data_findings names it
             try:
                 load_external_data_for_tensor(init, str(directory))
             except OSError:  # a missing or short data file: the rule then reports a non-constant scale
@@ -258,11 +261,44 @@ def _structure_findings(graph) -> list[Finding]:
     return findings
 
 
+def _external_data_findings(model, directory: Path) -> list[Finding]:
+    """Each initializer whose external data is not a file of the graph's own folder (an absolute location, one
+    that climbs out or into a subfolder) or lies past its file's end: the graph would read what is not its own,
+    or fail to load, wherever it is copied."""
+    from onnx.external_data_helper import uses_external_data
+
+    findings, sizes = [], {}
+    for init in model.graph.initializer:
+        if not uses_external_data(init):
+            continue
+        entry = {e.key: e.value for e in init.external_data}
+        location = entry.get("location", "")
+        problem = path_problem(location)
+        if problem:
+            findings.append(Finding("error", "external-data", f"initializer {init.name!r}'s data location "
+                                                              f"{location!r} {problem}"))
+            continue
+        if location not in sizes:
+            file = directory / location
+            sizes[location] = file.stat().st_size if file.is_file() else None
+        end = int(entry.get("offset", 0)) + int(entry.get("length", 0))
+        if sizes[location] is None:
+            findings.append(Finding("error", "external-data", f"initializer {init.name!r}'s data file {location!r} "
+                                                              f"is not beside the graph"))
+        elif end > sizes[location]:
+            findings.append(Finding("error", "external-data", f"initializer {init.name!r} ends at byte {end} of "
+                                                              f"{location!r}, which holds {sizes[location]}"))
+    return findings
+
+
 def lint(model_or_path) -> dict[str, Any]:
-    """Return {"passed": bool, "targets": {...}, "findings": [...]} for a model or an .onnx path."""
+    """Return {"passed": bool, "targets": {...}, "findings": [...]} for a model or an .onnx path (for a path, the
+    external data it names is checked too: inside the graph's folder, within its files)."""
     model = _load(model_or_path)
     graph = model.graph
     findings: list[Finding] = []
+    if isinstance(model_or_path, (str, Path)):
+        findings += _external_data_findings(model, Path(model_or_path).parent)
 
     opset = None
     for imp in model.opset_import:

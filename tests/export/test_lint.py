@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from onnx import TensorProto as TP
@@ -179,3 +181,34 @@ def test_data_dependent_shapes_may_not_reach_a_graph_output():
     m = _model(nodes + count, [mask, x], [_vi("y", shape=(6, 4)), _vi("z", shape=None)])
     m.graph.node[-1].input[1] = "n"
     assert len(_errors(lint(m), "data-dependent-shape")) == 1
+
+
+@pytest.mark.parametrize("location, size, message", [
+    ("w.data", 64, None),
+    ("../outside.data", 64, r"'\.\./outside\.data' climbs out of the bundle"),
+    ("/tmp/elsewhere.data", 64, "is an absolute path"),
+    ("w.data", 8, r"ends at byte 64 of 'w.data', which holds 8"),
+    ("gone.data", 64, "data file 'gone.data' is not beside the graph"),
+], ids=["inside", "climbs-out", "absolute", "short", "missing"])
+def test_lint_follows_external_data(tmp_path, location, size, message):
+    """A graph file's external data must be its own: a file beside it, long enough for what it names."""
+    import onnx
+
+    graph_dir = tmp_path / "bundle"
+    graph_dir.mkdir()
+    w = numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "w")
+    w.data_location = TP.EXTERNAL
+    del w.external_data[:]
+    for key, value in (("location", location), ("offset", "0"), ("length", "64")):
+        w.external_data.add(key=key, value=value)
+    w.ClearField("raw_data")
+    (graph_dir / "w.data").write_bytes(np.arange(16, dtype=np.float32).tobytes()[:size])
+    (tmp_path / "outside.data").write_bytes(bytes(64))
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [_vi("x", shape=(2, 4))], [_vi("y")], [w])
+    onnx.save(m, str(graph_dir / "model.onnx"))
+    result = lint(graph_dir / "model.onnx")
+    found = [f["message"] for f in _errors(result, "external-data")]
+    if message is None:
+        assert result["passed"] and not found, result["findings"]
+    else:
+        assert not result["passed"] and len(found) == 1 and re.search(message, found[0]), found
