@@ -31,6 +31,7 @@ from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.model_defs.weights import for_tracing, streamed
 from kvforge.outputs import check_output_path, staged_bundle
 
+from . import oracle
 from .checkpoint_codes import keep_codes
 from .kinds import EXPORTS
 from .lazy_weights import write_progress
@@ -71,7 +72,7 @@ def source_digest(source) -> dict[str, Any]:
     else:
         path = Path(source)
         name = str(path.resolve())  # absolute: the bundle is used from other directories than the one it was made in
-    files = [p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")]
+    files = [p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin")]
     return {"source": name, "kind": kind, "sha256": sha256_tree(files, path)}
 
 
@@ -101,6 +102,7 @@ def export(
     dequantize: bool = False,
     lora_max_rank: int | None = None,
     lora_targets: list[str] | None = None,
+    transformers_check: bool = True,
     progress: Progress | None = None,
 ) -> Bundle:
     """Export SOURCE (anything `model_defs.load` takes) to a validated ONNX bundle at OUT.
@@ -110,6 +112,9 @@ def export(
     A pre-quantized source (a GGUF file, a quantized Hugging Face checkpoint) keeps its codes: the validated
     float graph of its dequantized weights gets each quantized weight back as codes behind a DequantizeLinear
     (export/checkpoint_codes.py); `dequantize` writes the float bundle instead, to calibrate it.
+    transformers_check: once the bundle is written, compare it with transformers from text on the source's own
+    files (export/oracle.py: the tokenizer's ids, then the outputs); a departure raises, naming the end (tokenizer,
+    weights, graph), and nothing is written. The manifest's `oracle` says what was compared, or why not.
     lora_max_rank: give the targeted linear layers (lora_targets: short names such as q, v, gate; None: those of
     q, k, v, o, gate, up, down the model has) LoRA slots, inputs that take adapters of rank up to it per row
     (model_defs/lora.py); validation runs them with a random adapter.
@@ -228,8 +233,23 @@ def export(
             "lint": lint_result,
             "ecosystem": ecosystem,
         }
-        write_manifest(tmp, manifest)
+        files = write_manifest(tmp, manifest)["files"]
         progress("write", 1, 1)
+        # transformers from text on the source's own files, against the written bundle (export/oracle.py); a
+        # departure raises, and nothing is written
+        progress("oracle", 0, 1)
+        if not transformers_check:
+            manifest["oracle"] = oracle.skipped("not asked for (--no-transformers-check)")
+        elif lora_max_rank is not None:
+            manifest["oracle"] = oracle.skipped("a graph with LoRA slots is compared by its adapters' tests")
+        elif quantization is not None and quantization.get("activations"):
+            manifest["oracle"] = oracle.skipped(
+                f"the checkpoint's codes quantize activations ({quantization['activations']}): the graph departs "
+                "from a float model by design (its float graph was validated before the codes went in)")
+        else:
+            manifest["oracle"] = oracle.check(source, tmp, kind_of(cfg).name, reference, tokenizer, dtype)
+        write_manifest(tmp, manifest, files)
+        progress("oracle", 1, 1)
     return Bundle(out)
 
 

@@ -408,8 +408,12 @@ def file_records(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Complete the manifest with the file records and write it (last, after every file)."""
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": file_records(directory)}
+def write_manifest(directory: Path, manifest: dict[str, Any], files: dict[str, dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
+    """Complete the manifest with the file records and write it (last, after every file). files: the records
+    write_manifest returned before, where no file but the manifest changed since (an entry added after a check
+    that reads the written bundle)."""
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest,
+                "files": file_records(directory) if files is None else files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return manifest

@@ -21,7 +21,7 @@ from kvforge.calibration import calibrate as calibrate_bundle
 from kvforge.calibration.auto import recipe_summary
 from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
-from kvforge.manifest import print_manifest, validation_summary
+from kvforge.manifest import oracle_summary, print_manifest, validation_summary
 from kvforge.metrics import parse_tolerances
 from kvforge.runtime.encoder_session import POOLINGS
 from kvforge.runtime.bench import benchmark, benchmark_speculative
@@ -158,8 +158,13 @@ def eval_cmd(source, data, prompt, max_new_tokens, seq_len, dtype, as_json):
 @click.option("--lora-targets", metavar="q,k,v,o,gate,up,down",
               help="The layers that get slots, by short name (default: those of q,k,v,o,gate,up,down the model has; "
                    "a mixture's routed experts only when named: experts.gate,experts.up,experts.down).")
+@click.option("--transformers-check/--no-transformers-check", default=True, show_default=True,
+              help="After validation, compare the bundle with transformers from text on the source's own files "
+                   "(tokenizer ids, then outputs within transformers' own FP32 rounding); skipped, and said so, "
+                   "without transformers or where it would not fit the export's memory bound.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def export(source, out, dtype, opset, max_context, external_data, force, dequantize, lora_max_rank, lora_targets, quiet):
+def export(source, out, dtype, opset, max_context, external_data, force, dequantize, lora_max_rank, lora_targets,
+           transformers_check, quiet):
     """Export SOURCE to an ONNX bundle with KV cache, validated against the Torch reference."""
     from kvforge.export import export as export_bundle
 
@@ -167,7 +172,7 @@ def export(source, out, dtype, opset, max_context, external_data, force, dequant
     with PhaseProgress(enabled=not quiet) as progress:
         bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
                                force=force, dequantize=dequantize, lora_max_rank=lora_max_rank, lora_targets=targets,
-                               progress=progress)
+                               transformers_check=transformers_check, progress=progress)
     lint_result = bundle.manifest["lint"]
     quant = bundle.quantization
     if quant:
@@ -175,7 +180,8 @@ def export(source, out, dtype, opset, max_context, external_data, force, dequant
         dtype = (f"{dtype} with the {record['format']} checkpoint's codes kept in {len(record['kept'])} tensors"
                  + (f" ({len(record['converted'])} converted)" if record["converted"] else ""))
     click.echo(f"wrote {bundle.path} ({bundle.architecture}): {dtype}, opset {opset}; "
-               f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}")
+               f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}; "
+               f"{oracle_summary(bundle.manifest.get('oracle'))}")
 
 
 @main.command()
@@ -656,11 +662,25 @@ def _wide_console():
 @click.option("--per-layer", is_flag=True, help="Rank decoder blocks by their contribution to the error.")
 @click.option("--random-data", is_flag=True, help="Seeded random tokens instead of text.")
 @click.option("--adapter", help="Run CANDIDATE with this LoRA adapter of its own, against the reference with it merged.")
+@click.option("--against", type=click.Choice(["reference", "transformers"]), default="reference", show_default=True,
+              help="transformers: export's end-to-end check on a float32 bundle made from a Hugging Face directory or "
+                   "GGUF file: transformers' tokenizer and model on the same files, from text (exit 1 naming the end "
+                   "that departs: tokenizer, weights or graph).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), callback=_writable_file, help="Write the report here, with -drift.png (and -layers.png) beside it.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def compare(candidate, reference, data, backend, steps, prompts, max_tokens, seq_len, tolerances, per_layer, random_data, adapter,
-            json_file, quiet):
-    """Compare CANDIDATE (a bundle) with the Torch reference; exit 1 when a tolerance fails."""
+            against, json_file, quiet):
+    """Compare CANDIDATE (a bundle) with the Torch reference (or transformers); exit 1 when a tolerance fails."""
+    if against == "transformers":
+        from kvforge.export.oracle import against_transformers
+
+        record = against_transformers(candidate)
+        if json_file:
+            Path(json_file).write_text(json.dumps(record, indent=2) + "\n")
+        click.echo(oracle_summary(record))
+        if not record["compared"]:
+            sys.exit(1)
+        return
     with PhaseProgress(enabled=not quiet) as progress:
         report = compare_artifacts(candidate, reference, data=data, backend=backend, steps=steps, prompts=prompts,
                                    max_tokens=max_tokens, seq_len=seq_len, tolerances=parse_tolerances(list(tolerances)),

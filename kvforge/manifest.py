@@ -124,13 +124,22 @@ ENGINE = Rec({
     "timing_cache": Opt(DictOf(AnyJSON)),
 }, required=("file", "tensorrt_version", "gpu", "limits", "profiles", "hardware_compatibility", "version_compatible"))
 
+# export/oracle.py: the end-to-end check against transformers, or why it was not run
+ORACLE = Rec({
+    "oracle": Enum("transformers"), "compared": bool, "reason": str, "transformers": str,
+    "inputs": Enum("text", "token ids"), "texts": COUNT,
+    "tokens": COUNT, "token_ids_equal": bool, "outputs": ListOf(str), "noise": str, "noise_multiple": Num(low=0),
+    "worst": Rec({"output": str, "metric": str, "value": Num(low=0), "noise": Num(low=0), "ratio": Num(low=0)}),
+    "passed": bool,
+}, required=("oracle", "compared"))
+
 MANIFEST_SCHEMA = Rec({
     "format": Enum("kvforge-bundle"), "format_version": COUNT, "stage": Enum(*STAGES),
     "graph": RelPath(), "external_data": Opt(RelPath()), "graphs": Opt(DictOf(RelPath())),
     "model": DictOf(AnyJSON),  # field by field below, by architecture
     "io": IO, "precision": PRECISION, "opset": Opt(POSITIVE), "files": FILES, "lineage": LINEAGE,
     "validation": Opt(VALIDATION), "lint": Opt(LINT), "ecosystem": Opt(ECOSYSTEM), "calibration": Opt(CALIBRATION),
-    "weight_sharing": Opt(Rec({"stored_bytes": COUNT, "shared_bytes": COUNT})),
+    "oracle": Opt(ORACLE), "weight_sharing": Opt(Rec({"stored_bytes": COUNT, "shared_bytes": COUNT})),
     "engine": Opt(ENGINE), "engines": Opt(DictOf(DictOf(AnyJSON))),
 }, required=("format", "graph", "model", "io", "precision", "files"))
 
@@ -218,6 +227,18 @@ def validation_summary(v: dict[str, Any]) -> str:
     return (f"{'passed' if v['passed'] else 'FAILED'} vs {v['reference']} over {v['cases']} shapes"
             + (f"; {shown}" if shown else "")
             + (f"; {lock['steps']}-step lockstep, greedy {lock['greedy_matching_steps']}/{lock['steps']}" if lock else ""))
+
+
+def oracle_summary(o: dict[str, Any] | None) -> str:
+    """One line for an export's end-to-end check against transformers (export/oracle.py)."""
+    if not o:
+        return "transformers end to end: not run"
+    if not o["compared"]:
+        return f"transformers end to end: not compared ({o['reason']})"
+    w = o["worst"]
+    inputs = (f"token ids equal on {o['texts']} texts" if o.get("token_ids_equal")
+              else f"on {o['texts']} rows of token ids (no tokenizer)")
+    return f"transformers end to end: {inputs}, {w['output']} within {w['ratio']:.1f}x its FP32 rounding"
 
 
 def print_manifest(path, m: dict[str, Any], console) -> None:

@@ -57,6 +57,8 @@ def test_minilm_tokenizer_and_bundle_record_what_transformers_reads(minilm_dir, 
     bundle = Bundle(minilm_fp32_bundle)
     assert bundle.model_config["embedding"] == {"pooling": "mean", "normalize": True, "max_seq_length": 256,
                                                 "source": "modules.json"}
+    o = bundle.manifest["oracle"]  # export's own end-to-end check against transformers
+    assert o["compared"] and o["passed"] and o["token_ids_equal"] and o["outputs"] == ["last_hidden_state"], o
     theirs = AutoTokenizer.from_pretrained(minilm_dir)
     with runtime.load(minilm_fp32_bundle) as session:
         rows = session.tokenize(SENTENCES)

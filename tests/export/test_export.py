@@ -73,6 +73,9 @@ def test_every_hf_family_exports_and_matches(hf_bundle, hf_checkpoint, family):
     model, _ = load(hf_checkpoint(family))
     _independent_check(bundle, model, [(1, 1, 0), (3, 4, 0), (2, 1, 21)])
     assert bundle.manifest["lineage"][0]["input"]["kind"] == "hf"
+    # export's own end-to-end check: transformers on the same files and seeded token ids (no tokenizer here)
+    o = bundle.manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["inputs"] == "token ids", o
 
 
 @pytest.mark.slow  # reads the slow tier's exports of every family

@@ -204,3 +204,76 @@ def test_sentence_transformers_modules_that_are_not_applied_are_refused(hub_bert
     edit(directory)
     with pytest.raises(KvforgeError, match=message):
         export(str(directory), tmp_path / "bundle")
+
+
+# --- transformers as the end-to-end oracle at export (export/oracle.py) -------------------------------------------
+
+def test_export_checks_itself_against_transformers_from_text(hub_bert, tmp_path):
+    bundle = export(str(hub_bert[1]), tmp_path / "bundle")
+    o = bundle.manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["token_ids_equal"] and o["inputs"] == "text"
+    assert o["outputs"] == ["last_hidden_state"] and o["worst"]["ratio"] <= o["noise_multiple"]
+    skipped = export(str(hub_bert[1]), tmp_path / "unchecked", transformers_check=False).manifest["oracle"]
+    assert not skipped["compared"] and "not asked for" in skipped["reason"]
+
+
+def _swap_layers(monkeypatch, a: str, b: str):
+    """A weight-import defect: checkpoint names holding `a` read as `b` and the other way round."""
+    from kvforge.model_defs import hf
+
+    original = hf.normalize_names
+
+    def swapped(family, tensors):
+        out = original(family, tensors)
+        return {k.replace(a, "\0").replace(b, a).replace("\0", b): v for k, v in out.items()}
+
+    monkeypatch.setattr(hf, "normalize_names", swapped)
+
+
+def _tokenizer_defect(monkeypatch, defect: str):
+    original = Tokenizer.encode
+
+    def encode(self, text, add_special_tokens=True):
+        ids = original(self, text, add_special_tokens)
+        return ids[1:] if defect == "dropped special token" else ids + [0] * 8  # pad ids, as a Fixed padding adds
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+
+
+@pytest.mark.parametrize("defect, end", [("dropped special token", "tokenizer"), ("padding applied", "tokenizer"),
+                                         ("layers swapped", "weights")])
+def test_injected_defects_are_caught_naming_the_end(hub_bert, tmp_path, monkeypatch, defect, end):
+    """Defects that kvforge's own reference shares with its graph pass validation; transformers catches them."""
+    if defect == "layers swapped":
+        _swap_layers(monkeypatch, "encoder.layer.0.attention.self.query.", "encoder.layer.1.attention.self.query.")
+    else:
+        _tokenizer_defect(monkeypatch, defect)
+    with pytest.raises(KvforgeError, match=f"end-to-end check against transformers: the {end} depart"):
+        export(str(hub_bert[1]), tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_a_checkpoint_without_tokenizer_is_compared_on_token_ids(hf_checkpoint, tmp_path, monkeypatch):
+    """A random-weight decoder checkpoint (no tokenizer files): the same seeded ids to both sides; a swapped
+    pair of layers in the import is named as the weights."""
+    bundle = export(hf_checkpoint("llama"), tmp_path / "ok")
+    o = bundle.manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["inputs"] == "token ids" and not o["token_ids_equal"]
+    assert o["outputs"] == ["logits"]
+    _swap_layers(monkeypatch, "layers.0.self_attn.q_proj.", "layers.1.self_attn.q_proj.")
+    with pytest.raises(KvforgeError, match="the weights depart: logits"):
+        export(hf_checkpoint("llama"), tmp_path / "swapped")
+
+
+def test_compare_against_transformers_from_the_command_line(hub_bert, tmp_path):
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    bundle = export(str(hub_bert[1]), tmp_path / "bundle", transformers_check=False)
+    out = CliRunner().invoke(main, ["compare", str(bundle.path), "--against", "transformers",
+                                    "--json", str(tmp_path / "r.json")])
+    assert out.exit_code == 0, out.output
+    assert "transformers end to end: token ids equal on 4 texts, last_hidden_state within" in out.output
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["compared"] and record["passed"] and record["worst"]["ratio"] <= record["noise_multiple"]

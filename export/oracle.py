@@ -1,0 +1,309 @@
+"""transformers as the end-to-end oracle of an export: from text, through each side's own tokenizer and model.
+
+Export validation compares the graph with kvforge's own Torch reference, fed by kvforge's own tokenizer and
+weight reader: a defect both share is invisible to it. Here the source's files (a Hugging Face directory, or a
+GGUF file, which transformers reads with `gguf_file=`) are read by transformers: its tokenizer must give the
+bundle's tokenizer's ids on held-out text, and its model's outputs on them are the truth the graph's are judged
+against, in multiples of transformers' own float32 rounding (its FP32 outputs against its FP64 ones: the
+validation's noise rule, export/validate_report.judge_noise). A failure names the end that departs:
+
+- tokenizer: the two tokenizers' ids differ (the text and the first position named);
+- weights: kvforge's own Torch reference departs from transformers as the graph does (what was read from the
+  checkpoint, or the reference built on it, is not what transformers runs);
+- graph: the reference agrees with transformers and the graph does not.
+
+Each kind that can be compared registers its `Oracle` (ORACLES, by kind name, as export/kinds.py's EXPORTS);
+the others record why they were not. The check runs where its memory fits the export's own bound (the model
+once more in FP64, beside the bundle's size + 2 GiB), and says so in the manifest (`oracle`) when it does not,
+as it does without transformers: `kvforge compare --against transformers` runs it on a written bundle.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from kvforge.bundle import MANIFEST
+from kvforge.errors import KvforgeError
+
+from .validate import TOLERANCES
+from .validate_report import EPS32, judge_noise
+
+# held-out text of several shapes (prose, numbers, punctuation, non-ASCII, code); no special tokens of its own
+TEXTS = (
+    "The committee published its report on Tuesday, and the findings surprised almost everyone in the room.",
+    "In 1969, 3 astronauts flew 384,400 km; the mission cost about $25.4 billion (roughly 1% of GDP).",
+    "Ça marche très bien: naïve café, Größe, 東京, and emoji 🙂 all appear in real text.",
+    "def add(a, b):\n    return a + b  # a tiny function\n",
+)
+ID_ROWS = (5, 12, 23)  # lengths of the seeded token id rows given to both where the bundle has no tokenizer
+BOUND_MARGIN_BYTES = 2 << 30  # issue 48's export bound: the written bundle's size + 2 GiB
+PROCESS_BYTES = 1 << 30  # what the process holds besides transformers' model (torch, transformers, buffers)
+# transformers' GGUF reader dequantizes with numpy intermediates: loading Gemma 3 270M's Q4_K_M file (1.07 GB as
+# float32) peaked at 3.15 GB here, its tokenizer alone at 0.97 GB (measured 2026-11-30)
+GGUF_LOAD_FACTOR = 3.0
+
+
+class Oracle(NamedTuple):
+    # (transformers, the source's location: {"path", "gguf_file"}, its config.json) -> the model, FP32, eval
+    load: Callable[[Any, dict[str, Any], dict[str, Any]], Any]
+    # (transformers model, ids) -> {output name: array}
+    transformers_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
+    # (the written bundle's session, ids) -> {output name: array}
+    graph_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
+    # (kvforge's FP32 Torch reference, ids) -> {output name: array}
+    reference_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy()
+
+
+def _causal_lm(transformers, where, hf_config):
+    return transformers.AutoModelForCausalLM.from_pretrained(where["path"], gguf_file=where.get("gguf_file"),
+                                                             dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _encoder(transformers, where, hf_config):
+    """The class that saved the checkpoint (config.json's architectures[0]), else the base model."""
+    arch = (hf_config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
+    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _encoder_outputs(model, ids):
+    out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                output_hidden_states=True)
+    found = {"last_hidden_state": _np(out.hidden_states[-1][0])}
+    if getattr(out, "logits", None) is not None:
+        found["logits"] = _np(out.logits[0])
+    return found
+
+
+def _encoder_graph(session, ids):
+    return {k: np.asarray(v, np.float64) for k, v in session.encode([ids])[0].items()}
+
+
+def _encoder_reference(reference, ids):
+    out = reference(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), None)
+    return {k: _np(v[0]) for k, v in out.items() if v is not None}
+
+
+ORACLES: dict[str, Oracle] = {
+    "decoder": Oracle(
+        _causal_lm,
+        lambda model, ids: {"logits": _np(model(torch.tensor([ids])).logits[0])},
+        lambda session, ids: {"logits": np.asarray(session.forward(np.array([ids], np.int64))[0][0], np.float64)},
+        lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
+    ),
+    "encoder": Oracle(_encoder, _encoder_outputs, _encoder_graph, _encoder_reference),
+}
+
+
+FP64_BLOCK_BYTES = 256 << 20  # a linear layer whose weight is larger in FP64 is computed a block of rows at a time
+
+
+def _blocked_linear(module, x):
+    """module(x) in FP64, reading its FP32 weight a block of output rows at a time (a vocabulary projection)."""
+    w = module.weight
+    rows = max(1, FP64_BLOCK_BYTES // (8 * w.shape[1]))
+    x = x.to(torch.float64)
+    out = torch.cat([x @ w[i:i + rows].to(torch.float64).T for i in range(0, w.shape[0], rows)], dim=-1)
+    return out if module.bias is None else out + module.bias.to(torch.float64)
+
+
+class float64_modules:
+    """Inside it, `model` computes in FP64 while holding its weights in FP32, so that the memory is the FP32 model
+    plus one layer's FP64 weights where model.double() would add twice the model: each module's own parameters are
+    made FP64 just before it runs and FP32 again just after (FP32 -> FP64 -> FP32 is exact); an embedding looks up
+    its FP32 rows and casts them (the same values); a linear layer larger than FP64_BLOCK_BYTES in FP64 (a
+    vocabulary projection) is computed a block of rows at a time. Float buffers (rotary tables) are FP64
+    throughout, as model.double() makes them."""
+
+    def __init__(self, model):
+        self.model, self.hooks, self.buffers, self.patched = model, [], [], []
+
+    @staticmethod
+    def _cast(module, dtype):
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+    def __enter__(self):
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                self.hooks.append(module.register_forward_hook(lambda m, args, out: out.to(torch.float64)))
+            elif isinstance(module, torch.nn.Linear) and module.weight.numel() * 8 > FP64_BLOCK_BYTES:
+                module.forward = functools.partial(_blocked_linear, module)
+                self.patched.append(module)
+            elif any(True for _ in module.parameters(recurse=False)):
+                self.hooks.append(module.register_forward_pre_hook(lambda m, args: self._cast(m, torch.float64)))
+                self.hooks.append(module.register_forward_hook(lambda m, args, out: self._cast(m, torch.float32)))
+        for module in self.model.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b.is_floating_point() and b.dtype != torch.float64:
+                    self.buffers.append((module, name, b))
+                    setattr(module, name, b.to(torch.float64))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        for module in self.patched:
+            del module.forward
+        for module, name, b in self.buffers:
+            setattr(module, name, b)
+        for module in self.model.modules():
+            self._cast(module, torch.float32)
+
+
+def source_location(source) -> dict[str, Any] | None:
+    """Where transformers reads `source` from ({"path", "gguf_file"}), or None: not a checkpoint it reads."""
+    from kvforge.model_defs.checkpoint import gguf_path, source_kind
+
+    kind = source_kind(source)
+    if kind == "hf":
+        return {"path": str(Path(source)), "gguf_file": None}
+    if kind == "gguf":
+        path = gguf_path(source)
+        return {"path": str(path.parent), "gguf_file": path.name}
+    return None
+
+
+def skipped(reason: str) -> dict[str, Any]:
+    return {"oracle": "transformers", "compared": False, "reason": reason}
+
+
+def _fits(reference, bundle_bytes: int, gguf: bool) -> str | None:
+    """Why transformers' model would not fit the export's memory bound beside the process, or None: its FP32
+    weights (4 bytes a parameter; reading a GGUF file, transformers holds GGUF_LOAD_FACTOR times that) and, at a
+    time, one layer's in FP64 (float64_modules: the embedding and vocabulary tables are read in FP32)."""
+    vocab = reference.config.vocab_size
+    fp32 = 4 * sum(p.numel() for p in reference.parameters())
+    layer = max((p.numel() for p in reference.parameters() if vocab not in p.shape), default=0)
+    need = max(fp32 * (GGUF_LOAD_FACTOR if gguf else 1), fp32 + 8 * layer + FP64_BLOCK_BYTES)
+    room = bundle_bytes + BOUND_MARGIN_BYTES - PROCESS_BYTES
+    if need > room:
+        return (f"transformers' copy of the model (~{need / 2**30:.1f} GiB{' to read the GGUF file' if gguf else ''}) "
+                f"would not fit the export's memory bound beside the process ({room / 2**30:.1f} GiB left of the "
+                f"bundle's {bundle_bytes / 2**30:.1f} GiB + 2 GiB); run `kvforge compare --against transformers`")
+    return None
+
+
+def check(source, bundle_dir: Path, kind: str, reference, tokenizer, dtype: str,
+          enforce_bound: bool = True) -> dict[str, Any]:
+    """The oracle record for a written bundle (its manifest in place). Raises a KvforgeError naming the end that
+    departs; returns the record when everything agrees, or why nothing was compared. reference: kvforge's FP32
+    Torch model of the source, or a function that loads it (read only where the graph departs)."""
+    where = source_location(source)
+    if where is None:
+        return skipped("the source is not a Hugging Face checkpoint or GGUF file (nothing of transformers' to read)")
+    oracle = ORACLES.get(kind)
+    if oracle is None:
+        return skipped(f"the {kind} kind has no transformers comparison yet")
+    if dtype != "float32":
+        return skipped(f"compared at float32 (a {dtype} graph is judged against kvforge's reference by validation)")
+    try:
+        import transformers
+    except ImportError:
+        return skipped("transformers is not installed")
+    bundle_bytes = sum(f.stat().st_size for f in Path(bundle_dir).iterdir() if f.is_file())
+    too_big = (_fits(reference, bundle_bytes, where.get("gguf_file") is not None)
+               if enforce_bound and isinstance(reference, torch.nn.Module) else None)
+    if too_big:
+        return skipped(too_big)
+    return _compare(transformers, where, oracle, source, bundle_dir, reference, tokenizer)
+
+
+def _hf_config(where: dict[str, Any]) -> dict[str, Any]:
+    path = Path(where["path"]) / "config.json"
+    return json.loads(path.read_text()) if where.get("gguf_file") is None and path.is_file() else {}
+
+
+def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
+    from kvforge import runtime
+
+    rows, inputs = [], "text"
+    if tokenizer is None:  # a checkpoint without tokenizer files (a random-weight one): the same ids to both
+        rng = np.random.default_rng(0)
+        vocab = json.loads((Path(bundle_dir) / MANIFEST).read_text())["model"]["vocab_size"]
+        rows, inputs = [rng.integers(min(3, vocab - 1), vocab, n).tolist() for n in ID_ROWS], "token ids"
+    theirs = None if tokenizer is None else transformers.AutoTokenizer.from_pretrained(
+        where["path"], gguf_file=where.get("gguf_file"))
+    for text in TEXTS if theirs is not None else ():
+        ours, expected = tokenizer.encode(text), list(theirs(text)["input_ids"])
+        if ours != expected:
+            at = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
+            raise KvforgeError(f"end-to-end check against transformers: the tokenizer departs: on {text[:40]!r} the "
+                               f"bundle's tokenizer gives {ours[max(0, at - 2):at + 3]} at position {at}, transformers' "
+                               f"{expected[max(0, at - 2):at + 3]} ({len(ours)} ids against {len(expected)})")
+        rows.append(ours)
+    with runtime.load(bundle_dir) as session:
+        graph = [oracle.graph_outputs(session, ids) for ids in rows]
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # kvforge's own progress is on screen
+    try:
+        model = oracle.load(transformers, where, _hf_config(where))
+    except Exception as e:  # noqa: BLE001: transformers' own limits (a GGUF architecture it does not read, a
+        # quantization library it needs) are not the bundle's defect: said, not raised
+        return skipped(f"transformers {transformers.__version__} cannot load the source: "
+                       f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    with torch.no_grad():
+        fp32 = [oracle.transformers_outputs(model, ids) for ids in rows]
+        with float64_modules(model):
+            fp64 = [oracle.transformers_outputs(model, ids) for ids in rows]
+    del model
+    names = sorted(set(graph[0]) & set(fp32[0]))
+    if not names:
+        raise KvforgeError(f"end-to-end check against transformers: no output in common (the graph's "
+                           f"{sorted(graph[0])}, transformers' {sorted(fp32[0])})")
+    tol = TOLERANCES["float32"]
+    judged = [judge_noise(n, g[n], t[n], f[n], tol, EPS32) for g, t, f in zip(graph, fp64, fp32) for n in names]
+    worst = max(judged, key=lambda j: j["excess"])
+    record = {"oracle": "transformers", "compared": True, "transformers": transformers.__version__, "inputs": inputs,
+              "texts": len(rows), "tokens": sum(len(r) for r in rows), "token_ids_equal": theirs is not None,
+              "outputs": names,
+              "noise": "transformers' FP32 outputs against its FP64 ones", "noise_multiple": tol["noise_multiple"],
+              "worst": {k: worst[k] for k in ("output", "metric", "value", "noise", "ratio")}, "passed": True}
+    if worst["excess"] <= 1.0:
+        return record
+    reference = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference
+    with torch.no_grad():
+        ours = [oracle.reference_outputs(reference, ids) for ids in rows]
+    ref_worst = max((judge_noise(n, o[n], t[n], f[n], tol, EPS32) for o, t, f in zip(ours, fp64, fp32) for n in names
+                     if n in o), key=lambda j: j["excess"], default=None)
+    end = "weights" if ref_worst is not None and ref_worst["excess"] > 1.0 else "graph"
+    why = ("kvforge's Torch reference departs from transformers as the graph does: what was read from the "
+           "checkpoint, or the model built on it, is not what transformers runs" if end == "weights" else
+           "kvforge's Torch reference agrees with transformers and the graph does not")
+    raise KvforgeError(f"end-to-end check against transformers: the {end} depart: {worst['output']} {worst['metric']} "
+                       f"{worst['value']:.3g} is {worst['ratio']:.1f}x transformers' own FP32 rounding "
+                       f"({worst['noise']:.3g}; allowed {tol['noise_multiple']:g}x); {why}")
+
+
+def against_transformers(bundle_path) -> dict[str, Any]:
+    """`kvforge compare --against transformers`: the check export runs, on a written float32 bundle, whatever its
+    size (no export memory bound applies here). Raises a KvforgeError naming the end that departs."""
+    from kvforge.bundle import Bundle
+    from kvforge.model_defs import load
+    from kvforge.tokenizer import Tokenizer
+
+    bundle = Bundle(bundle_path)
+    made = bundle.manifest["lineage"][0]
+    if made.get("stage") != "export" or bundle.quantization or bundle.dtype != "float32":
+        what = "quantized" if bundle.quantization else (bundle.dtype if made.get("stage") == "export" else made.get("stage"))
+        raise KvforgeError(f"{bundle.path} is a {what} bundle; --against transformers checks an unquantized float32 "
+                           "export (transformers' own FP32 rounding bounds it): compare this one with its reference")
+    source = made["input"]["source"]
+    tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
+    return check(source, bundle.path, bundle.kind.name, lambda: load(source).model, tokenizer, bundle.dtype,
+                 enforce_bound=False)
