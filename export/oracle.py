@@ -66,7 +66,8 @@ def _np(t) -> np.ndarray:
 
 def _causal_lm(transformers, where, hf_config):
     return transformers.AutoModelForCausalLM.from_pretrained(where["path"], gguf_file=where.get("gguf_file"),
-                                                             dtype=torch.float32, attn_implementation="eager").eval()
+                                                             dtype=torch.float32, attn_implementation="eager",
+                                                             experts_implementation="eager").eval()
 
 
 def _encoder(transformers, where, hf_config):
@@ -74,7 +75,8 @@ def _encoder(transformers, where, hf_config):
     arch = (hf_config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
-    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager").eval()
+    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager",
+                                                             experts_implementation="eager").eval()
 
 
 def _encoder_outputs(model, ids):

@@ -253,13 +253,14 @@ def test_a_half_precision_export_of_kept_codes_is_refused_before_any_work(tmp_pa
 
 def test_smollm2_against_transformers_from_text(smollm2_fp32_bundle):
     """The real SmolLM2-135M GGUF, exported: transformers' tokenizer and model read from the same file give the
-    bundle's token ids on held-out text, and logits within its own FP32 rounding of the graph's (export/oracle.py).
-    transformers' GGUF reader holds ~3x the float model, past the export's memory bound here, so the export says it
-    left the check to `kvforge compare --against transformers`, which runs it."""
+    bundle's token ids on held-out text, and logits within its own FP32 rounding of the graph's (export/oracle.py),
+    at export where transformers' GGUF reader (~3x the float model) fits the export's memory bound, else through
+    `kvforge compare --against transformers`, which the export's record names."""
     from kvforge.export.oracle import against_transformers
 
-    at_export = smollm2_fp32_bundle.manifest["oracle"]
-    assert not at_export["compared"] and "kvforge compare --against transformers" in at_export["reason"]
-    o = against_transformers(smollm2_fp32_bundle.path)
+    o = smollm2_fp32_bundle.manifest["oracle"]
+    if not o["compared"]:
+        assert "kvforge compare --against transformers" in o["reason"], o
+        o = against_transformers(smollm2_fp32_bundle.path)
     assert o["compared"] and o["passed"] and o["token_ids_equal"] and o["inputs"] == "text", o
     assert o["outputs"] == ["logits"] and o["worst"]["ratio"] <= o["noise_multiple"]
