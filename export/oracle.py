@@ -13,9 +13,10 @@ validation's noise rule, export/validate_report.judge_noise). A failure names th
 - graph: the reference agrees with transformers and the graph does not.
 
 Each kind that can be compared registers its `Oracle` (ORACLES, by kind name, as export/kinds.py's EXPORTS);
-the others record why they were not. The check runs where its memory fits the export's own bound (the model
-once more in FP64, beside the bundle's size + 2 GiB), and says so in the manifest (`oracle`) when it does not,
-as it does without transformers: `kvforge compare --against transformers` runs it on a written bundle.
+the others record why they were not. The check runs where its memory fits the export's own bound (transformers'
+model in FP32, one layer at a time in FP64, beside the bundle's size + 2 GiB), and says so in the manifest
+(`oracle`) when it does not, as it does without transformers: `kvforge compare --against transformers` runs it
+on a written bundle.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class Oracle(NamedTuple):
     load: Callable[[Any, dict[str, Any], dict[str, Any]], Any]
     # (transformers model, ids) -> {output name: array}
     transformers_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
-    # (the written bundle's session, ids) -> {output name: array}
-    graph_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
+    # (the graph's output name, the output for one row of ids) -> the part compared (a decoder's logits of the
+    # row; an encoder's per-token outputs and head's outputs of it)
+    graph_output: Callable[[str, np.ndarray], np.ndarray]
     # (kvforge's FP32 Torch reference, ids) -> {output name: array}
     reference_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
 
@@ -75,21 +77,17 @@ def _encoder(transformers, where, hf_config):
     arch = (hf_config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
-    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager",
-                                                             experts_implementation="eager").eval()
+    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _encoder_outputs(model, ids):
     out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 output_hidden_states=True)
-    found = {"last_hidden_state": _np(out.hidden_states[-1][0])}
+    hidden = getattr(out, "last_hidden_state", None)  # a head's output has only the hidden states
+    found = {"last_hidden_state": _np((out.hidden_states[-1] if hidden is None else hidden)[0])}
     if getattr(out, "logits", None) is not None:
         found["logits"] = _np(out.logits[0])
     return found
-
-
-def _encoder_graph(session, ids):
-    return {k: np.asarray(v, np.float64) for k, v in session.encode([ids])[0].items()}
 
 
 def _encoder_reference(reference, ids):
@@ -101,10 +99,10 @@ ORACLES: dict[str, Oracle] = {
     "decoder": Oracle(
         _causal_lm,
         lambda model, ids: {"logits": _np(model(torch.tensor([ids])).logits[0])},
-        lambda session, ids: {"logits": np.asarray(session.forward(np.array([ids], np.int64))[0][0], np.float64)},
+        lambda name, out: out[0],
         lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
     ),
-    "encoder": Oracle(_encoder, _encoder_outputs, _encoder_graph, _encoder_reference),
+    "encoder": Oracle(_encoder, _encoder_outputs, lambda name, out: out[0], _encoder_reference),
 }
 
 
@@ -223,21 +221,44 @@ def check(source, bundle_dir: Path, kind: str, reference, tokenizer, dtype: str,
     return _compare(transformers, where, oracle, source, bundle_dir, reference, tokenizer)
 
 
+def _cannot(transformers, what: str, e: Exception) -> dict[str, Any]:
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return skipped(f"transformers {transformers.__version__} cannot load the source's {what}: {type(e).__name__}: {first}")
+
+
 def _hf_config(where: dict[str, Any]) -> dict[str, Any]:
     path = Path(where["path"]) / "config.json"
     return json.loads(path.read_text()) if where.get("gguf_file") is None and path.is_file() else {}
 
 
-def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
-    from kvforge import runtime
+def _graph_outputs(oracle: Oracle, bundle_dir, rows) -> list[dict[str, np.ndarray]]:
+    """The written graph's outputs on each row of ids, one row a run from an empty cache (ONNX Runtime, as every
+    session of the bundle runs it)."""
+    from kvforge.bundle import Bundle
+    from kvforge.ort_session import make_session, prefill_feeds
 
+    bundle = Bundle(bundle_dir)
+    session = make_session(bundle.graph_file, bundle.quantization_format)
+    names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
+    out = []
+    for ids in rows:
+        feeds = prefill_feeds(np.array([ids], np.int64), bundle.model_config, bundle.io, bundle.dtype)
+        values = session.run(names, feeds)
+        out.append({n: np.asarray(oracle.graph_output(n, v), np.float64) for n, v in zip(names, values)})
+    return out
+
+
+def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
     rows, inputs = [], "text"
     if tokenizer is None:  # a checkpoint without tokenizer files (a random-weight one): the same ids to both
         rng = np.random.default_rng(0)
         vocab = json.loads((Path(bundle_dir) / MANIFEST).read_text())["model"]["vocab_size"]
         rows, inputs = [rng.integers(min(3, vocab - 1), vocab, n).tolist() for n in ID_ROWS], "token ids"
-    theirs = None if tokenizer is None else transformers.AutoTokenizer.from_pretrained(
-        where["path"], gguf_file=where.get("gguf_file"))
+    try:
+        theirs = None if tokenizer is None else transformers.AutoTokenizer.from_pretrained(
+            where["path"], gguf_file=where.get("gguf_file"))
+    except Exception as e:  # noqa: BLE001: transformers' own limits (a GGUF tokenizer it does not convert)
+        return _cannot(transformers, "tokenizer", e)
     for text in TEXTS if theirs is not None else ():
         ours, expected = tokenizer.encode(text), list(theirs(text)["input_ids"])
         if ours != expected:
@@ -246,16 +267,14 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
                                f"bundle's tokenizer gives {ours[max(0, at - 2):at + 3]} at position {at}, transformers' "
                                f"{expected[max(0, at - 2):at + 3]} ({len(ours)} ids against {len(expected)})")
         rows.append(ours)
-    with runtime.load(bundle_dir) as session:
-        graph = [oracle.graph_outputs(session, ids) for ids in rows]
+    graph = _graph_outputs(oracle, bundle_dir, rows)
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # kvforge's own progress is on screen
     try:
         model = oracle.load(transformers, where, _hf_config(where))
     except Exception as e:  # noqa: BLE001: transformers' own limits (a GGUF architecture it does not read, a
         # quantization library it needs) are not the bundle's defect: said, not raised
-        return skipped(f"transformers {transformers.__version__} cannot load the source: "
-                       f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        return _cannot(transformers, "model", e)
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -287,7 +306,8 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
     why = ("kvforge's Torch reference departs from transformers as the graph does: what was read from the "
            "checkpoint, or the model built on it, is not what transformers runs" if end == "weights" else
            "kvforge's Torch reference agrees with transformers and the graph does not")
-    raise KvforgeError(f"end-to-end check against transformers: the {end} depart: {worst['output']} {worst['metric']} "
+    raise KvforgeError(f"end-to-end check against transformers: the {end} {'depart' if end == 'weights' else 'departs'}: "
+                       f"{worst['output']} {worst['metric']} "
                        f"{worst['value']:.3g} is {worst['ratio']:.1f}x transformers' own FP32 rounding "
                        f"({worst['noise']:.3g}; allowed {tol['noise_multiple']:g}x); {why}")
 
@@ -301,8 +321,10 @@ def against_transformers(bundle_path) -> dict[str, Any]:
 
     bundle = Bundle(bundle_path)
     made = bundle.manifest["lineage"][0]
-    if made.get("stage") != "export" or bundle.quantization or bundle.dtype != "float32":
-        what = "quantized" if bundle.quantization else (bundle.dtype if made.get("stage") == "export" else made.get("stage"))
+    # a checkpoint's own weight codes (a GGUF file's) dequantize exactly as transformers reads them: compared
+    quantized = bundle.quantization and (bundle.quantization_format != "checkpoint" or bundle.quantization.get("activations"))
+    if made.get("stage") != "export" or quantized or bundle.dtype != "float32":
+        what = "quantized" if quantized else (bundle.dtype if made.get("stage") == "export" else made.get("stage"))
         raise KvforgeError(f"{bundle.path} is a {what} bundle; --against transformers checks an unquantized float32 "
                            "export (transformers' own FP32 rounding bounds it): compare this one with its reference")
     source = made["input"]["source"]
