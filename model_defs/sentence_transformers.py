@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import KvforgeError
-from kvforge.schema import read_json
+from kvforge.schema import path_problem, read_json
 
 MODULES_FILE = "modules.json"
 # 1_Pooling/config.json's keys -> the pooling `EncoderSession.embed` applies
@@ -50,7 +50,11 @@ def read_embedding(directory: Path) -> dict[str, Any] | None:
     if len(poolings) > 1:
         raise KvforgeError(f"{path} lists {len(poolings)} Pooling modules; a sentence-transformers model has one")
     if poolings:
-        cfg_path = directory / str(poolings[0].get("path") or "1_Pooling") / "config.json"
+        where = str(poolings[0].get("path") or "1_Pooling")
+        problem = path_problem(where, directories=True)
+        if problem:
+            raise KvforgeError(f"{path}: the Pooling module's path {where!r} {problem}")
+        cfg_path = directory / where / "config.json"
         cfg = read_json(cfg_path, "sentence-transformers pooling config") if cfg_path.is_file() else {}
         unsupported = [UNSUPPORTED_MODES[k] for k in UNSUPPORTED_MODES if cfg.get(k)]
         if unsupported:

@@ -198,7 +198,9 @@ def test_pickles_run_no_code_and_checkpoints_missing_what_matters_are_refused(hu
     (lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
                                                                         "pooling_mode_mean_tokens": True})),
      r"concatenates several poolings \(\['cls', 'mean'\]\)"),
-], ids=["dense", "weighted-mean", "concatenated"])
+    (lambda d: (d / "modules.json").write_text((d / "modules.json").read_text().replace('"1_Pooling"', '"../1_Pooling"')),
+     r"the Pooling module's path '\.\./1_Pooling' climbs out"),
+], ids=["dense", "weighted-mean", "concatenated", "climbing-path"])
 def test_sentence_transformers_modules_that_are_not_applied_are_refused(hub_bert, tmp_path, edit, message):
     directory = _variant(hub_bert[1], tmp_path / "st")
     edit(directory)
