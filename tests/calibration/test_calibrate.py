@@ -136,7 +136,7 @@ def _quality(bundle_path, reference, chunks):
     ("int4", {"block_size": 32}, 2.0),
 ])
 def test_quantized_tiny_stays_close_to_fp32(tmp_path, fp32, heldout, precision, options, max_ppl_pct):
-    q = calibrate(fp32.path, tmp_path / precision, precision=precision, **options)
+    q = calibrate(fp32.path, tmp_path / precision, recipe="fixed", precision=precision, **options)
     delta, top1 = _quality(q.path, fp32.path, heldout)
     assert delta <= max_ppl_pct, f"perplexity +{delta:.2f}%"
     assert top1 >= 0.9, top1
