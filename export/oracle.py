@@ -22,15 +22,15 @@ on a written bundle.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from kvforge.bundle import MANIFEST
+from kvforge.bundle import Bundle
 from kvforge.errors import KvforgeError
+from kvforge.schema import read_json
 
 from .validate import TOLERANCES
 from .validate_report import EPS32, judge_noise
@@ -228,16 +228,14 @@ def _cannot(transformers, what: str, e: Exception) -> dict[str, Any]:
 
 def _hf_config(where: dict[str, Any]) -> dict[str, Any]:
     path = Path(where["path"]) / "config.json"
-    return json.loads(path.read_text()) if where.get("gguf_file") is None and path.is_file() else {}
+    return read_json(path) if where.get("gguf_file") is None and path.is_file() else {}
 
 
-def _graph_outputs(oracle: Oracle, bundle_dir, rows) -> list[dict[str, np.ndarray]]:
+def _graph_outputs(oracle: Oracle, bundle, rows) -> list[dict[str, np.ndarray]]:
     """The written graph's outputs on each row of ids, one row a run from an empty cache (ONNX Runtime, as every
     session of the bundle runs it)."""
-    from kvforge.bundle import Bundle
     from kvforge.ort_session import make_session, prefill_feeds
 
-    bundle = Bundle(bundle_dir)
     session = make_session(bundle.graph_file, bundle.quantization_format)
     names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
     out = []
@@ -249,10 +247,11 @@ def _graph_outputs(oracle: Oracle, bundle_dir, rows) -> list[dict[str, np.ndarra
 
 
 def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
+    bundle = Bundle(bundle_dir)
     rows, inputs = [], "text"
     if tokenizer is None:  # a checkpoint without tokenizer files (a random-weight one): the same ids to both
         rng = np.random.default_rng(0)
-        vocab = json.loads((Path(bundle_dir) / MANIFEST).read_text())["model"]["vocab_size"]
+        vocab = bundle.model_config["vocab_size"]
         rows, inputs = [rng.integers(min(3, vocab - 1), vocab, n).tolist() for n in ID_ROWS], "token ids"
     try:
         theirs = None if tokenizer is None else transformers.AutoTokenizer.from_pretrained(
@@ -267,7 +266,7 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
                                f"bundle's tokenizer gives {ours[max(0, at - 2):at + 3]} at position {at}, transformers' "
                                f"{expected[max(0, at - 2):at + 3]} ({len(ours)} ids against {len(expected)})")
         rows.append(ours)
-    graph = _graph_outputs(oracle, bundle_dir, rows)
+    graph = _graph_outputs(oracle, bundle, rows)
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # kvforge's own progress is on screen
     try:
@@ -315,7 +314,6 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
 def against_transformers(bundle_path) -> dict[str, Any]:
     """`kvforge compare --against transformers`: the check export runs, on a written float32 bundle, whatever its
     size (no export memory bound applies here). Raises a KvforgeError naming the end that departs."""
-    from kvforge.bundle import Bundle
     from kvforge.model_defs import load
     from kvforge.tokenizer import Tokenizer
 
