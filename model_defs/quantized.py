@@ -217,13 +217,22 @@ def follow(codes: WeightCodes, fn: Callable[[torch.Tensor], torch.Tensor], trans
     fn runs on two index tensors, each element's row and column in the codes: its result must keep every
     column in place and give each row one source row."""
     out, k = codes.shape
-    r = torch.arange(out, dtype=torch.float32)[:, None].expand(out, k).contiguous()
-    c = torch.arange(k, dtype=torch.float32)[None, :].expand(out, k).contiguous()
-    if transposed:
-        r, c = r.T.contiguous(), c.T.contiguous()
-    try:
-        r2, c2 = fn(r), fn(c)
-    except (RuntimeError, ValueError):
+    r2 = c2 = None
+    # the index tensors first as broadcast views (no memory: a 262k-row embedding's two float32 index tables were
+    # 1.3 GB), then, where fn cannot take a view, whole
+    for dense in (False, True):
+        r = torch.arange(out, dtype=torch.float32)[:, None].expand(out, k)
+        c = torch.arange(k, dtype=torch.float32)[None, :].expand(out, k)
+        if transposed:
+            r, c = r.T, c.T
+        if dense:
+            r, c = r.contiguous(), c.contiguous()
+        try:
+            r2, c2 = fn(r), fn(c)
+            break
+        except (RuntimeError, ValueError):
+            continue
+    if r2 is None:
         return None
     if r2.ndim != 2 or r2.shape != c2.shape or r2.shape[1] != k:
         return None

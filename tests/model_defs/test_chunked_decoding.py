@@ -129,3 +129,27 @@ def test_a_reader_keeps_no_buffer_for_a_table(tmp_path, monkeypatch):
     assert torch.equal(small, want["small"]) and shards._buffer.numel() == 8 * 8 * 4
     assert small.untyped_storage().data_ptr() == shards._buffer.untyped_storage().data_ptr()
     assert torch.equal(shards.read_rows("table", torch.tensor([1, 2, 40])), want["table"][[1, 2, 40]])
+
+
+def test_following_a_transform_reads_index_views_not_tables():
+    """follow() learns what a transform does to rows and columns from index tensors: as broadcast views first (a
+    262k-row embedding's two float32 tables were 1.3 GB), whole only for a transform a view cannot take. The
+    codes carried are what the transform does to the float weight, checked against the transform itself."""
+    rows, cols = 64, 32
+    w = np.random.default_rng(0).integers(-8, 8, (rows, cols)).astype(np.int8)
+    codes = quantized.WeightCodes(w, np.ones((rows, 1), np.float32), cols)
+    float_w = torch.from_numpy(codes.dequantize())
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    def permute(x):  # a row permutation (GGUF's Q/K head order): its inputs' storage recorded
+        seen.append(x.untyped_storage().nbytes())
+        return x[perm]
+
+    carried = quantized.follow(codes, permute)
+    assert carried is not None and np.array_equal(carried.dequantize(), permute(float_w).numpy())
+    assert max(seen[:2]) < rows * 8 + cols * 8  # the two probes were views of one index row each
+    in_place = quantized.follow(codes, lambda x: x.mul_(1.0))  # a view cannot be written: the tables are made
+    assert in_place is not None and np.array_equal(in_place.dequantize(), float_w.numpy())
+    assert quantized.follow(codes, lambda x: x * 2.0) is None  # not a selection of rows
+    assert quantized.follow(codes, lambda x: x[:, torch.arange(cols).flip(0)]) is None  # columns moved
