@@ -19,6 +19,14 @@ pad without end). Properties come in the schema's order. A schema is checked wit
 (its declared draft, else 2020-12) and then compiled; what the engine does not implement (an unknown `format`,
 say) is refused, never silently ignored. Every problem is a KvforgeError raised before any forward pass.
 
+`"strict": true` (OpenAI's structured outputs) means no property beyond those declared: the schema is tightened
+as xgrammar's strict mode tightens it (`strict_schema`: additionalProperties false on every object that says
+nothing of other properties, no array item beyond prefixItems). OpenAI refuses such a schema in strict mode
+unless it says `additionalProperties: false` itself and requires every property; kvforge tightens it instead,
+so every schema OpenAI takes means the same here and one it refuses still gets output its schema admits (with
+JSON Schema's own reading, an undeclared property is allowed: a model writes one at will). Without `strict`
+the schema means what JSON Schema says.
+
 Each row has its own matcher. At each step the row's mask allows the tokens the grammar allows, never a
 special token, and the model's stop tokens exactly when the grammar accepts; the row ends ("stop") when the
 grammar is complete and nothing but a stop token may follow. Vocabulary rows beyond the tokenizer's
@@ -172,7 +180,10 @@ def _grammar_of(kind: str, fmt: dict) -> str:
             raise KvforgeError("response_format json_schema needs json_schema['schema'], the JSON Schema to follow")
         schema = spec["schema"]
         check_schema(schema, "response_format json_schema['schema']")
-        grammar = _json_grammar(llg, schema)
+        strict = spec.get("strict", False)
+        if not isinstance(strict, bool):
+            raise KvforgeError(f"response_format json_schema['strict'] must be true or false, got {strict!r:.80}")
+        grammar = _json_grammar(llg, strict_schema(schema) if strict else schema)
     elif kind == "regex":
         grammar = llg.LLMatcher.grammar_from_regex(_field(fmt, "regex", str, "a regular expression"))
     elif kind == "grammar":
@@ -193,6 +204,38 @@ def _grammar_of(kind: str, fmt: dict) -> str:
     if problem:
         raise KvforgeError(f"response_format {kind} does not compile: {problem.strip()}")
     return grammar
+
+
+# where a schema holds subschemas: keyword -> how (one schema, a list of them, or a map of them)
+_SUBSCHEMAS = {"properties": "map", "patternProperties": "map", "$defs": "map", "definitions": "map",
+               "additionalProperties": "one", "items": "one", "contains": "one", "prefixItems": "list",
+               "anyOf": "list", "oneOf": "list"}
+
+
+def strict_schema(schema: Any) -> Any:
+    """A JSON Schema read as OpenAI's strict mode reads it, tightened as xgrammar's strict mode tightens it: an
+    object admits no property beyond those it declares (additionalProperties false where the schema says nothing
+    of other properties) and an array with prefixItems no item beyond them. Every document the result admits
+    the schema admits too. Subschemas of allOf are left as written: each sees only its own properties, so a
+    tightened branch would refuse the others' (OpenAI's strict mode does not take allOf)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, how in _SUBSCHEMAS.items():
+        value = out.get(key)
+        if how == "one" and isinstance(value, dict):
+            out[key] = strict_schema(value)
+        elif how == "list" and isinstance(value, list):
+            out[key] = [strict_schema(v) for v in value]
+        elif how == "map" and isinstance(value, dict):
+            out[key] = {k: strict_schema(v) for k, v in value.items()}
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if ("object" in types or "properties" in out) and not {"additionalProperties", "unevaluatedProperties",
+                                                           "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not {"items", "unevaluatedItems"} & set(out):
+        out["items"] = False
+    return out
 
 
 def _json_grammar(llg, schema) -> str:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Iterator
 
 from kvforge.chat import TemplateError, template_variables
 from kvforge.errors import KvforgeError, MissingDependencyError
+from kvforge.runtime.constrain import strict_schema
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -160,6 +161,8 @@ class ToolFormat:
         fn = tool["function"]
         params = copy.deepcopy(fn.get("parameters") or EMPTY_PARAMETERS)
         params.setdefault("type", "object")
+        if fn.get("strict") is True:  # OpenAI's strict function calling: no argument beyond those declared
+            params = strict_schema(params)
         defs = {}
         for key in ("$defs", "definitions"):
             defs.update({f"{fn['name']}.{k}": v for k, v in (params.pop(key, None) or {}).items()})
@@ -375,6 +378,8 @@ def check_tools(tools: Any) -> list[dict] | None:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise KvforgeError(f"{where} ({name}): description must be a string, "
                                f"got {type(fn['description']).__name__}")
+        if not isinstance(fn.get("strict", False), bool) and fn.get("strict") is not None:
+            raise KvforgeError(f"{where} ({name}): strict must be true or false, got {fn['strict']!r:.80}")
         params = fn.get("parameters")
         if params is None:
             continue

@@ -239,6 +239,8 @@ def test_logprobs_are_the_raw_log_softmax_of_the_models_logits(micro, fmt):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": -1}}},
      "not a valid JSON Schema"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, r"json_schema\['schema'\]"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strict": "yes"}},
+     r"json_schema\['strict'\] must be true or false"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "bogus"}}}, "Unknown format: bogus"),
     ({"type": "regex", "regex": "(ab"}, "(?s)regex does not compile.*unclosed group"),
     ({"type": "regex"}, "needs 'regex'"),
@@ -286,6 +288,51 @@ def test_masks_never_allow_specials_or_padding_rows_and_eos_only_when_complete()
         assert row.advance(byte) == (step == 2)  # "aba" is complete: nothing may follow
     assert row.done
     assert masks([None, None], 300) is None
+
+
+def _admits(fmt: dict, text: str) -> bool:
+    """Whether the format's grammar lets a row write `text` and stop (byte-level tokenizer: one token a byte)."""
+    row = constraint(parse_response_format(fmt), Tokenizer.byte_level(), 300, {257})
+    for byte in text.encode():
+        if not masks([row], 300)[0][byte]:
+            return False
+        row.advance(byte)
+    return row.done or bool(masks([row], 300)[0][257])
+
+
+STRICT_CASES = [  # (schema, the same schema as OpenAI's strict mode requires it written, documents)
+    ({"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                                       "score": {"type": "number"}}},
+     {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                                       "score": {"type": "number"}}, "additionalProperties": False},
+     [{"name": "a", "tags": ["x"], "score": 1}, {"name": "a", "tags": [], "score": 2, "scorevector": [1]},
+      {"name": "a"}, {"name": "a", "x": None}]),
+    ({"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}, "q": {"type": "array", "prefixItems": [
+        {"type": "integer"}]}}, "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+     {"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}, "q": {"type": "array", "prefixItems": [
+         {"type": "integer"}], "items": False}}, "$defs": {"point": {"type": "object", "properties": {
+             "x": {"type": "integer"}}, "additionalProperties": False}}, "additionalProperties": False},
+     [{"p": {"x": 1}}, {"p": {"x": 1, "y": 2}}, {"q": [1]}, {"q": [1, 2]}, {"p": {"x": 1}, "r": 0}]),
+    ({"type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+     {"type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+     [{"k": "a"}, {"k": "a", "n": 1}, {"k": "a", "n": "b"}]),
+]
+
+
+@pytest.mark.parametrize("schema, openai_strict, documents", STRICT_CASES)
+def test_strict_schemas_admit_no_property_they_do_not_declare(schema, openai_strict, documents):
+    """"strict": true reads a schema as OpenAI's strict mode does (no property or prefixItems item beyond those
+    declared; a schema's own additionalProperties kept); without it, as JSON Schema does. The oracle is jsonschema
+    on the schema as OpenAI requires a strict one written, and on the schema as given."""
+    for strict in (True, False):
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}}
+        oracle = jsonschema.Draft202012Validator(openai_strict if strict else schema)
+        assert [_admits(fmt, json.dumps(d)) for d in documents] == [oracle.is_valid(d) for d in documents]
+    strict = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    loose = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert [_admits(loose, json.dumps(d)) for d in documents] == [
+        jsonschema.Draft202012Validator(schema).is_valid(d) for d in documents]
+    assert sum(_admits(strict, json.dumps(d)) for d in documents) < len(documents)
 
 
 def test_the_engine_reads_a_sentencepiece_tokenizer(tmp_path):

@@ -549,6 +549,25 @@ def test_the_hermes_constraint_is_the_documented_shape():
     assert set(T.tool_constraint(TOOLS, "required", "hermes")["schema"]) == {"anyOf"}
 
 
+def test_a_strict_tools_forced_call_takes_no_argument_it_does_not_declare():
+    """OpenAI's strict function calling: with "strict": true no argument (nor nested field) beyond those declared
+    is allowed, however the parameters schema is written; without it, JSON Schema's reading (extra allowed).
+    The oracle is jsonschema on what OpenAI's strict mode requires the schema to say, written out here."""
+    loose = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "object", "properties": {"k": {"type": "string"}}}}}, "required": ["name"]}
+    tight = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": False}}},
+        "required": ["name"], "additionalProperties": False}
+    calls = [{"name": "x"}, {"name": "x", "tags": [{"k": "a"}]}, {"name": "x", "score": 1},
+             {"name": "x", "tags": [{"k": "a", "v": 2}]}, {"tags": []}]
+    for strict in (True, False, None):
+        fn = {"name": "tag", "parameters": loose, **({} if strict is None else {"strict": strict})}
+        schema = T.tool_constraint([{"type": "function", "function": fn}], "required", "hermes")["schema"]
+        got = [jsonschema.Draft202012Validator(schema).is_valid({"name": "tag", "arguments": c}) for c in calls]
+        want = [jsonschema.Draft202012Validator(tight if strict else loose).is_valid(c) for c in calls]
+        assert got == want and got.count(True) == (2 if strict else 4)
+
+
 MARKERS = st.sampled_from(["</tool_call>", "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "}", "]", ";", '"', "\n"])
 
 
@@ -597,6 +616,7 @@ TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "ar
      r"parameters is not a JSON schema.*at properties/a"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
      "must describe an object"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]), r"\(f\): strict must be true or false"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "rm_rf"}}),
      "names the function 'rm_rf', which is not among the tools"),
     (dict(tools=TOOLS, tool_choice="always"), "tool_choice must be one of none, auto, required"),
