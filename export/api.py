@@ -24,8 +24,8 @@ from kvforge.kinds import kind_of
 from kvforge.onnx_graph import save_with_data
 from kvforge.model_defs import DEFAULT_MODEL, source_kind
 from kvforge.model_defs.architectures import preset_config
-from kvforge.model_defs.checkpoint import (PACKAGED, TRAINED, gguf_path, load_quantized, load_streamed, prequantized,
-                                           source_parameters, streamed_codes, trained_dir)
+from kvforge.model_defs.checkpoint import (PACKAGED, TRAINED, gguf_path, ignored_tensors, load_quantized, load_streamed,
+                                           prequantized, source_parameters, streamed_codes, trained_dir)
 from kvforge.model_defs.lora import add_slots, target_names
 from kvforge.model_defs.quantized import QuantizedCheckpoint
 from kvforge.model_defs.weights import for_tracing, streamed
@@ -212,7 +212,7 @@ def export(
             "stage": "export",
             "tool": f"kvforge {kvforge.__version__}",
             "time": now_utc(),
-            "input": source_digest(source),
+            "input": {**source_digest(source), **({"ignored": ignored} if (ignored := ignored_tensors(source)) else {})},
             "options": {"dtype": dtype, "opset": opset, "max_context": max_context, "external_data": external_data,
                         "dequantize": dequantize,
                         **({"lora_max_rank": lora_max_rank, "lora_targets": targets} if lora_max_rank else {})},

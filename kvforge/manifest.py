@@ -68,7 +68,8 @@ PRECISION = Rec({"dtype": Enum(*DTYPES), "quantization": Opt(QUANTIZATION)}, req
 FILES = DictOf(Rec({"bytes": COUNT, "sha256": SHA256}, required=("bytes", "sha256")))
 LINEAGE = ListOf(Rec({
     "stage": Enum(*STAGES), "tool": str, "time": str,
-    "input": Rec({"source": Opt(str), "kind": str, "sha256": Opt(str)}),
+    # export from a Hugging Face directory: its tensors the model does not read, and why
+    "input": Rec({"source": Opt(str), "kind": str, "sha256": Opt(str), "ignored": Opt(DictOf(str))}),
     "options": DictOf(AnyJSON), "versions": DictOf(Opt(str)), "seconds": DictOf(METRIC),
 }, required=("stage", "tool", "time")))
 

@@ -241,6 +241,27 @@ def load_streamed(source: str | os.PathLike) -> tuple[torch.nn.Module, Tokenizer
     return model.eval(), tokenizer, weights
 
 
+def ignored_tensors(source: str | os.PathLike) -> dict[str, str]:
+    """The tensors of a Hugging Face directory's float checkpoint that the model does not read, by the file's
+    names, each with why (a buffer transformers does not load, a head or pooler the config's task does not use, a
+    tied copy): only names and shapes are read. {} for other sources and where nothing is left unread."""
+    if source_kind(source) != "hf":
+        return {}
+    directory = Path(source)
+    hf_config = hf.read_hf_config(directory)
+    if hf_config.get("quantization_config"):
+        return {}
+    shards = hf.weight_shards(hf.weight_files(directory))
+    cfg = hf.config_from_hf(hf_config, shards.entries)
+    with no_init():
+        model = skeleton(build(cfg))
+    original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
+    metas = {n: shards.read_meta(original[n]) for n in original}
+    ignored: dict[str, str] = {}
+    hf.weight_plan(model, cfg.family, metas, hf_config, lambda a, b: True, ignored)  # copies: equal, as loading checked
+    return {original[n]: why for n, why in sorted(ignored.items())}
+
+
 def streamed_codes(source: str | os.PathLike, model: torch.nn.Module, weights: WeightSource
                    ) -> QuantizedCheckpoint | None:
     """The quantized codes of a source `load_streamed` reads (`model`, `weights`: what it returned) under

@@ -192,13 +192,15 @@ def state_dict_from_hf(model: torch.nn.Module, family: str, tensors: dict[str, t
 
 
 def weight_plan(model: torch.nn.Module, family: str, tensors: dict[str, torch.Tensor],
-                hf_config: dict[str, Any] | None, same: Callable[[str, str], bool]) -> dict[str, tuple[str, Any]]:
+                hf_config: dict[str, Any] | None, same: Callable[[str, str], bool],
+                ignored: dict[str, str] | None = None) -> dict[str, tuple[str, Any]]:
     """Each of `model`'s parameters (but the tied ones) -> (the checkpoint tensor it comes from, the transform it
     takes), checked against `tensors` (names normalized; meta tensors do: only shapes are read): every parameter
     from exactly one tensor of the right shape after its transform, every tensor used; a copy of a used tensor
     (a tied head written anyway) is accepted where same(copy, name) says it equals it.
 
-    Raises one KvforgeError that lists every missing tensor, every unused one and every shape mismatch.
+    Raises one KvforgeError that lists every missing tensor, every unused one and every shape mismatch. ignored:
+    filled with each tensor the plan leaves unread and why (as transformers ignores it on load).
     """
     spec = FAMILIES[family]
     table = spec.weights(hf_config or {}, model.config)
@@ -239,6 +241,8 @@ def weight_plan(model: torch.nn.Module, family: str, tensors: dict[str, torch.Te
             a, b = tensors[copy], tensors[name]
             if a.shape != b.shape or not same(copy, name):
                 differ.append(f"{copy} (tied to {name})")
+            elif ignored is not None:
+                ignored[copy] = f"a copy of {name} (tied)"
     if missing or extra or shapes or differ:
         lines = []
         if missing:
@@ -250,6 +254,10 @@ def weight_plan(model: torch.nn.Module, family: str, tensors: dict[str, torch.Te
         if shapes:
             lines.append("shape mismatches:\n    " + "\n    ".join(shapes))
         raise KvforgeError(f"{family} checkpoint does not match its config:\n  " + "\n  ".join(lines))
+    if ignored is not None:
+        for k in sorted(set(tensors) - used - set(ignored)):
+            ignored[k] = ("a buffer transformers does not load" if any(p.search(k) for p in _IGNORED) else
+                          "not part of the model this config builds (a head or pooler its task does not use)")
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,6 +150,10 @@ def test_hub_checkpoint_quirks_export_and_equal_transformers_from_text(hub_bert,
         assert session.tokenize(TEXTS) == ids  # the file's fixed padding and truncation not applied
         vectors = session.embed(TEXTS)  # the directory's own pooling (mean) and normalization
     assert bundle.model_config["embedding"]["pooling"] == "mean" and bundle.model_config["embedding"]["normalize"]
+    # what the model does not read is reported by the file's name: here only the buffer the quirk added
+    ignored = bundle.manifest["lineage"][0]["input"].get("ignored", {})
+    assert ignored == ({"embeddings.position_ids": "a buffer transformers does not load"} if quirk == "position-ids"
+                       else {}), ignored
     cosine = (vectors * expected).sum(1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(expected, axis=1)
     assert cosine.min() >= COSINE, cosine
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
@@ -279,3 +284,29 @@ def test_compare_against_transformers_from_the_command_line(hub_bert, tmp_path):
     assert "transformers end to end: token ids equal on 4 texts, last_hidden_state within" in out.output
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["compared"] and record["passed"] and record["worst"]["ratio"] <= record["noise_multiple"]
+
+
+def test_tensors_the_model_does_not_read_are_reported_with_why(hf_checkpoint, tmp_path):
+    """A decoder checkpoint carrying what older exports saved: a rotary buffer and a written copy of a tied
+    embedding (for a tied config). Each is read past and reported by its file name, with why; a tensor that is
+    none of these is refused, named."""
+    from safetensors.torch import load_file, save_file
+
+    from kvforge.model_defs.checkpoint import ignored_tensors
+
+    src = Path(hf_checkpoint("llama"))
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.pop("lm_head.weight", None)
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+             "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    save_file({**tensors, **extra}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert ignored_tensors(d) == {"lm_head.weight": "a copy of model.embed_tokens.weight (tied)",
+                                  "model.layers.0.self_attn.rotary_emb.inv_freq": "a buffer transformers does not load"}
+    save_file({**tensors, **extra, "model.layers.0.mlp.extra.weight": torch.ones(2, 2)}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(KvforgeError, match=r"unexpected tensors \(1\): \['model.layers.0.mlp.extra.weight'\]"):
+        ignored_tensors(d)
