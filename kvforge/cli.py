@@ -464,7 +464,8 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
               help="L2-normalize each vector. Default: the checkpoint's own (a sentence-transformers Normalize "
                    "module), else not.")
 @click.option("--classify", "with_classes", is_flag=True, help="Also print each text's class (a model with a classification head).")
-@click.option("--truncate", is_flag=True, help="Cut texts longer than the bundle's maximum input instead of failing.")
+@click.option("--truncate", is_flag=True, help="Cut texts longer than the model's maximum input (a sentence-transformers "
+              "model's max_seq_length) as transformers cuts them, special tokens kept, instead of failing.")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
               help="auto: ONNX Runtime; torch: the reference model the bundle was exported from.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the vectors (and classes).")

@@ -225,10 +225,22 @@ class Tokenizer:
         _check_utf8(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
+                     max_length: int | None = None) -> list[list[int]]:
+        """Token ids of each text; max_length: at most that many, the text cut before its special tokens are added
+        (so a [CLS] ... [SEP] row keeps both), as transformers' truncation=True, max_length=N cuts."""
         for text in texts:
             _check_utf8(text)
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        if max_length is None:
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        room = max_length - (self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0)
+        if room < 1:
+            raise KvforgeError(f"max_length {max_length} leaves no room for text beside the special tokens")
+        out = []
+        for e in self.backend.encode_batch(list(texts), add_special_tokens=False):
+            e.truncate(room)
+            out.append(self.backend.post_process(e, None, add_special_tokens).ids)
+        return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids past the tokenizer's vocabulary have no text and are skipped, as in transformers:

@@ -46,6 +46,10 @@ class EncoderSession(GraphSession):
         model a quantized bundle was made from, what compare measures against)."""
         super().__init__(bundle, backend, **options)
         self.max_length = self.io.max_context or self.config["max_seq_len"]
+        # where texts are cut on request (truncate=True): a sentence-transformers model's own max_seq_length (what
+        # SentenceTransformer.encode cuts at), else the bundle's longest input
+        recorded = (self.config.get("embedding") or {}).get("max_seq_length")
+        self.truncate_length = min(recorded, self.max_length) if recorded else self.max_length
         self.input_names = [t.name for t in self.io.inputs]
         self.output_names = [t.name for t in self.io.outputs]
 
@@ -114,18 +118,19 @@ class EncoderSession(GraphSession):
             raise KvforgeError("texts must be a string, a non-empty list of strings, or a list of token id lists")
         if self.tokenizer is None:
             raise KvforgeError(f"{self.source} has no tokenizer; call run() with token ids")
-        rows = self.tokenizer.encode_batch(list(texts))
+        # cut where asked as transformers cuts (the text, then its special tokens), never otherwise
+        rows = self.tokenizer.encode_batch(list(texts), max_length=self.truncate_length if truncate else None)
         for i, row in enumerate(rows):
             if not row:
                 raise KvforgeError(f"text {i} encodes to no tokens")
-        return [self._fit(i, r, truncate) for i, r in enumerate(rows)]
+        return [self._fit(i, r, False) for i, r in enumerate(rows)]
 
     def _fit(self, i: int, row: list[int], truncate: bool) -> list[int]:
         if len(row) > self.max_length:
             if not truncate:
                 raise KvforgeError(f"text {i} is {len(row)} tokens, more than this bundle's {self.max_length}; "
                                    "pass truncate=True to cut it")
-            return row[:self.max_length]
+            return row[:self.max_length]  # token ids given: cut as given
         return row
 
     def feeds(self, rows: list[list[int]]) -> dict[str, np.ndarray]:

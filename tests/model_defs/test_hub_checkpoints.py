@@ -174,6 +174,32 @@ def test_tokenizer_file_padding_and_truncation_apply_only_on_request(hub_bert, t
     assert Tokenizer.from_file(tmp_path / "tokenizer.json").encode(long_text) == ours.encode(long_text)
 
 
+def test_texts_are_cut_only_on_request_as_transformers_cuts_them(hub_bert, tmp_path):
+    """Neither tokenizer.json's truncation nor model_max_length cuts a text unasked; truncate=True cuts it as
+    transformers' truncation=True does (the text first, [CLS] and [SEP] kept), at a sentence-transformers
+    model's max_seq_length (what SentenceTransformer.encode cuts at). Embeddings of the cut text equal
+    transformers' on the same ids."""
+    from transformers import AutoTokenizer
+
+    model, src = hub_bert
+    directory = _variant(src, tmp_path / "st")
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 20, "do_lower_case": False}))
+    bundle = export(str(directory), tmp_path / "bundle")
+    theirs = AutoTokenizer.from_pretrained(directory)
+    long_text = "the cat sat on a mat " * 8
+    cut = theirs(long_text, truncation=True, max_length=20)["input_ids"]
+    assert len(cut) == 20 and cut[0] == 2 and cut[-1] == 3
+    with runtime.load(bundle.path) as session:
+        whole = session.tokenize(long_text)
+        assert whole == [theirs(long_text)["input_ids"]] and len(whole[0]) > FIXED
+        assert session.tokenize(long_text, truncate=True) == [cut]
+        vector = session.embed(long_text, truncate=True)
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([cut])).last_hidden_state[0]
+    expected = torch.nn.functional.normalize(hidden.mean(0), dim=0).numpy()
+    assert float(vector[0] @ expected) >= COSINE
+
+
 class _Payload:
     def __reduce__(self):  # what a malicious pickle does: call something when loaded
         return (print, ("this ran",))
