@@ -242,6 +242,23 @@ class Tokenizer:
             out.append(self.backend.post_process(e, None, add_special_tokens).ids)
         return out
 
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], max_length: int | None = None
+                     ) -> tuple[list[list[int]], list[list[int]]]:
+        """(token ids, token type ids) of each (text, text pair) as the post-processor joins them ([CLS] a [SEP] b
+        [SEP], the second text's types 1), as transformers' tokenizer(text, text_pair) gives them; max_length: cut
+        the longer text first until the pair fits (transformers' truncation=True, "longest_first")."""
+        for a, b in pairs:
+            _check_utf8(a)
+            _check_utf8(b)
+        backend = self.backend
+        if max_length is not None:  # a copy: the shared backend stays without truncation
+            backend = type(self.backend).from_str(self.backend.to_str())
+            if max_length <= backend.num_special_tokens_to_add(True):
+                raise KvforgeError(f"max_length {max_length} leaves no room for text beside the special tokens")
+            backend.enable_truncation(max_length, strategy="longest_first")
+        encodings = backend.encode_batch([(a, b) for a, b in pairs])
+        return [e.ids for e in encodings], [e.type_ids for e in encodings]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids past the tokenizer's vocabulary have no text and are skipped, as in transformers:
         a model's embedding is often padded beyond its tokenizer (Qwen2), and it may generate those ids."""

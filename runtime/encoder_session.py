@@ -107,13 +107,37 @@ class EncoderSession(GraphSession):
 
     # -- text --------------------------------------------------------------------------
     def tokenize(self, texts: str | Sequence[str], truncate: bool = False) -> list[list[int]]:
-        """Token id rows for texts (a list of token id lists passes through, checked for length)."""
+        """Token id rows for texts (a list of token id lists passes through, checked for length; a list of
+        (text, text pair) tuples joins each pair as the tokenizer's post-processor does: tokenize_pairs)."""
+        return self._rows(texts, truncate)[0]
+
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], truncate: bool = False
+                       ) -> tuple[list[list[int]], list[list[int]]]:
+        """(token ids, token type ids) of each (text, text pair), as transformers' tokenizer(text, text_pair)
+        gives them: what a cross-encoder scores."""
+        if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(t, str) for t in p)
+                                for p in pairs):
+            raise KvforgeError("pairs must be a non-empty list of (text, text pair) tuples of two strings")
+        if self.tokenizer is None:
+            raise KvforgeError(f"{self.source} has no tokenizer; call run() with token ids")
+        if "token_type_ids" not in self.input_names:
+            raise KvforgeError(f"{self.source} takes no token_type_ids: it does not tell a pair's two texts apart")
+        rows, types = self.tokenizer.encode_pairs(pairs, self.truncate_length if truncate else None)
+        for i, row in enumerate(rows):
+            self._fit(i, row, False)
+        return rows, types
+
+    def _rows(self, texts, truncate: bool) -> tuple[list[list[int]], list[list[int]] | None]:
+        """(token id rows, their token type ids or None) for texts, token id lists or text pairs."""
         if isinstance(texts, str):
             texts = [texts]
         if isinstance(texts, Sequence) and texts and all(
+                isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in texts):
+            return self.tokenize_pairs([tuple(t) for t in texts], truncate)
+        if isinstance(texts, Sequence) and texts and all(
                 isinstance(r, (list, tuple)) and r and all(isinstance(t, (int, np.integer)) for t in r) for r in texts):
             rows = [[int(t) for t in r] for r in texts]
-            return [self._fit(i, r, truncate) for i, r in enumerate(rows)]
+            return [self._fit(i, r, truncate) for i, r in enumerate(rows)], None
         if not texts or not all(isinstance(t, str) for t in texts):
             raise KvforgeError("texts must be a string, a non-empty list of strings, or a list of token id lists")
         if self.tokenizer is None:
@@ -123,7 +147,7 @@ class EncoderSession(GraphSession):
         for i, row in enumerate(rows):
             if not row:
                 raise KvforgeError(f"text {i} encodes to no tokens")
-        return [self._fit(i, r, False) for i, r in enumerate(rows)]
+        return [self._fit(i, r, False) for i, r in enumerate(rows)], None
 
     def _fit(self, i: int, row: list[int], truncate: bool) -> list[int]:
         if len(row) > self.max_length:
@@ -133,25 +157,25 @@ class EncoderSession(GraphSession):
             return row[:self.max_length]  # token ids given: cut as given
         return row
 
-    def feeds(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
-        """Right-padded input_ids and attention_mask (and zero token_type_ids) for token id rows."""
+    def feeds(self, rows: list[list[int]], types: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+        """Right-padded input_ids and attention_mask (and token_type_ids: `types`, else zeros) for token id rows."""
         ids, mask = right_padded(rows, self.config.get("pad_token_id"))
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self.input_names:
-            feeds["token_type_ids"] = np.zeros_like(ids)
+            feeds["token_type_ids"] = right_padded(types, 0)[0] if types is not None else np.zeros_like(ids)
         return feeds
 
     def encode(self, texts: str | Sequence[str], batch_size: int = 32, truncate: bool = False
                ) -> list[dict[str, np.ndarray]]:
-        """Every output for each text, its padding removed from per-token outputs."""
+        """Every output for each text (or (text, text pair) tuple), its padding removed from per-token outputs."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise KvforgeError(f"batch_size must be a positive integer, got {batch_size!r}")
-        rows = self.tokenize(texts, truncate)
+        rows, types = self._rows(texts, truncate)
         per_token = set(self.io.extra.get("per_token_outputs", []))
         results = []
         for start in range(0, len(rows), batch_size):
             chunk = rows[start:start + batch_size]
-            out = self.run(self.feeds(chunk))
+            out = self.run(self.feeds(chunk, None if types is None else types[start:start + batch_size]))
             for i, r in enumerate(chunk):
                 results.append({n: (v[i, :len(r)] if n in per_token else v[i]) for n, v in out.items()})
         return results
@@ -183,15 +207,21 @@ class EncoderSession(GraphSession):
         return vectors
 
     def classify(self, texts: str | Sequence[str], batch_size: int = 32, truncate: bool = False) -> list[dict[str, Any]]:
-        """Per text: the top class (`label`, `index`, `score`) and every class's probability (`scores`)."""
+        """Per text, or per (text, text pair) tuple (a cross-encoder): the top class (`label`, `index`, `score`)
+        and every class's probability (`scores`): the softmax of the logits, or with one label (a cross-encoder's
+        relevance, a regression) its sigmoid, as transformers' text-classification pipeline and
+        sentence-transformers' CrossEncoder score them."""
         if self.config.get("head") != "classification":
             raise KvforgeError(f"{self.source} has no classification head (head={self.config.get('head')!r})")
         labels = self.config.get("labels") or [f"LABEL_{i}" for i in range(self.config["num_labels"])]
         out = []
         for r in self.encode(texts, batch_size, truncate):
             logits = r["logits"].astype(np.float64)
-            p = np.exp(logits - logits.max())
-            p /= p.sum()
+            if logits.size == 1:
+                p = 1.0 / (1.0 + np.exp(-logits))
+            else:
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
             i = int(p.argmax())
             out.append({"label": labels[i], "index": i, "score": float(p[i]), "scores": p.astype(np.float32).tolist()})
         return out

@@ -336,3 +336,49 @@ def test_tensors_the_model_does_not_read_are_reported_with_why(hf_checkpoint, tm
               metadata={"format": "pt"})
     with pytest.raises(KvforgeError, match=r"unexpected tensors \(1\): \['model.layers.0.mlp.extra.weight'\]"):
         ignored_tensors(d)
+
+
+@pytest.mark.parametrize("labels", [1, 3], ids=["relevance", "three-classes"])
+def test_a_cross_encoder_scores_text_pairs_as_transformers_does(hub_bert, tmp_path, labels):
+    """A BERT sequence classifier over text pairs (a cross-encoder: one relevance logit, or several classes): the
+    pair's ids and token types equal transformers' tokenizer(text, text_pair), and classify's probabilities equal
+    the sigmoid (one label, as CrossEncoder.predict and the text-classification pipeline score it) or the softmax
+    of transformers' logits; a pair too long is cut on request as transformers cuts it (longest first)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    _, src = hub_bert
+    directory = tmp_path / "cross"
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=json.loads((src / "config.json").read_text())["vocab_size"],
+                                  max_position_embeddings=128, num_labels=labels, attn_implementation="eager")
+    torch.manual_seed(1)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, directory / name)
+    pairs = [("is the cat on the mat?", "the cat sat on the mat."), ("a dog!", "cats and dogs and mats"),
+             ("where is the dog", "is the dog on a mat, and the cat?")]
+    theirs = AutoTokenizer.from_pretrained(directory)
+    # (a BertTokenizer checkpoint returns token types by default; this file's generic class is asked for them)
+    enc = theirs([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt",
+                 return_token_type_ids=True)
+    with torch.no_grad():
+        logits = model(**enc).logits.double()
+    expected = torch.sigmoid(logits) if labels == 1 else torch.softmax(logits, -1)
+    bundle = export(str(directory), tmp_path / "bundle")
+    with runtime.load(bundle.path) as session:
+        ids, types = session.tokenize_pairs(pairs)
+        n = enc["attention_mask"].sum(1).tolist()
+        assert ids == [r[:k] for r, k in zip(enc["input_ids"].tolist(), n)]
+        assert types == [r[:k] for r, k in zip(enc["token_type_ids"].tolist(), n)] and any(1 in t for t in types)
+        scores = np.array([r["scores"] for r in session.classify(pairs)])
+        long_pair = ("the cat " * 40, "a dog")
+        cut = theirs(*long_pair, truncation=True, max_length=128, return_token_type_ids=True)
+        assert session.tokenize_pairs([long_pair], truncate=True) == ([cut["input_ids"]], [cut["token_type_ids"]])
+        with pytest.raises(KvforgeError, match="pairs must be"):
+            session.tokenize_pairs([("only one",)])
+    np.testing.assert_allclose(scores, expected.numpy(), rtol=0, atol=1e-5)
