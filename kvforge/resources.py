@@ -162,3 +162,25 @@ def check(plan: Plan, out: str | Path) -> None:
         raise KvforgeError(f"{plan.stage} of this model ({plan.parameters / 1e9:.2f}B parameters) needs "
                            + "; and ".join(problems) + f". Nothing was started or written. Free memory or disk, use "
                            f"a machine with more, or set {SKIP}=1 to start anyway")
+
+
+def release_freed_memory() -> None:
+    """Give the memory the process has freed back to the system (glibc's malloc_trim; nothing elsewhere). Called
+    after each block of a streamed model's forward (model_defs/weights.py: streamed): reading and casting a
+    block's weights frees buffers of many sizes, and glibc kept ~1 GiB of them in its heaps (a Llama-3.2-3B
+    shape's FP16 validation: 1.45 GiB anonymous memory after a case, 0.37 GiB once trimmed)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC = libc if hasattr(libc, "malloc_trim") else False
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None  # the C library, once looked up (False: none with malloc_trim)

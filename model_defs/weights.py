@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kvforge.errors import KvforgeError
+from kvforge.resources import release_freed_memory
 
 # what a checkpoint's source keeps of the values it read (WeightSource.keep_bytes): a small model is read once,
 # a large one streamed past it
@@ -448,6 +449,8 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
             if not (source.keep and dtype == torch.float32) and p.data.stride() and p.dtype == dtype:
                 spare.setdefault((tuple(p.shape), dtype), []).append(p.data)
             p.data = placeholder(source.shapes[names[id(p)]], p.dtype)
+        if not source.keep:  # what reading and casting the unit's weights freed, back to the system (see there)
+            release_freed_memory()
 
     def gather(module, args):  # the embedding of the rows the ids select: ids renumbered over them
         ids, *rest = args

@@ -149,3 +149,25 @@ def test_a_truncated_shard_is_named(sharded, tmp_path):
     with pytest.raises(KvforgeError, match="truncated"):
         export(directory, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_reference_streamed_from_disk_hands_freed_memory_back_after_each_block(sharded, monkeypatch):
+    """glibc kept ~1 GiB of what reading and casting a 3B model's blocks freed (resources.release_freed_memory):
+    a source that streams (keeps nothing) trims after each block's weights are let go, one that keeps its values
+    never; the outputs are the same either way."""
+    from kvforge.model_defs import checkpoint, weights
+
+    calls = []
+    monkeypatch.setattr(weights, "release_freed_memory", lambda: calls.append(1))
+    ids = torch.tensor([[5, 17, 203, 9]])
+    outputs = {}
+    for keep in (checkpoint.KEEP_BYTES, 0):
+        monkeypatch.setattr(checkpoint, "KEEP_BYTES", keep)
+        skeleton, _, source = load_streamed(sharded)
+        assert source.keep == bool(keep)
+        calls.clear()
+        with torch.no_grad():
+            outputs[keep] = streamed(skeleton, source)(ids)[0]
+        # each block, the embedding table, then the weights outside the blocks (the final norm)
+        assert len(calls) == (0 if keep else skeleton.config.n_layers + 2)
+    assert torch.equal(outputs[checkpoint.KEEP_BYTES], outputs[0])
