@@ -108,7 +108,8 @@ class EncoderSession(GraphSession):
     # -- text --------------------------------------------------------------------------
     def tokenize(self, texts: str | Sequence[str], truncate: bool = False) -> list[list[int]]:
         """Token id rows for texts (a list of token id lists passes through, checked for length; a list of
-        (text, text pair) tuples joins each pair as the tokenizer's post-processor does: tokenize_pairs)."""
+        (text, text pair) tuples joins each pair as the tokenizer's post-processor does: tokenize_pairs gives
+        their token types too)."""
         return self._rows(texts, truncate)[0]
 
     def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], truncate: bool = False
@@ -139,7 +140,8 @@ class EncoderSession(GraphSession):
             rows = [[int(t) for t in r] for r in texts]
             return [self._fit(i, r, truncate) for i, r in enumerate(rows)], None
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise KvforgeError("texts must be a string, a non-empty list of strings, or a list of token id lists")
+            raise KvforgeError("texts must be a string, a non-empty list of strings, a list of token id lists, or a "
+                               "list of (text, text pair) tuples")
         if self.tokenizer is None:
             raise KvforgeError(f"{self.source} has no tokenizer; call run() with token ids")
         # cut where asked as transformers cuts (the text, then its special tokens), never otherwise
