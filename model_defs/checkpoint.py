@@ -252,11 +252,7 @@ def ignored_tensors(source: str | os.PathLike) -> dict[str, str]:
     if hf_config.get("quantization_config"):
         return {}
     shards = hf.weight_shards(hf.weight_files(directory))
-    cfg = hf.config_from_hf(hf_config, shards.entries)
-    with no_init():
-        model = skeleton(build(cfg))
-    original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
-    metas = {n: shards.read_meta(original[n]) for n in original}
+    cfg, model, original, metas = _skeleton_of(hf_config, shards)
     ignored: dict[str, str] = {}
     hf.weight_plan(model, cfg.family, metas, hf_config, lambda a, b: True, ignored)  # copies: equal, as loading checked
     return {original[n]: why for n, why in sorted(ignored.items())}
@@ -286,15 +282,21 @@ class _StreamedState:
         return ((name, self.weights.read(name)) for name in self.weights.shapes)
 
 
-def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module, WeightSource] | None:
-    """(the skeleton, its weight source) for tensors under transformers' names (`shards`: safetensors files, or a
-    GGUF file's decoded tensors), every name and shape checked as `load` checks them; None where a buffer is read
-    from the checkpoint (`load` it)."""
+def _skeleton_of(hf_config: dict, shards):
+    """(the config, its model as a skeleton, our tensor name -> the file's, our name -> its meta tensor) of
+    tensors under transformers' names: what planning their import reads (names and shapes alone)."""
     cfg = hf.config_from_hf(hf_config, shards.entries)
     with no_init():
         model = skeleton(build(cfg))
     original = {hf.normalize_names(cfg.family, {name: None}).popitem()[0]: name for name in shards.entries}
-    metas = {n: shards.read_meta(original[n]) for n in original}
+    return cfg, model, original, {n: shards.read_meta(original[n]) for n in original}
+
+
+def _streamed_hf(hf_config: dict, shards, origin: str) -> tuple[torch.nn.Module, WeightSource] | None:
+    """(the skeleton, its weight source) for tensors under transformers' names (`shards`: safetensors files, or a
+    GGUF file's decoded tensors), every name and shape checked as `load` checks them; None where a buffer is read
+    from the checkpoint (`load` it)."""
+    cfg, model, original, metas = _skeleton_of(hf_config, shards)
 
     def same(a: str, b: str) -> bool:
         x, y = shards.read(original[a], copy=True), shards.read(original[b])
