@@ -83,6 +83,7 @@ class Tokenizer:
         self.file_padding, self.file_truncation = backend.padding, backend.truncation
         backend.no_padding()
         backend.no_truncation()
+        self._truncating_copies: dict[int, Any] = {}  # max_length -> a backend copy that truncates (_truncating)
         if pad_token is None and self.file_padding and backend.token_to_id(self.file_padding["pad_token"]) is not None:
             pad_token = self.file_padding["pad_token"]
         self.special_tokens = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
@@ -231,16 +232,8 @@ class Tokenizer:
         (so a [CLS] ... [SEP] row keeps both), as transformers' truncation=True, max_length=N cuts."""
         for text in texts:
             _check_utf8(text)
-        if max_length is None:
-            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
-        room = max_length - (self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0)
-        if room < 1:
-            raise KvforgeError(f"max_length {max_length} leaves no room for text beside the special tokens")
-        out = []
-        for e in self.backend.encode_batch(list(texts), add_special_tokens=False):
-            e.truncate(room)
-            out.append(self.backend.post_process(e, None, add_special_tokens).ids)
-        return out
+        backend = self.backend if max_length is None else self._truncating(max_length, pair=False)
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def encode_pairs(self, pairs: Sequence[tuple[str, str]], max_length: int | None = None
                      ) -> tuple[list[list[int]], list[list[int]]]:
@@ -250,14 +243,20 @@ class Tokenizer:
         for a, b in pairs:
             _check_utf8(a)
             _check_utf8(b)
-        backend = self.backend
-        if max_length is not None:  # a copy: the shared backend stays without truncation
-            backend = type(self.backend).from_str(self.backend.to_str())
-            if max_length <= backend.num_special_tokens_to_add(True):
-                raise KvforgeError(f"max_length {max_length} leaves no room for text beside the special tokens")
-            backend.enable_truncation(max_length, strategy="longest_first")
+        backend = self.backend if max_length is None else self._truncating(max_length, pair=True)
         encodings = backend.encode_batch([(a, b) for a, b in pairs])
         return [e.ids for e in encodings], [e.type_ids for e in encodings]
+
+    def _truncating(self, max_length: int, pair: bool):
+        """A copy of the backend that truncates to max_length (longest first, special tokens counted), as
+        transformers' fast tokenizers truncate; one per length, made once (the shared backend never truncates)."""
+        if max_length <= self.backend.num_special_tokens_to_add(pair):
+            raise KvforgeError(f"max_length {max_length} leaves no room for text beside the special tokens")
+        if max_length not in self._truncating_copies:
+            backend = type(self.backend).from_str(self.backend.to_str())
+            backend.enable_truncation(max_length, strategy="longest_first")
+            self._truncating_copies[max_length] = backend
+        return self._truncating_copies[max_length]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids past the tokenizer's vocabulary have no text and are skipped, as in transformers:
