@@ -19,6 +19,7 @@ KVFORGE_SKIP_RESOURCE_CHECK=1 starts the stage anyway (the plan is an estimate, 
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import shutil
@@ -169,18 +170,18 @@ def release_freed_memory() -> None:
     after each block of a streamed model's forward (model_defs/weights.py: streamed): reading and casting a
     block's weights frees buffers of many sizes, and glibc kept ~1 GiB of them in its heaps (a Llama-3.2-3B
     shape's FP16 validation: 1.45 GiB anonymous memory after a case, 0.37 GiB once trimmed)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC = libc if hasattr(libc, "malloc_trim") else False
-        except OSError:
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_LIBC = None  # the C library, once looked up (False: none with malloc_trim)
+@functools.cache
+def _malloc_trim():
+    """The C library's malloc_trim, or None where there is none (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None

@@ -378,7 +378,7 @@ def check_tools(tools: Any) -> list[dict] | None:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise KvforgeError(f"{where} ({name}): description must be a string, "
                                f"got {type(fn['description']).__name__}")
-        if not isinstance(fn.get("strict", False), bool) and fn.get("strict") is not None:
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise KvforgeError(f"{where} ({name}): strict must be true or false, got {fn['strict']!r:.80}")
         params = fn.get("parameters")
         if params is None:
