@@ -109,9 +109,11 @@ def export(
 
     Validation against the FP32 Torch reference runs on every export; when it
     misses tolerance, ExportValidationError is raised and nothing is written.
-    A pre-quantized source (a GGUF file, a quantized Hugging Face checkpoint) keeps its codes: the validated
-    float graph of its dequantized weights gets each quantized weight back as codes behind a DequantizeLinear
-    (export/checkpoint_codes.py); `dequantize` writes the float bundle instead, to calibrate it.
+    A pre-quantized source (a GGUF file, a quantized Hugging Face checkpoint) keeps its codes: the float graph
+    of its dequantized weights gets each quantized weight back as codes behind a DequantizeLinear
+    (export/checkpoint_codes.py), and that graph is validated (codes that quantize activations, or were
+    converted from a type no Q/DQ expresses, depart from the float model by design: the float graph is validated
+    before they go in); `dequantize` writes the float bundle instead, to calibrate it.
     transformers_check: once the bundle is written, compare it with transformers from text on the source's own
     files (export/oracle.py: the tokenizer's ids, then the outputs); a departure raises, naming the end (tokenizer,
     weights, graph), and nothing is written. The manifest's `oracle` says what was compared, or why not.
@@ -185,6 +187,13 @@ def export(
             graphs = plan.write(model, tmp, opset, external_data)
         export_seconds = time.time() - started
         progress("export", 1, 1)
+        quantization = None
+        if quantized is not None and quantized.exact:
+            # codes that stand for the float weights bit for bit go in before validation: the graph validated is
+            # the one written, each weight dequantized where it is used, and the codes are dropped before the graph
+            # runs (a Q4_K_M file's float graph maps 3.5x its codes)
+            _check_codes_fit(graphs)
+            quantization, quantized = keep_checkpoint_codes(tmp, graphs.main, quantized), None
         progress("lint", 0, 1)
         lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})
         progress("lint", 1, 1)
@@ -192,9 +201,12 @@ def export(
                                 tokenizer=tokenizer)
         if not summary["passed"]:
             raise ExportValidationError(summary)
+        summary["graph"] = "as written" if quantized is None else \
+            "the float graph, before the checkpoint's codes replaced its weights"
         progress("write", 0, 1)
-        quantization = None
         if quantized is not None:
+            # codes that quantize activations, or were converted, depart from the float model by design: its float
+            # graph was validated
             _check_codes_fit(graphs)
             quantization = keep_checkpoint_codes(tmp, graphs.main, quantized)
             lint_result = merge_lint({role: lint(tmp / name) for role, name in graphs.files.items()})

@@ -1,8 +1,8 @@
 """A pre-quantized checkpoint's codes into the exported graph: each kept weight becomes its codes behind a
 DequantizeLinear, so the bundle holds the model its authors validated, not a re-quantization of it.
 
-The float graph is exported and validated first, from the checkpoint's own dequantization
-(model_defs/quantized.py). Then each weight that has codes is replaced, under the same tensor name, by
+The float graph is exported first, from the checkpoint's own dequantization (model_defs/quantized.py). Then
+each weight that has codes is replaced, under the same tensor name, by
 
     DequantizeLinear(codes, scale[, zero_point], block_size along `in`)   (per axis where one block spans `in`)
     [ -> Reshape into blocks -> Add(offset) -> Reshape back ]             (GGUF's block minimum, K-quants' dmin)
@@ -11,7 +11,9 @@ The float graph is exported and validated first, from the checkpoint's own dequa
 which computes exactly `WeightCodes.dequantize()`: the checkpoint's dequantization, bit for bit (checked here
 against the exported initializer before it is replaced; a weight whose codes do not reproduce it is refused). A
 tensor of a type no Q/DQ expresses was converted to other codes by its reader, which recorded the error; its
-initializer is found by the checkpoint's own dequantization.
+initializer is found by the checkpoint's own dequantization. Where every kept weight is exact and no activation
+is quantized (QuantizedCheckpoint.exact), export validates the graph as written; else its float graph, before
+the codes go in.
 A linear weight is stored [in, out] for MatMul; an embedding table (and a head tied to it) [vocab, hidden], as
 the codes are. W8A8 checkpoints also quantize each such MatMul's input: QuantizeLinear -> DequantizeLinear with
 the checkpoint's static scale, or the per-token dynamic form (scale = max |x| over the row / 127 or / 448,

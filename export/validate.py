@@ -82,7 +82,7 @@ import torch
 
 from kvforge import metrics
 from kvforge.errors import KvforgeError
-from kvforge.ort_session import block_when_idle, cast_half_weights_when_used, half_weight_graph
+from kvforge.ort_session import EXACT_QDQ, block_when_idle, compute_weights_when_used, weights_when_used_graph
 from kvforge.adapters import MASK, slot_input_names
 from kvforge.model_defs.lora import LoraFeed, feeding, validation_feed
 from kvforge.model_defs.weights import streamed_source
@@ -132,10 +132,12 @@ class OrtRunner:
         opts.log_severity_level = 3
         # The weights stay as the data file holds them, mapped: no packed copy of each (faster at the batch sizes
         # serving sees, not at validation's), and no constant folded from a weight (a tied head's transposed
-        # table: the head becomes a FusedMatMul reading the embedding). The CPU's kernels compute in float32: a
-        # float16 graph's weights are cast where they are used, one at a time, not copied whole when it loads.
-        # No CPU arena: what a run frees goes back, not held beside the references' next forward (a float16
-        # Qwen2.5-1.5B's export peaked at 7.4 GiB with it, 4.9 without)
+        # table: the head becomes a FusedMatMul reading the embedding). A weight the graph computes (a float16
+        # weight cast to float32 for the CPU's kernels, a checkpoint's codes dequantized) is computed where it is
+        # used, one at a time, not held whole (ort_session.compute_weights_when_used), and Q/DQ runs as written
+        # (no integer kernel: the codes' dequantization bit for bit). No CPU arena: what a run frees goes back, not
+        # held beside the references' next forward (a float16 Qwen2.5-1.5B's export peaked at 7.4 GiB with it,
+        # 4.9 without)
         opts.enable_cpu_mem_arena = False
         opts.add_session_config_entry("session.disable_prepacking", "1")
         block_when_idle(opts)
@@ -143,13 +145,17 @@ class OrtRunner:
         if dtype == "bfloat16":
             model = emulate_bfloat16(path)
             self.session = ort.InferenceSession(model.SerializeToString(), opts, **options)
-        elif dtype == "float16":
-            cast_half_weights_when_used(opts)
-            graph, folder = half_weight_graph(path)
+        else:
+            compute_weights_when_used(opts)
+            # the graph as written: ONNX Runtime's fusions add nodes that its priority order runs after every
+            # original node ready before them, so each weight computed where it is read (a checkpoint's codes
+            # dequantized) ran early again and stayed live (Gemma 3 270M's codes graph: +0.35 GB a run)
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            for key, value in EXACT_QDQ.items():
+                opts.add_session_config_entry(key, value)
+            graph, folder = weights_when_used_graph(path)
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
             self.session = ort.InferenceSession(graph, opts, **options)
-        else:
-            self.session = ort.InferenceSession(str(path), opts, **options)
         self.names = [i.name for i in self.session.get_inputs()]
 
     def cast(self, t: torch.Tensor) -> np.ndarray:

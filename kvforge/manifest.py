@@ -91,7 +91,7 @@ VALIDATION = Rec({
     "lockstep": Rec({"steps": COUNT, "logits": METRICS, "present": METRICS, "greedy_matching_steps": COUNT,
                      "greedy_first_divergence": Opt(COUNT), "greedy_divergence_margin": METRIC,
                      "greedy_near_tie_slack": METRIC}, required=("steps", "greedy_matching_steps")),
-    "passed": bool, "failures": ListOf(str),
+    "passed": bool, "failures": ListOf(str), "graph": str,
 }, required=("reference", "cases", "passed"))
 FINDING = Rec({"severity": Enum("error", "warning", "info"), "rule": str, "message": str, "node": Opt(str),
                "op": Opt(str), "graph": Opt(str)}, required=("severity", "rule", "message"))

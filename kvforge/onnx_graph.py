@@ -141,16 +141,30 @@ def use_ms_domain(model) -> None:
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
 
 
+def computed_weights(graph) -> set[str]:
+    """The values `graph` computes from its initializers alone (a checkpoint's codes behind a DequantizeLinear
+    and the ops after it, a half weight's Cast), besides the initializers themselves; nodes in graph order."""
+    constant = {i.name for i in graph.initializer}
+    for n in graph.node:
+        if n.op_type not in ("RandomNormal", "RandomUniform", "Multinomial") \
+                and all(name in constant for name in node_reads(n)):
+            constant.update(o for o in n.output if o)
+    return constant
+
+
 def matmul_transposed_weights(model) -> int:
-    """Rewrite each MatMul(x, Transpose(W)) whose W is a 2-D initializer read through that Transpose alone as
+    """Rewrite each MatMul(x, Transpose(W)) whose W is a 2-D initializer, or a 2-D weight computed from
+    initializers alone (a checkpoint's codes dequantized), read through that Transpose alone as
     FusedMatMul(x, W, transB=1) (ONNX Runtime's contrib op: the same products, the weight read in place);
-    returns how many. ONNX Runtime makes this fusion itself for float32, not for a float16 graph on the CPU
-    (its FusedMatMul kernel is float32's), where the Transpose then runs as a node: a float32 copy of the weight
-    cast, and a transposed copy of that (a tied head's table twice, 1.2 GiB for Qwen2.5-1.5B's vocabulary)."""
+    returns how many. ONNX Runtime makes this fusion itself for a float32 initializer, not for a float16 graph on
+    the CPU (its FusedMatMul kernel is float32's) nor for a computed weight, where the Transpose then runs as a
+    node: a transposed copy of the weight (a tied head's table, 1.2 GiB as float32 for Qwen2.5-1.5B's
+    vocabulary)."""
     from onnx import helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
+    computed = computed_weights(g) - set(inits)
     producers = {o: n for n in g.node for o in n.output}
     uses: dict[str, int] = {}
     for n in g.node:
@@ -158,11 +172,16 @@ def matmul_transposed_weights(model) -> int:
             uses[name] = uses.get(name, 0) + 1
     outputs = {o.name for o in g.output}
     removed, added = set(), {}
-    for n in g.node:
+    held = list(g.node)  # alive until replace_nodes has found them by id
+    for n in held:
         t = producers.get(n.input[1]) if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") else None
-        if t is None or t.op_type != "Transpose" or t.input[0] not in inits or len(inits[t.input[0]].dims) != 2 \
-                or uses.get(t.output[0]) != 1 or t.output[0] in outputs \
-                or list(node_attribute(t, "perm", [1, 0])) != [1, 0]:
+        if t is None or t.op_type != "Transpose" or uses.get(t.output[0]) != 1 or t.output[0] in outputs:
+            continue
+        perm = node_attribute(t, "perm", None)
+        swapped = perm is not None and list(perm) == [1, 0]
+        two_d = (t.input[0] in inits and len(inits[t.input[0]].dims) == 2 and (perm is None or swapped)) \
+            or (t.input[0] in computed and swapped)
+        if not two_d:
             continue
         fused = helper.make_node("FusedMatMul", [n.input[0], t.input[0]], list(n.output), name=n.name or None,
                                  domain=MS_DOMAIN, transA=0, transB=1, alpha=1.0)
@@ -172,6 +191,63 @@ def matmul_transposed_weights(model) -> int:
         replace_nodes(g, removed, added)
         use_ms_domain(model)
     return len(added)
+
+
+def compute_weights_where_read(model) -> int:
+    """Move the nodes that compute a weight from initializers alone (computed_weights: a checkpoint's codes behind
+    a DequantizeLinear and the ops after it) to just before each node that reads it, a copy for each such node;
+    returns how many reads. A session that runs nodes in priority order (ORT's PRIORITY_BASED, ties in graph
+    order) then computes each weight where it is used and frees it before the next: a checkpoint's codes graph
+    dequantizes every weight at its head, so each ran at the start of a run and the whole float model was live
+    (Gemma 3 270M: 1.07 GB beside 0.31 GB of codes), and a tied embedding read by the lookup (the first node)
+    and by the head (the last) stays live between them unless each reads its own."""
+    from onnx import NodeProto
+
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    computed = computed_weights(g) - inits
+    producers = {o: n for n in g.node for o in n.output}
+    held = list(g.node)  # alive until replace_nodes has found them by id
+    order = {id(n): k for k, n in enumerate(held)}
+
+    def chain(name: str) -> list:
+        """The nodes that compute `name` from the initializers, in graph order (each once)."""
+        nodes, seen, todo = [], set(), [name]
+        while todo:
+            node = producers.get(todo.pop())
+            if node is not None and id(node) not in seen:
+                seen.add(id(node))
+                nodes.append(node)
+                todo += [i for i in node_reads(node) if i not in inits]
+        return sorted(nodes, key=lambda n: order[id(n)])
+
+    added, reads = {}, 0
+    for reader in held:
+        if all(o in computed for o in reader.output if o):
+            continue  # part of a weight's computation: copied with it
+        for index, name in enumerate(reader.input):
+            if name not in computed:
+                continue
+            while producers[name].op_type == "Identity":  # read what it passes on (a copy where it runs)
+                name = producers[name].input[0]
+            if name in inits:
+                reader.input[index] = name
+                continue
+            reads += 1
+            nodes = chain(name)
+            renamed = {o: f"{o}__read{reads}" for n in nodes for o in n.output if o}
+            for n in nodes:
+                c = NodeProto()
+                c.CopyFrom(n)
+                c.name = f"{n.name or n.output[0]}__read{reads}"
+                c.input[:] = [renamed.get(i, i) for i in n.input]
+                c.output[:] = [renamed.get(o, o) for o in n.output]
+                added.setdefault(id(reader), []).append(c)
+            reader.input[index] = renamed[name]
+    if added:
+        replace_nodes(g, set(), added)
+        drop_dead_nodes(model)  # the weights' first nodes, read by none now
+    return reads
 
 
 HALF_BLOCK_BYTES = 64 << 20  # the float32 copy of a weight's block of rows: what a half session casts at a time
@@ -236,19 +312,123 @@ def read_half_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTES) -> i
     return len(removed)
 
 
-def _row_blocks(w, rows_per_block: int, item: int) -> list:
-    """Initializers over consecutive blocks of `w`'s rows, each reading its bytes of w's external data file."""
+def read_dequantized_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTES) -> int:
+    """Rewrite each FusedMatMul(x, W, transB=1) whose W ([out, in]) a DequantizeLinear computes from initializers
+    in external data whose first axis is W's rows (a checkpoint's codes for a tied head, their scales and zero
+    points; Identity nodes between) and whose float32 copy exceeds `block_bytes`, to compute W a block of rows
+    at a time: each block's DequantizeLinear reads initializers over the same bytes of the data file, its
+    FusedMatMul gives the block's output columns, and they are concatenated. The products are the same; a
+    session that computes weights where they are used (ort_session.compute_weights_when_used) holds one block's
+    float32 copy instead of the whole (Gemma 3's 262k-row head: 0.67 GB). Returns how many."""
+    from onnx import TensorProto, helper
+
+    item = {TensorProto.INT8: 1, TensorProto.UINT8: 1, TensorProto.INT4: 0.5, TensorProto.UINT4: 0.5,
+            TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    removed, added = set(), {}
+    held = list(g.node)  # alive until replace_nodes has found them by id
+    for n in held:
+        if n.op_type != "FusedMatMul" or n.domain != MS_DOMAIN or node_attribute(n, "transB", 0) != 1 \
+                or node_attribute(n, "transA", 0) != 0:
+            continue
+        dq = producers.get(n.input[1])
+        while dq is not None and dq.op_type == "Identity":
+            dq = producers.get(dq.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue
+        tensors = [inits.get(name) for name in dq.input if name]
+        if any(t is None or t.data_location != TensorProto.EXTERNAL or t.data_type not in item or not t.dims
+               for t in tensors):
+            continue
+        codes = tensors[0]
+        rows = codes.dims[0]
+        axis = node_attribute(dq, "axis", 1)
+        if len(codes.dims) != 2 or any(t.dims[0] != rows for t in tensors) or (axis in (0, -2)) != all(
+                len(t.dims) == 1 for t in tensors[1:]):
+            continue  # not [out, in] codes with per-row scales (per axis 0) or blocks along `in` (axis 1)
+        count = -(-rows * codes.dims[1] * 4 // block_bytes)
+        step = -(-rows // max(count, 1))
+        if count < 2 or any((step * _row_values(t) * item[t.data_type]) % 1 for t in tensors):
+            continue
+        blocks = [_row_blocks(t, step, item[t.data_type]) for t in tensors]
+        g.initializer.extend(b for bs in blocks for b in bs)
+        out, nodes, parts = n.output[0], [], []
+        for i, inputs in enumerate(zip(*blocks)):
+            part = f"{out}__block{i}"
+            nodes += [helper.make_node("DequantizeLinear", [t.name for t in inputs], [f"{part}__w"],
+                                       **{a.name: helper.get_attribute_value(a) for a in dq.attribute}),
+                      helper.make_node("FusedMatMul", [n.input[0], f"{part}__w"], [part], domain=MS_DOMAIN,
+                                       transA=0, transB=1, alpha=node_attribute(n, "alpha", 1.0))]
+            parts.append(part)
+        nodes.append(helper.make_node("Concat", parts, [out], axis=-1))
+        removed.add(id(n))
+        added[id(n)] = nodes
+    if removed:
+        replace_nodes(g, removed, added)
+        drop_dead_nodes(model)  # the whole weight's DequantizeLinear, read by none now
+    return len(removed)
+
+
+def gather_dequantized_rows(model) -> int:
+    """Rewrite each Gather along axis 0 (an embedding lookup) of a weight a DequantizeLinear computes from
+    initializers with blocks along its second axis (a checkpoint's codes for an embedding table; Identity nodes
+    between) as a DequantizeLinear of the gathered codes, scales and zero points: the same values, without the
+    whole table's float32 copy (Gemma 3's 262k-row table: 0.67 GB). Returns how many."""
+    from onnx import helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    removed, added = set(), {}
+    held = list(g.node)  # alive until replace_nodes has found them by id
+    for n in held:
+        if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or node_attribute(n, "axis", 0) != 0:
+            continue
+        dq = producers.get(n.input[0])
+        while dq is not None and dq.op_type == "Identity":
+            dq = producers.get(dq.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or node_attribute(dq, "axis", 1) not in (1, -1) \
+                or not node_attribute(dq, "block_size", 0):
+            continue
+        tensors = [inits.get(name) for name in dq.input if name]
+        if any(t is None or len(t.dims) != 2 for t in tensors) or tensors[0].data_type not in (2, 3):
+            continue  # not [rows, in] 8-bit codes (ONNX Runtime gathers no 4-bit type) with [rows, in / block] scales
+        out, nodes, gathered = n.output[0], [], []
+        for k, name in enumerate(dq.input):
+            if name:
+                gathered.append(f"{out}__gathered{k}")
+                nodes.append(helper.make_node("Gather", [name, n.input[1]], [gathered[-1]], axis=0))
+        attributes = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+        nodes.append(helper.make_node("DequantizeLinear", gathered, [out], **{**attributes, "axis": -1}))
+        removed.add(id(n))
+        added[id(n)] = nodes
+    if removed:
+        replace_nodes(g, removed, added)
+        drop_dead_nodes(model)  # the whole table's DequantizeLinear, read by none now
+    return len(removed)
+
+
+def _row_values(w) -> int:
+    """Values in one row (along the first axis) of initializer `w`."""
+    return int(np.prod(w.dims[1:], dtype=np.int64)) if len(w.dims) > 1 else 1
+
+
+def _row_blocks(w, rows_per_block: int, item: float) -> list:
+    """Initializers over consecutive blocks of `w`'s rows (its first axis), each reading its bytes of w's external
+    data file (item: bytes a value, half a byte for 4-bit codes)."""
     from onnx import TensorProto
 
     where = {e.key: e.value for e in w.external_data}
-    offset, (rows, cols) = int(where.get("offset", 0)), w.dims
+    offset, rows, cols = int(where.get("offset", 0)), w.dims[0], _row_values(w)
     out = []
     for start in range(0, rows, rows_per_block):
         n = min(rows_per_block, rows - start)
-        block = TensorProto(name=f"{w.name}__rows{start}", data_type=w.data_type, dims=[n, cols],
+        block = TensorProto(name=f"{w.name}__rows{start}", data_type=w.data_type, dims=[n, *w.dims[1:]],
                             data_location=TensorProto.EXTERNAL)
-        for key, value in (("location", where["location"]), ("offset", str(offset + start * cols * item)),
-                           ("length", str(n * cols * item))):
+        for key, value in (("location", where["location"]), ("offset", str(int(offset + start * cols * item))),
+                           ("length", str(int(n * cols * item)))):
             entry = block.external_data.add()
             entry.key, entry.value = key, value
         out.append(block)

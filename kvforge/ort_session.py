@@ -118,17 +118,18 @@ def block_when_idle(opts) -> None:
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
 
 
-def cast_half_weights_when_used(opts) -> None:
-    """ORT SessionOptions `opts` for a float16 graph on the CPU, whose kernels compute in float32: each half weight
-    is cast where it is used instead of copied whole. ONNX Runtime casts every float16 weight to float32; at
-    ORT_ENABLE_ALL the casts are folded into a float32 copy of each weight when the session loads (its
-    initializer fusion), below that they run with the graph, and in priority order each runs just before the
-    node that reads it (in the default order every such cast is ready at the start and runs first, so all the
-    copies are live at once). Measured (40 float16 weights of 4096 x 4096, 1.25 GiB mapped): 2.56 GiB resident
-    after loading at ORT_ENABLE_ALL, a 3.9 GiB peak at ORT_DISABLE_ALL in the default order, 1.38 GiB at
-    ORT_ENABLE_EXTENDED in priority order. The CPU arena is off: it would keep the memory of the largest casts
-    live together (a tied head's float32 table beside a layer's) after the run. Each run casts the weights
-    again: for a session that runs a few times (validation, calibration), not for serving."""
+def compute_weights_when_used(opts) -> None:
+    """ORT SessionOptions `opts` for a graph whose weights are computed from its initializers (a float16
+    weight's cast to float32, which the CPU's kernels compute in; a checkpoint's codes behind a
+    DequantizeLinear): each is computed where it is used instead of held whole. At ORT_ENABLE_ALL such weights
+    are folded into a float32 copy of each when the session loads (its initializer fusion), below that they run
+    with the graph, and in priority order each runs just before the node that reads it (in the default order
+    every one is ready at the start and runs first, so all the copies are live at once). Measured (40 float16
+    weights of 4096 x 4096, 1.25 GiB mapped): 2.56 GiB resident after loading at ORT_ENABLE_ALL, a 3.9 GiB peak
+    at ORT_DISABLE_ALL in the default order, 1.38 GiB at ORT_ENABLE_EXTENDED in priority order. The CPU arena is
+    off: it would keep the memory of the largest weights live together (a tied head's float32 table beside a
+    layer's) after the run. The graph is given as weights_when_used_graph makes it. Each run computes the
+    weights again: for a session that runs a few times (validation, calibration), not for serving."""
     ort = import_onnxruntime()
     if opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -136,16 +137,21 @@ def cast_half_weights_when_used(opts) -> None:
     opts.enable_cpu_mem_arena = False
 
 
-def half_weight_graph(model, external_dir: str | Path | None = None) -> tuple[bytes, str | Path | None]:
-    """A float16 graph (a path, or serialized bytes whose external data lies in external_dir) as serialized
-    bytes for a session whose half weights are cast where they are used, and the folder its external data is
-    read from: the graph is read without its external data, each weight read through a Transpose is read in
-    place (onnx_graph.matmul_transposed_weights), so no float32 copy of it is transposed again, and a weight
-    whose float32 copy exceeds 64 MiB (a head) is read a block of rows at a time
-    (onnx_graph.read_half_weights_in_blocks), so its float32 copy is made a block at a time."""
+def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tuple[bytes, str | Path | None]:
+    """A graph (a path, or serialized bytes whose external data lies in external_dir) as serialized bytes for a
+    session that computes its weights where they are used (compute_weights_when_used), and the folder its
+    external data is read from. The graph is read without its external data; each weight read through a
+    Transpose is read in place (onnx_graph.matmul_transposed_weights), so no copy of it is transposed again; a
+    weight computed from initializers (a checkpoint's codes dequantized) is computed just before each node that
+    reads it (onnx_graph.compute_weights_where_read), so one is live at a time; and a
+    float16 weight or a dequantized one whose float32 copy exceeds 64 MiB (a head) is read a block of rows at a
+    time (onnx_graph.read_half_weights_in_blocks, read_dequantized_weights_in_blocks), so its float32 copy is
+    made a block at a time, and a lookup in a dequantized table dequantizes the rows it gathers
+    (onnx_graph.gather_dequantized_rows)."""
     import onnx
 
-    from kvforge.onnx_graph import matmul_transposed_weights, read_half_weights_in_blocks
+    from kvforge.onnx_graph import (compute_weights_where_read, gather_dequantized_rows, matmul_transposed_weights,
+                                    read_dequantized_weights_in_blocks, read_half_weights_in_blocks)
 
     if isinstance(model, bytes):
         proto = onnx.ModelProto()
@@ -153,8 +159,11 @@ def half_weight_graph(model, external_dir: str | Path | None = None) -> tuple[by
     else:
         proto = onnx.load(str(model), load_external_data=False)
         external_dir = Path(model).parent
-    changed = matmul_transposed_weights(proto)
+    changed = compute_weights_where_read(proto)
+    changed += matmul_transposed_weights(proto)
     changed += read_half_weights_in_blocks(proto)
+    changed += read_dequantized_weights_in_blocks(proto)
+    changed += gather_dequantized_rows(proto)
     if not changed and isinstance(model, bytes):
         return model, external_dir
     return proto.SerializeToString(), external_dir
@@ -169,7 +178,7 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     external_dir: where the external data of a graph given as bytes lies (a bundle's folder): ONNX Runtime maps
     that file as it does for a graph loaded from its path, so the weights are not copied through the bytes.
     half_weights: a float16 graph run a few times (calibration's): each weight is cast to float32 where it is used
-    (cast_half_weights_when_used), not copied whole when the session loads."""
+    (compute_weights_when_used), not copied whole when the session loads."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -187,8 +196,8 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     block_when_idle(opts)
     if half_weights:
-        cast_half_weights_when_used(opts)
-        model, external_dir = half_weight_graph(model, external_dir)
+        compute_weights_when_used(opts)
+        model, external_dir = weights_when_used_graph(model, external_dir)
     if external_dir is not None and isinstance(model, bytes):
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_dir))
     try:

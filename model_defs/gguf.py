@@ -142,17 +142,20 @@ def _read_tensors(path: Path, reader, arch, hf: dict[str, Any], shapes: dict[str
         shape = shapes[t.name]
         type_name = GGMLQuantizationType(t.tensor_type).name
         types[type_name] = types.get(type_name, 0) + 1
-        value = _dequantize(t, shape)
-        parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
         if tensors is not None:
+            parts = _parts(path, arch, hf, t.name, torch.from_numpy(_dequantize(t, shape)))
             tensors.update(parts)
+        else:  # the parts' names and shapes alone
+            parts = _parts(path, arch, hf, t.name, torch.empty(shape, dtype=torch.float32, device="meta"))
         if not codes:
             continue
         if type_name in FLOAT_TYPES or len(shape) < 2:
             quantized.kept_float.update({n: f"{type_name} in the file" for n, v in parts.items() if v.ndim >= 2})
             continue
         flat = (int(np.prod(shape[:-1])), shape[-1])  # stacked experts: [experts * out, in]
-        weight, error = decode(t.data, type_name, flat, value.reshape(flat))
+        # checked against gguf's dequantization a chunk of rows at a time (never whole: Gemma 3's 262k-row
+        # embedding is 0.67 GB of float32)
+        weight, error = decode(t.data, type_name, flat, _DequantizedRows(t, flat))
         for hf_name in parts:  # each part's codes: the tensor's, with the layout change that gives the part
             quantized.codes[hf_name] = weight
             quantized.layouts[hf_name] = lambda x, n=t.name, s=shape, h=hf_name: hf_tensors(arch, hf, n, x.reshape(s))[h]
@@ -234,19 +237,35 @@ def _dequantize(t, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor's values in float32, in an array of its own: a decoding already is one; an F32 tensor is the
     file's read-only map, copied (once: Gemma 3's 671 MB embedding was held twice while it was decoded)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         values = np.asarray(t.data, np.float32)
         return (values if values.flags.writeable else values.copy()).reshape(shape)
     # a chunk of rows at a time into the result: gguf's decoders hold several arrays of their input's size (a
     # K-quant's 262k-row embedding took ~2 GB besides its 0.67 GB of values); each block decodes alike either way
-    data = np.asarray(t.data)
-    data = data.reshape(-1, data.shape[-1])
-    values = np.empty(int(np.prod(shape)), np.float32).reshape(data.shape[0], -1)
-    for rows in row_chunks(*values.shape):
-        values[rows] = dequantize(data[rows], t.tensor_type)
+    rows = _DequantizedRows(t, (int(np.prod(shape[:-1])), shape[-1]) if len(shape) > 1 else (1, shape[0]))
+    values = np.empty(rows.shape, np.float32)
+    for part in row_chunks(*values.shape):
+        values[part] = rows[part]
     return values.reshape(shape)
+
+
+class _DequantizedRows:
+    """A GGUF tensor's float32 values as [rows, row length] (`shape`), made a slice of rows at a time where they
+    are indexed (WeightCodes.matches reads them so); np.asarray makes them whole."""
+
+    def __init__(self, t, shape: tuple[int, int]):
+        self.t, self.shape = t, shape
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        data = np.asarray(self.t.data)
+        data = data.reshape(self.shape[0], -1)[rows]
+        return np.asarray(dequantize(data, self.t.tensor_type), np.float32).reshape(-1, self.shape[1])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return _dequantize(self.t, self.shape).astype(dtype or np.float32, copy=False)
 
 
 def _tokenizer_record(reader, tokens: list[str]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quantized import WeightCodes, as_codes, conversion_error, exact, requantize_int8
+from .quantized import WeightCodes, as_codes, conversion_error, requantize_int8
 
 QK_K = 256
 
@@ -158,8 +158,9 @@ EXACT_TYPES = tuple(_DECODERS)
 
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dequantized: np.ndarray) -> tuple[WeightCodes, dict | None]:
     """The codes of a quantized GGUF tensor ([out, in]: `shape`; raw: its bytes) and, where they are converted
-    rather than kept, the error record. `dequantized` is gguf's own dequantization: the check, and what a
-    converted tensor is requantized from."""
+    rather than kept, the error record. `dequantized` is gguf's own dequantization ([out, in]: an array, or an
+    object that makes a slice of rows where it is indexed and the whole in np.asarray): the check, a chunk of rows
+    at a time, and what a converted tensor is requantized from."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     out, k = shape
@@ -171,8 +172,9 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dequantized:
         codes = WeightCodes(as_codes(q.reshape(out, k)), scale.reshape(out, k // block).astype(np.float32), block,
                             offset=None if offset is None else offset.reshape(out, k // block).astype(np.float32),
                             source=type_name)
-        if exact(codes, dequantized):
+        if codes.matches(dequantized):
             return codes, None
         type_name = f"{type_name} (not reproduced exactly)"
+    dequantized = np.asarray(dequantized, np.float32)
     codes = requantize_int8(dequantized, type_name)
     return codes, {"type": type_name, "as": codes.source, **conversion_error(dequantized, codes)}

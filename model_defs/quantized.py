@@ -184,6 +184,12 @@ class QuantizedCheckpoint:
     # stacked experts -> transformers'); the import carries codes through it and the weight table's transform
     layouts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
+    @property
+    def exact(self) -> bool:
+        """Whether a graph of these codes computes the checkpoint's own float model, bit for bit in its weights:
+        they quantize no activation, and none was converted from a type no Q/DQ expresses."""
+        return not self.converted and not any(c.activation for c in self.codes.values())
+
     def record(self) -> dict[str, Any]:
         return {"format": self.format, "config": self.config,
                 "kept": {name: c.record() for name, c in sorted(self.codes.items()) if name not in self.converted},

@@ -1,7 +1,8 @@
-"""Sessions over a float16 graph on the CPU (kvforge/ort_session.py `cast_half_weights_when_used`): ONNX Runtime's
-CPU kernels compute in float32, and by default it keeps a float32 copy of every half weight (folded when the
-session loads, or all cast at the start of a run). The export's validation session and calibration's sessions
-cast each weight where it is used instead. Measured in a fresh process (its peak resident memory, from the
+"""Sessions over a graph whose weights are computed from its initializers (kvforge/ort_session.py
+`compute_weights_when_used`): a float16 graph on the CPU, whose kernels compute in float32 (by default ONNX Runtime
+keeps a float32 copy of every half weight, folded when the session loads or all cast at the start of a run), and a
+checkpoint's codes behind DequantizeLinear nodes. The export's validation session and calibration's sessions
+compute each weight where it is used instead. Measured in a fresh process (its peak resident memory, from the
 kernel) on a chain of float16 MatMuls whose weights are in an external data file; the outputs are compared with
 a default ONNX Runtime session's (the oracle: the same graph as ONNX Runtime runs it by default)."""
 
@@ -48,7 +49,7 @@ PROBE = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
-    path, how, feed = sys.argv[1], sys.argv[2], sys.argv[4]
+    path, how, feed, dtype = sys.argv[1], sys.argv[2], sys.argv[4], sys.argv[5]
     if feed == "x":  # a float16 activation
         feeds = {"x": np.random.default_rng(1).standard_normal((2, %d)).astype(np.float16)}
     else:  # token ids
@@ -57,7 +58,7 @@ PROBE = textwrap.dedent("""
         f.write("5")  # the kernel's peak resident set (VmHWM) starts again from now: the imports' is not counted
     before = status("VmRSS:")
     if how == "validation":
-        y = OrtRunner(path, "float16").session.run(None, feeds)[0]
+        y = OrtRunner(path, dtype).session.run(None, feeds)[0]
     elif how == "calibration":
         y = make_session(path, half_weights=True).run(None, feeds)[0]
     else:  # ONNX Runtime's defaults
@@ -67,8 +68,8 @@ PROBE = textwrap.dedent("""
 """ % DIM)
 
 
-def _run(path, how, out, feed="x"):
-    done = subprocess.run([sys.executable, "-c", PROBE, str(path), how, str(out), feed], capture_output=True,
+def _run(path, how, out, feed="x", dtype="float16"):
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path), how, str(out), feed, dtype], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["grew"], np.load(out)
@@ -191,3 +192,87 @@ def test_only_the_large_weights_matmul_is_replaced_in_a_long_graph(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "blocked.onnx"), providers=["CPUExecutionProvider"]).run(None, x)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=0, atol=2e-3)
+
+
+def _coded_table(path) -> np.ndarray:
+    """A tied embedding kept as a checkpoint's codes, as export/checkpoint_codes.py writes them: int8 codes with a
+    float32 scale per block of 32 along `in`, dequantized at the graph's head and read by the lookup and, through
+    a Transpose, by the head. Returns the table the codes stand for (numpy's dequantization)."""
+    rng = np.random.default_rng(4)
+    codes = rng.integers(-127, 128, (VOCAB, WIDTH), dtype=np.int8)
+    scale = (rng.random((VOCAB, WIDTH // 32)) * 1e-3 + 1e-4).astype(np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["codes", "scale"], ["table_dq"], axis=1, block_size=32),
+             helper.make_node("Identity", ["table_dq"], ["table"]),
+             helper.make_node("Gather", ["table", "ids"], ["h"]),
+             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"])]
+    graph = helper.make_graph(nodes, "coded", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "t"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", VOCAB])],
+                              [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scale, "scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(path), save_as_external_data=True, location="coded.onnx.data")
+    return (codes.astype(np.float32).reshape(VOCAB, -1, 32) * scale[..., None]).reshape(VOCAB, WIDTH)
+
+
+def test_a_coded_tables_rows_are_dequantized_where_read(tmp_path):
+    """The validation session of a codes graph gathers the lookup's codes and dequantizes the head a block of rows
+    at a time: it holds the mapped codes and one block's float32 copy, not the table's."""
+    path = tmp_path / "coded.onnx"
+    table = _coded_table(path)
+    ids = np.arange(8).reshape(2, 4) * 3001  # the probe's feed
+    expected = table[ids].astype(np.float64) @ table.T.astype(np.float64)
+    default_grew, _ = _run(path, "default", tmp_path / "default.npy", feed="ids", dtype="float32")
+    assert default_grew > TABLE_F32, default_grew  # ONNX Runtime's defaults fold the table's float32 copy
+    grew, got = _run(path, "validation", tmp_path / "validation.npy", feed="ids", dtype="float32")
+    assert grew < VOCAB * WIDTH + 0.5 * TABLE_F32, (grew, default_grew)  # the int8 codes, a block of float32 rows
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def _dq_graph(codes: np.ndarray, scale: np.ndarray, tail: list, inputs: list, outputs: list):
+    nodes = [helper.make_node("DequantizeLinear", ["codes", "scale"], ["w"], axis=1, block_size=32), *tail]
+    graph = helper.make_graph(nodes, "g", inputs, outputs,
+                              [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scale, "scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def test_the_rewrites_of_a_coded_table_compute_what_the_graph_does(tmp_path):
+    """The lookup gathered from the codes, the head computed a block of rows at a time and each weight moved to
+    its reader give what ONNX Runtime computes on the graph as written, bit for bit; the head's blocks read the
+    codes' bytes in the data file."""
+    import onnxruntime as ort
+
+    from kvforge.onnx_graph import (compute_weights_where_read, gather_dequantized_rows,
+                                    read_dequantized_weights_in_blocks)
+
+    rng = np.random.default_rng(5)
+    codes = rng.integers(-127, 128, (300, 64), dtype=np.int8)
+    scale = rng.random((300, 2)).astype(np.float32)
+    tail = [helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Gather", ["w", "ids"], ["e"]),
+            helper.make_node("FusedMatMul", ["r", "w"], ["y"], domain="com.microsoft", transB=1)]
+    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+              helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])]
+    outputs = [helper.make_tensor_value_info("e", TensorProto.FLOAT, None),
+               helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    onnx.save(_dq_graph(codes, scale, tail, inputs, outputs), str(tmp_path / "m.onnx"), save_as_external_data=True,
+              location="m.data", size_threshold=0)
+    model = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert compute_weights_where_read(model) == 2  # the lookup's and the head's own copies
+    ops = [(n.op_type, list(n.output)) for n in model.graph.node]
+    assert [o for o, _ in ops] == ["Relu", "DequantizeLinear", "Gather", "DequantizeLinear", "FusedMatMul"]
+    assert read_dequantized_weights_in_blocks(model, block_bytes=300 * 64 * 4 // 3) == 1  # three blocks of 100
+    assert gather_dequantized_rows(model) == 1
+    blocks = [i for i in model.graph.initializer if "__rows" in i.name]
+    assert sorted(list(b.dims) for b in blocks) == [[100, 2]] * 3 + [[100, 64]] * 3
+    assert not any(n.op_type == "DequantizeLinear" and "codes" in n.input for n in model.graph.node)  # never whole
+    onnx.save(model, str(tmp_path / "rewritten.onnx"))
+    feeds = {"ids": np.array([[0, 299, 150], [7, 7, 100]]), "x": rng.standard_normal((2, 64)).astype(np.float32)}
+    want = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(str(tmp_path / "rewritten.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    table = (codes.astype(np.float32).reshape(300, 2, 32) * scale[..., None]).reshape(300, 64)
+    np.testing.assert_array_equal(got[0], table[feeds["ids"]])  # numpy's dequantization of the gathered rows
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-5)
