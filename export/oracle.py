@@ -48,6 +48,10 @@ PROCESS_BYTES = 1 << 30  # what the process holds besides transformers' model (t
 # transformers' GGUF reader dequantizes with numpy intermediates: loading Gemma 3 270M's Q4_K_M file (1.07 GB as
 # float32) peaked at 3.15 GB here, its tokenizer alone at 0.97 GB (measured 2026-11-30)
 GGUF_LOAD_FACTOR = 3.0
+# the files transformers reads a Hugging Face checkpoint's weights from: it keeps each mapped (or, a pickle, loaded)
+# until the model is built, beside the float32 copy it makes (a BF16 Qwen2.5-1.5B: 6.0 GiB of float32 and 2.96 GiB
+# of the mapped files at the peak, 6.1 GiB once loaded; measured 2026-11-30)
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 class Oracle(NamedTuple):
@@ -180,17 +184,22 @@ def skipped(reason: str) -> dict[str, Any]:
     return {"oracle": "transformers", "compared": False, "reason": reason}
 
 
-def _fits(reference, bundle_bytes: int, gguf: bool) -> str | None:
+def _fits(reference, bundle_bytes: int, where: dict[str, Any]) -> str | None:
     """Why transformers' model would not fit the export's memory bound beside the process, or None: its FP32
-    weights (4 bytes a parameter; reading a GGUF file, transformers holds GGUF_LOAD_FACTOR times that) and, at a
-    time, one layer's in FP64 (float64_modules: the embedding and vocabulary tables are read in FP32)."""
+    weights (4 bytes a parameter; reading a GGUF file, transformers holds GGUF_LOAD_FACTOR times that; reading a
+    Hugging Face checkpoint, the weight files too while it loads) and, at a time, one layer's in FP64
+    (float64_modules: the embedding and vocabulary tables are read in FP32)."""
+    gguf = where.get("gguf_file") is not None
     vocab = reference.config.vocab_size
     fp32 = 4 * sum(p.numel() for p in reference.parameters())
     layer = max((p.numel() for p in reference.parameters() if vocab not in p.shape), default=0)
-    need = max(fp32 * (GGUF_LOAD_FACTOR if gguf else 1), fp32 + 8 * layer + FP64_BLOCK_BYTES)
+    files = 0 if gguf else sum(f.stat().st_size for f in Path(where["path"]).iterdir()
+                               if f.is_file() and f.suffix in WEIGHT_FILE_SUFFIXES)
+    need = max(fp32 * GGUF_LOAD_FACTOR if gguf else fp32 + files, fp32 + 8 * layer + FP64_BLOCK_BYTES)
     room = bundle_bytes + BOUND_MARGIN_BYTES - PROCESS_BYTES
     if need > room:
-        return (f"transformers' copy of the model (~{need / 2**30:.1f} GiB{' to read the GGUF file' if gguf else ''}) "
+        how = " to read the GGUF file" if gguf else " with its weight files, mapped while it loads" if files else ""
+        return (f"transformers' copy of the model (~{need / 2**30:.1f} GiB{how}) "
                 f"would not fit the export's memory bound beside the process ({room / 2**30:.1f} GiB left of the "
                 f"bundle's {bundle_bytes / 2**30:.1f} GiB + 2 GiB); run `kvforge compare --against transformers`")
     return None
@@ -214,7 +223,7 @@ def check(source, bundle_dir: Path, kind: str, reference, tokenizer, dtype: str,
     except ImportError:
         return skipped("transformers is not installed")
     bundle_bytes = sum(f.stat().st_size for f in Path(bundle_dir).iterdir() if f.is_file())
-    too_big = (_fits(reference, bundle_bytes, where.get("gguf_file") is not None)
+    too_big = (_fits(reference, bundle_bytes, where)
                if enforce_bound and isinstance(reference, torch.nn.Module) else None)
     if too_big:
         return skipped(too_big)

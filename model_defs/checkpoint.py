@@ -279,7 +279,8 @@ class _StreamedState:
         self.weights = weights
 
     def items(self):
-        return ((name, self.weights.read(name)) for name in self.weights.shapes)
+        # each value compared before the next is read: the reader's buffer, not a copy of it
+        return ((name, self.weights.read(name, copy=False)) for name in self.weights.shapes)
 
 
 def _skeleton_of(hf_config: dict, shards):

@@ -77,8 +77,11 @@ class WeightSource:
         self.keep = self.nbytes(torch.float32) <= keep_bytes
         self._kept: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def read(self, name: str, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight `name` in `dtype` (the reference's float32 values cast), into `out` when given."""
+    def read(self, name: str, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+             copy: bool = True) -> torch.Tensor:
+        """The weight `name` in `dtype` (the reference's float32 values cast), into `out` when given. copy=False:
+        where no cast is needed, the reader's own value, which may be a view of a buffer the next read reuses
+        (for a caller done with it before then: a weight written out, or compared, as it is read)."""
         kept = self._kept.get((name, dtype))
         if kept is None:
             if name not in self.shapes:
@@ -91,7 +94,10 @@ class WeightSource:
             if self.keep and base is None:
                 base = self._kept[(name, torch.float32)] = _cast(value, torch.float32)
             if dtype != torch.float32 or base is None:
-                return _cast(value if base is None else base, dtype, out)
+                value = value if base is None else base
+                if not copy and out is None and value.dtype == dtype:
+                    return value
+                return _cast(value, dtype, out)
             kept = base
         return kept if out is None else out.copy_(kept)
 
@@ -541,7 +547,9 @@ def for_tracing(model: nn.Module, dtype: torch.dtype, source: WeightSource) -> n
     for name, p in _unique_parameters(out).items():
         target = dtype if p.is_floating_point() else p.dtype
         p.data = torch.empty(p.shape, dtype=target)
-        read = lambda name=name, target=target: TorchTensor(source.read(name, target), name=name)  # noqa: E731
+        # the reader's buffer itself where no cast is needed: the graph's writer copies each value out before
+        # the next is read (a copy made here was Gemma 3's 0.67 GB embedding twice)
+        read = lambda name=name, target=target: TorchTensor(source.read(name, target, copy=False), name=name)  # noqa: E731
         setattr(p, _LAZY, ir.LazyTensor(read, ir.DataType.from_numpy(_numpy_dtype(target)) if target != torch.bfloat16
                                         else ir.DataType.BFLOAT16, ir.Shape(list(p.shape)), name=name))
     return out

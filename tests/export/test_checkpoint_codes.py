@@ -142,6 +142,8 @@ def test_kept_codes_bundle_matches_transformers_logits(all_types):
         original = oracle(torch.from_numpy(ids)).logits.numpy()
     assert np.abs(got - expected).max() <= 1e-4
     assert np.abs(got - original).max() > 1e-4
+    # a converted weight departs from the file's float model: export validated the float graph, before the codes
+    assert bundle.manifest["validation"]["graph"].startswith("the float graph")
     # the session ran ONNX Runtime's variant: the 4-bit codes (Q4_K, Q3_K, Q2_K, Q4_0, Q4_1) as MatMulNBits, two of
     # them sharing one with their siblings (layer 1's q and k read the same activation)
     from kvforge.bundle import Bundle

@@ -312,3 +312,25 @@ def test_damaged_bundles_are_named(tmp_path, micro_bundle):
         Bundle(b)
     with pytest.raises(KvforgeError, match="no kvforge.json"):
         Bundle(tmp_path)
+
+
+def test_the_transformers_check_counts_the_weight_files_transformers_maps(tmp_path, monkeypatch):
+    """transformers keeps a checkpoint's weight files mapped while it builds its float32 copy (a BF16 Qwen2.5-1.5B:
+    6.0 GiB of float32 beside 2.96 GiB of mapped files, measured): where the two would not fit the export's bound
+    though the float32 copy alone would, the check is skipped and says why (nothing is loaded)."""
+    from kvforge.export import oracle
+
+    directory = tmp_path / "ckpt"
+    make_hf_model("llama").save_pretrained(directory, safe_serialization=True)
+    reference, _ = load(str(directory))
+    fp32 = 4 * sum(p.numel() for p in reference.parameters())
+    layer = max(p.numel() for p in reference.parameters() if reference.config.vocab_size not in p.shape)
+    files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    assert files > 0
+    empty = tmp_path / "bundle"
+    empty.mkdir()
+    monkeypatch.setattr(oracle, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(oracle, "FP64_BLOCK_BYTES", 0)
+    monkeypatch.setattr(oracle, "BOUND_MARGIN_BYTES", fp32 + 8 * layer + files // 2)  # float32 fits; with files, no
+    record = oracle.check(str(directory), empty, "decoder", reference, None, "float32")
+    assert record["compared"] is False and "weight files" in record["reason"], record

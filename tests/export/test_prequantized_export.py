@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvforge import runtime
+from kvforge.bundle import Bundle
 from kvforge.export import export
 
 from ..conftest import make_hf_model
@@ -84,6 +85,8 @@ def test_compressed_tensors_checkpoint_runs_as_the_package_computes_it(tmp_path,
     record = quant["checkpoint"]
     assert record["format"] == "compressed-tensors" and len(record["kept"]) == MICRO["num_hidden_layers"] * len(LINEARS)
     assert quant["activations"] == activations
+    # activations quantized: the graph departs from the float model by design; its float graph was validated
+    assert Bundle(tmp_path / "bundle").manifest["validation"]["graph"].startswith("the float graph")
     # weight-only: the same weights, FP32 noise; with activations quantized, a value that lands on a rounding
     # boundary may take the neighbouring code in one of the two (ONNX Runtime and Torch reduce in other orders)
     _close_but_for_rounding_flips(got, expected)  # weight-only 4-bit with zero points: the GPTQ test below
@@ -118,6 +121,8 @@ def test_gptq_act_order_checkpoint_is_its_dequantized_codes(tmp_path):
     kept = quant["checkpoint"]["kept"]
     assert len(kept) == MICRO["num_hidden_layers"] * len(LINEARS) and all(r["act_order"] and r["zero_point"] for r in kept.values())
     assert np.abs(got - _logits(model)).max() <= 1e-4
+    # codes of weights alone stand for the float weights bit for bit: the graph validated is the one written
+    assert Bundle(tmp_path / "bundle").manifest["validation"]["graph"] == "as written"
 
 
 def _fp8_act_quant(module, args):
