@@ -456,6 +456,9 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
 @main.command()
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False))
 @click.option("--text", "texts", multiple=True, required=True, help="A text to embed; repeatable.")
+@click.option("--pair", "pairs", multiple=True,
+              help="A second text for the --text in the same place (a cross-encoder's query and passage), joined as "
+                   "transformers' tokenizer(text, text_pair) joins them; repeatable, one per --text.")
 @click.option("--pooling", type=click.Choice(list(POOLINGS)),
               help="mean: the average of the tokens' (a Perceiver: the latents') last hidden states; cls: the first "
                    "token's; max, mean_sqrt_len, last: as sentence-transformers. Default: the checkpoint's own (a "
@@ -469,9 +472,12 @@ def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, rep
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "onnxruntime", "torch"]),
               help="auto: ONNX Runtime; torch: the reference model the bundle was exported from.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the vectors (and classes).")
-def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as_json):
-    """Print one embedding vector per --text from an encoder BUNDLE (BERT, RoBERTa, Perceiver)."""
-
+def embed(bundle, texts, pairs, pooling, normalize, with_classes, truncate, backend, as_json):
+    """Print one embedding vector per --text (or --text and --pair) from an encoder BUNDLE (BERT, RoBERTa,
+    Perceiver)."""
+    if pairs and len(pairs) != len(texts):
+        raise KvforgeError(f"--pair is given {len(pairs)} times for {len(texts)} --text: give one --pair per --text")
+    rows = list(zip(texts, pairs)) if pairs else list(texts)
     session = runtime.load(bundle, backend=backend)
     if not isinstance(session, runtime.EncoderSession):
         raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge embed` runs encoder bundles "
@@ -480,8 +486,8 @@ def embed(bundle, texts, pooling, normalize, with_classes, truncate, backend, as
         defaults = session.embedding_defaults()
         pooling = defaults["pooling"] if pooling is None else pooling
         normalize = defaults["normalize"] if normalize is None else normalize
-        vectors = session.embed(list(texts), pooling=pooling, normalize=normalize, truncate=truncate)
-        classes = session.classify(list(texts), truncate=truncate) if with_classes else None
+        vectors = session.embed(rows, pooling=pooling, normalize=normalize, truncate=truncate)
+        classes = session.classify(rows, truncate=truncate) if with_classes else None
     if as_json:
         record = {"pooling": pooling, "normalized": normalize, "defaults_from": defaults["source"], "dim": int(vectors.shape[1]),
                   "vectors": [[round(float(x), 7) for x in v] for v in vectors], "backend": session.backend_name}

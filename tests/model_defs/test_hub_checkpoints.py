@@ -382,3 +382,15 @@ def test_a_cross_encoder_scores_text_pairs_as_transformers_does(hub_bert, tmp_pa
         with pytest.raises(KvforgeError, match="pairs must be"):
             session.tokenize_pairs([("only one",)])
     np.testing.assert_allclose(scores, expected.numpy(), rtol=0, atol=1e-5)
+    # the CLI: each --text with the --pair in its place
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    args = ["embed", str(bundle.path), "--classify", "--json"]
+    out = CliRunner().invoke(main, args + [f for a, b in pairs for f in ("--text", a, "--pair", b)])
+    assert out.exit_code == 0, out.output
+    cli = np.array([r["scores"] for r in json.loads(out.output)["classes"]])
+    np.testing.assert_allclose(cli, expected.numpy(), rtol=0, atol=1e-5)
+    out = CliRunner().invoke(main, args + ["--text", "a", "--text", "b", "--pair", "c"])
+    assert out.exit_code != 0 and "give one --pair per --text" in out.output
