@@ -2,6 +2,10 @@
 and INT8 (default flags) embeddings against transformers, with ONNX Runtime's quantize_dynamic on the same FP32
 graph as the INT8 peer (issue 49's figures).
 
+Routes measured beside them on the same graph, not adopted (issue 50 asks for each route's record): ONNX
+Runtime's 8-bit MatMulNBits (weights per block of 32 along `in`, symmetric; accuracy level 0 computes in float32,
+level 4 quantizes activations per block to int8 as llama.cpp's dot products do).
+
 Accuracy, on tests/data/varied_sentences.json (64 sentences): each vector's cosine with transformers' (its
 tokenizer and model on the same directory, mean-pooled over the attention mask and L2-normalized, as the
 model's modules.json says) and with kvforge FP32's; paraphrase retrieval top-1 (each pair's query against
@@ -51,6 +55,42 @@ def _retrieval(v: np.ndarray) -> list[int]:
     return (queries @ passages.T).argmax(1).tolist()
 
 
+def _matmul_nbits8(graph: Path, out: Path, level: int, block: int = 32) -> Path:
+    """The graph with each MatMul by a constant [in, out] weight as ONNX Runtime's MatMulNBits, 8 bits: codes
+    round(w / s) + 128 (its default zero point), s = max |w| / 127 per block of `block` along `in`."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(graph))
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    nodes, replaced = [], set()
+    for n in g.node:
+        w = numpy_helper.to_array(inits[n.input[1]]) if n.op_type == "MatMul" and n.input[1] in inits else None
+        if w is None or w.ndim != 2 or w.shape[0] % block:
+            nodes.append(n)
+            continue
+        k, cols = w.shape
+        blocks = w.astype(np.float32).T.reshape(cols, k // block, block)
+        amax = np.abs(blocks).max(-1)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        codes = (np.clip(np.rint(blocks / scale[..., None]), -127, 127) + 128).astype(np.uint8)
+        g.initializer.extend([numpy_helper.from_array(codes, n.input[1] + "_q8"),
+                              numpy_helper.from_array(scale.reshape(-1), n.input[1] + "_s8")])
+        replaced.add(n.input[1])
+        nodes.append(helper.make_node("MatMulNBits", [n.input[0], n.input[1] + "_q8", n.input[1] + "_s8"],
+                                      list(n.output), domain="com.microsoft", K=k, N=cols, bits=8, block_size=block,
+                                      accuracy_level=level))
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [i for i in g.initializer if i.name not in replaced]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(out))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
@@ -94,23 +134,28 @@ def main() -> None:
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = THREADS
-        dynamic = ort.InferenceSession(str(tmp / "dynamic.onnx"), opts, providers=["CPUExecutionProvider"])
+        peers = {"ort quantize_dynamic int8": tmp / "dynamic.onnx",
+                 **{f"route: ort MatMulNBits 8-bit, accuracy level {level}":
+                    _matmul_nbits8(fp32.graph_file, tmp / f"nbits8_{level}.onnx", level) for level in (0, 4)}}
+        peer_sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+                         for name, path in peers.items()}
         sessions = {name: runtime.load(b.path, threads=THREADS) for name, b in (("kvforge fp32", fp32), ("kvforge int8", int8))}
         feeder = sessions["kvforge fp32"]
 
-        def dynamic_embed(texts):
+        def peer_embed(session, texts):
             out = []
             rows = feeder.tokenize(texts)
+            names = {x.name for x in session.get_inputs()}
             for i in range(0, len(rows), BATCH):
                 feeds = feeder.feeds(rows[i:i + BATCH])
-                h = dynamic.run(["last_hidden_state"], {k: v for k, v in feeds.items()
-                                                       if k in {x.name for x in dynamic.get_inputs()}})[0]
+                h = session.run(["last_hidden_state"], {k: v for k, v in feeds.items() if k in names})[0]
                 m = feeds["attention_mask"][..., None].astype(np.float32)
                 v = (h * m).sum(1) / m.sum(1)
                 out.append(v / np.linalg.norm(v, axis=1, keepdims=True))
             return np.concatenate(out)
 
-        embedders = {"transformers (torch)": transformers_embed, "ort quantize_dynamic int8": dynamic_embed,
+        embedders = {"transformers (torch)": transformers_embed,
+                     **{name: (lambda s: lambda texts: peer_embed(s, texts))(s) for name, s in peer_sessions.items()},
                      **{name: (lambda s: lambda texts: s.embed(texts, batch_size=BATCH))(s) for name, s in sessions.items()}}
         vectors = {name: fn(sentences) for name, fn in embedders.items()}
         reference, ours = vectors["transformers (torch)"], vectors["kvforge fp32"]
