@@ -500,8 +500,8 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
     model.register_forward_pre_hook(lambda m, args: load(outer))
 
     def done(module, args, out):
-        release(outer)
         spare.clear()  # reused within a forward (block after block), not held between forwards
+        release(outer)  # (and what the spares held, trimmed with the rest)
 
     model.register_forward_hook(done)
     for p in _unique_parameters(model).values():
