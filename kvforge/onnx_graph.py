@@ -333,10 +333,8 @@ def read_dequantized_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTE
         if n.op_type != "FusedMatMul" or n.domain != MS_DOMAIN or node_attribute(n, "transB", 0) != 1 \
                 or node_attribute(n, "transA", 0) != 0:
             continue
-        dq = producers.get(n.input[1])
-        while dq is not None and dq.op_type == "Identity":
-            dq = producers.get(dq.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear":
+        dq = _dequantize_behind(producers, n.input[1])
+        if dq is None:
             continue
         tensors = [inits.get(name) for name in dq.input if name]
         if any(t is None or t.data_location != TensorProto.EXTERNAL or t.data_type not in item or not t.dims
@@ -365,10 +363,7 @@ def read_dequantized_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTE
         nodes.append(helper.make_node("Concat", parts, [out], axis=-1))
         removed.add(id(n))
         added[id(n)] = nodes
-    if removed:
-        replace_nodes(g, removed, added)
-        drop_dead_nodes(model)  # the whole weight's DequantizeLinear, read by none now
-    return len(removed)
+    return _replaced(model, removed, added)
 
 
 def gather_dequantized_rows(model) -> int:
@@ -386,11 +381,8 @@ def gather_dequantized_rows(model) -> int:
     for n in held:
         if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or node_attribute(n, "axis", 0) != 0:
             continue
-        dq = producers.get(n.input[0])
-        while dq is not None and dq.op_type == "Identity":
-            dq = producers.get(dq.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or node_attribute(dq, "axis", 1) not in (1, -1) \
-                or not node_attribute(dq, "block_size", 0):
+        dq = _dequantize_behind(producers, n.input[0])
+        if dq is None or node_attribute(dq, "axis", 1) not in (1, -1) or not node_attribute(dq, "block_size", 0):
             continue
         tensors = [inits.get(name) for name in dq.input if name]
         if any(t is None or len(t.dims) != 2 for t in tensors) or tensors[0].data_type not in (2, 3):
@@ -404,9 +396,22 @@ def gather_dequantized_rows(model) -> int:
         nodes.append(helper.make_node("DequantizeLinear", gathered, [out], **{**attributes, "axis": -1}))
         removed.add(id(n))
         added[id(n)] = nodes
+    return _replaced(model, removed, added)
+
+
+def _dequantize_behind(producers: dict, name: str):
+    """The DequantizeLinear that computes `name` (through Identity nodes), or None."""
+    node = producers.get(name)
+    while node is not None and node.op_type == "Identity":
+        node = producers.get(node.input[0])
+    return node if node is not None and node.op_type == "DequantizeLinear" else None
+
+
+def _replaced(model, removed: set[int], added: dict[int, list]) -> int:
+    """replace_nodes, then drop what the new nodes left unread (a whole weight's DequantizeLinear); how many."""
     if removed:
-        replace_nodes(g, removed, added)
-        drop_dead_nodes(model)  # the whole table's DequantizeLinear, read by none now
+        replace_nodes(model.graph, removed, added)
+        drop_dead_nodes(model)
     return len(removed)
 
 
