@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import shutil
@@ -186,6 +187,10 @@ def export(
         with write_progress(lambda done, total: progress("weights", done, total)):  # each streamed weight written
             graphs = plan.write(model, tmp, opset, external_data)
         export_seconds = time.time() - started
+        # what tracing and writing left (the exporter's cycles, glibc's freed heap) back before the graph runs
+        # beside the references
+        gc.collect()
+        resources.release_freed_memory()
         progress("export", 1, 1)
         quantization = None
         if quantized is not None and quantized.exact:
