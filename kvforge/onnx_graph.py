@@ -371,7 +371,7 @@ def gather_dequantized_rows(model) -> int:
     initializers with blocks along its second axis (a checkpoint's codes for an embedding table; Identity nodes
     between) as a DequantizeLinear of the gathered codes, scales and zero points: the same values, without the
     whole table's float32 copy (Gemma 3's 262k-row table: 0.67 GB). Returns how many."""
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -385,7 +385,8 @@ def gather_dequantized_rows(model) -> int:
         if dq is None or node_attribute(dq, "axis", 1) not in (1, -1) or not node_attribute(dq, "block_size", 0):
             continue
         tensors = [inits.get(name) for name in dq.input if name]
-        if any(t is None or len(t.dims) != 2 for t in tensors) or tensors[0].data_type not in (2, 3):
+        if any(t is None or len(t.dims) != 2 for t in tensors) \
+                or tensors[0].data_type not in (TensorProto.INT8, TensorProto.UINT8):
             continue  # not [rows, in] 8-bit codes (ONNX Runtime gathers no 4-bit type) with [rows, in / block] scales
         out, nodes, gathered = n.output[0], [], []
         for k, name in enumerate(dq.input):
