@@ -193,6 +193,12 @@ def matmul_transposed_weights(model) -> int:
     return len(added)
 
 
+def dequantizes_weights(model) -> bool:
+    """Whether the graph computes a weight by a DequantizeLinear of initializers alone (a checkpoint's codes)."""
+    inits = {i.name for i in model.graph.initializer}
+    return any(n.op_type == "DequantizeLinear" and all(i in inits for i in n.input if i) for n in model.graph.node)
+
+
 def compute_weights_where_read(model) -> int:
     """Move the nodes that compute a weight from initializers alone (computed_weights: a checkpoint's codes behind
     a DequantizeLinear and the ops after it) to just before each node that reads it, a copy for each such node;
