@@ -330,11 +330,8 @@ def read_dequantized_weights_in_blocks(model, block_bytes: int = HALF_BLOCK_BYTE
 
     item = {TensorProto.INT8: 1, TensorProto.UINT8: 1, TensorProto.INT4: 0.5, TensorProto.UINT4: 0.5,
             TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    g, inits, producers, held = _tables(model)
     removed, added = set(), {}
-    held = list(g.node)  # alive until replace_nodes has found them by id
     for n in held:
         if n.op_type != "FusedMatMul" or n.domain != MS_DOMAIN or node_attribute(n, "transB", 0) != 1 \
                 or node_attribute(n, "transA", 0) != 0:
@@ -379,11 +376,8 @@ def gather_dequantized_rows(model) -> int:
     whole table's float32 copy (Gemma 3's 262k-row table: 0.67 GB). Returns how many."""
     from onnx import TensorProto, helper
 
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    g, inits, producers, held = _tables(model)
     removed, added = set(), {}
-    held = list(g.node)  # alive until replace_nodes has found them by id
     for n in held:
         if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or node_attribute(n, "axis", 0) != 0:
             continue
@@ -404,6 +398,13 @@ def gather_dequantized_rows(model) -> int:
         removed.add(id(n))
         added[id(n)] = nodes
     return _replaced(model, removed, added)
+
+
+def _tables(model) -> tuple:
+    """(the graph, its initializers by name, each value's producing node, its nodes held in a list: alive until
+    replace_nodes has found them by id)."""
+    g = model.graph
+    return g, {i.name: i for i in g.initializer}, {o: n for n in g.node for o in n.output}, list(g.node)
 
 
 def _dequantize_behind(producers: dict, name: str):
