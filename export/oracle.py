@@ -48,10 +48,6 @@ PROCESS_BYTES = 1 << 30  # what the process holds besides transformers' model (t
 # transformers' GGUF reader dequantizes with numpy intermediates: loading Gemma 3 270M's Q4_K_M file (1.07 GB as
 # float32) peaked at 3.15 GB here, its tokenizer alone at 0.97 GB (measured 2026-11-30)
 GGUF_LOAD_FACTOR = 3.0
-# the files transformers reads a Hugging Face checkpoint's weights from: it keeps each mapped (or, a pickle, loaded)
-# until the model is built, beside the float32 copy it makes (a BF16 Qwen2.5-1.5B: 6.0 GiB of float32 and 2.96 GiB
-# of the mapped files at the peak, 6.1 GiB once loaded; measured 2026-11-30)
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 class Oracle(NamedTuple):
@@ -189,12 +185,16 @@ def _fits(reference, bundle_bytes: int, where: dict[str, Any]) -> str | None:
     weights (4 bytes a parameter; reading a GGUF file, transformers holds GGUF_LOAD_FACTOR times that; reading a
     Hugging Face checkpoint, the weight files too while it loads) and, at a time, one layer's in FP64
     (float64_modules: the embedding and vocabulary tables are read in FP32)."""
+    from kvforge.model_defs.hf import weight_files
+
     gguf = where.get("gguf_file") is not None
     vocab = reference.config.vocab_size
     fp32 = 4 * sum(p.numel() for p in reference.parameters())
     layer = max((p.numel() for p in reference.parameters() if vocab not in p.shape), default=0)
-    files = 0 if gguf else sum(f.stat().st_size for f in Path(where["path"]).iterdir()
-                               if f.is_file() and f.suffix in WEIGHT_FILE_SUFFIXES)
+    # transformers keeps a checkpoint's weight files mapped (a pickle, loaded) until the model is built, beside
+    # the float32 copy it makes (a BF16 Qwen2.5-1.5B: 6.0 GiB of float32 and 2.96 GiB of the mapped files at the
+    # peak, 6.1 GiB once loaded; measured 2026-11-30)
+    files = 0 if gguf else sum(f.stat().st_size for f in weight_files(Path(where["path"])))
     need = max(fp32 * GGUF_LOAD_FACTOR if gguf else fp32 + files, fp32 + 8 * layer + FP64_BLOCK_BYTES)
     room = bundle_bytes + BOUND_MARGIN_BYTES - PROCESS_BYTES
     if need > room:

@@ -159,7 +159,7 @@ class OrtRunner:
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             for key, value in EXACT_QDQ.items():
                 opts.add_session_config_entry(key, value)
-            graph, folder = weights_when_used_graph(proto.SerializeToString(), Path(path).parent)
+            graph, folder = weights_when_used_graph(proto, Path(path).parent)
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
             self.session = ort.InferenceSession(graph, opts, **options)
         self.names = [i.name for i in self.session.get_inputs()]

@@ -209,11 +209,8 @@ def compute_weights_where_read(model) -> int:
     and by the head (the last) stays live between them unless each reads its own."""
     from onnx import NodeProto
 
-    g = model.graph
-    inits = {i.name for i in g.initializer}
-    computed = computed_weights(g) - inits
-    producers = {o: n for n in g.node for o in n.output}
-    held = list(g.node)  # alive until replace_nodes has found them by id
+    g, inits, producers, held = _tables(model)
+    computed = computed_weights(g) - set(inits)
     order = {id(n): k for k, n in enumerate(held)}
 
     def chain(name: str) -> list:
@@ -234,8 +231,7 @@ def compute_weights_where_read(model) -> int:
         for index, name in enumerate(reader.input):
             if name not in computed:
                 continue
-            while producers[name].op_type == "Identity":  # read what it passes on (a copy where it runs)
-                name = producers[name].input[0]
+            name = _past_identities(producers, name)  # what an Identity passes on (a copy where it runs)
             if name in inits:
                 reader.input[index] = name
                 continue
@@ -407,11 +403,16 @@ def _tables(model) -> tuple:
     return g, {i.name: i for i in g.initializer}, {o: n for n in g.node for o in n.output}, list(g.node)
 
 
+def _past_identities(producers: dict, name: str) -> str:
+    """`name`, or what the Identity nodes that produce it pass on."""
+    while name in producers and producers[name].op_type == "Identity":
+        name = producers[name].input[0]
+    return name
+
+
 def _dequantize_behind(producers: dict, name: str):
     """The DequantizeLinear that computes `name` (through Identity nodes), or None."""
-    node = producers.get(name)
-    while node is not None and node.op_type == "Identity":
-        node = producers.get(node.input[0])
+    node = producers.get(_past_identities(producers, name))
     return node if node is not None and node.op_type == "DequantizeLinear" else None
 
 

@@ -138,7 +138,8 @@ def compute_weights_when_used(opts) -> None:
 
 
 def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tuple[bytes, str | Path | None]:
-    """A graph (a path, or serialized bytes whose external data lies in external_dir) as serialized bytes for a
+    """A graph (a path; or serialized bytes, or a ModelProto read without its external data, whose external data
+    lies in external_dir: the proto is rewritten in place) as serialized bytes for a
     session that computes its weights where they are used (compute_weights_when_used), and the folder its
     external data is read from. The graph is read without its external data; each weight read through a
     Transpose is read in place (onnx_graph.matmul_transposed_weights), so no copy of it is transposed again; a
@@ -153,7 +154,9 @@ def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tu
     from kvforge.onnx_graph import (compute_weights_where_read, gather_dequantized_rows, matmul_transposed_weights,
                                     read_dequantized_weights_in_blocks, read_half_weights_in_blocks)
 
-    if isinstance(model, bytes):
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, bytes):
         proto = onnx.ModelProto()
         proto.ParseFromString(model)
     else:

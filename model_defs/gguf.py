@@ -142,8 +142,10 @@ def _read_tensors(path: Path, reader, arch, hf: dict[str, Any], shapes: dict[str
         shape = shapes[t.name]
         type_name = GGMLQuantizationType(t.tensor_type).name
         types[type_name] = types.get(type_name, 0) + 1
+        value = None
         if tensors is not None:
-            parts = _parts(path, arch, hf, t.name, torch.from_numpy(_dequantize(t, shape)))
+            value = _dequantize(t, shape)
+            parts = _parts(path, arch, hf, t.name, torch.from_numpy(value))
             tensors.update(parts)
         else:  # the parts' names and shapes alone
             parts = _parts(path, arch, hf, t.name, torch.empty(shape, dtype=torch.float32, device="meta"))
@@ -153,9 +155,10 @@ def _read_tensors(path: Path, reader, arch, hf: dict[str, Any], shapes: dict[str
             quantized.kept_float.update({n: f"{type_name} in the file" for n, v in parts.items() if v.ndim >= 2})
             continue
         flat = (int(np.prod(shape[:-1])), shape[-1])  # stacked experts: [experts * out, in]
-        # checked against gguf's dequantization a chunk of rows at a time (never whole: Gemma 3's 262k-row
-        # embedding is 0.67 GB of float32)
-        weight, error = decode(t.data, type_name, flat, _DequantizedRows(t, flat))
+        # checked against gguf's dequantization: the values decoded above, else a chunk of rows at a time (never
+        # whole: Gemma 3's 262k-row embedding is 0.67 GB of float32)
+        dequantized = _DequantizedRows(t, flat) if value is None else value.reshape(flat)
+        weight, error = decode(t.data, type_name, flat, dequantized)
         for hf_name in parts:  # each part's codes: the tensor's, with the layout change that gives the part
             quantized.codes[hf_name] = weight
             quantized.layouts[hf_name] = lambda x, n=t.name, s=shape, h=hf_name: hf_tensors(arch, hf, n, x.reshape(s))[h]
