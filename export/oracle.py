@@ -55,9 +55,8 @@ class Oracle(NamedTuple):
     load: Callable[[Any, dict[str, Any], dict[str, Any]], Any]
     # (transformers model, ids) -> {output name: array}
     transformers_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
-    # (the graph's output name, the output for one row of ids) -> the part compared (a decoder's logits of the
-    # row; an encoder's per-token outputs and head's outputs of it)
-    graph_output: Callable[[str, np.ndarray], np.ndarray]
+    # (the written bundle, rows of ids) -> per row {output name: array}: its graphs run on ONNX Runtime
+    graph_outputs: Callable[[Bundle, list[list[int]]], list[dict[str, np.ndarray]]]
     # (kvforge's FP32 Torch reference, ids) -> {output name: array}
     reference_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
 
@@ -95,14 +94,83 @@ def _encoder_reference(reference, ids):
     return {k: _np(v[0]) for k, v in out.items() if v is not None}
 
 
+def _one_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
+    """The bundle's graph on each row of ids, one row a run from an empty cache (ONNX Runtime, as every session
+    of the bundle runs it): a decoder's logits of the row; an encoder's per-token outputs and its head's."""
+    from kvforge.ort_session import make_session, prefill_feeds
+
+    session = make_session(bundle.graph_file, bundle.quantization_format)
+    names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
+    out = []
+    for ids in rows:
+        feeds = prefill_feeds(np.array([ids], np.int64), bundle.model_config, bundle.io, bundle.dtype)
+        out.append({n: np.asarray(v[0], np.float64) for n, v in zip(names, session.run(names, feeds))})
+    return out
+
+
+# an encoder-decoder is compared teacher-forced: the target is the start token, then the source's first ids
+TARGET_TOKENS = 8
+
+
+def _target(start: int, ids: list[int]) -> list[int]:
+    return [start] + ids[:TARGET_TOKENS - 1]
+
+
+def _seq2seq(transformers, where, hf_config):
+    return transformers.AutoModelForSeq2SeqLM.from_pretrained(where["path"], dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+
+
+def _seq2seq_outputs(model, ids):
+    out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                decoder_input_ids=torch.tensor([_target(model.config.decoder_start_token_id, ids)]))
+    return {"last_hidden_state": _np(out.encoder_last_hidden_state[0]), "logits": _np(out.logits[0])}
+
+
+def _seq2seq_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
+    """The encoder graph on each source, then the decoder graph teacher-forced on its target from an empty cache,
+    reading the cross-attention K/V the encoder graph wrote (the two graphs as the runtime chains them)."""
+    from kvforge.ort_session import make_session
+
+    manifest_graphs = bundle.manifest["graphs"]
+    encoder = make_session(bundle.path / manifest_graphs["encoder"], bundle.quantization_format)
+    decoder = make_session(bundle.path / manifest_graphs["decoder"], bundle.quantization_format)
+    cfg = bundle.model_config
+    empty = np.zeros((1, cfg["decoder_heads"], 0, cfg["decoder_head_dim"]), np.float32)
+    enc_names = [o.name for o in encoder.get_outputs()]
+    out = []
+    for ids in rows:
+        src = np.array([ids], np.int64)
+        mask = np.ones_like(src)
+        enc = dict(zip(enc_names, encoder.run(enc_names, {"input_ids": src, "attention_mask": mask})))
+        feeds = {"input_ids": np.array([_target(cfg["decoder_start_token_id"], ids)], np.int64),
+                 "encoder_attention_mask": mask}
+        for i in decoder.get_inputs()[2:]:  # past_key_values.{layer}.{decoder|encoder}.{key|value}
+            cross = i.name.replace("past_key_values.", "present.", 1)
+            feeds[i.name] = enc[cross] if cross in enc else empty
+        logits = decoder.run(["logits"], feeds)[0]
+        out.append({"last_hidden_state": np.asarray(enc["last_hidden_state"][0], np.float64),
+                    "logits": np.asarray(logits[0], np.float64)})
+    return out
+
+
+def _seq2seq_reference(reference, ids):
+    src = torch.tensor([ids])
+    mask = torch.ones_like(src)
+    hidden, _ = reference.encode(src, mask)
+    target = torch.tensor([_target(reference.config.decoder_start_token_id, ids)])
+    return {"last_hidden_state": _np(hidden[0]), "logits": _np(reference(src, mask, target)[0])}
+
+
 ORACLES: dict[str, Oracle] = {
     "decoder": Oracle(
         _causal_lm,
         lambda model, ids: {"logits": _np(model(torch.tensor([ids])).logits[0])},
-        lambda name, out: out[0],
+        _one_graph_outputs,
         lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
     ),
-    "encoder": Oracle(_encoder, _encoder_outputs, lambda name, out: out[0], _encoder_reference),
+    "encoder": Oracle(_encoder, _encoder_outputs, _one_graph_outputs, _encoder_reference),
+    "encoder-decoder": Oracle(_seq2seq, _seq2seq_outputs, _seq2seq_graph_outputs, _seq2seq_reference),
 }
 
 
@@ -120,31 +188,48 @@ def _blocked_linear(module, x):
 
 class float64_modules:
     """Inside it, `model` computes in FP64 while holding its weights in FP32, so that the memory is the FP32 model
-    plus one layer's FP64 weights where model.double() would add twice the model: each module's own parameters are
-    made FP64 just before it runs and FP32 again just after (FP32 -> FP64 -> FP32 is exact); an embedding looks up
-    its FP32 rows and casts them (the same values); a linear layer larger than FP64_BLOCK_BYTES in FP64 (a
-    vocabulary projection) is computed a block of rows at a time. Float buffers (rotary tables) are FP64
-    throughout, as model.double() makes them."""
+    plus one block's FP64 weights where model.double() would add twice the model: the largest modules whose
+    parameters, all together, take at most FP64_BLOCK_BYTES in FP64 are made FP64 whole just before they run and
+    FP32 again just after (FP32 -> FP64 -> FP32 is exact; whole, because a module may read a child's dtype before
+    the child runs, as T5's gated FFN does); an embedding looks up its FP32 rows and casts them (the same values);
+    a linear layer larger than FP64_BLOCK_BYTES in FP64 (a vocabulary projection) is computed a block of rows at
+    a time; a larger module's own parameters are cast around its own forward. Float buffers (rotary tables) are
+    FP64 throughout, as model.double() makes them."""
 
     def __init__(self, model):
         self.model, self.hooks, self.buffers, self.patched = model, [], [], []
 
     @staticmethod
-    def _cast(module, dtype):
-        for p in module.parameters(recurse=False):
+    def _cast(module, dtype, recurse=False):
+        for p in module.parameters(recurse=recurse):
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
 
+    def _hook(self, module, recurse: bool):
+        self.hooks.append(module.register_forward_pre_hook(lambda m, args: self._cast(m, torch.float64, recurse)))
+        self.hooks.append(module.register_forward_hook(lambda m, args, out: self._cast(m, torch.float32, recurse)))
+
+    def _place(self, module):
+        if isinstance(module, torch.nn.Embedding):
+            self.hooks.append(module.register_forward_hook(lambda m, args, out: out.to(torch.float64)))
+            return
+        if isinstance(module, torch.nn.Linear) and module.weight.numel() * 8 > FP64_BLOCK_BYTES:
+            module.forward = functools.partial(_blocked_linear, module)
+            self.patched.append(module)
+            return
+        whole = sum(p.numel() for p in module.parameters()) * 8
+        called = not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))  # containers never run
+        if (called and whole and whole <= FP64_BLOCK_BYTES
+                and not any(isinstance(m, torch.nn.Embedding) for m in module.modules())):
+            self._hook(module, recurse=True)
+            return
+        if any(True for _ in module.parameters(recurse=False)):
+            self._hook(module, recurse=False)
+        for child in module.children():
+            self._place(child)
+
     def __enter__(self):
-        for module in self.model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                self.hooks.append(module.register_forward_hook(lambda m, args, out: out.to(torch.float64)))
-            elif isinstance(module, torch.nn.Linear) and module.weight.numel() * 8 > FP64_BLOCK_BYTES:
-                module.forward = functools.partial(_blocked_linear, module)
-                self.patched.append(module)
-            elif any(True for _ in module.parameters(recurse=False)):
-                self.hooks.append(module.register_forward_pre_hook(lambda m, args: self._cast(m, torch.float64)))
-                self.hooks.append(module.register_forward_hook(lambda m, args, out: self._cast(m, torch.float32)))
+        self._place(self.model)
         for module in self.model.modules():
             for name, b in module.named_buffers(recurse=False):
                 if b.is_floating_point() and b.dtype != torch.float64:
@@ -240,21 +325,6 @@ def _hf_config(where: dict[str, Any]) -> dict[str, Any]:
     return read_json(path) if where.get("gguf_file") is None and path.is_file() else {}
 
 
-def _graph_outputs(oracle: Oracle, bundle, rows) -> list[dict[str, np.ndarray]]:
-    """The written graph's outputs on each row of ids, one row a run from an empty cache (ONNX Runtime, as every
-    session of the bundle runs it)."""
-    from kvforge.ort_session import make_session, prefill_feeds
-
-    session = make_session(bundle.graph_file, bundle.quantization_format)
-    names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
-    out = []
-    for ids in rows:
-        feeds = prefill_feeds(np.array([ids], np.int64), bundle.model_config, bundle.io, bundle.dtype)
-        values = session.run(names, feeds)
-        out.append({n: np.asarray(oracle.graph_output(n, v), np.float64) for n, v in zip(names, values)})
-    return out
-
-
 def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
     bundle = Bundle(bundle_dir)
     rows, inputs = [], "text"
@@ -275,7 +345,7 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
                                f"bundle's tokenizer gives {ours[max(0, at - 2):at + 3]} at position {at}, transformers' "
                                f"{expected[max(0, at - 2):at + 3]} ({len(ours)} ids against {len(expected)})")
         rows.append(ours)
-    graph = _graph_outputs(oracle, bundle, rows)
+    graph = oracle.graph_outputs(bundle, rows)
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # kvforge's own progress is on screen
     try:

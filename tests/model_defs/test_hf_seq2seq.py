@@ -420,3 +420,34 @@ def test_gated_relu_and_silu_t5_variants(tmp_path):
         dec = target(hf_model.config, 0)
         torch.testing.assert_close(ours(ids, mask, dec), hf_model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits,
                                    atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("t5-v1.0", "bart") else pytest.mark.slow)
+                                  for n in CASES])
+def test_export_is_checked_against_transformers_end_to_end(checkpoints, tmp_path, name):
+    """Export's own end-to-end check on an encoder-decoder: transformers' model from the same files, on the same
+    seeded source ids, its encoder's last hidden state and teacher-forced logits against both written graphs."""
+    from kvforge.export import export
+
+    o = export(str(checkpoints(name)[1]), tmp_path / "bundle").manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["inputs"] == "token ids", o
+    assert o["outputs"] == ["last_hidden_state", "logits"]
+    assert o["worst"]["ratio"] <= o["noise_multiple"]
+
+
+def test_a_seq2seq_weight_import_defect_is_named(checkpoints, tmp_path, monkeypatch):
+    """Two decoder layers' FFN weights read the wrong way round: validation passes (the reference shares the
+    defect); transformers catches it and names the weights."""
+    from kvforge.export import export
+    from kvforge.model_defs import hf
+
+    original = hf.normalize_names
+
+    def swapped(family, tensors):
+        a, b = "decoder.layers.1.fc1.", "decoder.layers.2.fc1."
+        return {k.replace(a, "\0").replace(b, a).replace("\0", b): v for k, v in original(family, tensors).items()}
+
+    monkeypatch.setattr(hf, "normalize_names", swapped)
+    with pytest.raises(KvforgeError, match="end-to-end check against transformers: the weights depart: logits"):
+        export(str(checkpoints("bart")[1]), tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
