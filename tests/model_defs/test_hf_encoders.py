@@ -265,3 +265,16 @@ def test_pretraining_leftovers_of_a_masked_lm_checkpoint_are_skipped(checkpoints
     stray = _copy(src, tmp_path / "stray", edit_tensors=lambda t: t.update({"cls.other.weight": torch.ones(2)}))
     with pytest.raises(KvforgeError, match=r"unexpected tensors \(1\): \['cls.other.weight'\]"):
         load(stray)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("bert-mlm", "roberta-cls") else pytest.mark.slow)
+                                  for n in CASES])
+def test_export_is_checked_against_transformers_end_to_end(checkpoints, tmp_path, name):
+    """Export's own end-to-end check on each encoder checkpoint: the class that saved it (config.json's
+    architectures), on the same seeded ids, its last hidden state and its head's outputs against the graph's."""
+    from kvforge.export import export
+
+    o = export(str(checkpoints(name)[1]), tmp_path / "bundle").manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["inputs"] == "token ids", o
+    assert o["outputs"] == (["last_hidden_state"] if name.endswith("-base") else ["last_hidden_state", "logits"])
+    assert o["worst"]["ratio"] <= o["noise_multiple"]
