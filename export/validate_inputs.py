@@ -60,12 +60,14 @@ class RoutingMargins:
         self.smallest = math.inf
         self.handles: list = []
 
-    def _hook(self, module, inputs, output) -> None:
+    def _hook(self, module, inputs) -> None:
         self.smallest = min(self.smallest, float(module.decision_margin(inputs[0]).min()))
 
     def __enter__(self) -> "RoutingMargins":
         self.smallest = math.inf
-        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        # before the router runs: a streamed reference (model_defs/weights.py) holds a module's weights from
+        # just before its forward to just after it, so a hook after the forward would read placeholders
+        self.handles = [r.register_forward_pre_hook(self._hook) for r in self.routers]
         return self
 
     def __exit__(self, *exc) -> None:

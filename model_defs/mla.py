@@ -36,6 +36,9 @@ class LatentAttention(nn.Module):
     # linear layers whose weight is read, not called: a LoRA slot (model_defs/lora.py) would change nothing there
     LORA_EXCLUDED = {"kv_b_proj": "latent attention absorbs kv_b into its queries and outputs (its weight is read per "
                                   "head, the layer is never called), so an adapter there would change nothing"}
+    # kv_b_proj's weight is read here, its layer never called: a streamed model loads this module's weights whole
+    # (model_defs/weights.py)
+    reads_child_weights = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -9,9 +9,10 @@ them, and every parameter a placeholder of its shape and dtype that holds one el
 time with plain reads into one reused buffer (not memory-mapped, so the page cache is not counted as the
 process's memory), each mapped by the family's weight table as `load` maps it and checked finite once.
 
-- `streamed(model, source, dtype)` makes a skeleton compute: each of its blocks reads its weights when it runs
-  and lets them go after, and what is outside the blocks (embeddings, final norm, head) for the model's forward;
-  so one block's weights are held at a time, in any dtype (the float64 reference of validation too).
+- `streamed(model, source, dtype)` makes a skeleton compute: each module of its blocks reads its own weights
+  when it runs and lets them go after, and what is outside the blocks (embeddings, final norm, head) for the
+  model's forward; so about one matrix's weights are held at a time (with the released buffers kept for reuse,
+  one of each shape), in any dtype (the float64 reference of validation too).
 - `for_tracing(model, dtype, source)` gives a copy whose parameters are uninitialized memory that is never
   written (the kernel backs it by no page) and each tagged with its lazy value for the ONNX graph
   (`lazy_tensor`): torch.onnx traces it without reading a weight, and the graph's initializers are read from
@@ -432,8 +433,30 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 HEAD_CHUNK_BYTES = 64 << 20  # a streamed head's rows read at a time
 
 
+def _loading_modules(block: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, the parameters it loads when it runs) within a block: each module its own parameters, so that one
+    matrix's values are held at a time rather than the block's (a 3B layer in FP64 is 0.8 GB; its largest matrix
+    0.2 GB); a module that reads its children's weights itself, not by calling them (`reads_child_weights`: MLA's
+    attention), loads all of its own and its children's."""
+    out = []
+
+    def visit(module: nn.Module) -> None:
+        if getattr(module, "reads_child_weights", False):
+            out.append((module, list(module.parameters())))
+            return
+        own = list(module.parameters(recurse=False))
+        if own:
+            out.append((module, own))
+        for child in module.children():
+            visit(child)
+
+    visit(block)
+    return out
+
+
 def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Make the skeleton `model` compute with `source`'s weights in `dtype`, one block's at a time; returns it.
+    """Make the skeleton `model` compute with `source`'s weights in `dtype`, one module's at a time within its
+    blocks (_loading_modules); returns it.
 
     Outside the blocks an embedding reads only the rows its ids select and a linear layer (the head) its rows
     a chunk at a time (vocabulary-sized tables are the largest weights), and the other weights (norms) are read
@@ -459,12 +482,12 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
         for p in params:
             p.data = source.read(names[id(p)], dtype, buffer(source.shapes[names[id(p)]]))
 
-    def release(params):
+    def release(params, trim: bool = True):
         for p in params:
             if not (source.keep and dtype == torch.float32) and p.data.stride() and p.dtype == dtype:
                 spare.setdefault((tuple(p.shape), dtype), []).append(p.data)
             p.data = placeholder(source.shapes[names[id(p)]], p.dtype)
-        if not source.keep:  # what reading and casting the unit's weights freed, back to the system (see there)
+        if trim and not source.keep:  # what reading and casting the weights freed, back to the system (see there)
             release_freed_memory()
 
     def gather(module, args):  # the embedding of the rows the ids select: ids renumbered over them
@@ -488,9 +511,10 @@ def streamed(model: nn.Module, source: WeightSource, dtype: torch.dtype = torch.
         return torch.cat(parts, dim=-1)
 
     for unit in units:
-        own = list(unit.parameters())
-        unit.register_forward_pre_hook(lambda m, args, own=own: load(own))
-        unit.register_forward_hook(lambda m, args, out, own=own: release(own))
+        for module, own in _loading_modules(unit):
+            module.register_forward_pre_hook(lambda m, args, own=own: load(own))
+            module.register_forward_hook(lambda m, args, out, own=own: release(own, trim=False))
+        unit.register_forward_hook(lambda m, args, out: release([]))  # trimmed once a block
     for table in tables:
         if isinstance(table, nn.Embedding):
             table.register_forward_pre_hook(gather)

@@ -171,3 +171,29 @@ def test_a_reference_streamed_from_disk_hands_freed_memory_back_after_each_block
         # each block, the embedding table, then the weights outside the blocks (the final norm)
         assert len(calls) == (0 if keep else skeleton.config.n_layers + 2)
     assert torch.equal(outputs[checkpoint.KEEP_BYTES], outputs[0])
+
+
+def test_a_streamed_reference_holds_one_modules_weights_at_a_time(sharded):
+    """Within a block each module reads its own weights as it runs (a 3B layer in FP64 is 0.8 GB, its largest
+    matrix 0.2 GB): whenever a block's module runs, the block's weights that hold values are that module's only;
+    and the float64 reference computes what the loaded model computes in float64."""
+    from kvforge.model_defs.weights import blocks
+
+    skeleton, _, source = load_streamed(sharded)
+    model = streamed(skeleton, source, torch.float64)
+    held = []
+
+    def holding(module, args, block):  # after the module's own pre-hook has loaded its weights
+        real = {id(p) for p in block.parameters() if p.stride() != (0,) * p.dim()}
+        held.append((module, real))
+
+    for block in blocks(model):
+        for module in block.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(lambda m, a, block=block: holding(m, a, block))
+    ids = torch.tensor([[5, 17, 203, 9, 44]])
+    with torch.no_grad():
+        out = model(ids)[0]
+        expected = load(sharded).model.double()(ids)[0]
+    assert len(held) > 3 * len(blocks(model)) and all(real == {id(p) for p in m.parameters()} for m, real in held)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
