@@ -129,7 +129,8 @@ ENGINE = Rec({
 ORACLE = Rec({
     "oracle": Enum("transformers"), "compared": bool, "reason": str, "transformers": str,
     "inputs": Enum("text", "token ids"), "texts": COUNT,
-    "tokens": COUNT, "token_ids_equal": bool, "outputs": ListOf(str), "noise": str, "noise_multiple": Num(low=0),
+    "tokens": COUNT, "token_ids_equal": bool, "outputs": ListOf(str), "scope": str, "noise": str,
+    "noise_multiple": Num(low=0),
     "worst": Rec({"output": str, "metric": str, "value": Num(low=0), "noise": Num(low=0), "ratio": Num(low=0)}),
     "passed": bool,
 }, required=("oracle", "compared"))

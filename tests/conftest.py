@@ -489,6 +489,15 @@ def make_llava(path, seed: int = 0, **overrides):
 IDEFICS2_LATENTS = 4
 
 
+def assert_checked_on_text(bundle, inputs: str) -> None:
+    """A vision-language export's own end-to-end check (export/oracle.py): transformers' image-text model from the
+    same files on text-only prompts (`inputs`: "text" where the checkpoint has a tokenizer, else "token ids"), its
+    logits against the decoder graph's within the bound, the vision graph said to be left out."""
+    o = bundle.manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["outputs"] == ["logits"] and o["inputs"] == inputs, o
+    assert "vision graph" in o["scope"] and o["worst"]["ratio"] <= o["noise_multiple"]
+
+
 def make_idefics2(path, seed: int = 0, image_token_id: int = 299):
     """A transformers Idefics2 (SigLIP-style encoder, gated projection, Perceiver resampler with grouped K/V heads,
     Mistral decoder), random weights all perturbed, saved at `path`."""

@@ -15,7 +15,7 @@ from kvforge.export import export
 from kvforge.images import ImageProcessing
 from kvforge.model_defs import load
 
-from ..conftest import make_idefics3
+from ..conftest import assert_checked_on_text, make_idefics3
 
 Image = pytest.importorskip("PIL.Image")
 ATOL = 1e-4
@@ -90,6 +90,7 @@ def test_the_bundle_writes_the_processors_prompt_and_generates_as_transformers(i
     hf, processor, root = idefics3
     bundle = export(root / "hf", tmp_path / "bundle")
     assert bundle.manifest["validation"]["passed"]
+    assert_checked_on_text(bundle, "text")
     jobs = [("<image>What is in the picture?", [_image(20, (80, 50))]),
             ("Compare <image> with <image>.", [_image(21, (30, 30)), _image(22, (20, 110))])]
     with runtime.load(bundle.path) as session:

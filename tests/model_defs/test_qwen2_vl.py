@@ -17,7 +17,7 @@ from kvforge.export import export
 from kvforge.images import ImageProcessing, rope_offsets
 from kvforge.model_defs import load
 
-from ..conftest import make_qwen2_vl
+from ..conftest import assert_checked_on_text, make_qwen2_vl
 
 Image = pytest.importorskip("PIL.Image")
 ATOL = 1e-4
@@ -106,6 +106,7 @@ def test_the_bundle_generates_as_transformers_alone_batched_and_in_the_batcher(q
     hf, images, tokenizer, root = qwen
     bundle = export(root / "hf", tmp_path / "bundle")
     assert bundle.manifest["validation"]["passed"]
+    assert_checked_on_text(bundle, "text")
     assert [t.name for t in bundle.io.inputs][-2:] == ["image_features", "rope_offsets"]
     jobs = [("Look <|vision_start|><|image_pad|><|vision_end|> here", [_image(20, (37, 52))]),
             ("A <|vision_start|><|image_pad|><|vision_end|>, then <|vision_start|><|image_pad|><|vision_end|>?",

@@ -11,7 +11,7 @@ from kvforge.errors import KvforgeError
 from kvforge.model_defs import load
 
 from ..conftest import LLAVA_TEXT as TEXT
-from ..conftest import IDEFICS2_LATENTS, make_idefics2, make_llava
+from ..conftest import IDEFICS2_LATENTS, assert_checked_on_text, make_idefics2, make_llava
 
 ATOL = 1e-4
 IMAGE_TOKEN = 299  # the test LLaVA's (tests/conftest.py make_llava)
@@ -193,6 +193,7 @@ def test_an_idefics2_bundle_exports_and_validates(tmp_path):
     hf = make_idefics2(tmp_path / "hf")
     bundle = export(tmp_path / "hf", tmp_path / "bundle")
     assert bundle.manifest["validation"]["passed"] and bundle.io.extra["vision"]["image_tokens"] == IDEFICS2_LATENTS
+    assert_checked_on_text(bundle, "token ids")
     ids = [1, 5, 6] + [IMAGE_TOKEN] * IDEFICS2_LATENTS + [7, 8]
     image = np.random.default_rng(0).integers(0, 256, (30, 30, 3), dtype=np.uint8)
     with runtime.load(bundle.path) as session:
@@ -214,3 +215,4 @@ def test_qwen2_5_vl_is_refused_by_name_with_what_it_needs(tmp_path):
                                                    vocab_size=300)).save_pretrained(tmp_path)
     with pytest.raises(KvforgeError, match=r"model_type='qwen2_5_vl' is not built by kvforge: .*windows of patches"):
         load(tmp_path)
+

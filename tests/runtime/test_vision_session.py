@@ -15,7 +15,7 @@ from kvforge.cli import main
 from kvforge.errors import KvforgeError
 from kvforge.export import export
 
-from ..conftest import make_llava
+from ..conftest import assert_checked_on_text, make_llava
 
 Image = pytest.importorskip("PIL.Image")
 IMAGE_TOKEN, PATCHES = 299, 9
@@ -48,6 +48,7 @@ def test_the_bundle_records_both_graphs_and_the_image_processing(llava_bundle):
     assert (bundle.path / vision["graph"]).is_file() and bundle.manifest["graph"] == vision["decoder_graph"]
     assert vision["image_tokens"] == PATCHES and vision["image_token_id"] == IMAGE_TOKEN
     assert bundle.model_config["image_processing"]["crop_size"] == {"height": 30, "width": 30}
+    assert_checked_on_text(bundle, "token ids")
 
 
 @torch.no_grad()
