@@ -59,6 +59,8 @@ class Oracle(NamedTuple):
     graph_outputs: Callable[[Bundle, list[list[int]]], list[dict[str, np.ndarray]]]
     # (kvforge's FP32 Torch reference, ids) -> {output name: array}
     reference_outputs: Callable[[Any, list[int]], dict[str, np.ndarray]]
+    # what the comparison leaves out, recorded with it (None: nothing)
+    scope: str | None = None
 
 
 def _np(t) -> np.ndarray:
@@ -95,15 +97,24 @@ def _encoder_reference(reference, ids):
 
 
 def _one_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
-    """The bundle's graph on each row of ids, one row a run from an empty cache (ONNX Runtime, as every session
-    of the bundle runs it): a decoder's logits of the row; an encoder's per-token outputs and its head's."""
+    """The bundle's (decoder) graph on each row of ids, one row a run from an empty cache (ONNX Runtime, as every
+    session of the bundle runs it): a decoder's logits of the row; an encoder's per-token outputs and its head's.
+    A vision-language decoder graph gets no image: no image features, and multimodal RoPE's offsets (where it
+    takes them) zero, so that its three position streams are the plain positions, as transformers computes them
+    for a text-only prompt."""
+    from kvforge.bundle import FEATURES, OFFSETS
     from kvforge.ort_session import make_session, prefill_feeds
 
     session = make_session(bundle.graph_file, bundle.quantization_format)
+    inputs = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
     out = []
     for ids in rows:
-        feeds = prefill_feeds(np.array([ids], np.int64), bundle.model_config, bundle.io, bundle.dtype)
+        feeds = prefill_feeds(np.array([ids], np.int64), bundle.text_config, bundle.io, bundle.dtype)
+        if FEATURES in inputs:
+            feeds[FEATURES] = np.zeros((0, bundle.text_config["dim"]), np.float32)
+        if OFFSETS in inputs:
+            feeds[OFFSETS] = np.zeros((1, 3, len(ids)), np.int64)
         out.append({n: np.asarray(v[0], np.float64) for n, v in zip(names, session.run(names, feeds))})
     return out
 
@@ -167,26 +178,6 @@ def _image_text_to_text(transformers, where, hf_config):
                                                                     attn_implementation="eager").eval()
 
 
-def _text_only_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
-    """A vision-language bundle's decoder graph on each row of ids with no image: no image features, and
-    multimodal RoPE's offsets (where the graph takes them) zero, so that its three position streams are the
-    plain positions, as transformers computes them for a text-only prompt."""
-    from kvforge.bundle import FEATURES, OFFSETS
-    from kvforge.ort_session import make_session, prefill_feeds
-
-    session = make_session(bundle.graph_file, bundle.quantization_format)
-    inputs = {i.name for i in session.get_inputs()}
-    width = bundle.text_config["dim"]
-    out = []
-    for ids in rows:
-        feeds = prefill_feeds(np.array([ids], np.int64), bundle.text_config, bundle.io, bundle.dtype)
-        feeds[FEATURES] = np.zeros((0, width), np.float32)
-        if OFFSETS in inputs:
-            feeds[OFFSETS] = np.zeros((1, 3, len(ids)), np.int64)
-        out.append({"logits": np.asarray(session.run(["logits"], feeds)[0][0], np.float64)})
-    return out
-
-
 ORACLES: dict[str, Oracle] = {
     "decoder": Oracle(
         _causal_lm,
@@ -197,16 +188,15 @@ ORACLES: dict[str, Oracle] = {
     "encoder": Oracle(_encoder, _encoder_outputs, _one_graph_outputs, _encoder_reference),
     "encoder-decoder": Oracle(_seq2seq, _seq2seq_outputs, _seq2seq_graph_outputs, _seq2seq_reference),
     # text-only prompts: the decoder's weights and the tokenizer from the model's own files; the vision graph is
-    # judged against kvforge's reference by validation (ORACLE_SCOPE)
+    # judged against kvforge's reference by validation
     "vision-language": Oracle(
         _image_text_to_text,
         lambda model, ids: {"logits": _np(model(input_ids=torch.tensor([ids])).logits[0])},
-        _text_only_graph_outputs,
+        _one_graph_outputs,
         lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
+        scope="text-only prompts: the decoder graph; the vision graph is not compared",
     ),
 }
-# what a kind's comparison leaves out, recorded with it
-ORACLE_SCOPE = {"vision-language": "text-only prompts: the decoder graph; the vision graph is not compared"}
 
 
 FP64_BLOCK_BYTES = 256 << 20  # a linear layer whose weight is larger in FP64 is computed a block of rows at a time
@@ -347,7 +337,7 @@ def check(source, bundle_dir: Path, kind: str, reference, tokenizer, dtype: str,
                if enforce_bound and isinstance(reference, torch.nn.Module) else None)
     if too_big:
         return skipped(too_big)
-    return _compare(transformers, where, kind, source, bundle_dir, reference, tokenizer)
+    return _compare(transformers, where, oracle, source, bundle_dir, reference, tokenizer)
 
 
 def _cannot(transformers, what: str, e: Exception) -> dict[str, Any]:
@@ -360,8 +350,7 @@ def _hf_config(where: dict[str, Any]) -> dict[str, Any]:
     return read_json(path) if where.get("gguf_file") is None and path.is_file() else {}
 
 
-def _compare(transformers, where, kind: str, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
-    oracle = ORACLES[kind]
+def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference, tokenizer) -> dict[str, Any]:
     bundle = Bundle(bundle_dir)
     rows, inputs = [], "text"
     if tokenizer is None:  # a checkpoint without tokenizer files (a random-weight one): the same ids to both
@@ -406,7 +395,7 @@ def _compare(transformers, where, kind: str, source, bundle_dir, reference, toke
     worst = max(judged, key=lambda j: j["excess"])
     record = {"oracle": "transformers", "compared": True, "transformers": transformers.__version__, "inputs": inputs,
               "texts": len(rows), "tokens": sum(len(r) for r in rows), "token_ids_equal": theirs is not None,
-              "outputs": names, **({"scope": ORACLE_SCOPE[kind]} if kind in ORACLE_SCOPE else {}),
+              "outputs": names, **({"scope": oracle.scope} if oracle.scope else {}),
               "noise": "transformers' FP32 outputs against its FP64 ones", "noise_multiple": tol["noise_multiple"],
               "worst": {k: worst[k] for k in ("output", "metric", "value", "noise", "ratio")}, "passed": True}
     if worst["excess"] <= 1.0:
