@@ -4,7 +4,9 @@ graph as the INT8 peer (issue 49's figures).
 
 Routes measured beside them on the same graph, not adopted (issue 50 asks for each route's record): ONNX
 Runtime's 8-bit MatMulNBits (weights per block of 32 along `in`, symmetric; accuracy level 0 computes in float32,
-level 4 quantizes activations per block to int8 as llama.cpp's dot products do).
+level 4 quantizes activations per block to int8 as llama.cpp's dot products do); quantize_dynamic with weights
+per output channel, int8 (u8 x s8 products, which the AVX2 kernels without VNNI can saturate in 16 bits) and
+uint8 (u8 x u8, which do not).
 
 Accuracy, on tests/data/varied_sentences.json (64 sentences): each vector's cosine with transformers' (its
 tokenizer and model on the same directory, mean-pooled over the attention mask and L2-normalized, as the
@@ -134,7 +136,11 @@ def main() -> None:
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = THREADS
-        peers = {"ort quantize_dynamic int8": tmp / "dynamic.onnx",
+        per_channel = {}
+        for name, weights in (("s8", QuantType.QInt8), ("u8", QuantType.QUInt8)):
+            path = per_channel[f"route: ort quantize_dynamic, {name} weights per channel"] = tmp / f"dynamic_{name}.onnx"
+            quantize_dynamic(str(fp32.graph_file), str(path), weight_type=weights, per_channel=True)
+        peers = {"ort quantize_dynamic int8": tmp / "dynamic.onnx", **per_channel,
                  **{f"route: ort MatMulNBits 8-bit, accuracy level {level}":
                     _matmul_nbits8(fp32.graph_file, tmp / f"nbits8_{level}.onnx", level) for level in (0, 4)}}
         peer_sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
