@@ -216,10 +216,10 @@ class float64_modules:
     plus one block's FP64 weights where model.double() would add twice the model: the largest modules whose
     parameters, all together, take at most FP64_BLOCK_BYTES in FP64 are made FP64 whole just before they run and
     FP32 again just after (FP32 -> FP64 -> FP32 is exact; whole, because a module may read a child's dtype before
-    the child runs, as T5's gated FFN does); an embedding looks up its FP32 rows and casts them (the same values);
-    a linear layer larger than FP64_BLOCK_BYTES in FP64 (a vocabulary projection) is computed a block of rows at
-    a time; a larger module's own parameters are cast around its own forward. Float buffers (rotary tables) are
-    FP64 throughout, as model.double() makes them."""
+    the child runs, as T5's gated FFN does; a small model is one such module); a larger embedding looks up its
+    FP32 rows and casts them (the same values); a larger linear layer (a vocabulary projection) is computed a
+    block of rows at a time; a larger module's own parameters are cast around its own forward. Float buffers
+    (rotary tables) are FP64 throughout, as model.double() makes them."""
 
     def __init__(self, model):
         self.model, self.hooks, self.buffers, self.patched = model, [], [], []
@@ -235,18 +235,18 @@ class float64_modules:
         self.hooks.append(module.register_forward_hook(lambda m, args, out: self._cast(m, torch.float32, recurse)))
 
     def _place(self, module):
-        if isinstance(module, torch.nn.Embedding):
-            self.hooks.append(module.register_forward_hook(lambda m, args, out: out.to(torch.float64)))
-            return
-        if isinstance(module, torch.nn.Linear) and module.weight.numel() * 8 > FP64_BLOCK_BYTES:
-            module.forward = functools.partial(_blocked_linear, module)
-            self.patched.append(module)
-            return
         whole = sum(p.numel() for p in module.parameters()) * 8
         called = not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))  # containers never run
-        if (called and whole and whole <= FP64_BLOCK_BYTES
-                and not any(isinstance(m, torch.nn.Embedding) for m in module.modules())):
+        if called and whole and whole <= FP64_BLOCK_BYTES:
             self._hook(module, recurse=True)
+            return
+        if isinstance(module, torch.nn.Embedding):  # a vocabulary table: its rows cast (a scale a subclass
+            # applies to them, as BART's and Gemma 3's do, is then applied in FP32: within FP32's rounding)
+            self.hooks.append(module.register_forward_hook(lambda m, args, out: out.to(torch.float64)))
+            return
+        if isinstance(module, torch.nn.Linear):  # a vocabulary projection, a block of rows at a time
+            module.forward = functools.partial(_blocked_linear, module)
+            self.patched.append(module)
             return
         if any(True for _ in module.parameters(recurse=False)):
             self._hook(module, recurse=False)

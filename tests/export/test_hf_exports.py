@@ -65,6 +65,10 @@ def test_seq2seq_graphs_and_kvforge_generate_match_transformers(family, config, 
     hf.save_pretrained(tmp_path / "hf")
     Tokenizer.byte_level().save(tmp_path / "hf")
     bundle = export(tmp_path / "hf", tmp_path / "bundle", max_context=32)
+    # export's own check: transformers' model and tokenizer from the same files, from text, through both graphs
+    o = bundle.manifest["oracle"]
+    assert o["compared"] and o["passed"] and o["inputs"] == "text" and o["token_ids_equal"], o
+    assert o["outputs"] == ["last_hidden_state", "logits"] and o["worst"]["ratio"] <= o["noise_multiple"]
     cfg = bundle.manifest["model"]
     ids, mask = s2s.source(hf.config)
     dec = s2s.target(hf.config, cfg["decoder_start_token_id"])
