@@ -391,7 +391,8 @@ def _compare(transformers, where, oracle: Oracle, source, bundle_dir, reference,
                 fp64 = [oracle.transformers_outputs(model, ids) for ids in rows]
         except RuntimeError as e:  # a module larger than FP64_BLOCK_BYTES that reads a child's dtype before
             # calling it (a T5 FFN of that size): transformers' model cannot be run a module at a time in FP64
-            return _cannot(transformers, "model in FP64 a module at a time", e)
+            return skipped(f"transformers' model cannot run a module at a time in FP64 (its own FP32 rounding is the "
+                           f"check's bound): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     del model
     names = sorted(set(graph[0]) & set(fp32[0]))
     if not names:
