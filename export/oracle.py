@@ -73,12 +73,20 @@ def _causal_lm(transformers, where, hf_config):
                                                              experts_implementation="eager").eval()
 
 
+def _fp32(cls, where):
+    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _auto(class_name: str):
+    """A loader through transformers' auto class `class_name` (a Hugging Face directory)."""
+    return lambda transformers, where, hf_config: _fp32(getattr(transformers, class_name), where)
+
+
 def _encoder(transformers, where, hf_config):
     """The class that saved the checkpoint (config.json's architectures[0]), else the base model."""
     arch = (hf_config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
-    cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
-    return cls.from_pretrained(where["path"], dtype=torch.float32, attn_implementation="eager").eval()
+    return _fp32(cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel, where)
 
 
 def _encoder_outputs(model, ids):
@@ -89,6 +97,16 @@ def _encoder_outputs(model, ids):
     if getattr(out, "logits", None) is not None:
         found["logits"] = _np(out.logits[0])
     return found
+
+
+def _logits(model, ids):
+    """A decoder's logits of one row (transformers' model, from input_ids alone)."""
+    return {"logits": _np(model(input_ids=torch.tensor([ids])).logits[0])}
+
+
+def _reference_logits(reference, ids):
+    """kvforge's decoder reference's logits of one row."""
+    return {"logits": _np(reference(torch.tensor([ids]))[0][0])}
 
 
 def _encoder_reference(reference, ids):
@@ -127,11 +145,6 @@ def _target(start: int, ids: list[int]) -> list[int]:
     return [start] + ids[:TARGET_TOKENS - 1]
 
 
-def _seq2seq(transformers, where, hf_config):
-    return transformers.AutoModelForSeq2SeqLM.from_pretrained(where["path"], dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-
-
 def _seq2seq_outputs(model, ids):
     out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 decoder_input_ids=torch.tensor([_target(model.config.decoder_start_token_id, ids)]))
@@ -143,22 +156,23 @@ def _seq2seq_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
     reading the cross-attention K/V the encoder graph wrote (the two graphs as the runtime chains them)."""
     from kvforge.ort_session import make_session
 
+    from .seq2seq_export import cross_names
+
     manifest_graphs = bundle.manifest["graphs"]
     encoder = make_session(bundle.path / manifest_graphs["encoder"], bundle.quantization_format)
     decoder = make_session(bundle.path / manifest_graphs["decoder"], bundle.quantization_format)
-    cfg = bundle.model_config
-    empty = np.zeros((1, cfg["decoder_heads"], 0, cfg["decoder_head_dim"]), np.float32)
+    n = len(bundle.io.past)  # the decoder's self-attention cache, a (key, value) pair a layer
+    # the decoder's cross-attention inputs are the encoder's outputs of the same layer; its own cache starts empty
+    written = dict(zip(sum(cross_names(n, "past_key_values"), []), sum(cross_names(n, "present"), [])))
+    empty = {name: np.zeros(shape, np.float32) for name, shape in bundle.io.cache_shapes(1).items()}
     enc_names = [o.name for o in encoder.get_outputs()]
     out = []
     for ids in rows:
         src = np.array([ids], np.int64)
         mask = np.ones_like(src)
         enc = dict(zip(enc_names, encoder.run(enc_names, {"input_ids": src, "attention_mask": mask})))
-        feeds = {"input_ids": np.array([_target(cfg["decoder_start_token_id"], ids)], np.int64),
-                 "encoder_attention_mask": mask}
-        for i in decoder.get_inputs()[2:]:  # past_key_values.{layer}.{decoder|encoder}.{key|value}
-            cross = i.name.replace("past_key_values.", "present.", 1)
-            feeds[i.name] = enc[cross] if cross in enc else empty
+        feeds = {"input_ids": np.array([_target(bundle.model_config["decoder_start_token_id"], ids)], np.int64),
+                 "encoder_attention_mask": mask, **empty, **{name: enc[present] for name, present in written.items()}}
         logits = decoder.run(["logits"], feeds)[0]
         out.append({"last_hidden_state": np.asarray(enc["last_hidden_state"][0], np.float64),
                     "logits": np.asarray(logits[0], np.float64)})
@@ -173,29 +187,15 @@ def _seq2seq_reference(reference, ids):
     return {"last_hidden_state": _np(hidden[0]), "logits": _np(reference(src, mask, target)[0])}
 
 
-def _image_text_to_text(transformers, where, hf_config):
-    return transformers.AutoModelForImageTextToText.from_pretrained(where["path"], dtype=torch.float32,
-                                                                    attn_implementation="eager").eval()
-
-
 ORACLES: dict[str, Oracle] = {
-    "decoder": Oracle(
-        _causal_lm,
-        lambda model, ids: {"logits": _np(model(torch.tensor([ids])).logits[0])},
-        _one_graph_outputs,
-        lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
-    ),
+    "decoder": Oracle(_causal_lm, _logits, _one_graph_outputs, _reference_logits),
     "encoder": Oracle(_encoder, _encoder_outputs, _one_graph_outputs, _encoder_reference),
-    "encoder-decoder": Oracle(_seq2seq, _seq2seq_outputs, _seq2seq_graph_outputs, _seq2seq_reference),
+    "encoder-decoder": Oracle(_auto("AutoModelForSeq2SeqLM"), _seq2seq_outputs, _seq2seq_graph_outputs,
+                              _seq2seq_reference),
     # text-only prompts: the decoder's weights and the tokenizer from the model's own files; the vision graph is
     # judged against kvforge's reference by validation
-    "vision-language": Oracle(
-        _image_text_to_text,
-        lambda model, ids: {"logits": _np(model(input_ids=torch.tensor([ids])).logits[0])},
-        _one_graph_outputs,
-        lambda reference, ids: {"logits": _np(reference(torch.tensor([ids]))[0][0])},
-        scope="text-only prompts: the decoder graph; the vision graph is not compared",
-    ),
+    "vision-language": Oracle(_auto("AutoModelForImageTextToText"), _logits, _one_graph_outputs, _reference_logits,
+                              scope="text-only prompts: the decoder graph; the vision graph is not compared"),
 }
 
 
