@@ -48,7 +48,7 @@ def calibrate(bundle_path: str | Path, out: str | Path, *, options: Recipe | Non
     started = time.time()
     bundle = Bundle(bundle_path)
     quantizer = quantizer_of(bundle.kind)
-    recipe = recipe_given.checked(bundle, quantizer.fits_budget)
+    recipe = recipe_given.checked(bundle, quantizer.fits_budget, quantizer.activations)
     check_output_path(out, force, [bundle.path])
     weights = sum(f.stat().st_size for f in bundle.path.iterdir() if f.suffix in (".onnx", ".data"))
     width = resources.dtype_bytes(bundle.dtype)

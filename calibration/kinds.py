@@ -21,9 +21,13 @@ class KindQuantizer(NamedTuple):
     quantize: Callable[..., Quantized]
     # --accuracy-budget applies: it fits a decoder LM's held-out perplexity (calibration/budget.py)
     fits_budget: bool
+    # INT8 activations when none are asked for (Recipe.activations): "static" (TensorRT and ONNX Runtime) or
+    # "per-token" (ONNX Runtime). An encoder's embeddings take per-token: on all-MiniLM-L6-v2 a static per-tensor
+    # range costs 0.02 of mean cosine and 0.06 at worst (benchmarks/minilm_embeddings.py)
+    activations: str = "static"
 
 
-_ONE_GRAPH_ENCODER = KindQuantizer(quantize_one_graph, fits_budget=False)
+_ONE_GRAPH_ENCODER = KindQuantizer(quantize_one_graph, fits_budget=False, activations="per-token")
 
 
 QUANTIZERS: dict[str, KindQuantizer] = {

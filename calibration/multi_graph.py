@@ -47,7 +47,7 @@ def quantize_graphs(models: dict[str, Any], files: dict[str, str], found: dict[s
             observers, channel_amax, run = observe(model, activations, lambda: iter(batches), len(batches),
                                                     feeds[role], recipe.smoothquant is not None, float_dtype, report,
                                                     hessians)
-        if not recipe.weight_only:
+        if not (recipe.weight_only or recipe.per_token):
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(batches),
                                                  len(batches), recipe.precision, recipe.method, recipe.percentile,
                                                  recipe.smoothquant, report)
@@ -55,7 +55,7 @@ def quantize_graphs(models: dict[str, Any], files: dict[str, str], found: dict[s
             round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, report,
                                         len(targets))
         scales[role] = rewrite(model, targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype,
-                               round_weight)
+                               round_weight, per_token=recipe.per_token)
         out[files[role]] = model
         layers += [t.layer for t in targets]
         excluded_all += excluded

@@ -52,7 +52,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         observed = activations + presents + extra
         feeds = lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype)  # noqa: E731
         max_rows = rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize)
-        if recipe.weight_only and hessians is None and not presents:
+        if (recipe.weight_only or recipe.per_token) and hessians is None and not presents:
             # rounding to nearest reads no activation (an automatic recipe's text is for its held-out measurements,
             # and a GPTQ candidate observes when it is tried: candidate_hessians)
             observers, channel_amax, probe = {}, {}, Probe(model, observed, float_dtype, feeds, base, max_rows)
@@ -74,13 +74,13 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         chosen = choose_in_spaces(targets, weights, observers, channel_amax, recipe.precision, float_dtype, progress,
                                   plain, SPACES)
         act_amax, smooth, _ = chosen[next(iter(SPACES))]
-    elif not recipe.weight_only:
+    elif not (recipe.weight_only or recipe.per_token):
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
                                              progress, base)
         if probe is not None:
             probe.release()
-    if not recipe.weight_only and experts:
+    if not (recipe.weight_only or recipe.per_token) and experts:
         for amax in [act_amax] + [c[0] for c in (chosen or {}).values()]:  # every candidate's ranges cover them
             expert_record, starved_float = _cover_starved_experts(bundle, model, experts, observers, routers,
                                                                   amax, recipe)
@@ -112,7 +112,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head,
                                              base_dir=base)
         rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder, base,
-                      lambda done, total: progress("quantize", done, total))  # a bar per layer, each rewrite
+                      lambda done, total: progress("quantize", done, total),  # a bar per layer, each rewrite
+                      per_token=recipe.per_token)
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)

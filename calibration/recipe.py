@@ -21,6 +21,7 @@ from .gptq import DAMP
 from .observers import METHODS
 from .qdq import FORMATS
 
+ACTIVATIONS = ("static", "per-token")
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
 # TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings
 DEFAULT_BLOCK_SIZE = 128
@@ -57,6 +58,9 @@ class Recipe:
     # "auto" | "fixed"; None: the kind's default, auto where its quantizer measures a decoder's perplexity
     # (calibration/auto.py), fixed elsewhere; a tuning option never changes it (it is refused under auto)
     recipe: str | None = None
+    # INT8 activations: "static" (a calibrated per-tensor scale: TensorRT and ONNX Runtime) or "per-token" (each
+    # row's scale computed at run time: ONNX Runtime only); None: the kind's quantizer's default (calibration/kinds.py)
+    activations: str | None = None
 
     @property
     def auto(self) -> bool:
@@ -73,10 +77,15 @@ class Recipe:
         return self.precision == "int4"
 
     @property
+    def per_token(self) -> bool:
+        return self.activations == "per-token"
+
+    @property
     def needs_data(self) -> bool:
-        """Weight-only INT4 rounded to nearest reads no calibration data; everything else observes activations
-        (an automatic INT4 recipe measures its candidates on the calibration text)."""
-        return not self.weight_only or bool(self.gptq) or self.auto
+        """Weight-only INT4 rounded to nearest and per-token INT8 read no calibration data (unless GPTQ or an FP8
+        KV cache does); everything else observes activations (an automatic INT4 recipe measures its candidates on
+        the calibration text)."""
+        return not (self.weight_only or self.per_token) or bool(self.gptq) or self.auto or bool(self.kv_cache)
 
     def _mode(self, bundle: Bundle, searchable: bool) -> str:
         """The recipe's mode as stated, or the kind's default when none is: auto where the quantizer can measure a
@@ -100,17 +109,47 @@ class Recipe:
                                f"{'it' if len(tuning) == 1 else 'them'}, or drop {'it' if len(tuning) == 1 else 'them'}")
         return mode
 
-    def checked(self, bundle: Bundle, fits_budget: bool) -> "Recipe":
+    def _activations(self, default: str) -> str | None:
+        """The activations' quantization as stated or the kind's default (INT8 only: FP8 takes static scales,
+        weight-only INT4 none), or a KvforgeError naming what per-token activations cannot go with."""
+        if self.activations not in (None, *ACTIVATIONS):
+            raise KvforgeError(f"--activations {self.activations!r} is not one of {ACTIVATIONS}")
+        if self.weight_only:
+            if self.activations is not None:
+                raise KvforgeError(f"--activations applies to W8A8; {self.precision} is weight-only")
+            return None
+        if self.activations == "per-token" and self.precision != "int8":
+            raise KvforgeError(f"--activations per-token is INT8's (uint8 codes per row); {self.precision} takes "
+                               "static scales")
+        activations = self.activations or (default if self.precision == "int8" else "static")
+        if activations == "per-token":
+            fixed = [f"--{name}" for name, v in (("method", self.method), ("percentile", self.percentile),
+                                                 ("smoothquant", self.smoothquant)) if v is not None]
+            if fixed:
+                raise KvforgeError(f"per-token activations are scaled at run time, so {', '.join(fixed)} (which "
+                                   "choose a calibrated static range) cannot apply; drop them or add --activations static")
+            if self.quantize_lm_head:
+                raise KvforgeError("--quantize-lm-head takes a static activation scale (the head may share the "
+                                   "embedding's codes); add --activations static")
+        return activations
+
+    def checked(self, bundle: Bundle, fits_budget: bool, default_activations: str = "static") -> "Recipe":
         """The recipe with its defaults resolved, or a KvforgeError naming the first option that cannot apply to
-        this bundle. fits_budget: the bundle's quantizer can fit an accuracy budget (calibration/kinds.py)."""
+        this bundle. fits_budget: the bundle's quantizer can fit an accuracy budget; default_activations: its
+        INT8 activations when none are asked for (calibration/kinds.py)."""
         exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)  # one pattern, not its characters
         budget = parse_budget(self.accuracy_budget) if self.accuracy_budget else None
         if self.precision not in FORMATS:
             raise KvforgeError(f"precision {self.precision!r} is not one of {FORMATS}")
         mode = self._mode(bundle, fits_budget)
+        activations = self._activations(default_activations)
+        if activations == "per-token" and mode == "auto":
+            raise KvforgeError("the automatic recipe chooses static activation ranges by measurement; add --recipe "
+                               "fixed for --activations per-token")
         method = self.method if self.method is not None else "max"
         percentile = 99.99 if self.percentile is None else self.percentile
-        self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq))
+        self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq),
+                                   activations=activations)
         if self.method not in METHODS:
             raise KvforgeError(f"method {self.method!r} is not one of {METHODS}")
         if bundle.quantization:
@@ -163,10 +202,12 @@ class Recipe:
             "weights": "block-wise" if self.weight_only else "per-channel",
             "weight_rounding": "gptq" if self.gptq else "nearest",
             "gptq_damp": DAMP if self.gptq else None,
-            "activations": None if self.weight_only else "per-tensor static",
+            "activations": None if self.weight_only else {"static": "per-tensor static",
+                                                          "per-token": "per-token dynamic"}[self.activations],
             # an automatic recipe clips and smooths each activation on its own (calibration.recipe.chosen)
-            "method": None if self.weight_only else ("per-activation search" if self.auto else self.method),
-            "percentile": self.percentile if self.method == "percentile" and not self.weight_only else None,
+            "method": None if self.weight_only or self.per_token else (
+                "per-activation search" if self.auto else self.method),
+            "percentile": self.percentile if self.method == "percentile" and not (self.weight_only or self.per_token) else None,
             "smoothquant_alpha": self.smoothquant,
             "block_size": self.block_size,
             "kv_cache": self.kv_cache,

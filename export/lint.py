@@ -137,17 +137,19 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
                     "error", "qdq",
                     f"blocked axis has {dims[axis]} elements, not a multiple of block_size {block}: TensorRT reads the "
                     f"block size as that length over the scale's, so the last block must be padded whole", name, op))
-        if len(node.input) > 2 and node.input[2]:
+        scale = constant(graph, node.input[1])
+        if scale is None:  # computed in the graph: per-token activations (calibration/qdq.py), ONNX Runtime's
+            findings.append(Finding("error", "qdq", "scale is computed at run time (per-token activations, which "
+                                    "ONNX Runtime runs); TensorRT takes constant scales: calibrate with "
+                                    "--activations static for TensorRT", name, op))
+        elif not np.all(scale.astype(np.float32) > 0):
+            findings.append(Finding("error", "qdq", "scales must be positive", name, op))
+        if len(node.input) > 2 and node.input[2] and scale is not None:
             zp = constant(graph, node.input[2])
             if zp is None:
                 findings.append(Finding("error", "qdq", "zero point must be a constant (and zero)", name, op))
             elif np.any(zp.astype(np.float32) != 0):
                 findings.append(Finding("error", "qdq", "zero point must be zero (symmetric quantization)", name, op))
-        scale = constant(graph, node.input[1])
-        if scale is None:
-            findings.append(Finding("error", "qdq", "scale must be a constant", name, op))
-        elif not np.all(scale.astype(np.float32) > 0):
-            findings.append(Finding("error", "qdq", "scales must be positive", name, op))
         s_type = types.get(node.input[1])
         if op == "QuantizeLinear":
             f_type = types.get(node.input[0])

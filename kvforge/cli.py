@@ -243,6 +243,10 @@ def inspect(bundle, as_json):
 @click.option("--samples", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
+@click.option("--activations", type=click.Choice(["static", "per-token"]),
+              help="INT8 activation scales: static (one calibrated scale per tensor; TensorRT and ONNX Runtime; the "
+                   "default for decoders, encoder-decoders and vision-language models) or per-token (each token's "
+                   "scale computed at run time; ONNX Runtime only; the default for encoders).")
 @click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
 @click.option("--block-size", default=None, type=click.IntRange(1), help="INT4 block size along K (default 128; TensorRT documents 64 and 128).")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
@@ -262,26 +266,27 @@ def inspect(bundle, as_json):
               help="all-tokens: calibrate a starved expert on every calibration token (statistics only); float: keep it in float.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, exclude, block_size,
+def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, activations, exclude, block_size,
               random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
     with PhaseProgress(enabled=not quiet) as progress:
         options = Recipe(
             precision=precision, method=method, percentile=percentile, data=data, samples=samples, seq_len=seq_len,
-            smoothquant=smoothquant, exclude=tuple(exclude), block_size=block_size, random_data=random_data,
+            smoothquant=smoothquant, activations=activations, exclude=tuple(exclude), block_size=block_size, random_data=random_data,
             batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache,
             accuracy_budget=list(budget) or None, budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq,
             min_expert_tokens=min_expert_tokens, starved_experts=starved_experts, recipe=recipe)
         b = calibrate_bundle(bundle, out, options=options, force=force, progress=progress)
     q, c = b.manifest["precision"]["quantization"], b.manifest["calibration"]
-    data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else "no data (weight-only)"
+    data_note = f"{c['samples']} x {c['seq_len']} tokens of {c['data']}" if c.get("data") else (
+        "no data (weight-only)" if not q["activations"] else "no data (activations scaled at run time)")
     if c.get("image_count"):
         data_note += f" and {c['image_count']} images ({c['images']})"
     click.echo(
         f"wrote {b.path}: {precision} ({q['weights']} weights"
         + (", GPTQ-rounded" if q.get("weight_rounding") == "gptq" else "")
-        + (f", {q['activations']} activations, {q['method']}" if q["activations"] else "")
+        + (f", {q['activations']} activations" + (f", {q['method']}" if q["method"] else "") if q["activations"] else "")
         + (f", {q['kv_cache']} KV cache" if q.get("kv_cache") else "")
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
         f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"

@@ -149,7 +149,8 @@ def _cc(v: str) -> tuple[int, int]:
 
 
 def check_precision_supported(quantization: dict[str, Any] | None, compute_capability: str, gpu_name: str) -> None:
-    """FP8 Q/DQ (weights, activations or the KV cache) builds only into kernels of compute capability >= 8.9."""
+    """What TensorRT cannot build from this quantization, or on this GPU: a checkpoint's unsigned codes, per-token
+    activations; FP8 Q/DQ (weights, activations or the KV cache) below compute capability 8.9."""
     q = quantization or {}
     kept = ((q.get("checkpoint") or {}).get("kept") or {}).values()
     unsigned = sorted({r["type"] for r in kept if r["codes"] in ("uint4", "uint8")})
@@ -157,6 +158,10 @@ def check_precision_supported(quantization: dict[str, Any] | None, compute_capab
         raise KvforgeError(f"this bundle keeps its checkpoint's unsigned codes ({', '.join(unsigned)}: a block minimum "
                            "added after the scale), which TensorRT's DequantizeLinear does not take (INT8, FP8, FP4, "
                            "INT4 only); export the checkpoint with --dequantize and calibrate it for TensorRT")
+    if q.get("activations") == "per-token dynamic":
+        raise KvforgeError("this bundle's INT8 activations are scaled per token at run time (--activations per-token, "
+                           "an encoder's default), which ONNX Runtime runs and TensorRT does not (its scales are "
+                           "constants); calibrate the float bundle with --activations static for TensorRT")
     fp8_codes = any(r["codes"] == "fp8" for r in kept)
     if (q.get("format") == "fp8" or q.get("kv_cache") == "fp8" or fp8_codes) and _cc(compute_capability) < (8, 9):
         raise KvforgeError(f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); {gpu_name} has "

@@ -22,6 +22,10 @@ from kvforge.errors import KvforgeError
 from kvforge.ort_session import make_session
 
 from .backend import Runner, torch_source
+from .ort.per_token import integer_per_token_matmuls
+from .ort.variant import fuse_sibling_quantized_matmuls
+
+PROTOBUF_LIMIT = 2**31 - 1  # a serialized graph's bound
 
 Pairs = list[tuple[Any, Any]]  # per decoder layer: (key, value)
 
@@ -45,8 +49,22 @@ class OrtGraphs(Runner):
     def activate_impl(self) -> None:
         self.bundle.load_graph(external_data=False)  # refuses external data outside the bundle
         quant = self.bundle.quantization_format
-        self.sessions = {role: make_session(self.bundle.path / file, quant, optimization=self.optimization,
+        self.sessions = {role: make_session(self._graph(file), quant, optimization=self.optimization,
                                             threads=self.threads) for role, file in self.graphs.items()}
+
+    def _graph(self, file: str):
+        """What ONNX Runtime loads for one of the bundle's graphs: its file, or (per-token INT8 activations) the
+        graph with those MatMuls on the integer kernels (runtime/ort/per_token.py), as bytes."""
+        path = self.bundle.path / file
+        if (self.bundle.quantization or {}).get("activations") != "per-token dynamic" or self.optimization == "none":
+            return path
+        import onnx
+
+        model = onnx.load(str(path))
+        fuse_sibling_quantized_matmuls(model)  # q/k/v: one integer kernel over the row codes
+        if not integer_per_token_matmuls(model) or model.ByteSize() >= PROTOBUF_LIMIT:
+            return path  # no exact integer kernel here (or too large for bytes): as written, in float
+        return model.SerializeToString()
 
     def deactivate_impl(self) -> None:
         self.sessions = {}

@@ -64,3 +64,29 @@ def test_minilm_tokenizer_and_bundle_record_what_transformers_reads(minilm_dir, 
         rows = session.tokenize(SENTENCES)
     assert rows == [theirs(s)["input_ids"] for s in SENTENCES]  # no Fixed-128 padding, the same special tokens
     assert min(len(r) for r in rows) < 128
+
+
+def test_minilm_int8_with_default_flags_keeps_its_vectors_and_retrieval(minilm_dir, minilm_fp32_bundle, tmp_path):
+    """Issue 49's INT8 bounds against the FP32 vectors (mean >= 0.995, every sentence >= 0.99) and the same top-1
+    passage for every query: the default for an encoder is per-token activations, which read no calibration data."""
+    pairs = json.loads((Path(__file__).parent / "data" / "varied_sentences.json").read_text())["pairs"]
+    out = tmp_path / "int8"
+    done = subprocess.run([sys.executable, "-m", "kvforge", "calibrate", str(minilm_fp32_bundle), "-o", str(out),
+                           "--precision", "int8", "--quiet"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "per-token dynamic activations" in done.stdout
+
+    def vectors(bundle):
+        args = [sys.executable, "-m", "kvforge", "embed", str(bundle), "--json"]
+        got = subprocess.run(args + [a for s in SENTENCES for a in ("--text", s)], capture_output=True, text=True)
+        assert got.returncode == 0, got.stderr
+        return np.array(json.loads(got.stdout)["vectors"], np.float64)
+
+    int8, fp32 = vectors(out), _transformers_vectors(minilm_dir, SENTENCES)
+    cosine = (int8 * fp32).sum(1) / np.linalg.norm(int8, axis=1) / np.linalg.norm(fp32, axis=1)
+    assert cosine.mean() >= 0.995 and cosine.min() >= 0.99, (cosine.mean(), cosine.min(), SENTENCES[int(cosine.argmin())])
+
+    def top1(v):
+        return [int(np.argmax(v[[p for _, p in pairs]] @ v[q])) for q, _ in pairs]
+
+    assert top1(int8) == top1(fp32)

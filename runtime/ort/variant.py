@@ -6,6 +6,7 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
 - a tied embedding and quantized head that the bundle stores once get their
   fast forms back: the head's codes transposed for an integer kernel, the
   embedding a float table (unshare_tied_head);
+- per-token INT8 MatMuls run on the integer kernels (per_token.py);
 - sibling MatMuls that read the same activation with constant weights (q/k/v,
   gate/up) become one wider MatMul and a Split: one pass over the activation,
   one GEMV per group instead of three or two;
@@ -42,8 +43,9 @@ from .attention import LOGITS_ROWS, use_group_query_attention
 from .codes import checkpoint_kernels
 from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
+from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 16  # 16: a NoPE model's packed variant keeps position_ids
+VARIANT_VERSION = 17  # 17: per-token INT8 MatMuls on the integer kernels
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -384,6 +386,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path |
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
+    integer_per_token_matmuls(model)
     if bundle.dtype == "float32":
         fuse_rms_norms(model)
         fuse_skip_rms_norms(model)

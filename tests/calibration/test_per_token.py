@@ -1,0 +1,142 @@
+"""Per-token INT8 activations (calibration/qdq.py `per_token`, runtime/ort/per_token.py): each row of a linear
+layer's input quantized at run time to uint8 with its own scale and zero point.
+
+The oracle is numpy's per-row asymmetric quantization, written here from the definition; the integer kernels the
+runtime puts in its place are held to the graph as written."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvforge import runtime
+from kvforge.calibration import calibrate
+from kvforge.calibration.qdq import find_targets, rewrite
+from kvforge.errors import KvforgeError
+from kvforge.ort_session import make_session
+from kvforge.runtime.ort.per_token import integer_per_token_matmuls, u8_kernels_exact
+
+
+def _per_row_oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (..., K) quantized per row to uint8 over [min(row, 0), max(row, 0)], w per output channel to int8 over
+    +-max|w|; the product of the dequantized values, in float64."""
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    lo, hi = np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0)
+    scale = np.maximum(((hi - lo) / 255).astype(np.float32), np.finfo(np.float32).tiny).astype(np.float64)
+    zp = np.clip(np.round(-lo / scale), 0, 255)
+    q = np.clip(np.round(rows / scale[:, None]) + zp[:, None], 0, 255)
+    w_scale = (np.abs(w).max(0) / 127).astype(np.float32).astype(np.float64)
+    wq = np.clip(np.round(w / w_scale), -127, 127)
+    y = ((q - zp[:, None]) * scale[:, None]) @ (wq * w_scale)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _one_layer_graph(k: int, n: int, rank: int, seed: int = 0):
+    w = np.random.default_rng(seed).normal(size=(k, n)).astype(np.float32)
+    shape = ["b", "t", k] if rank == 3 else ["t", k]
+    node = helper.make_node("MatMul", ["x", "layers.0.mlp.up_proj.weight"], ["y"], name="layers.0.mlp.up_proj")
+    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape[:-1] + [n])],
+                              [numpy_helper.from_array(w, "layers.0.mlp.up_proj.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    targets, _ = find_targets(model)
+    rewrite(model, targets, "int8", None, None, None, np.float32, per_token=True)
+    return model, w
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_the_graph_quantizes_each_row_as_numpy_does(rank):
+    model, w = _one_layer_graph(48, 24, rank)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 5, 48) if rank == 3 else (6, 48)).astype(np.float32) * 3
+    rows = x.reshape(-1, 48)
+    rows[0] = 0.0  # all zeros: the smallest scale, zero point 0
+    rows[1] = np.abs(rows[1])  # all positive: zero point 0, 255 steps over [0, max]
+    rows[2] = -np.abs(rows[2]) * 1000  # all negative and large: zero point 255; its scale is its own
+    (y,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
+    expected = _per_row_oracle(x, w)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert not np.any(y.reshape(-1, 24)[0])
+    # one row's outlier does not coarsen the others: the row next to the large one keeps its precision
+    exact = x.reshape(-1, 48).astype(np.float64) @ w
+    assert np.abs(y.reshape(-1, 24)[3] - exact[3]).max() < 0.05 * np.abs(exact[3]).max()
+
+
+@pytest.mark.skipif(not u8_kernels_exact(), reason="ONNX Runtime's uint8 integer kernel is not exact on this CPU")
+def test_the_integer_kernels_compute_the_graph_as_written():
+    model, _ = _one_layer_graph(64, 40, 3, seed=2)
+    x = (np.random.default_rng(3).standard_t(3, size=(2, 7, 64)) * 4).astype(np.float32)  # heavy tails
+    (as_written,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
+    assert integer_per_token_matmuls(model) == 1
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMulIntegerToFloat"] == 1 and ops["DequantizeLinear"] == 0 and ops["MatMul"] == 0
+    (integer,) = make_session(model.SerializeToString()).run(["y"], {"x": x})
+    np.testing.assert_allclose(integer, as_written, rtol=1e-5, atol=1e-5 * np.abs(as_written).max())
+
+
+def test_an_encoder_defaults_to_per_token_int8_without_data(micro_bundle, tmp_path):
+    fp32 = micro_bundle("bert-micro")
+    q = calibrate(fp32.path, tmp_path / "int8", precision="int8")
+    record = q.manifest["precision"]["quantization"]
+    assert record["activations"] == "per-token dynamic" and record["method"] is None
+    assert q.manifest["calibration"]["data"] is None  # nothing to calibrate: each row is scaled when it runs
+    assert all(a["scale"] == "per-token dynamic" for a in q.manifest["calibration"]["scales"]["activations"].values())
+    texts = ["a short one", "a sentence with more words in it than the first, and a comma",
+             "numbers 12 345 and symbols %$#"]
+    with runtime.load(fp32.path, backend="torch") as reference, runtime.load(q.path) as s:
+        exact, ours = reference.embed(texts), s.embed(texts)
+        feeds = {k: v for k, v in s.feeds(s.tokenize(texts)).items()
+                 if k in {i.name for i in q.load_graph(external_data=False).graph.input}}
+        (fast,) = s.backend.run("model", feeds)[:1]
+        if u8_kernels_exact():  # the session's graph: the integer kernels where this CPU's are exact
+            graph = onnx.load_from_string(s.backend._graph(q.manifest["graph"]))
+            assert collections.Counter(n.op_type for n in graph.graph.node)["MatMulIntegerToFloat"] > 0
+    cosine = (exact * ours).sum(1) / np.linalg.norm(exact, axis=1) / np.linalg.norm(ours, axis=1)
+    assert cosine.min() > 0.999
+    (plain,) = make_session(str(q.graph_file), optimization="none").run(["last_hidden_state"], feeds)
+    # float rounding apart, the same function: where a later layer's row value sits on a rounding boundary, the
+    # two round it one step apart, so a few elements differ by about a step and the rest by float rounding
+    diff = np.abs(fast - plain) / np.abs(plain).max()
+    assert diff.max() < 3e-3 and np.mean(diff) < 3e-5 and np.mean(diff > 1e-5) < 0.02
+    # the static form is there for TensorRT
+    static = calibrate(fp32.path, tmp_path / "static", precision="int8", activations="static", samples=4, seq_len=16)
+    assert static.manifest["precision"]["quantization"]["activations"] == "per-tensor static"
+    assert static.manifest["lint"]["passed"]
+    lint = q.manifest["lint"]
+    assert not lint["passed"]  # for TensorRT: its scales are computed, its codes uint8; the lint says what to do
+    qdq = [f for f in lint["findings"] if f["rule"] == "qdq"]
+    assert qdq and all("--activations static" in f["message"] for f in qdq)
+    assert {f["rule"] for f in lint["findings"]} == {"qdq", "dtype"}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(precision="fp8", activations="per-token"), "fp8 takes static scales"),
+    (dict(precision="int4", activations="per-token"), "int4 is weight-only"),
+    (dict(precision="int8", activations="per-token", smoothquant=0.5), "--smoothquant"),
+    (dict(precision="int8", activations="per-token", quantize_lm_head=True), "--quantize-lm-head"),
+    (dict(precision="int8", activations="per-row"), "'per-row' is not one of"),
+])
+def test_per_token_options_that_cannot_apply_are_named(micro_bundle, tmp_path, options, message):
+    with pytest.raises(KvforgeError, match=message):
+        calibrate(micro_bundle("bert-micro").path, tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_decoder_takes_per_token_with_the_fixed_recipe_and_tensorrt_refuses_it(micro_bundle, tmp_path):
+    from kvforge.tensorrt_env import check_precision_supported
+
+    b = micro_bundle("llama3-micro")
+    with pytest.raises(KvforgeError, match="--recipe fixed"):
+        calibrate(b.path, tmp_path / "auto", precision="int8", activations="per-token")
+    q = calibrate(b.path, tmp_path / "int8", precision="int8", activations="per-token", recipe="fixed")
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
+    with runtime.load(b.path, backend="torch") as reference, runtime.load(q.path) as s:
+        exact, ours = reference.forward(ids)[0], s.forward(ids)[0]
+    assert np.abs(ours - exact).max() < 0.05 * np.abs(exact).max()
+    with pytest.raises(KvforgeError, match="--activations static"):
+        check_precision_supported(q.quantization, "9.0", "H100")
