@@ -2,6 +2,10 @@
 and INT8 (default flags) embeddings against transformers, with ONNX Runtime's quantize_dynamic on the same FP32
 graph as the INT8 peer (issue 49's figures).
 
+kvforge's INT8 default for an encoder quantizes each token's activations at run time (uint8, a scale and zero
+point per row, weights int8 per output channel; ONNX Runtime runs it on its uint8 x uint8 integer kernel);
+`--activations static` (one calibrated scale per tensor, the TensorRT form) is measured beside it.
+
 Routes measured beside them on the same graph, not adopted (issue 50 asks for each route's record): ONNX
 Runtime's 8-bit MatMulNBits (weights per block of 32 along `in`, symmetric; accuracy level 0 computes in float32,
 level 4 quantizes activations per block to int8 as llama.cpp's dot products do); quantize_dynamic with weights
@@ -120,6 +124,7 @@ def main() -> None:
         started = time.time()
         int8 = calibrate(fp32.path, tmp / "int8", precision="int8")  # default flags
         calibrate_s = time.time() - started
+        static = calibrate(fp32.path, tmp / "int8_static", precision="int8", activations="static")
         quantize_dynamic(str(fp32.graph_file), str(tmp / "dynamic.onnx"), weight_type=QuantType.QInt8)
 
         tok, hf = AutoTokenizer.from_pretrained(src), AutoModel.from_pretrained(src).eval()
@@ -145,7 +150,8 @@ def main() -> None:
                     _matmul_nbits8(fp32.graph_file, tmp / f"nbits8_{level}.onnx", level) for level in (0, 4)}}
         peer_sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
                          for name, path in peers.items()}
-        sessions = {name: runtime.load(b.path, threads=THREADS) for name, b in (("kvforge fp32", fp32), ("kvforge int8", int8))}
+        sessions = {name: runtime.load(b.path, threads=THREADS) for name, b in (
+            ("kvforge fp32", fp32), ("kvforge int8", int8), ("route: kvforge int8 --activations static", static))}
         feeder = sessions["kvforge fp32"]
 
         def peer_embed(session, texts):
@@ -188,6 +194,7 @@ def main() -> None:
         "sentences": len(sentences), "throughput_sentences": len(corpus), "runs": args.runs,
         "export_seconds": round(export_s, 1), "calibrate_int8_seconds": round(calibrate_s, 1),
         "int8_recipe": int8.manifest["precision"]["quantization"]["recipe"],
+        "int8_activations": int8.manifest["precision"]["quantization"]["activations"],
         "accuracy": accuracy,
         "sentences_per_s": {k: round(v, 1) for k, v in throughput.items()},
         "int8_vs_ort_dynamic": round(throughput["kvforge int8"] / peer, 3),

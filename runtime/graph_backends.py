@@ -22,6 +22,7 @@ from kvforge.errors import KvforgeError
 from kvforge.ort_session import make_session
 
 from .backend import Runner, torch_source
+from .ort.attention import use_multi_head_attention
 from .ort.per_token import integer_per_token_matmuls
 from .ort.variant import fuse_sibling_quantized_matmuls
 
@@ -53,18 +54,24 @@ class OrtGraphs(Runner):
                                             threads=self.threads) for role, file in self.graphs.items()}
 
     def _graph(self, file: str):
-        """What ONNX Runtime loads for one of the bundle's graphs: its file, or (per-token INT8 activations) the
-        graph with those MatMuls on the integer kernels (runtime/ort/per_token.py), as bytes."""
+        """What ONNX Runtime loads for one of the bundle's graphs: its file, or its faster form for ONNX Runtime, as
+        bytes: each bidirectional attention layer as one MultiHeadAttention (runtime/ort/attention.py), and
+        per-token INT8 MatMuls on the integer kernels (runtime/ort/per_token.py). The bundle's graph is unchanged."""
         path = self.bundle.path / file
-        if (self.bundle.quantization or {}).get("activations") != "per-token dynamic" or self.optimization == "none":
+        data = self.bundle.path / self.bundle.manifest["external_data"] if self.bundle.manifest.get("external_data") else None
+        size = path.stat().st_size + (data.stat().st_size if data is not None else 0)
+        if self.optimization == "none" or size >= PROTOBUF_LIMIT:  # as written, or too large to pass as bytes
             return path
         import onnx
 
+        cfg = self.bundle.model_config
         model = onnx.load(str(path))
-        fuse_sibling_quantized_matmuls(model)  # q/k/v: one integer kernel over the row codes
-        if not integer_per_token_matmuls(model) or model.ByteSize() >= PROTOBUF_LIMIT:
-            return path  # no exact integer kernel here (or too large for bytes): as written, in float
-        return model.SerializeToString()
+        changed = use_multi_head_attention(model, cfg.get("n_heads", 0), cfg.get("n_kv_heads", cfg.get("n_heads", 0)),
+                                           cfg.get("head_dim", 0))
+        if (self.bundle.quantization or {}).get("activations") == "per-token dynamic":
+            fuse_sibling_quantized_matmuls(model)  # q/k/v: one integer kernel over the row codes
+            changed += integer_per_token_matmuls(model)  # none where this CPU's kernel is not exact: in float
+        return model.SerializeToString() if changed else path
 
     def deactivate_impl(self) -> None:
         self.sessions = {}

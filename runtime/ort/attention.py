@@ -287,3 +287,92 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     del graph.input[:]
     graph.input.extend(kept)
     return len(layers)
+
+
+# -- an encoder's attention: MultiHeadAttention with a key padding mask ------------------------------------------
+_MASK_PATH_OPS = {"Unsqueeze", "Expand", "Cast", "Reshape", "Not"}
+
+
+def _key_padding_only(g: GraphIndex, where) -> bool:
+    """Whether a Where's condition masks exactly the padded keys: computed from `attention_mask` (B, T) by shape
+    ops and one Not alone (masked where the mask is 0), its filler a large negative constant."""
+    fill = scalar_value(g.const(where.input[1]))
+    if fill is None or fill > -1e4:
+        return False
+    name, nots = where.input[0], 0
+    while name != "attention_mask":
+        node = g.producer.get(name)
+        if node is None or node.op_type not in _MASK_PATH_OPS:
+            return False
+        nots += node.op_type == "Not"
+        name = node.input[0]
+    return nots == 1
+
+
+def _match_encoder_layer(g: GraphIndex, softmax):
+    """One bidirectional attention layer around `softmax`, or None where it is not the exporter's plain pattern:
+
+        scores = MatMul(Reshape(Mul(q, scale)), Transpose(Unsqueeze(k), perm 0 1 2 4 3))
+        probs = Softmax(Where(key padding, MIN, scores))
+        out = Reshape(Transpose(Reshape(MatMul(probs, Unsqueeze(v))), perm 0 2 1 3))
+
+    with q, k, v (B, H, T, D), one key/value head per query head."""
+    where = g.producer.get(softmax.input[0])
+    if where is None or where.op_type != "Where" or node_attribute(softmax, "axis", -1) not in (-1, 4) \
+            or g.only_consumer(where.output[0], "Softmax") is not softmax or not _key_padding_only(g, where):
+        return None
+    scores_mm = g.producer.get(where.input[2])
+    if scores_mm is None or scores_mm.op_type != "MatMul" or g.only_consumer(scores_mm.output[0], "Where") is not where:
+        return None
+    grouped, tk = g.producer.get(scores_mm.input[0]), g.producer.get(scores_mm.input[1])
+    scaled = g.producer.get(grouped.input[0]) if grouped is not None and grouped.op_type == "Reshape" else None
+    if scaled is None or scaled.op_type != "Mul" or tk is None or tk.op_type != "Transpose" or _perm(tk) != [0, 1, 2, 4, 3]:
+        return None
+    scale = next((scalar_value(g.const(x)) for x in scaled.input if g.const(x) is not None), None)
+    q = next((x for x in scaled.input if g.const(x) is None), None)
+    uk = g.producer.get(tk.input[0])
+    if scale is None or q is None or scale <= 0 or uk is None or uk.op_type != "Unsqueeze" or g.axes(uk) is None \
+            or g.axes(uk).tolist() != [2]:
+        return None
+    av = g.only_consumer(softmax.output[0], "MatMul")
+    uv = g.producer.get(av.input[1]) if av is not None and av.input[0] == softmax.output[0] else None
+    if uv is None or uv.op_type != "Unsqueeze" or g.axes(uv) is None or g.axes(uv).tolist() != [2]:
+        return None
+    r1 = g.only_consumer(av.output[0], "Reshape")
+    tr = g.only_consumer(r1.output[0], "Transpose") if r1 is not None else None
+    r2 = g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+    if r2 is None:
+        return None
+    return {"q": q, "k": uk.input[0], "v": uv.input[0], "scale": scale, "out": r2.output[0], "replace": r2}
+
+
+def use_multi_head_attention(model, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """Every bidirectional attention layer that masks only padded keys as one com.microsoft MultiHeadAttention
+    over (B, T, heads * D) inputs and the key padding mask (`attention_mask` as int32): the same function in one
+    kernel, without the head transposes, the grouped reshapes and the Where. Returns the layers rewritten (0 and
+    nothing changed where a layer has several key/value heads per group, or no `attention_mask` input)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    if n_kv_heads != n_heads or "attention_mask" not in {i.name for i in graph.input}:
+        return 0
+    g = GraphIndex(graph)
+    layers = [m for m in (_match_encoder_layer(g, n) for n in graph.node if n.op_type == "Softmax") if m is not None]
+    if not layers:
+        return 0
+    mask = "kvforge_key_padding_mask"
+    graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), "kvforge_gqa_bsd"))
+    added = {}
+    for i, m in enumerate(layers):  # in graph order: the mask's Cast goes in before the first layer's
+        nodes, bsd = [] if i else [helper.make_node("Cast", ["attention_mask"], [mask], to=TensorProto.INT32, name=mask)], []
+        for role in ("q", "k", "v"):
+            made, name = _as_bsd(g, m[role], n_heads, head_dim, f"kvforge_mha{i}_{role}")
+            nodes += made
+            bsd.append(name)
+        nodes.append(helper.make_node("MultiHeadAttention", [*bsd, "", mask], [m["out"]], domain=MS_DOMAIN,
+                                      name=f"kvforge_mha{i}", num_heads=n_heads, scale=float(m["scale"])))
+        added[id(m["replace"])] = nodes
+    replace_nodes(graph, {id(m["replace"]) for m in layers}, added)
+    use_ms_domain(model)
+    drop_dead_nodes(model)
+    return len(layers)

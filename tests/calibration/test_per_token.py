@@ -140,3 +140,22 @@ def test_a_decoder_takes_per_token_with_the_fixed_recipe_and_tensorrt_refuses_it
     assert np.abs(ours - exact).max() < 0.05 * np.abs(exact).max()
     with pytest.raises(KvforgeError, match="--activations static"):
         check_precision_supported(q.quantization, "9.0", "H100")
+
+
+@pytest.mark.parametrize("preset", ["bert-micro", "roberta-micro", "perceiver-micro"])
+def test_an_encoders_onnxruntime_graph_computes_what_the_bundles_graph_does(micro_bundle, preset):
+    """The runtime's graph for an encoder: each attention layer that masks only padded keys as one
+    MultiHeadAttention; on padded batches it computes the bundle's graph as written (float rounding apart)."""
+    b = micro_bundle(preset)
+    texts = ["one", "two words here", "a much longer text than the others, which pads the rest of the batch"]
+    with runtime.load(b.path) as s:
+        feeds = {k: v for k, v in s.feeds(s.tokenize(texts)).items()
+                 if k in {i.name for i in b.load_graph(external_data=False).graph.input}}
+        ours = s.backend.run("model", feeds)
+        graph = s.backend._graph(b.manifest["graph"])
+    plain = make_session(str(b.graph_file), optimization="none").run(None, feeds)
+    ops = collections.Counter(n.op_type for n in onnx.load_from_string(graph).graph.node) if isinstance(graph, bytes) else {}
+    if preset != "perceiver-micro":
+        assert ops["MultiHeadAttention"] == b.model_config["n_layers"] and ops["Where"] == 0
+    for mine, theirs in zip(ours, plain):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=2e-5 * max(1.0, np.abs(theirs).max()))
