@@ -5,13 +5,14 @@ on axis 0 of its (tokens, K) view, with a uint8 zero point per row, into MatMuls
 DequantizeLinears of int8 codes (a scale per output channel, zero point 0). ONNX Runtime fuses only per-tensor
 activation scales into its integer kernels, so as written that runs in float. Here each such MatMul becomes
 
-    y_rn = s_r * sum_k (q_rk - z_r) w_kn c_n = s_r * (Y_rn - z_r * sum_k w_kn c_n),
-    Y = MatMulIntegerToFloat(q, w + 128; zero points 0 and 128, weight scales c)
+    y_rn = s_r * sum_k (q_rk - z_r) w_kn c_n = s_r * MatMulIntegerToFloat([q_r, z_r ... z_r], [w; e]; c)_rn
 
-one integer kernel, a Mul by the row scales and a Gemm that takes away the zero points' rank-1 term: the same
-function up to float rounding. The codes are stored as uint8 (+128, zero point 128, the same values): ONNX
-Runtime's uint8 x uint8 kernel widens to 16 bits, where its uint8 x int8 one on AVX2 without VNNI sums pairs of
-products in 16 bits and saturates. `u8_kernels_exact` probes that once; where it fails the graph runs as written.
+one integer kernel and a Mul by the row scales: the codes get E extra rows e_jn (each within int8) that sum to
+-sum_k w_kn, and the row's codes as many columns holding its zero point, so the kernel subtracts the zero
+point's term itself, in int32: the same function up to float rounding. The codes are stored as uint8 (+128,
+zero point 128, the same values): ONNX Runtime's uint8 x uint8 kernel widens to 16 bits, where its uint8 x int8
+one on AVX2 without VNNI sums pairs of products in 16 bits and saturates. `u8_kernels_exact` probes that once;
+where it fails the graph runs as written.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def u8_kernels_exact() -> bool:
     return bool(np.array_equal(y.astype(np.float64), exact))
 
 
+def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
+    """int8 rows (E, N), E as few as can be, each column summing to minus that column of `codes` (K, N)."""
+    total = -codes.astype(np.int64).sum(0)
+    e = int(-(-np.abs(total).max() // 127))
+    if e == 0:
+        return np.zeros((0, codes.shape[1]), np.int8)
+    part, rest = np.divmod(np.abs(total), e)  # each column's |sum| in e parts differing by at most one
+    rows = part[None, :] + (np.arange(e)[:, None] < rest[None, :])
+    return (rows * np.sign(total)[None, :]).astype(np.int8)
+
+
 def integer_per_token_matmuls(model) -> int:
     """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many."""
     from onnx import TensorProto, helper, numpy_helper
@@ -83,7 +95,7 @@ def integer_per_token_matmuls(model) -> int:
         return numpy_helper.to_array(codes), numpy_helper.to_array(scale)
 
     added: dict[int, list] = {}
-    rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, row offsets) as columns
+    rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns
     count = 0
     for index, node in enumerate(g.node):
         if node.op_type != "MatMul":
@@ -101,29 +113,29 @@ def integer_per_token_matmuls(model) -> int:
         new = []
         if dq.output[0] not in rows_done:
             p = f"{dq.output[0]}_integer"
-            scale, zp = dq.input[1], dq.input[2]
             g.initializer.append(numpy_helper.from_array(np.array([-1, 1], np.int64), f"{p}.column"))
-            new += [helper.make_node("Reshape", [scale, f"{p}.column"], [f"{p}.row_scale"]),
-                    helper.make_node("Cast", [zp], [f"{p}.row_zero_point"], to=TensorProto.FLOAT),
-                    helper.make_node("Mul", [scale, f"{p}.row_zero_point"], [f"{p}.row_offset_flat"]),
-                    helper.make_node("Reshape", [f"{p}.row_offset_flat", f"{p}.column"], [f"{p}.row_offset"])]
-            rows_done[dq.output[0]] = (f"{p}.row_scale", f"{p}.row_offset")
-        row_scale, row_offset = rows_done[dq.output[0]]
-        correction = -(codes.astype(np.float64).sum(0) * w_scale.astype(np.float64)).astype(np.float32)[None, :]
+            new += [helper.make_node("Reshape", [dq.input[1], f"{p}.column"], [f"{p}.row_scale"]),
+                    helper.make_node("Reshape", [dq.input[2], f"{p}.column"], [f"{p}.row_zero_point"])]
+            rows_done[dq.output[0]] = (f"{p}.row_scale", f"{p}.row_zero_point")
+        row_scale, row_zp = rows_done[dq.output[0]]
+        extra = _zero_point_rows(codes)
+        rows = q.output[0]
+        if len(extra):  # the row's codes, then its zero point once per extra weight row
+            g.initializer.append(numpy_helper.from_array(np.array([1, len(extra)], np.int64), f"{base}.zero_point_columns"))
+            new += [helper.make_node("Expand", [row_zp, f"{base}.zero_point_columns"], [f"{base}.row_zero_points"]),
+                    helper.make_node("Concat", [rows, f"{base}.row_zero_points"], [f"{base}.rows"], axis=1)]
+            rows = f"{base}.rows"
         g.initializer.extend([
-            numpy_helper.from_array((codes.astype(np.int16) + 128).astype(np.uint8), f"{base}.codes_u8"),
+            numpy_helper.from_array((np.concatenate([codes, extra]).astype(np.int16) + 128).astype(np.uint8), f"{base}.codes_u8"),
             numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
             numpy_helper.from_array(np.array(128, np.uint8), f"{base}.codes_zero_point"),
             numpy_helper.from_array(np.array(0, np.uint8), f"{base}.rows_zero_point"),
-            numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale"),
-            numpy_helper.from_array(correction, f"{base}.zero_point_correction")])
+            numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale")])
         new += [helper.make_node("MatMulIntegerToFloat",
-                                 [q.output[0], f"{base}.codes_u8", f"{base}.rows_unit_scale", f"{base}.codes_scale",
+                                 [rows, f"{base}.codes_u8", f"{base}.rows_unit_scale", f"{base}.codes_scale",
                                   f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
                                  [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
-                helper.make_node("Mul", [f"{base}.integer", row_scale], [f"{base}.scaled"]),
-                helper.make_node("Gemm", [row_offset, f"{base}.zero_point_correction", f"{base}.scaled"],
-                                 list(node.output), name=f"{base}.zero_points")]
+                helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]
         added[index] = new
         count += 1
     if not count:
