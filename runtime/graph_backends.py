@@ -51,27 +51,28 @@ class OrtGraphs(Runner):
         self.bundle.load_graph(external_data=False)  # refuses external data outside the bundle
         quant = self.bundle.quantization_format
         self.sessions = {role: make_session(self._graph(file), quant, optimization=self.optimization,
-                                            threads=self.threads) for role, file in self.graphs.items()}
+                                            threads=self.threads, external_dir=self.bundle.path)
+                         for role, file in self.graphs.items()}
 
     def _graph(self, file: str):
         """What ONNX Runtime loads for one of the bundle's graphs: its file, or its faster form for ONNX Runtime, as
-        bytes: each bidirectional attention layer as one MultiHeadAttention (runtime/ort/attention.py), and
-        per-token INT8 MatMuls on the integer kernels (runtime/ort/per_token.py). The bundle's graph is unchanged."""
+        bytes whose external data stays in the bundle's file: each bidirectional attention layer as one
+        MultiHeadAttention (runtime/ort/attention.py), and per-token INT8 MatMuls on the integer kernels
+        (runtime/ort/per_token.py). The bundle's graph is unchanged."""
         path = self.bundle.path / file
-        data = self.bundle.path / self.bundle.manifest["external_data"] if self.bundle.manifest.get("external_data") else None
-        size = path.stat().st_size + (data.stat().st_size if data is not None else 0)
-        if self.optimization == "none" or size >= PROTOBUF_LIMIT:  # as written, or too large to pass as bytes
+        if self.optimization == "none":  # as written
             return path
         import onnx
 
         cfg = self.bundle.model_config
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
         changed = use_multi_head_attention(model, cfg.get("n_heads", 0), cfg.get("n_kv_heads", cfg.get("n_heads", 0)),
                                            cfg.get("head_dim", 0))
         if (self.bundle.quantization or {}).get("activations") == "per-token dynamic":
-            fuse_sibling_quantized_matmuls(model)  # q/k/v: one integer kernel over the row codes
-            changed += integer_per_token_matmuls(model)  # none where this CPU's kernel is not exact: in float
-        return model.SerializeToString() if changed else path
+            fuse_sibling_quantized_matmuls(model, str(self.bundle.path))  # q/k/v: one integer kernel over the row codes
+            # none where this CPU's kernel is not exact: the MatMuls run in float
+            changed += integer_per_token_matmuls(model, str(self.bundle.path))
+        return model.SerializeToString() if changed and model.ByteSize() < PROTOBUF_LIMIT else path
 
     def deactivate_impl(self) -> None:
         self.sessions = {}

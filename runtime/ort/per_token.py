@@ -67,8 +67,10 @@ def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
     return (rows * np.sign(total)[None, :]).astype(np.int8)
 
 
-def integer_per_token_matmuls(model) -> int:
-    """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many."""
+def integer_per_token_matmuls(model, base_dir: str = "") -> int:
+    """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many.
+    base_dir: where the graph's external data lies, for a graph loaded without it (the codes are read from there,
+    and their uint8 form goes into the graph)."""
     from onnx import TensorProto, helper, numpy_helper
 
     if not u8_kernels_exact():
@@ -90,9 +92,9 @@ def integer_per_token_matmuls(model) -> int:
         if codes is None or scale is None or codes.data_type != TensorProto.INT8 or len(codes.dims) != 2 \
                 or scale.data_type != TensorProto.FLOAT or list(scale.dims) != [codes.dims[1]]:
             return None
-        if zp is not None and np.any(numpy_helper.to_array(zp)):
+        if zp is not None and np.any(numpy_helper.to_array(zp, base_dir)):
             return None
-        return numpy_helper.to_array(codes), numpy_helper.to_array(scale)
+        return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
     added: dict[int, list] = {}
     rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns

@@ -91,12 +91,13 @@ def fuse_sibling_matmuls(model) -> int:
     return len(replace)
 
 
-def fuse_sibling_quantized_matmuls(model) -> int:
+def fuse_sibling_quantized_matmuls(model, base_dir: str = "") -> int:
     """The quantized form of fuse_sibling_matmuls: MatMuls reading one activation (directly, or through
     Q -> DQ pairs with the same scale and zero point: W8A8) whose weights are DequantizeLinears of constant codes
     with the same format and axis become one DequantizeLinear of the codes side by side, one MatMul (ORT then runs
     one integer or MatMulNBits kernel, and quantizes the activation once) and a Split. Each output channel keeps
-    its codes, scale and zero point: the function is the same. Returns groups merged."""
+    its codes, scale and zero point: the function is the same. Returns groups merged. base_dir: where the graph's
+    external data lies, for a graph loaded without it."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -133,7 +134,7 @@ def fuse_sibling_quantized_matmuls(model) -> int:
             continue
         first, w0 = members[0][0], members[0][1]
         base = f"{first.name or first.output[0]}_siblings"
-        arrays = [[numpy_helper.to_array(inits[x]) for x in w.input] for _, w, _, _ in members]
+        arrays = [[numpy_helper.to_array(inits[x], base_dir) for x in w.input] for _, w, _, _ in members]
         widths = [a[0].shape[1] for a in arrays]
         fused = []
         for j, suffix in enumerate(("codes", "scale", "zero_point")[:len(w0.input)]):
