@@ -63,6 +63,14 @@ def _perm(node) -> list[int]:
     return list(node_attribute(node, "perm", []))
 
 
+def _heads_merged(g: GraphIndex, x: str):
+    """The last node of Reshape(Transpose(Reshape(x), perm 0 2 1 3)): the attention output's heads merged back
+    into (B, T, hidden), or None where x does not go on that way."""
+    r1 = g.only_consumer(x, "Reshape")
+    tr = g.only_consumer(r1.output[0], "Transpose") if r1 is not None else None
+    return g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+
+
 def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, present_v: str):
     """The nodes and tensors of one layer's attention, or None where it is not the plain pattern."""
     cat_k, cat_v = g.producer.get(present_k), g.producer.get(present_v)
@@ -115,9 +123,7 @@ def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, presen
         nxt = _next(g, x)
     if nxt is None or nxt.op_type != "MatMul" or nxt.input != [x, users_v[0].output[0]]:
         return None
-    r1 = g.only_consumer(nxt.output[0], "Reshape")
-    tr = g.only_consumer(r1.output[0], "Transpose") if r1 is not None else None
-    r2 = g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+    r2 = _heads_merged(g, nxt.output[0])
     if r2 is None:
         return None
     return {"q": q, "k": cat_k.input[1], "v": cat_v.input[1], "scale": scale, "softcap": softcap,
@@ -338,9 +344,7 @@ def _match_encoder_layer(g: GraphIndex, softmax):
     uv = g.producer.get(av.input[1]) if av is not None and av.input[0] == softmax.output[0] else None
     if uv is None or uv.op_type != "Unsqueeze" or g.axes(uv) is None or g.axes(uv).tolist() != [2]:
         return None
-    r1 = g.only_consumer(av.output[0], "Reshape")
-    tr = g.only_consumer(r1.output[0], "Transpose") if r1 is not None else None
-    r2 = g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
+    r2 = _heads_merged(g, av.output[0])
     if r2 is None:
         return None
     return {"q": q, "k": uk.input[0], "v": uv.input[0], "scale": scale, "out": r2.output[0], "replace": r2}
