@@ -16,8 +16,9 @@ float; `lm_head` stays in float unless asked. Per target:
 - per-token INT8 activations (`per_token`): each row of the activation (a token) gets its own asymmetric
   uint8 scale and zero point, computed in the graph from the row's min and max (ReduceMax / ReduceMin, then a
   per-axis QuantizeLinear -> DequantizeLinear on the (tokens, K) view, the MatMul on that view and a Reshape
-  back). No range is calibrated, and a token's outliers do not coarsen the others': a per-tensor scale over
-  all-MiniLM-L6-v2's activations costs its embeddings 0.02-0.14 of cosine, a scale per token 0.0001-0.001.
+  back). No range is calibrated, and a token's outliers do not coarsen the others': per-tensor ranges cost
+  all-MiniLM-L6-v2's embeddings 0.02-0.05 of mean cosine (0.06-0.14 at worst), a range per token 0.0014
+  (0.0075; benchmarks/minilm_embeddings.py).
   ONNX Runtime runs it (runtime/ort/per_token.py: integer kernels); TensorRT takes only constant scales;
 - SmoothQuant (INT8): the activation is divided per input channel by s and
   the weight rows multiplied by s (s_k = amax_x,k^a / amax_w,k^(1-a)),
