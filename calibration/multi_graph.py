@@ -47,7 +47,7 @@ def quantize_graphs(models: dict[str, Any], files: dict[str, str], found: dict[s
             observers, channel_amax, run = observe(model, activations, lambda: iter(batches), len(batches),
                                                     feeds[role], recipe.smoothquant is not None, float_dtype, report,
                                                     hessians)
-        if not (recipe.weight_only or recipe.per_token):
+        if recipe.static_ranges:
             act_amax, smooth = activation_scales(model, targets, observers, channel_amax, run, lambda: iter(batches),
                                                  len(batches), recipe.precision, recipe.method, recipe.percentile,
                                                  recipe.smoothquant, report)

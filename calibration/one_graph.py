@@ -52,7 +52,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         observed = activations + presents + extra
         feeds = lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype)  # noqa: E731
         max_rows = rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize)
-        if (recipe.weight_only or recipe.per_token) and hessians is None and not presents:
+        if not recipe.static_ranges and hessians is None and not presents:
             # rounding to nearest reads no activation (an automatic recipe's text is for its held-out measurements,
             # and a GPTQ candidate observes when it is tried: candidate_hessians)
             observers, channel_amax, probe = {}, {}, Probe(model, observed, float_dtype, feeds, base, max_rows)
@@ -74,7 +74,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         chosen = choose_in_spaces(targets, weights, observers, channel_amax, recipe.precision, float_dtype, progress,
                                   plain, SPACES)
         act_amax, smooth, _ = chosen[next(iter(SPACES))]
-    elif not (recipe.weight_only or recipe.per_token):
+    elif recipe.static_ranges:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
                                              progress, base)

@@ -216,8 +216,8 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
             progress=None, per_token: bool = False) -> dict:
     """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
 
-    act_amax: each activation's calibrated range (W8A8 with static scales), or None: weight-only, or per_token
-    (INT8 activations scaled per row at run time; act_amax and smooth are then None).
+    act_amax: each activation's calibrated range (W8A8 with static scales), or None: weight-only; per_token: INT8
+    activations scaled per row at run time (act_amax is not read; smooth, SmoothQuant's factors, is).
 
     round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
     and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)). base_dir:
@@ -358,6 +358,11 @@ class _QdqEdit:
         k, n = (int(d) for d in self.record["weights"][t.layer]["shape"])
         if t.activation not in self.shared:
             act, prefix = t.activation, f"{t.layer}.input"
+            if self.smooth and act in self.smooth:  # SmoothQuant: x / s, its rows then quantized (W' = diag(s) W)
+                g.initializer.append(numpy_helper.from_array((1.0 / self.smooth[act]).astype(dt), f"{prefix}_smooth"))
+                self.before(t, helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"],
+                                                name=f"{prefix}_smooth"))
+                act = f"{prefix}_smoothed"
             consts = {"_rows_shape": np.array([-1, k], np.int64), "_zero": np.array(0, dt),
                       "_inv_levels": np.array(1 / 255, dt), "_tiny": np.array(np.finfo(dt).tiny, dt),
                       "_levels": np.array(255, dt)}

@@ -82,10 +82,17 @@ class Recipe:
 
     @property
     def needs_data(self) -> bool:
-        """Weight-only INT4 rounded to nearest and per-token INT8 read no calibration data (unless GPTQ or an FP8
-        KV cache does); everything else observes activations (an automatic INT4 recipe measures its candidates on
-        the calibration text)."""
-        return not (self.weight_only or self.per_token) or bool(self.gptq) or self.auto or bool(self.kv_cache)
+        """Weight-only INT4 rounded to nearest and per-token INT8 read no calibration data (unless GPTQ, SmoothQuant
+        or an FP8 KV cache does); everything else observes activations (an automatic INT4 recipe measures its
+        candidates on the calibration text)."""
+        return not (self.weight_only or self.per_token) or bool(self.gptq) or self.auto or bool(self.kv_cache) \
+            or (self.per_token and self.smoothquant is not None)
+
+    @property
+    def static_ranges(self) -> bool:
+        """Whether activations are observed for ranges or smoothing factors: W8A8 with static scales, or per-token
+        activations smoothed (SmoothQuant's factors are calibrated; the ranges are the run's)."""
+        return not self.weight_only and (not self.per_token or self.smoothquant is not None)
 
     def _mode(self, bundle: Bundle, searchable: bool) -> str:
         """The recipe's mode as stated, or the kind's default when none is: auto where the quantizer can measure a
@@ -123,9 +130,8 @@ class Recipe:
                                "static scales")
         activations = self.activations or (default if self.precision == "int8" else "static")
         if activations == "per-token":
-            fixed = [f"--{name}" for name, v in (("method", self.method), ("percentile", self.percentile),
-                                                 ("smoothquant", self.smoothquant)) if v is not None]
-            if fixed:
+            fixed = [f"--{name}" for name, v in (("method", self.method), ("percentile", self.percentile)) if v is not None]
+            if fixed:  # SmoothQuant's factors are static and apply (calibrated on the data, folded into the weights)
                 raise KvforgeError(f"per-token activations are scaled at run time, so {', '.join(fixed)} (which "
                                    "choose a calibrated static range) cannot apply; drop them or add --activations static")
             if self.quantize_lm_head:

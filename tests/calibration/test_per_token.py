@@ -117,7 +117,7 @@ def test_an_encoder_defaults_to_per_token_int8_without_data(micro_bundle, tmp_pa
 @pytest.mark.parametrize("options, message", [
     (dict(precision="fp8", activations="per-token"), "fp8 takes static scales"),
     (dict(precision="int4", activations="per-token"), "int4 is weight-only"),
-    (dict(precision="int8", activations="per-token", smoothquant=0.5), "--smoothquant"),
+    (dict(precision="int8", activations="per-token", percentile=99.0), "--percentile"),
     (dict(precision="int8", activations="per-token", quantize_lm_head=True), "--quantize-lm-head"),
     (dict(precision="int8", activations="per-row"), "'per-row' is not one of"),
 ])
@@ -140,6 +140,17 @@ def test_a_decoder_takes_per_token_with_the_fixed_recipe_and_tensorrt_refuses_it
     assert np.abs(ours - exact).max() < 0.05 * np.abs(exact).max()
     with pytest.raises(KvforgeError, match="--activations static"):
         check_precision_supported(q.quantization, "9.0", "H100")
+
+    # SmoothQuant's static factors go with per-token ranges: x / s quantized per row, diag(s) W per channel
+    smoothed = calibrate(b.path, tmp_path / "smoothed", precision="int8", activations="per-token", recipe="fixed",
+                         smoothquant=0.5, random_data=True, samples=4, seq_len=16)
+    assert smoothed.manifest["precision"]["quantization"]["smoothquant_alpha"] == 0.5
+    assert smoothed.manifest["calibration"]["data"] is not None  # its factors are calibrated
+    graph = smoothed.load_graph(external_data=False).graph
+    assert sum(n.name.endswith(".input_smooth") for n in graph.node) == len(
+        smoothed.manifest["calibration"]["scales"]["activations"])
+    with runtime.load(smoothed.path) as s:
+        assert np.abs(s.forward(ids)[0] - exact).max() < 0.05 * np.abs(exact).max()
 
 
 @pytest.mark.parametrize("preset", ["bert-micro", "roberta-micro", "perceiver-micro"])
