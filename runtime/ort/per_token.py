@@ -21,7 +21,7 @@ import functools
 
 import numpy as np
 
-from kvforge.onnx_graph import drop_dead_nodes
+from kvforge.onnx_graph import drop_dead_nodes, use_ms_domain
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +147,6 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
         nodes += added.get(index, [node])
     del g.node[:]
     g.node.extend(nodes)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    use_ms_domain(model)
     drop_dead_nodes(model)  # the activations' and weights' DequantizeLinears, and the int8 codes
     return count
