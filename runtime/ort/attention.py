@@ -353,15 +353,22 @@ def _match_encoder_layer(g: GraphIndex, softmax):
 def use_multi_head_attention(model, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
     """Every bidirectional attention layer that masks only padded keys as one com.microsoft MultiHeadAttention
     over (B, T, heads * D) inputs and the key padding mask (`attention_mask` as int32): the same function in one
-    kernel, without the head transposes, the grouped reshapes and the Where. Returns the layers rewritten (0 and
-    nothing changed where a layer has several key/value heads per group, or no `attention_mask` input)."""
+    kernel, without the head transposes, the grouped reshapes and the Where. A layer whose q, k and v the graph
+    does not record as (B, n_heads, T, head_dim) is left as it is (another attention's heads: an encoder-decoder's
+    decoder). Returns the layers rewritten (0 and nothing changed where a layer has several key/value heads per
+    group, or no `attention_mask` input)."""
     from onnx import TensorProto, helper, numpy_helper
 
     graph = model.graph
     if n_kv_heads != n_heads or "attention_mask" not in {i.name for i in graph.input}:
         return 0
     g = GraphIndex(graph)
-    layers = [m for m in (_match_encoder_layer(g, n) for n in graph.node if n.op_type == "Softmax") if m is not None]
+    def heads_as_configured(m) -> bool:  # each of q, k, v recorded as (B, n_heads, T, head_dim): num_heads is right
+        shapes = [g.dims(m[role]) for role in ("q", "k", "v")]
+        return all(d is not None and len(d) == 4 and d[1] == n_heads and d[3] == head_dim for d in shapes)
+
+    layers = [m for m in (_match_encoder_layer(g, n) for n in graph.node if n.op_type == "Softmax")
+              if m is not None and heads_as_configured(m)]
     if not layers:
         return 0
     mask = "kvforge_key_padding_mask"
