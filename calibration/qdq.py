@@ -314,20 +314,26 @@ class _QdqEdit:
         self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
                                            **({"k_padding": k_padding} if k_padding else {})}
 
+    def smoothed(self, t: Target, prefix: str) -> str:
+        """The target's input divided by SmoothQuant's factors (a Mul by 1/s) where it has them, else the input."""
+        from onnx import helper, numpy_helper
+
+        act = t.activation
+        if not (self.smooth and act in self.smooth):
+            return act
+        self.g.initializer.append(numpy_helper.from_array((1.0 / self.smooth[act]).astype(self.float_dtype),
+                                                          f"{prefix}_smooth"))
+        self.before(t, helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"], name=f"{prefix}_smooth"))
+        return f"{prefix}_smoothed"
+
     def activation(self, t: Target, amax: float) -> None:
         """A QuantizeLinear -> DequantizeLinear pair on the target's input, its scale shared per activation."""
         from onnx import helper, numpy_helper
 
         g = self.g
         if t.activation not in self.shared:  # one scale (and smoothing) per activation, shared by its consumers
-            act = t.activation
             prefix = f"{t.layer}.input"
-            if self.smooth and act in self.smooth:
-                g.initializer.append(numpy_helper.from_array((1.0 / self.smooth[act]).astype(self.float_dtype),
-                                                             f"{prefix}_smooth"))
-                self.before(t, helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"],
-                                                name=f"{prefix}_smooth"))
-                act = f"{prefix}_smoothed"
+            act = self.smoothed(t, prefix)
             a_scale = stored_scale(max(amax, 1e-8) / QMAX[self.fmt], self.float_dtype)
             g.initializer.append(numpy_helper.from_array(a_scale, f"{prefix}_scale"))
             g.initializer.append(
@@ -357,12 +363,8 @@ class _QdqEdit:
         g, dt = self.g, self.float_dtype
         k, n = (int(d) for d in self.record["weights"][t.layer]["shape"])
         if t.activation not in self.shared:
-            act, prefix = t.activation, f"{t.layer}.input"
-            if self.smooth and act in self.smooth:  # SmoothQuant: x / s, its rows then quantized (W' = diag(s) W)
-                g.initializer.append(numpy_helper.from_array((1.0 / self.smooth[act]).astype(dt), f"{prefix}_smooth"))
-                self.before(t, helper.make_node("Mul", [act, f"{prefix}_smooth"], [f"{prefix}_smoothed"],
-                                                name=f"{prefix}_smooth"))
-                act = f"{prefix}_smoothed"
+            prefix = f"{t.layer}.input"
+            act = self.smoothed(t, prefix)  # SmoothQuant: x / s, its rows then quantized (W' = diag(s) W)
             consts = {"_rows_shape": np.array([-1, k], np.int64), "_zero": np.array(0, dt),
                       "_inv_levels": np.array(1 / 255, dt), "_tiny": np.array(np.finfo(dt).tiny, dt),
                       "_levels": np.array(255, dt)}
