@@ -14,6 +14,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.kinds import kind_of
+from kvforge.onnx_graph import MS_DOMAIN
 
 
 def import_onnxruntime():
@@ -61,7 +62,6 @@ def int8_kernels_exact() -> bool:
     written. Probed once per process (a few milliseconds)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    ort = import_onnxruntime()
     k, n = 64, 8
     w = np.full((k, n), 127, np.int8)
     w[:, 1::2] = -127
@@ -74,15 +74,45 @@ def int8_kernels_exact() -> bool:
              helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_z"], ["x_dq"]),
              helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], axis=1),
              helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"])]
-    graph = helper.make_graph(nodes, "int8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    return bool(np.array_equal(_probe(nodes, inits, x, TensorProto.FLOAT, n), exact))
+
+
+@functools.lru_cache(maxsize=None)
+def u8_kernels_exact() -> bool:
+    """Whether ONNX Runtime's CPU MatMulIntegerToFloat computes uint8 x uint8 exactly here, at the extremes (every
+    product 255 x 255 with zero point 128 on the weights, where a 16-bit pairwise sum would saturate): the kernel
+    per-token INT8 runs on (runtime/ort/per_token.py). Probed once per process."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = 64, 8
+    w = np.full((k, n), 255, np.uint8)
+    w[:, 1::2] = 0
+    a = np.full((1, k), 255, np.uint8)
+    a[0, ::3] = 254
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "w_s"),
+             numpy_helper.from_array(np.array(128, np.uint8), "w_z"), numpy_helper.from_array(np.array(1.0, np.float32), "a_s"),
+             numpy_helper.from_array(np.array(0, np.uint8), "a_z")]
+    nodes = [helper.make_node("MatMulIntegerToFloat", ["x", "w", "a_s", "w_s", "a_z", "w_z"], ["y"], domain=MS_DOMAIN)]
+    try:
+        y = _probe(nodes, inits, a, TensorProto.UINT8, n)
+    except Exception:  # noqa: BLE001 - a build without the contrib kernel: per-token graphs run as written
+        return False
+    return bool(np.array_equal(y.astype(np.float64), a.astype(np.float64) @ (w.astype(np.float64) - 128)))
+
+
+def _probe(nodes, inits, x: np.ndarray, x_type: int, n: int) -> np.ndarray:
+    """A one-input graph of these nodes (input "x", output "y" [1, n]) run once on the CPU provider, optimized."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", x_type, list(x.shape))],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(MS_DOMAIN, 1)])
     model.ir_version = 8
+    ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    fused = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    exact = x.astype(np.float64) @ w.astype(np.float64)
-    return bool(np.array_equal(fused.run(None, {"x": x})[0].astype(np.float64), exact))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
 def session_config(quant_format: str | None, providers: list[str] | None = None) -> dict[str, str]:

@@ -11,49 +11,16 @@ one integer kernel and a Mul by the row scales: the codes get E extra rows e_jn 
 -sum_k w_kn, and the row's codes as many columns holding its zero point, so the kernel subtracts the zero
 point's term itself, in int32: the same function up to float rounding. The codes are stored as uint8 (+128,
 zero point 128, the same values): ONNX Runtime's uint8 x uint8 kernel widens to 16 bits, where its uint8 x int8
-one on AVX2 without VNNI sums pairs of products in 16 bits and saturates. `u8_kernels_exact` probes that once;
-where it fails the graph runs as written.
+one on AVX2 without VNNI sums pairs of products in 16 bits and saturates. kvforge.ort_session's
+`u8_kernels_exact` probes that once; where it fails the graph runs as written.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from kvforge.onnx_graph import drop_dead_nodes, use_ms_domain
-
-
-@functools.lru_cache(maxsize=None)
-def u8_kernels_exact() -> bool:
-    """Whether ONNX Runtime's CPU MatMulIntegerToFloat computes uint8 x uint8 exactly here, at the extremes
-    (every product 255 x 255 with zero point 128 on the weights, where a 16-bit pairwise sum would saturate)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    from kvforge.ort_session import import_onnxruntime
-
-    ort = import_onnxruntime()
-    k, n = 64, 8
-    w = np.full((k, n), 255, np.uint8)
-    w[:, 1::2] = 0
-    a = np.full((1, k), 255, np.uint8)
-    a[0, ::3] = 254
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "w_s"),
-             numpy_helper.from_array(np.array(128, np.uint8), "w_z"), numpy_helper.from_array(np.array(1.0, np.float32), "a_s"),
-             numpy_helper.from_array(np.array(0, np.uint8), "a_z")]
-    node = helper.make_node("MatMulIntegerToFloat", ["a", "w", "a_s", "w_s", "a_z", "w_z"], ["y"], domain="com.microsoft")
-    graph = helper.make_graph([node], "u8_probe", [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    try:
-        y = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
-    except Exception:  # noqa: BLE001 - a build without the contrib kernel: the graph runs as written
-        return False
-    exact = a.astype(np.float64) @ (w.astype(np.float64) - 128)
-    return bool(np.array_equal(y.astype(np.float64), exact))
+from kvforge.onnx_graph import drop_dead_nodes, node_attribute, replace_nodes, use_ms_domain
+from kvforge.ort_session import u8_kernels_exact
 
 
 def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
@@ -79,13 +46,11 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
     inits = {i.name: i for i in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
 
-    def axis(node, default):
-        return next((a.i for a in node.attribute if a.name == "axis"), default)
-
     def weight_codes(name):
         """(int8 codes [K, N], float32 scales [N]) behind a per-output-channel DequantizeLinear, or None."""
         dq = producer.get(name)
-        if dq is None or dq.op_type != "DequantizeLinear" or axis(dq, 1) not in (1, -1) or len(dq.input) < 2:
+        if dq is None or dq.op_type != "DequantizeLinear" or node_attribute(dq, "axis", 1) not in (1, -1) \
+                or len(dq.input) < 2:
             return None
         codes, scale = inits.get(dq.input[0]), inits.get(dq.input[1])
         zp = inits.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
@@ -96,15 +61,14 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
             return None
         return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
-    added: dict[int, list] = {}
+    added: dict[int, list] = {}  # id of a MatMul replaced -> the nodes in its place
     rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns
-    count = 0
-    for index, node in enumerate(g.node):
-        if node.op_type != "MatMul":
-            continue
+    matmuls = [n for n in g.node if n.op_type == "MatMul"]  # held: replace_nodes keys them by id
+    for node in matmuls:
         dq = producer.get(node.input[0])
         q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        if q is None or q.op_type != "QuantizeLinear" or axis(dq, 1) != 0 or axis(q, 1) != 0 \
+        if q is None or q.op_type != "QuantizeLinear" or node_attribute(dq, "axis", 1) != 0 \
+                or node_attribute(q, "axis", 1) != 0 \
                 or list(q.input[1:3]) != list(dq.input[1:3]) or len(dq.input) < 3:
             continue
         weight = weight_codes(node.input[1])
@@ -138,15 +102,10 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
                                   f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
                                  [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
                 helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]
-        added[index] = new
-        count += 1
-    if not count:
+        added[id(node)] = new
+    if not added:
         return 0
-    nodes = []
-    for index, node in enumerate(g.node):
-        nodes += added.get(index, [node])
-    del g.node[:]
-    g.node.extend(nodes)
+    replace_nodes(g, set(added), added)
     use_ms_domain(model)
     drop_dead_nodes(model)  # the activations' and weights' DequantizeLinears, and the int8 codes
-    return count
+    return len(added)

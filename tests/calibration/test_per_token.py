@@ -17,8 +17,8 @@ from kvforge import runtime
 from kvforge.calibration import calibrate
 from kvforge.calibration.qdq import find_targets, rewrite
 from kvforge.errors import KvforgeError
-from kvforge.ort_session import make_session
-from kvforge.runtime.ort.per_token import integer_per_token_matmuls, u8_kernels_exact
+from kvforge.ort_session import make_session, u8_kernels_exact
+from kvforge.runtime.ort.per_token import integer_per_token_matmuls
 
 
 def _per_row_oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:
