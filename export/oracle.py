@@ -21,7 +21,9 @@ on a written bundle.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -337,7 +339,31 @@ def check(source, bundle_dir: Path, kind: str, reference, tokenizer, dtype: str,
                if enforce_bound and isinstance(reference, torch.nn.Module) else None)
     if too_big:
         return skipped(too_big)
-    return _compare(transformers, where, oracle, source, bundle_dir, reference, tokenizer)
+    with _gguf_read_once() if where.get("gguf_file") else contextlib.nullcontext():
+        return _compare(transformers, where, oracle, source, bundle_dir, reference, tokenizer)
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Inside it, gguf's GGUFReader of one file is made once. transformers reads a GGUF file three times for one
+    comparison (the config, the tokenizer, the tensors), each time with a new GGUFReader that parses every metadata
+    string: for Gemma 3's 262k-token vocabulary that is ~25 s each here, most of the check. The reader is a
+    read-only view of the memory-mapped file, so one serves all three; transformers' own code does the rest."""
+    import gguf
+
+    made, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = made(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf inside each function, when called
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = made
 
 
 def _cannot(transformers, what: str, e: Exception) -> dict[str, Any]:

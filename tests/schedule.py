@@ -2,7 +2,7 @@
 file's measured cost, so that a long file never starts last and leaves one worker running it alone.
 
 xdist hands out whole files, by default the files with the most tests first; a run's wall time is then set by
-whichever long file happens to start late (the slow tier's 10,000-request soak alone is six minutes). Ordering
+whichever long file happens to start late (the slow tier's server soak alone is minutes). Ordering
 the files by measured seconds, longest first, is the classic longest-processing-time schedule: every worker is
 busy until the last file is handed out, and what one finishes after the other is at most one short file.
 
