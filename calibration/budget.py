@@ -154,7 +154,7 @@ class HeldOutEvaluator:
         return 1.0 / statistics.median(times)
 
 
-def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: dict[str, float],
+def fit_budget(bundle, float_model, quantize: Callable, session_format: str, budget: dict[str, float],
                held_out: tuple[list[int], str], progress) -> tuple[Any, dict[str, Any]]:
     """quantize(extra_exclude) -> (model, targets, excluded, record). Returns the last quantize() result and the record.
 
@@ -163,13 +163,13 @@ def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: 
     ev = HeldOutEvaluator(bundle, float_model, held_out)
     result = quantize([])
     full = result[0]
-    measured = ev.metrics(full, precision)
+    measured = ev.metrics(full, session_format)
     iterations = [{"kept_in_float": [], **{k: measured[k] for k in BUDGET_METRICS}}]
     progress("budget", 1, 1)
     rows = None
     kept: list[str] = []
     if check_tolerances(measured, budget):
-        rows = ev.ranking(full, precision)
+        rows = ev.ranking(full, session_format)
         order = [r["layer"] for r in sorted(rows, key=lambda r: r["rank"])]
         progress("budget", 1, len(order) + 1)
         for n, layer in enumerate(order, 1):
@@ -179,7 +179,7 @@ def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: 
             except KvforgeError:  # every linear layer is now in float
                 kept.pop()
                 break
-            measured = ev.metrics(result[0], precision)
+            measured = ev.metrics(result[0], session_format)
             iterations.append({"kept_in_float": list(kept), **{k: measured[k] for k in BUDGET_METRICS}})
             progress("budget", n + 1, len(order) + 1)
             if not check_tolerances(measured, budget):
@@ -191,8 +191,8 @@ def fit_budget(bundle, float_model, quantize: Callable, precision: str, budget: 
             "Loosen the budget, try another --method or --smoothquant, or a wider format"
         )
     speed = {"float_decode_tokens_per_s": ev.decode_tokens_per_s(float_model, None),
-             "quantized_decode_tokens_per_s": ev.decode_tokens_per_s(full, precision)}
-    speed["result_decode_tokens_per_s"] = (ev.decode_tokens_per_s(result[0], precision) if kept
+             "quantized_decode_tokens_per_s": ev.decode_tokens_per_s(full, session_format)}
+    speed["result_decode_tokens_per_s"] = (ev.decode_tokens_per_s(result[0], session_format) if kept
                                            else speed["quantized_decode_tokens_per_s"])
     # what keeping blocks in float did to decode speed (negative: slower than fully quantized)
     speed["change_pct"] = 100.0 * (speed["result_decode_tokens_per_s"] / speed["quantized_decode_tokens_per_s"] - 1)

@@ -78,8 +78,9 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
                   damp: float = DAMP, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ-round a [K, N] weight onto the `fmt` grid; returns (quantized codes, scales) like qdq.quantize/weight_scales.
 
-    INT8 / FP8: per output channel scales of `w`. INT4: per block of `block_size` rows along K, each
-    block's scale taken from its rows as they stand when GPTQ reaches it (earlier rows' errors included).
+    Per output channel scales of `w`, or given a block size (the weight-only formats) per block of `block_size`
+    rows along K, each block's scale taken from its rows as they stand when GPTQ reaches it (earlier rows' errors
+    included).
     Scales are exact in the model dtype `dtype`, as the graph will store them.
     """
     if fmt not in QMAX:
@@ -89,7 +90,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
         raise KvforgeError(f"GPTQ: the Hessian is {h.shape}, the weight has {K} input rows")
     W = w.astype(np.float64).copy()
     U = _inverse_cholesky(h, damp)
-    blocked = fmt == "int4"
+    blocked = block_size is not None
     if blocked:
         lazy = block_size * max(1, _LAZY // block_size)  # a scale block never straddles two lazy batches
         scales = np.zeros((-(-K // block_size), N), np.float32)
@@ -105,7 +106,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
             row = i1 + i
             if blocked and row % block_size == 0:
                 end = min(i + block_size, i2 - i1)
-                scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), "int4", end - i, dtype)[0]
+                scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), fmt, end - i, dtype)[0]
             s = scales[row // block_size][None] if blocked else scales  # this row's scales
             q = quantize(W1[i][None], s, fmt, 1)  # block size 1: one row, its own scale row (ignored per-channel)
             deq = dequantize(q, s, fmt, 1)[0]

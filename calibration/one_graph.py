@@ -123,7 +123,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     starved = [f"^{re.escape(name)}$" for name in starved_float]
     if recipe.accuracy_budget:
         (model, targets, excluded, record), budget_report = fit_budget(
-            bundle, model, quantize, recipe.precision, recipe.accuracy_budget, held_out, progress)
+            bundle, model, quantize, recipe.session_format, recipe.accuracy_budget, held_out, progress)
     elif recipe.auto:
         (model, targets, excluded, record), recipe, recipe_record = search(
             bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,

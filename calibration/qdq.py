@@ -5,10 +5,10 @@ weight [K, N]. Normalization, softmax, embeddings and residual adds stay in
 float; `lm_head` stays in float unless asked. Per target:
 - the weight is stored quantized behind a DequantizeLinear: INT8 / FP8 E4M3
   per output channel (axis 1), symmetric, scale = amax / 127 or / 448;
-  INT4 block-wise along K (axis 0, `block_size`), scale = amax / 7; where the
-  block size does not divide K, the codes get zero rows to the last block's
-  end and the activation as many zero columns (a Pad), as TensorRT reads the
-  block size as K / scale rows;
+  weight-only formats (INT4, and INT8 with `--weights-only`) block-wise along K (axis 0, `block_size`),
+  scale = amax / 7 or / 127; where the block size does not divide K, the codes get zero rows to the last
+  block's end and the activation as many zero columns (a Pad), as TensorRT reads the block size as K / scale
+  rows;
 - W8A8 (INT8, FP8): the activation gets one per-tensor scale, shared by every
   target that reads it, and a QuantizeLinear -> DequantizeLinear pair per
   target (ONNX Runtime fuses a pair into an integer MatMul only when it feeds
@@ -160,13 +160,14 @@ def stored_scale(scale, dtype=np.float32) -> np.ndarray:
 
 
 def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None, dtype=np.float32) -> np.ndarray:
-    """Symmetric scales of a [K, N] weight: per output channel [N], or per block [ceil(K/B), N] for int4.
+    """Symmetric scales of a [K, N] weight: per output channel [N], or per block [ceil(K/B), N] given a block size
+    (the weight-only formats).
 
     float32, with values the model dtype `dtype` stores exactly (stored_scale), so codes round against
     the scale the graph will hold.
     """
     a = np.abs(w.astype(np.float32))
-    if fmt == "int4":
+    if block_size:
         K = w.shape[0]
         blocks = -(-K // block_size)
         padded = np.zeros((blocks * block_size, w.shape[1]), np.float32)
@@ -178,10 +179,11 @@ def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None, dtype=
 
 
 def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
-    """ONNX QuantizeLinear semantics (round half to even, saturate), zero point 0."""
+    """ONNX QuantizeLinear semantics (round half to even, saturate), zero point 0; `scale` per output channel [N]
+    or per block of `block_size` rows [ceil(K/B), N]."""
     import ml_dtypes
 
-    if fmt == "int4":
+    if np.ndim(scale) == 2:
         scale = np.repeat(scale, block_size, axis=0)[: x.shape[0]]
     y = x.astype(np.float32) / scale
     if fmt == "int8":
@@ -192,7 +194,7 @@ def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None 
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
-    if fmt == "int4":
+    if np.ndim(scale) == 2:
         scale = np.repeat(scale, block_size, axis=0)[: q.shape[0]]
     return q.astype(np.float32) * scale
 
@@ -262,13 +264,13 @@ class _QdqEdit:
         self.index = {id(n): i for i, n in enumerate(self.g.node)}
         self.record = {"weights": {}, "activations": {}}
         self.shared: dict[str, tuple[str, str]] = {}  # activation -> (its scale's prefix, the tensor consumers read)
-        self.padded: dict[str, str] = {}  # int4: activation -> its copy padded to whole blocks along K
+        self.padded: dict[str, str] = {}  # block-wise: activation -> its copy padded to whole blocks along K
 
     def before(self, t: Target, *nodes) -> None:
         self.new_nodes.setdefault(self.index[id(t.node)], []).extend(nodes)
 
     def weight(self, t: Target, round_weight) -> None:
-        """The target's weight stored quantized behind a DequantizeLinear (int4: K padded to whole blocks)."""
+        """The target's weight stored quantized behind a DequantizeLinear (block-wise: K padded to whole blocks)."""
         from onnx import helper, numpy_helper
 
         g, fmt, block_size = self.g, self.fmt, self.block_size
@@ -280,7 +282,7 @@ class _QdqEdit:
         else:
             scale = weight_scales(w, fmt, block_size, self.float_dtype)
             q = quantize(w, scale, fmt, block_size)
-        k_padding = -w.shape[0] % block_size if fmt == "int4" else 0
+        k_padding = -w.shape[0] % block_size if block_size else 0
         if k_padding:
             # TensorRT reads the block size as K / scale rows, so every block must be whole: the codes
             # get zero rows up to the last block's end, and the activation as many zero columns.
@@ -300,8 +302,8 @@ class _QdqEdit:
         g.initializer.append(numpy_helper.from_array(q, q_name))
         g.initializer.append(numpy_helper.from_array(scale.astype(self.float_dtype), s_name))
         dq_inputs = [q_name, s_name]
-        attrs = {"axis": 0, "block_size": block_size} if fmt == "int4" else {"axis": 1}
-        if fmt != "int4":
+        attrs = {"axis": 0, "block_size": block_size} if block_size else {"axis": 1}
+        if not block_size:
             zp = np.zeros(scale.shape, np.int8) if fmt == "int8" else None
             g.initializer.append(
                 numpy_helper.from_array(zp, z_name) if zp is not None
@@ -425,7 +427,7 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     """Store a tied embedding and its quantized head once: the codes in the embedding's [N, K] layout.
 
     The head reads Transpose(DequantizeLinear(codes)) and the embedding Gather reads the same
-    DequantizeLinear (without the zero rows INT4 pads K with), so the embedding takes the head's
+    DequantizeLinear (without the zero rows block-wise codes pad K with), so the embedding takes the head's
     quantization too. SmoothQuant folded diag(s) into the head's rows of K; the embedding's rows are
     divided by s after the Gather. ONNX Runtime's variant gives each its fast form again at load
     (runtime/ort/variant.py); the bundle holds one tensor.
@@ -436,7 +438,7 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     inits = {i.name: i for i in g.initializer}
     base = f"{head.layer}.weight"
     codes = numpy_helper.to_array(inits[f"{base}_quantized"])  # [K', N]
-    scale = numpy_helper.to_array(inits[f"{base}_scale"])  # [N], or [K'/B, N] for int4
+    scale = numpy_helper.to_array(inits[f"{base}_scale"])  # [N], or [K'/B, N] block-wise
     emb = inits[embedding]
     n_vocab, k = emb.dims
     name = "model.embed_and_lm_head.weight"
@@ -447,13 +449,13 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     shared = [numpy_helper.from_array(np.ascontiguousarray(codes.T), f"{name}_quantized"),
               numpy_helper.from_array(np.ascontiguousarray(scale.T) if scale.ndim == 2 else scale, f"{name}_scale")]
     dq_inputs = [f"{name}_quantized", f"{name}_scale"]
-    if fmt != "int4":
+    if not block_size:
         zp = helper.make_tensor(f"{name}_zero_point", shared[0].data_type, [n_vocab], np.zeros(n_vocab).tolist()) \
             if fmt == "fp8" else numpy_helper.from_array(np.zeros(n_vocab, np.int8), f"{name}_zero_point")
         shared.append(zp)
         dq_inputs.append(f"{name}_zero_point")
     g.initializer.extend(shared)
-    attrs = {"axis": 1, "block_size": block_size} if fmt == "int4" else {"axis": 0}  # per vocab row, or blocks along K
+    attrs = {"axis": 1, "block_size": block_size} if block_size else {"axis": 0}  # per vocab row, or blocks along K
     old_dq = next(n for n in g.node if n.op_type == "DequantizeLinear" and n.output[0] == f"{base}_dequantized")
     readers = [i for i, n in enumerate(g.node) if n is old_dq or (n.op_type == "Gather" and n.input[0] == embedding)]
     index = min(readers)  # before the first reader: the embedding Gather comes first
@@ -463,7 +465,7 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
         helper.make_node("Transpose", [f"{name}_dequantized"], [f"{base}_dequantized"], name=f"{base}_transpose", perm=[1, 0]),
     ]
     table = f"{name}_dequantized"
-    if codes.shape[0] != k:  # INT4's zero rows that complete K's last block: not part of the embedding
+    if codes.shape[0] != k:  # the zero rows that complete K's last block: not part of the embedding
         g.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), f"{name}_start"),
                               numpy_helper.from_array(np.array([k], np.int64), f"{name}_end"),
                               numpy_helper.from_array(np.array([1], np.int64), f"{name}_axis")])

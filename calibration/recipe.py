@@ -23,8 +23,9 @@ from .qdq import FORMATS
 
 ACTIVATIONS = ("static", "per-token")
 MIN_OPSET = {"int8": 13, "fp8": 19, "int4": 21}
-# TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings
-DEFAULT_BLOCK_SIZE = 128
+# TensorRT documents INT4 block sizes 64 and 128 (ModelOpt defaults to 128); others are linted as warnings.
+# Weight-only INT8 takes llama.cpp Q8_0's block of 32: its accuracy is the point of asking for it.
+DEFAULT_BLOCK_SIZE = {"int4": 128, "int8": 32}
 
 
 class Quantized(NamedTuple):
@@ -44,7 +45,7 @@ class Recipe:
     seq_len: int = 256
     smoothquant: float | None = None  # SmoothQuant's alpha (int8 and fp8)
     exclude: tuple[str, ...] = ()  # regular expressions over layer names kept in float
-    block_size: int | None = None  # int4's block; DEFAULT_BLOCK_SIZE once checked
+    block_size: int | None = None  # a weight-only format's block; DEFAULT_BLOCK_SIZE once checked
     random_data: bool = False
     batch_size: int = 8
     quantize_lm_head: bool = False
@@ -61,6 +62,8 @@ class Recipe:
     # INT8 activations: "static" (a calibrated per-tensor scale: TensorRT and ONNX Runtime) or "per-token" (each
     # row's scale computed at run time: ONNX Runtime only); None: the kind's quantizer's default (calibration/kinds.py)
     activations: str | None = None
+    # INT8 weights in blocks with the activations left in float (as llama.cpp's Q8_0), instead of W8A8
+    weights_only: bool = False
 
     @property
     def auto(self) -> bool:
@@ -74,7 +77,12 @@ class Recipe:
 
     @property
     def weight_only(self) -> bool:
-        return self.precision == "int4"
+        return self.precision == "int4" or bool(self.weights_only)
+
+    @property
+    def session_format(self) -> str:
+        """How ONNX Runtime runs the result (kvforge.ort_session.QUANT_SESSION_CONFIG; Bundle.session_format)."""
+        return "int8-weights" if self.precision == "int8" and self.weights_only else self.precision
 
     @property
     def per_token(self) -> bool:
@@ -106,9 +114,10 @@ class Recipe:
                 raise KvforgeError(f"--recipe auto measures a decoder's perplexity; {bundle.path} is "
                                    f"{bundle.kind.article}: calibrate it with the fixed recipe's options")
             return "fixed"
-        # INT4 rounded to nearest needs no data: without text to measure on, the default is the fixed recipe
+        # INT4 rounded to nearest needs no data: without text to measure on, the default is the fixed recipe; so is
+        # weight-only INT8's (blocks of 32 rounded to nearest: Q8_0's form, which nothing it would search beats)
         no_text = self.data is None and not self.random_data and bundle.tokenizer_file is None
-        mode = self.recipe or ("fixed" if self.weight_only and no_text else "auto")
+        mode = self.recipe or ("fixed" if self.weight_only and (no_text or self.precision == "int8") else "auto")
         if mode == "auto" and tuning:
             options = ", ".join("--" + name.replace("_", "-") for name in tuning)
             stated = "--recipe auto chooses" if self.recipe else "the automatic recipe (the default) chooses"
@@ -123,7 +132,8 @@ class Recipe:
             raise KvforgeError(f"--activations {self.activations!r} is not one of {ACTIVATIONS}")
         if self.weight_only:
             if self.activations is not None:
-                raise KvforgeError(f"--activations applies to W8A8; {self.precision} is weight-only")
+                raise KvforgeError(f"--activations applies to W8A8; {self.precision}"
+                                   f"{' with --weights-only' if self.weights_only else ''} is weight-only")
             return None
         if self.activations == "per-token" and self.precision != "int8":
             raise KvforgeError(f"--activations per-token is INT8's (uint8 codes per row); {self.precision} takes "
@@ -147,6 +157,9 @@ class Recipe:
         budget = parse_budget(self.accuracy_budget) if self.accuracy_budget else None
         if self.precision not in FORMATS:
             raise KvforgeError(f"precision {self.precision!r} is not one of {FORMATS}")
+        if self.weights_only and self.precision != "int8":
+            raise KvforgeError(f"--weights-only applies to int8 (int4 is always weight-only; fp8 quantizes "
+                               f"activations too), not {self.precision}")
         mode = self._mode(bundle, fits_budget)
         activations = self._activations(default_activations)
         if activations == "per-token" and mode == "auto":
@@ -166,8 +179,9 @@ class Recipe:
             raise KvforgeError("calibration runs the graph on ONNX Runtime's CPU provider, which has no bfloat16 kernels; "
                                "calibrate a float32 or float16 bundle")
         if self.smoothquant is not None and (self.weight_only or not 0.0 <= self.smoothquant <= 1.0):
-            raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to int8 and fp8, not weight-only int4 "
-                               f"(got {self.smoothquant} for {self.precision})")
+            raise KvforgeError(f"--smoothquant takes an alpha in [0, 1] and applies to W8A8 int8 and fp8, not to "
+                               f"weight-only formats (got {self.smoothquant} for {self.precision}"
+                               f"{' --weights-only' if self.weights_only else ''})")
         if self.kv_cache not in (None, "fp8"):
             raise KvforgeError(f"--kv-cache {self.kv_cache!r} is not supported; the choice is fp8")
         if self.kv_cache and not bundle.kind.kv_cache:
@@ -176,12 +190,15 @@ class Recipe:
             raise KvforgeError("--accuracy-budget measures a decoder's perplexity; for an encoder, calibrate and then "
                                "measure with `kvforge compare` (embedding cosine, top-1 agreement)")
         if self.kv_cache and self.weight_only:
-            raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with int8 or fp8, not weight-only int4")
+            raise KvforgeError("--kv-cache fp8 is calibrated with the activations: use it with W8A8 int8 or fp8, not "
+                               "a weight-only format")
         if self.kv_cache and bundle.manifest.get("opset", 0) < 19:
             raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
         if self.block_size is not None and not self.weight_only:
-            raise KvforgeError(f"--block-size applies to int4's block-wise weights; {self.precision} weights are per channel")
-        block_size = (DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size) if self.weight_only else None
+            raise KvforgeError(f"--block-size applies to the weight-only formats' block-wise weights (int4, int8 "
+                               f"--weights-only); {self.precision} W8A8 weights are per channel")
+        block_size = (DEFAULT_BLOCK_SIZE[self.precision] if self.block_size is None else self.block_size) \
+            if self.weight_only else None
         for name, value in dict(samples=self.samples, seq_len=self.seq_len, batch_size=self.batch_size,
                                 block_size=block_size, budget_tokens=self.budget_tokens).items():
             if not positive_int_or_none(value):
@@ -206,6 +223,7 @@ class Recipe:
             "format": self.precision,
             "recipe": self.recipe,
             "weights": "block-wise" if self.weight_only else "per-channel",
+            "weight_only": self.weight_only,
             "weight_rounding": "gptq" if self.gptq else "nearest",
             "gptq_damp": DAMP if self.gptq else None,
             "activations": None if self.weight_only else {"static": "per-tensor static",

@@ -127,6 +127,10 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
         block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
         if block and opset < 21:
             findings.append(Finding("error", "qdq", f"block-wise Q/DQ needs opset >= 21, the graph has {opset}", name, op))
+        if block and q_type == "INT8":
+            findings.append(Finding("error", "qdq", "block-wise INT8 Q/DQ (weight-only INT8, which ONNX Runtime runs): "
+                                    "TensorRT's weight-only quantization is INT4's; calibrate with --precision int4, "
+                                    "or W8A8 int8, for TensorRT", name, op))
         if block and q_type == "INT4" and block not in (64, 128):
             findings.append(Finding("warning", "qdq", f"TensorRT documents INT4 block sizes 64 and 128, this is {block}", name, op))
         if block and op == "DequantizeLinear":

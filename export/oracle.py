@@ -125,7 +125,7 @@ def _one_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
     from kvforge.bundle import FEATURES, OFFSETS
     from kvforge.ort_session import make_session, prefill_feeds
 
-    session = make_session(bundle.graph_file, bundle.quantization_format)
+    session = make_session(bundle.graph_file, bundle.session_format)
     inputs = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs() if not o.name.startswith("present")]
     out = []
@@ -161,8 +161,8 @@ def _seq2seq_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
     from .seq2seq_export import cross_names
 
     manifest_graphs = bundle.manifest["graphs"]
-    encoder = make_session(bundle.path / manifest_graphs["encoder"], bundle.quantization_format)
-    decoder = make_session(bundle.path / manifest_graphs["decoder"], bundle.quantization_format)
+    encoder = make_session(bundle.path / manifest_graphs["encoder"], bundle.session_format)
+    decoder = make_session(bundle.path / manifest_graphs["decoder"], bundle.session_format)
     n = len(bundle.io.past)  # the decoder's self-attention cache, a (key, value) pair a layer
     # the decoder's cross-attention inputs are the encoder's outputs of the same layer; its own cache starts empty
     written = dict(zip(sum(cross_names(n, "past_key_values"), []), sum(cross_names(n, "present"), [])))

@@ -82,7 +82,7 @@ def onnx_block_outputs(bundle: Bundle, batch: np.ndarray, inject: list[np.ndarra
     inject: the inputs of blocks 1..n-1 (the reference's outputs of blocks 0..n-2) to feed instead of
     the graph's own, so that each block's output error is its own.
     """
-    quant = bundle.quantization_format
+    quant = bundle.session_format
     return graph_block_outputs(bundle.load_graph(external_data=False), bundle.model_config, bundle.io,
                                bundle.dtype, quant, batch, inject, bundle.path)
 

@@ -222,6 +222,14 @@ class Bundle:
         return (self.quantization or {}).get("format")
 
     @property
+    def session_format(self) -> str | None:
+        """How ONNX Runtime must be told to run its Q/DQ (kvforge.ort_session.QUANT_SESSION_CONFIG): the format,
+        except that weight-only INT8 is "int8-weights" (no activation Q/DQ to fuse, and its block-wise weights must
+        not become MatMulNBits, which would quantize the activations)."""
+        q = self.quantization or {}
+        return "int8-weights" if q.get("format") == "int8" and q.get("weight_only") else q.get("format")
+
+    @property
     def precision_key(self) -> str:
         """Its Q/DQ format, else its float dtype: what tolerances and tables are keyed by."""
         return self.quantization_format or self.dtype

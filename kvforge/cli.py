@@ -248,7 +248,12 @@ def inspect(bundle, as_json):
                    "default for decoders, encoder-decoders and vision-language models) or per-token (each token's "
                    "scale computed at run time; ONNX Runtime only; the default for encoders).")
 @click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
-@click.option("--block-size", default=None, type=click.IntRange(1), help="INT4 block size along K (default 128; TensorRT documents 64 and 128).")
+@click.option("--weights-only", is_flag=True,
+              help="int8: weights in blocks along K (llama.cpp's Q8_0 form, default block 32), activations left in "
+                   "float; no calibration data. ONNX Runtime runs it exactly, at the float graph's speed.")
+@click.option("--block-size", default=None, type=click.IntRange(1),
+              help="Block size along K of the weight-only formats (INT4 default 128: TensorRT documents 64 and 128; "
+                   "INT8 --weights-only default 32).")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
@@ -266,14 +271,15 @@ def inspect(bundle, as_json):
               help="all-tokens: calibrate a starved expert on every calibration token (statistics only); float: keep it in float.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, activations, exclude, block_size,
-              random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
+def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, activations, exclude,
+              weights_only, block_size, random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
-    """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 weight-only, as Q/DQ."""
+    """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 (or INT8 --weights-only) weight-only, as Q/DQ."""
     with PhaseProgress(enabled=not quiet) as progress:
         options = Recipe(
             precision=precision, method=method, percentile=percentile, data=data, samples=samples, seq_len=seq_len,
-            smoothquant=smoothquant, activations=activations, exclude=tuple(exclude), block_size=block_size, random_data=random_data,
+            smoothquant=smoothquant, activations=activations, exclude=tuple(exclude), weights_only=weights_only,
+            block_size=block_size, random_data=random_data,
             batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache,
             accuracy_budget=list(budget) or None, budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq,
             min_expert_tokens=min_expert_tokens, starved_experts=starved_experts, recipe=recipe)

@@ -56,6 +56,7 @@ IO = Rec({
 
 QUANTIZATION = Rec({
     "format": Enum(*QUANT_FORMATS), "recipe": Opt(Enum("auto", "fixed")), "weights": str, "weight_rounding": str, "gptq_damp": Opt(Num(low=0)),
+    "weight_only": Opt(bool),  # the activations stay float (int4; int8 with --weights-only)
     "activations": Opt(str), "method": Opt(str), "percentile": Opt(Num(low=0, high=100)),
     "smoothquant_alpha": Opt(Num(low=0, high=1)), "block_size": Opt(POSITIVE), "kv_cache": Opt(Enum("int8", "fp8")),
     "quantized_layers": ListOf(str), "excluded_layers": ListOf(Union(str, DictOf(AnyJSON))),

@@ -48,8 +48,13 @@ QUANT_DISABLED_OPTIMIZERS = {"int8": ["CommonSubexpressionElimination"], "fp8": 
 #   weight is the checkpoint's dequantization bit for bit (the DequantizeLinear / offset Add / Gather chains are
 #   constant-folded to float weights at load).
 EXACT_QDQ = {"session.disable_quant_qdq": "1"}  # Q/DQ computed as written, no integer kernels
+# - int8-weights (weight-only INT8, block-wise: calibrate --weights-only): Q/DQ fusion off, so each weight's
+#   DequantizeLinear is constant-folded into a float weight at load: exact, at the float graph's speed. Left on,
+#   block-wise int8 DQ -> MatMul becomes an 8-bit MatMulNBits that quantizes the activations to int8 at its
+#   default accuracy level, and at level 0 (exact) it ran 100x slower than the float MatMul (ORT 1.32, 576 x 1536).
 QUANT_SESSION_CONFIG = {
     "fp8": EXACT_QDQ,
+    "int8-weights": EXACT_QDQ,
     "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
     "checkpoint": EXACT_QDQ,
 }
@@ -125,6 +130,9 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
 
 
 SPINNING_ENV = "KVFORGE_ORT_SPINNING"
+# KVFORGE_ORT_PROFILE=PREFIX: every session kvforge opens runs ONNX Runtime's profiler, which writes
+# PREFIX_<date>.json (each node's time, as chrome://tracing reads it) when the session closes
+PROFILE_ENV = "KVFORGE_ORT_PROFILE"
 
 
 def spinning_allowed() -> bool:
@@ -228,6 +236,9 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     if not spinning:
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     block_when_idle(opts)
+    if os.environ.get(PROFILE_ENV):  # ONNX Runtime's own profiler: a JSON file per session, written when it closes
+        opts.enable_profiling = True
+        opts.profile_file_prefix = os.environ[PROFILE_ENV]
     if half_weights:
         compute_weights_when_used(opts)
         model, external_dir = weights_when_used_graph(model, external_dir)

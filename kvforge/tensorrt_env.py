@@ -150,7 +150,7 @@ def _cc(v: str) -> tuple[int, int]:
 
 def check_precision_supported(quantization: dict[str, Any] | None, compute_capability: str, gpu_name: str) -> None:
     """What TensorRT cannot build from this quantization, or on this GPU: a checkpoint's unsigned codes, per-token
-    activations; FP8 Q/DQ (weights, activations or the KV cache) below compute capability 8.9."""
+    activations, block-wise INT8 weights; FP8 Q/DQ (weights, activations or the KV cache) below compute capability 8.9."""
     q = quantization or {}
     kept = ((q.get("checkpoint") or {}).get("kept") or {}).values()
     unsigned = sorted({r["type"] for r in kept if r["codes"] in ("uint4", "uint8")})
@@ -162,6 +162,10 @@ def check_precision_supported(quantization: dict[str, Any] | None, compute_capab
         raise KvforgeError("this bundle's INT8 activations are scaled per token at run time (--activations per-token, "
                            "an encoder's default), which ONNX Runtime runs and TensorRT does not (its scales are "
                            "constants); calibrate the float bundle with --activations static for TensorRT")
+    if q.get("format") == "int8" and q.get("weight_only"):
+        raise KvforgeError("this bundle's INT8 weights are block-wise with float activations (--weights-only), which "
+                           "ONNX Runtime runs and TensorRT does not (its block-wise Q/DQ is INT4's); calibrate the "
+                           "float bundle with --precision int4, or W8A8 int8, for TensorRT")
     fp8_codes = any(r["codes"] == "fp8" for r in kept)
     if (q.get("format") == "fp8" or q.get("kv_cache") == "fp8" or fp8_codes) and _cc(compute_capability) < (8, 9):
         raise KvforgeError(f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); {gpu_name} has "

@@ -49,7 +49,7 @@ class OrtGraphs(Runner):
 
     def activate_impl(self) -> None:
         self.bundle.load_graph(external_data=False)  # refuses external data outside the bundle
-        quant = self.bundle.quantization_format
+        quant = self.bundle.session_format
         self.sessions = {role: make_session(self._graph(file), quant, optimization=self.optimization,
                                             threads=self.threads, external_dir=self.bundle.path)
                          for role, file in self.graphs.items()}

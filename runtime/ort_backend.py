@@ -59,7 +59,7 @@ class OnnxRuntimeBackend(Backend):
         self.past_names = [n for layer in io.past for n in layer]
         self.present_names = [n for layer in io.present for n in layer]
         self.output_names = [t.name for t in io.outputs]
-        self.quant_format = bundle.quantization_format
+        self.quant_format = bundle.session_format
 
     def _providers(self) -> list[str]:
         ort = _ort()

@@ -107,7 +107,7 @@ class VisionLanguageSession:
             self.decoder.activate()
             if self._vision is None:
                 # the tower's quantized kernels as the decoder's: exact Q/DQ where the CPU's fused INT8 ones saturate
-                self._vision = make_session(str(self._vision_graph), self.bundle.quantization_format,
+                self._vision = make_session(str(self._vision_graph), self.bundle.session_format,
                                             threads=self._threads)
         return self
 

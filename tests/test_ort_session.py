@@ -57,3 +57,20 @@ def test_the_exports_validation_session_follows_it_too(monkeypatch, tmp_path):
     path.write_bytes(_relu())
     monkeypatch.setenv(SPINNING_ENV, "0")
     assert _entries(OrtRunner(path, "float32").session) == dict.fromkeys(KEYS, "0")
+
+
+def test_kvforge_ort_profile_writes_onnx_runtimes_profile_of_each_session(monkeypatch, tmp_path):
+    import json
+
+    from kvforge.ort_session import PROFILE_ENV
+
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "relu"))
+    session = make_session(_relu())
+    assert session.get_session_options().enable_profiling  # ORT's own record of the option
+    np.testing.assert_array_equal(session.run(None, {"x": np.array([-1.0, 2.0], np.float32)})[0], [0.0, 2.0])
+    written = session.end_profiling()
+    events = json.loads(open(written).read())
+    assert written.startswith(str(tmp_path / "relu")) and any(
+        e.get("cat") == "Node" and e.get("args", {}).get("op_name") == "Relu" for e in events)
+    monkeypatch.delenv(PROFILE_ENV)
+    assert not make_session(_relu()).get_session_options().enable_profiling

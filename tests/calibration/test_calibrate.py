@@ -318,11 +318,11 @@ def test_option_errors(tmp_path, fp32):
         calibrate(fp32.path, tmp_path / "x", precision="int3")
     with pytest.raises(KvforgeError, match="not a valid regular expression"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", exclude=["("])
-    with pytest.raises(KvforgeError, match="not weight-only int4"):
+    with pytest.raises(KvforgeError, match="not to weight-only formats .got 0.5 for int4"):
         calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int4", smoothquant=0.5)
     with pytest.raises(KvforgeError, match="seq_len 2000 exceeds the bundle's max context 1024"):
         calibrate(fp32.path, tmp_path / "x", precision="int8", seq_len=2000)
-    with pytest.raises(KvforgeError, match="--block-size applies to int4"):
+    with pytest.raises(KvforgeError, match="--block-size applies to the weight-only formats.*int8 W8A8 weights are per channel"):
         calibrate(fp32.path, tmp_path / "x", recipe="fixed", precision="int8", block_size=64)
     (tmp_path / "c.txt").write_text(heldout_text()[:20000])
     with pytest.raises(KvforgeError, match="--data and --random-data name two different calibration sets"):
@@ -362,7 +362,7 @@ def test_fp8_kv_cache_holds_only_fp8_values(tmp_path, fp32, heldout):
             np.testing.assert_array_equal((a / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale, a)
     delta, _ = _quality(q.path, fp32.path, heldout[:16])
     assert delta <= 1.0
-    with pytest.raises(KvforgeError, match="not weight-only int4"):
+    with pytest.raises(KvforgeError, match="with W8A8 int8 or fp8, not a weight-only format"):
         calibrate(fp32.path, tmp_path / "x", precision="int4", kv_cache="fp8")
 
 
