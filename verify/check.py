@@ -157,8 +157,9 @@ def _check_artifacts(path: Path, artifacts: list[Artifact]) -> None:
         for key in ("samples", "seq_len", "block_size"):
             if not positive_int_or_none(a.calibrate.get(key)):
                 raise KvforgeError(f"{where}: {key} must be a positive integer, got {a.calibrate[key]!r}")
-        if "block_size" in a.calibrate and a.precision != "int4":
-            raise KvforgeError(f"{where}: block_size applies to int4 artifacts")
+        if "block_size" in a.calibrate and not (a.precision == "int4" or a.calibrate.get("weights_only")):
+            raise KvforgeError(f"{where}: block_size applies to the weight-only artifacts (int4, int8 with "
+                               "weights_only = true)")
 
 
 @dataclass

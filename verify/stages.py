@@ -26,7 +26,7 @@ from .report import Report
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_PRECISIONS = ("int8", "fp8", "int4", "checkpoint")  # checkpoint: the source's own codes, not calibrated
 CALIBRATE_OPTIONS = ("method", "percentile", "smoothquant", "exclude", "block_size", "kv_cache", "samples", "seq_len",
-                     "random_data", "quantize_lm_head", "gptq", "recipe")
+                     "random_data", "quantize_lm_head", "gptq", "recipe", "activations", "weights_only")
 
 
 @dataclass

@@ -109,12 +109,22 @@ def test_regression_limits_move_in_the_bad_direction_only():
     ('[[artifacts]]\nname = "q"\nprecision = "int8"\nmethod = "bogus"\n', "method 'bogus' is not one of"),
     ('[[artifacts]]\nname = "q"\nbundle = "missing-dir"\n', "bundle .*missing-dir does not exist"),
     ('[data]\nsteps = -3\n[[artifacts]]\nname = "a"\n', "steps must be a positive integer"),
+    ('[[artifacts]]\nname = "q"\nprecision = "int8"\nblock_size = 64\n', "block_size applies to the weight-only"),
 ])
 def test_malformed_specs_are_refused(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(KvforgeError, match=message):
         load_spec(path)
+
+
+def test_a_spec_takes_weight_only_int8_and_per_token_activations(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('[[artifacts]]\nname = "w8"\nprecision = "int8"\nweights_only = true\nblock_size = 64\n'
+                    '[[artifacts]]\nname = "pt"\nprecision = "int8"\nactivations = "per-token"\nrecipe = "fixed"\n')
+    calibrate = {a.name: a.calibrate for a in load_spec(path).artifacts}
+    assert calibrate == {"w8": {"weights_only": True, "block_size": 64},
+                         "pt": {"activations": "per-token", "recipe": "fixed"}}
 
 
 def test_a_missing_baseline_is_an_error_not_a_pass(tmp_path):
