@@ -82,7 +82,9 @@ class Recipe:
     @property
     def session_format(self) -> str:
         """How ONNX Runtime runs the result (kvforge.ort_session.QUANT_SESSION_CONFIG; Bundle.session_format)."""
-        return "int8-weights" if self.precision == "int8" and self.weights_only else self.precision
+        from kvforge.ort_session import session_format
+
+        return session_format(self.precision, self.weight_only)
 
     @property
     def per_token(self) -> bool:

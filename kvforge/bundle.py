@@ -226,8 +226,10 @@ class Bundle:
         """How ONNX Runtime must be told to run its Q/DQ (kvforge.ort_session.QUANT_SESSION_CONFIG): the format,
         except that weight-only INT8 is "int8-weights" (no activation Q/DQ to fuse, and its block-wise weights must
         not become MatMulNBits, which would quantize the activations)."""
+        from kvforge.ort_session import session_format
+
         q = self.quantization or {}
-        return "int8-weights" if q.get("format") == "int8" and q.get("weight_only") else q.get("format")
+        return session_format(q.get("format"), bool(q.get("weight_only")))
 
     @property
     def precision_key(self) -> str:
