@@ -82,7 +82,7 @@ class Recipe:
     @property
     def session_format(self) -> str:
         """How ONNX Runtime runs the result (kvforge.ort_session.QUANT_SESSION_CONFIG; Bundle.session_format)."""
-        from kvforge.ort_session import session_format
+        from kvforge.manifest import session_format
 
         return session_format(self.precision, self.weight_only)
 

@@ -22,7 +22,7 @@ import numpy as np
 from kvforge.cache import cache_root
 from kvforge.errors import KvforgeError
 from kvforge.kinds import Kind, kind_of
-from kvforge.manifest import validate_manifest
+from kvforge.manifest import session_format, validate_manifest
 from kvforge.tensorrt_env import is_engine_bundle
 
 MANIFEST = "kvforge.json"
@@ -226,8 +226,6 @@ class Bundle:
         """How ONNX Runtime must be told to run its Q/DQ (kvforge.ort_session.QUANT_SESSION_CONFIG): the format,
         except that weight-only INT8 is "int8-weights" (no activation Q/DQ to fuse, and its block-wise weights must
         not become MatMulNBits, which would quantize the activations)."""
-        from kvforge.ort_session import session_format
-
         q = self.quantization or {}
         return session_format(q.get("format"), bool(q.get("weight_only")))
 

@@ -297,3 +297,9 @@ def print_manifest(path, m: dict[str, Any], console) -> None:
         given = entry.get("input", {})
         console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {given.get('source')} "
                       f"({given.get('kind')}, sha256 {(given.get('sha256') or '-')[:16]}), options {entry.get('options', {})}")
+
+
+def session_format(quant_format: str | None, weight_only: bool) -> str | None:
+    """The kvforge.ort_session.QUANT_SESSION_CONFIG key of a Q/DQ format: the format itself, except weight-only
+    INT8 ("int8-weights")."""
+    return "int8-weights" if quant_format == "int8" and weight_only else quant_format

@@ -61,11 +61,6 @@ QUANT_SESSION_CONFIG = {
 }
 
 
-def session_format(quant_format: str | None, weight_only: bool) -> str | None:
-    """The QUANT_SESSION_CONFIG key of a Q/DQ format: the format itself, except weight-only INT8 ("int8-weights")."""
-    return "int8-weights" if quant_format == "int8" and weight_only else quant_format
-
-
 @functools.lru_cache(maxsize=None)
 def int8_kernels_exact() -> bool:
     """Whether ONNX Runtime's CPU integer kernels compute a W8A8 MatMul exactly here: a one-row Q/DQ MatMul whose
