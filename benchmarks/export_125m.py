@@ -7,6 +7,13 @@ run's own); the script reports the median over runs of the total time (load,
 export, lint, validation, write), the torch.onnx step alone, and peak RSS.
 
     python3 benchmarks/export_125m.py [--runs 3] [--out benchmarks/results/export_125m.json]
+    python3 benchmarks/export_125m.py --source gpt2-124m --runs 1 --out benchmarks/results/export_gpt2_124m.json
+
+--source exports a preset (or any source `kvforge export` takes) instead: gpt2-124m is the other design at this
+scale (learned positions, LayerNorm, fused QKV, a 50k vocabulary); each run's record says whether validation
+passed, its worst logits difference and how many of the 32 lockstep steps chose the reference's token. (The test
+tiers export the design at micro size and against transformers, and the real SmolLM2-135M and Gemma 3 270M at
+scale; a 124M random-weight export is a minute of CI that adds no design.)
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ total = time.perf_counter() - t
 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 v = b.manifest["validation"]
 print(json.dumps({"total_s": total, "export_s": b.manifest["lineage"][0]["seconds"]["export"], "peak_rss_mb": rss_mb,
+                  "validation_passed": v["passed"], "lint_passed": b.manifest["lint"]["passed"],
                   "logits_max_abs": v["logits"]["max_abs"], "greedy": v["lockstep"]["greedy_matching_steps"],
                   "onnx_bytes": b.manifest["files"]["model.onnx"]["bytes"]}))
 """
@@ -55,11 +63,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--source", default=None, help="a preset or source to export instead of the Llama checkpoint")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "export_125m.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "llama-125m"
-        params = make_checkpoint(ckpt)
+        if args.source is None:
+            ckpt = Path(tmp) / "llama-125m"
+            params = make_checkpoint(ckpt)
+        else:
+            from kvforge.model_defs.checkpoint import source_parameters
+
+            ckpt, params = args.source, source_parameters(args.source)
         runs = []
         for i in range(args.runs):
             out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(Path(tmp) / "bundle"), args.dtype],
@@ -68,6 +82,7 @@ def main() -> int:
             print(f"run {i}: {runs[-1]}", flush=True)
     result = {
         "benchmark": "export_125m",
+        "source": args.source or "llama-125m (a Hugging Face Llama directory made locally: CONFIG)",
         "parameters": params,
         "dtype": args.dtype,
         "runs": runs,

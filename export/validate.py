@@ -102,8 +102,12 @@ TOLERANCES: dict[str, dict[str, float]] = {
 EPS = {dtype: float(torch.finfo(getattr(torch, dtype)).eps) for dtype in TOLERANCES}  # one ulp at 1.0
 LOCKSTEP_STEPS = 32
 # a reference streamed from its checkpoint (too large to keep: model_defs/weights.py) reads every weight on each
-# step of each side, so its lockstep is bounded: 8 steps of each side feeding its own cache back
+# step of each side, so its lockstep is bounded: 8 steps of each side feeding its own cache back; and so are its
+# random shapes besides the grid, which repeat what the grid's cases cover (batch, new tokens, a past), on other
+# sizes: 2 of them (each costs a read of every weight on both references, and for the FP64 one a cast of each to
+# float64: Gemma 3 270M's 262k-row head alone is 1.3 GB of float64 per forward)
 STREAMED_LOCKSTEP_STEPS = 8
+STREAMED_FUZZ = 2
 POOL_ROWS = 4  # distinct token sequences; the largest batch of any case
 PROMPT = 8  # the lockstep's prefill
 VALIDATION_RANK = 4  # the random adapter a graph with LoRA slots is validated with
@@ -246,7 +250,8 @@ def validate(
 
     reference: the FP32 Torch model (eval mode). tokens: real token ids (a tokenizer's encoding of text) the
     inputs are cut from (text: its name, for the report); None samples them from the reference. cases: the
-    names of the shape-grid cases to run (GRID_CASES; None = all), fuzz: how many random shapes besides,
+    names of the shape-grid cases to run (GRID_CASES; None = all), fuzz: how many random shapes besides (at most
+    STREAMED_FUZZ for a reference streamed from its checkpoint),
     lockstep: whether to run the 32-step decode. A case whose mixture routing sits at a tie (RoutingMargins)
     is recorded with its margin and not judged.
     reference64: Float64Reference(reference) made earlier, for validating several graphs of one model.
@@ -282,11 +287,13 @@ def _validate(runner, flat, floor, cfg, tol, dtype, max_context, fuzz, seed, pro
     unknown = set(cases or ()) - {c.name for c in grid}
     if unknown:
         raise KvforgeError(f"unknown validation cases {sorted(unknown)}; the grid has {list(GRID_CASES)}")
+    source = streamed_source(reference)
+    streams = source is not None and not source.keep
+    steps = STREAMED_LOCKSTEP_STEPS if streams else LOCKSTEP_STEPS
+    fuzz = min(fuzz, STREAMED_FUZZ) if streams else fuzz
     all_cases = [c for c in grid if cases is None or c.name in cases] + _fuzz_cases(max_context, fuzz, seed)
     length = max([c.past + c.seq for c in all_cases] + [min(PROMPT, max_context - 1)])
     pool = token_pool(flat, tokens, POOL_ROWS, length, seed, max([c.past for c in all_cases if not c.pad], default=0))
-    source = streamed_source(reference)
-    steps = STREAMED_LOCKSTEP_STEPS if source is not None and not source.keep else LOCKSTEP_STEPS
     total = len(all_cases) + (steps if lockstep else 0)
     names, records, failures = output_names(cfg), [], []
     margins = RoutingMargins(reference)
