@@ -10,6 +10,13 @@ argmaxes, and llama.cpp's own counters (llama_perf_context: t_p_eval_ms, t_eval_
 
     python llamacpp_run.py MODEL.gguf --ids-file IDS.json [--runs 3] [--new-tokens 128]   # JSON on stdout
     python llamacpp_run.py MODEL.gguf --serve    # one JSON request per stdin line, one JSON result per stdout line
+    python llamacpp_run.py F32.gguf --quantize Q4_K_M --out OUT.gguf   # llama.cpp's own quantizer (llama-quantize's)
+    python llamacpp_run.py MODEL.gguf --windows WINDOWS.npy --out LOGITS.npy   # every position's logits
+
+--quantize: llama_model_quantize with its default parameters (no importance matrix; the type's own mix of tensor
+types, as `llama-quantize F32.gguf OUT.gguf TYPE` makes it). --windows: each row of the int array (n, T) is a
+sequence of its own (the cache reset before it), its first T - 1 ids evaluated in one batch with every position's
+logits kept (logits_all); the logits, float32 (n, T - 1, vocab), go to --out (written as it goes: a memory map).
 
 A request is {"ids": [...], "new_tokens": N}; an empty line or EOF ends --serve. Anything llama.cpp prints goes
 to stderr: stdout carries JSON only.
@@ -79,6 +86,45 @@ class Runner:
                                "t_eval_ms": perf.t_eval_ms, "n_eval": perf.n_eval}}
 
 
+def quantize(src: str, dst: str, kind: str, threads: int) -> dict:
+    """`src` quantized to `kind` by llama.cpp's llama_model_quantize (default parameters but the thread count)."""
+    import ctypes
+
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
+    if ftype is None:
+        raise SystemExit(f"llama.cpp has no file type {kind!r} (LLAMA_FTYPE_MOSTLY_{kind})")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, threads
+    t0 = time.perf_counter()
+    code = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if code != 0:
+        raise SystemExit(f"llama_model_quantize({src} -> {dst}, {kind}) returned {code}")
+    return {"type": kind, "seconds": time.perf_counter() - t0, "bytes": os.path.getsize(dst),
+            "llama_cpp_python": llama_cpp.__version__, "params": "llama_model_quantize_default_params(), nthread set"}
+
+
+def window_logits(model: str, windows: str, out: str, threads: int) -> dict:
+    """Every position's logits for each window (see the module's doc), into the .npy `out`."""
+    import llama_cpp
+    import numpy as np
+
+    ids = np.load(windows)
+    n, t = ids.shape
+    llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=t, n_batch=t,
+                          logits_all=True, verbose=False)
+    logits = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(n, t - 1, llm.n_vocab()))
+    t0 = time.perf_counter()
+    for row in range(n):
+        llm.reset()
+        llm.eval([int(i) for i in ids[row, :-1]])
+        logits[row] = llm.scores[: t - 1]
+    logits.flush()
+    return {"windows": n, "tokens": n * (t - 1), "seconds": time.perf_counter() - t0, "model": os.path.basename(model),
+            "model_bytes": int(llama_cpp.llama_model_size(llm.model)), "n_threads": threads}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -89,8 +135,19 @@ def main() -> int:
     ap.add_argument("--ids-file", type=str, default=None, help="a JSON list of prompt token ids")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quantize", type=str, default=None, help="a llama.cpp type: Q8_0, Q4_0, Q4_K_M, ...")
+    ap.add_argument("--windows", type=str, default=None, help="an .npy of token windows (n, T)")
+    ap.add_argument("--out", type=str, default=None, help="where --quantize or --windows writes")
     args = ap.parse_args()
+    if (args.quantize or args.windows) and not args.out:
+        ap.error("--quantize and --windows write to --out")
     out = _private_stdout()
+    if args.quantize:
+        out.write(json.dumps(quantize(args.model, args.out, args.quantize, args.threads)) + "\n")
+        return 0
+    if args.windows:
+        out.write(json.dumps(window_logits(args.model, args.windows, args.out, args.threads)) + "\n")
+        return 0
     runner = Runner(args.model, args.threads, args.n_ctx, args.flash_attn)
     if args.serve:
         out.write(json.dumps({"ready": True, "info": runner.info}) + "\n")

