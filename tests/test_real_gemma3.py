@@ -21,6 +21,13 @@ def test_gemma3_270m_is_transformers_gemma3_from_text(gemma3_fp32_bundle, tmp_pa
 
     source = gemma3_fp32_bundle.manifest["lineage"][0]["input"]
     assert source["source"] == "gemma3-270m" and source["sha256"] == PACKAGED["gemma3-270m"].sha256
+    # its FP32 weights (1.07 GB) are past what a reference keeps, so validation streamed them: the grid's 9 cases,
+    # 2 random shapes and an 8-step lockstep, each forward reading every weight again (export/validate.py)
+    from kvforge.export.validate import GRID_CASES, STREAMED_FUZZ, STREAMED_LOCKSTEP_STEPS
+
+    v = gemma3_fp32_bundle.manifest["validation"]
+    assert v["passed"] and v["cases"] == len(GRID_CASES) + STREAMED_FUZZ, v["case_results"]
+    assert v["lockstep"]["steps"] == STREAMED_LOCKSTEP_STEPS, v["lockstep"]
     at_export = gemma3_fp32_bundle.manifest["oracle"]
     if not at_export["compared"]:  # transformers' GGUF reader (~3x the float model) past the export's bound
         assert "kvforge compare --against transformers" in at_export["reason"], at_export
