@@ -81,48 +81,44 @@ class Scorer:
         return row
 
 
-def kvforge_batches(bundle: Path, windows: np.ndarray, keep: Path | None = None):
-    """(start, logits) of the bundle on ONNX Runtime as users get it, `keep` receiving every logit (FP32)."""
+def kvforge_batches(bundle: Path, windows: np.ndarray):
+    """(start, logits) of the bundle on ONNX Runtime as users get it."""
     from kvforge import runtime
 
-    kept, part = None, None if keep is None else keep.with_name(keep.stem + ".part.npy")
     with runtime.load(bundle) as session:
         for start in range(0, len(windows), BATCH):
             logits, _ = session.forward(np.ascontiguousarray(windows[start:start + BATCH, :-1]))
-            logits = np.asarray(logits, dtype=np.float32)
-            if part is not None:
-                if kept is None:  # the vocabulary is known from the first batch
-                    kept = np.lib.format.open_memmap(part, mode="w+", dtype=np.float32,
-                                                     shape=(*windows[:, :-1].shape, logits.shape[-1]))
-                kept[start:start + len(logits)] = logits
-            yield start, logits
-    if kept is not None:
-        kept.flush()
-        del kept
-        part.rename(keep)
+            yield start, np.asarray(logits, dtype=np.float32)
 
 
-def llamacpp_batches(python: Path, gguf: Path, windows: Path, out: Path, log: Path):
-    """(start, logits) of llama.cpp on the GGUF file, from llamacpp_run.py --windows (a subprocess of the bench
-    venv); the run's record is returned by the generator."""
+def write_logits(batches, shape: tuple[int, int], path: Path) -> Path:
+    """Every batch's logits into the .npy `path` (n, T - 1, vocab), written beside and renamed when whole."""
+    part, kept = path.with_name(path.stem + ".part.npy"), None
+    for start, logits in batches:
+        if kept is None:  # the vocabulary is known from the first batch
+            kept = np.lib.format.open_memmap(part, mode="w+", dtype=np.float32, shape=(*shape, logits.shape[-1]))
+        kept[start:start + len(logits)] = logits
+    kept.flush()
+    del kept
+    return part.rename(path)
+
+
+def file_batches(path: Path):
+    """(start, logits) from a .npy of logits, a batch at a time from its memory map."""
+    logits = np.load(path, mmap_mode="r")
+    for start in range(0, len(logits), BATCH):
+        yield start, np.asarray(logits[start:start + BATCH])
+
+
+def llamacpp_logits(python: Path, gguf: Path, windows: Path, out: Path, log: Path) -> dict:
+    """llama.cpp's logits of every window on the GGUF file into `out`, by llamacpp_run.py --windows (a subprocess
+    of the bench venv); returns the run's record."""
     with open(log, "w") as err:
         done = subprocess.run([str(python), str(RUNNER), str(gguf), "--windows", str(windows), "--out", str(out),
                                "--threads", str(THREADS)], stdout=subprocess.PIPE, stderr=err, text=True)
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp's logits of {gguf.name} failed ({done.returncode}); see {log}")
-    logits = np.load(out, mmap_mode="r")
-    for start in range(0, len(logits), BATCH):
-        yield start, np.asarray(logits[start:start + BATCH])
     return json.loads(done.stdout)
-
-
-def _drain(gen) -> tuple[list, dict | None]:
-    items = []
-    while True:
-        try:
-            items.append(next(gen))
-        except StopIteration as stop:
-            return items, stop.value
 
 
 def main() -> int:
@@ -140,6 +136,7 @@ def main() -> int:
     from kvforge.calibration import calibrate
     from kvforge.calibration.data import eval_ids
     from kvforge.export import export
+    from kvforge.metrics import windows as make_windows
     from kvforge.model_defs.checkpoint import packaged_file
 
     rows_k = [r for r in args.kvforge.split(",") if r]
@@ -159,8 +156,6 @@ def main() -> int:
 
     with runtime.load(fp32) as session:  # the text as `kvforge compare` reads it: the bundle's tokenizer
         ids, data = eval_ids(session.tokenizer, None, MAX_TOKENS, session.vocab_size)
-    from kvforge.metrics import windows as make_windows
-
     windows = make_windows(ids, SEQ_LEN)
     windows_file = work / "windows.npy"
     np.save(windows_file, windows)
@@ -168,9 +163,9 @@ def main() -> int:
     scorer = Scorer(windows, reference)
     results: dict[str, dict] = {}
 
-    items, _ = _drain(kvforge_batches(fp32, windows, keep=None if reference.is_file() else reference))
-    results["kvforge fp32"] = {**scorer.score(items), "bytes": _bytes(fp32), "quantize_seconds": None}
-    del items
+    if not reference.is_file():  # kvforge FP32's logits: what every row's top-1 and KL are measured against
+        write_logits(kvforge_batches(fp32, windows), windows[:, :-1].shape, reference)
+    results["kvforge fp32"] = {**scorer.score(file_batches(reference)), "bytes": _bytes(fp32), "quantize_seconds": None}
     for name in rows_k:
         given = args.bundles / name if args.bundles else None
         path = given if given is not None and (given / "kvforge.json").is_file() else work / name
@@ -183,7 +178,7 @@ def main() -> int:
         if seconds is None:
             seconds = bundle.manifest["lineage"][-1]["seconds"]["total"]
         recipe = (bundle.manifest.get("calibration") or {}).get("recipe")
-        results[f"kvforge {name}"] = {**scorer.score(_drain(kvforge_batches(path, windows))[0]), "bytes": _bytes(path),
+        results[f"kvforge {name}"] = {**scorer.score(kvforge_batches(path, windows)), "bytes": _bytes(path),
                                       "quantize_seconds": seconds, "flags": KVFORGE_ROWS[name], "recipe": recipe}
         print(name, results[f"kvforge {name}"]["perplexity"], flush=True)
 
@@ -197,10 +192,9 @@ def main() -> int:
                 raise SystemExit(f"llama.cpp's quantizer failed on {kind}:\n{done.stderr[-3000:]}")
             quantized = json.loads(done.stdout)
         logits = work / f"llamacpp-{kind.lower()}-logits.npy"
-        items, run = _drain(llamacpp_batches(python, gguf, windows_file, logits, work / f"llamacpp-{kind.lower()}.log"))
-        results[f"llama.cpp {kind}"] = {**scorer.score(items), "bytes": gguf.stat().st_size,
+        run = llamacpp_logits(python, gguf, windows_file, logits, work / f"llamacpp-{kind.lower()}.log")
+        results[f"llama.cpp {kind}"] = {**scorer.score(file_batches(logits)), "bytes": gguf.stat().st_size,
                                         "quantize_seconds": quantized and quantized["seconds"], "run": run}
-        del items
         logits.unlink()
         print(kind, results[f"llama.cpp {kind}"]["perplexity"], flush=True)
 
