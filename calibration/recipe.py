@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from kvforge.bundle import Bundle
 from kvforge.checks import is_number, positive_int_or_none
 from kvforge.errors import KvforgeError
+from kvforge.manifest import session_format
 
 from .budget import parse_budget
 from .experts import STARVED
@@ -82,8 +83,6 @@ class Recipe:
     @property
     def session_format(self) -> str:
         """How ONNX Runtime runs the result (kvforge.ort_session.QUANT_SESSION_CONFIG; Bundle.session_format)."""
-        from kvforge.manifest import session_format
-
         return session_format(self.precision, self.weight_only)
 
     @property
