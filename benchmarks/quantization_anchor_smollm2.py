@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -130,6 +131,7 @@ def main() -> int:
     ap.add_argument("--llamacpp", default=",".join(LLAMACPP_ROWS))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantization_anchor_smollm2.json")
     args = ap.parse_args()
+    started = time.perf_counter()
     from kvforge import runtime
     from kvforge.bundle import Bundle
     from kvforge.cache import cache_dir
@@ -210,6 +212,10 @@ def main() -> int:
         "reference_for_top1_and_kl": "kvforge fp32 (ONNX Runtime)",
         "llamacpp_cmake_args": cmake, "threads": THREADS,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "wall_s": time.perf_counter() - started,
+        # this process: kvforge's export, calibrations and sessions (a llama.cpp child's own peak is not told apart
+        # by getrusage: a forked child's high-water mark starts at its parent's; `/usr/bin/time -v` gives the run's)
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rows": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
