@@ -7,18 +7,22 @@ measurement on the calibration data, in three steps:
 
 1. Per activation (W8A8: int8, fp8). Each quantized activation (the input q/k/v share, the one gate/up share,
    ...) gets the SmoothQuant alpha (none, or one of ALPHAS) and the clipping of its per-tensor range (CLIPS, a
-   fraction of the observed max after smoothing) that together minimize its layers' relative output error
+   fraction of the observed max after smoothing), or per-token scales (a space's choice: each row's range is its
+   own, computed at run time), that together minimize its layers' relative output error
    ||Q(X / s) Q(diag(s) W) - X W||^2 / ||X W||^2 on SAMPLE_ROWS calibration rows drawn from every batch, the
-   weights rounded per output channel as the graph will store them. Both choices are plain Q/DQ (a Mul by
-   1/s before the QuantizeLinear, a scale): ONNX Runtime and TensorRT run them as any other.
+   weights rounded per output channel as the graph will store them. The static choices are plain Q/DQ (a Mul by
+   1/s before the QuantizeLinear, a scale): ONNX Runtime and TensorRT run them as any other; per-token scales
+   are ONNX Runtime's only, searched where the recipe's activations are not fixed to static.
 2. Whole graph (every precision). The quantized graph is measured against the float graph on held-out windows
    of the calibration text (windows no calibration sample covers; never the evaluation text). W8A8 measures
-   step 1's choices searched over three spaces (smoothing and clipping, clipping alone, and the fixed recipe's
-   max without smoothing: local error does not always rank what perplexity feels) and keeps the best. INT4 tries
-   blocks 128, 64 and 32 rounded to nearest, then 128 and 32 with GPTQ, and keeps the first that is within the
-   target (else the best): larger blocks are smaller and as fast.
-3. While perplexity misses the target, the linear layers with the largest local error (W8A8) are kept in
-   float, 1, 2, 4, ... of them, within FLOAT_BUDGET of the quantized weights.
+   step 1's choices searched in each space of SPACES (smoothing and clipping, clipping alone, the fixed recipe's
+   max without smoothing, and per-token scales with and without smoothing: local error does not always rank what
+   perplexity feels) and keeps the best. INT4 tries blocks 128, 64 and 32 rounded to nearest, then 128 and 32
+   with GPTQ, and keeps the first that is within the target (else the best): larger blocks are smaller and as
+   fast. Its blocks have zero points (uint4 codes, qdq.zero_point_blocks) unless the recipe says no (TensorRT).
+3. While perplexity misses the target: W8A8 keeps the linear layers with the largest local error in float, 1,
+   2, 4, ... of them, within FLOAT_BUDGET of the quantized weights; INT4 with zero points keeps layer types as
+   INT8 blocks (Search.promote), within INT8_BUDGET.
 
 Everything tried, measured and chosen is recorded in the manifest (`calibration.recipe`), and the search stops
 trying new candidates once `time_bound` seconds have passed (what was measured by then decides).
@@ -29,26 +33,49 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from kvforge.errors import KvforgeError
 
 from .budget import BUDGET_METRICS, HeldOutEvaluator, budget_window
-from .qdq import QMAX, dequantize, quantize, smoothquant_factors, stored_scale, weight_scales
+from .qdq import QMAX, dequantize, dequantized_rows, quantize, smoothquant_factors, stored_scale, weight_scales
 
 ALPHAS = (None, 0.5, 0.65, 0.8)  # None: no smoothing
 CLIPS = (1.0, 0.8, 0.6, 0.45, 0.3, 0.2)  # of the activation's observed max (after smoothing)
-# step 2's W8A8 candidates: each activation's choice searched over these (alphas, clips); the last is the fixed
-# recipe's (max, no smoothing), so the automatic recipe is never worse than it on the held-out text
-SPACES = {"smoothed and clipped": (ALPHAS, CLIPS), "clipped": ((None,), CLIPS), "max": ((None,), (1.0,))}
+
+
+class Space(NamedTuple):
+    """A space of per-activation choices: SmoothQuant alphas, and either clips of a static per-tensor range or
+    per-token scales computed at run time (ONNX Runtime only; clips do not apply: each row's range is its own)."""
+    alphas: tuple
+    clips: tuple
+    per_token: bool = False
+
+
+# step 2's W8A8 candidates: each activation's choice searched within each space; "max" is the fixed recipe's
+# (max, no smoothing), so the automatic recipe is never worse than it on the held-out text. The per-token spaces
+# are tried where the recipe's activations are not fixed to static (TensorRT takes only static scales)
+SPACES = {"smoothed and clipped": Space(ALPHAS, CLIPS), "clipped": Space((None,), CLIPS), "max": Space((None,), (1.0,)),
+          "per-token smoothed": Space(ALPHAS, (1.0,), True), "per-token": Space((None,), (1.0,), True)}
+
+
+def spaces_for(activations: str | None) -> dict[str, Space]:
+    """The spaces a recipe's activations allow: "static", "per-token", or None (both, chosen by measurement)."""
+    return {name: sp for name, sp in SPACES.items()
+            if activations is None or sp.per_token == (activations == "per-token")}
 SAMPLE_ROWS = 512  # calibration rows per activation for the local search
 TARGET_PPL_PCT = {"int8": 1.0, "fp8": 1.0, "int4": 4.0}  # perplexity change on the held-out calibration windows
 FLOAT_BUDGET = 0.10  # at most this fraction of the quantized weights' elements kept in float
 # (block size, GPTQ): the largest block first, rounded to nearest; GPTQ where nearest falls short (on SmolLM2,
 # whose float weights were dequantized from 4-bit blocks of 32, GPTQ measured worse than nearest at every size)
 INT4_CANDIDATES = ((128, False), (64, False), (32, False), (128, True), (32, True))
+# INT4 with zero points (ONNX Runtime's form): layer types kept as INT8 blocks of PROMOTED_BLOCK (llama.cpp's
+# Q8_0) where INT4 misses its target, as Q4_K_M keeps some of its tensors in more bits; at most this fraction of
+# the quantized weights' elements
+INT8_BUDGET = 0.35
+PROMOTED_BLOCK = 32
 TIME_BOUND_S = 900.0
 HOLD_OUT_TOKENS = 2048  # calibration text kept out of the samples, for step 2 and 3's measurements
 
@@ -59,13 +86,13 @@ def choose_activations(targets, weights: dict[str, np.ndarray], observers, chann
     """Step 1 over one space of choices: (activation -> amax, activation -> smoothing factors, activation -> its
     choice and errors); choose_in_spaces's arguments."""
     return choose_in_spaces(targets, weights, observers, channel_amax, fmt, float_dtype, progress, plain,
-                            {"": (alphas, clips)})[""]
+                            {"": Space(alphas, clips)})[""]
 
 
 def choose_in_spaces(targets, weights: dict[str, np.ndarray], observers, channel_amax: dict[str, np.ndarray],
                      fmt: str, float_dtype, progress, plain=frozenset(), spaces=SPACES) -> dict[str, tuple]:
-    """Step 1: per space of choices (name -> (alphas, clips)), (activation -> amax, activation -> smoothing
-    factors, activation -> its choice and errors).
+    """Step 1: per space of choices (name -> Space), (activation -> amax, activation -> smoothing factors,
+    activation -> its choice and errors).
 
     weights: initializer name -> [K, N] float32 (a mapping that may read each when asked); observers: pass 1's,
     with rows sampled (passes.observe); plain: activations that are clipped but never smoothed. Each activation's
@@ -87,21 +114,23 @@ def choose_in_spaces(targets, weights: dict[str, np.ndarray], observers, channel
         w = np.concatenate(parts, axis=1)
         del parts
         x = np.concatenate(observers[act].sampled)
-        allowed = {space: ((None,) if act in plain else alphas, clips) for space, (alphas, clips) in spaces.items()}
+        allowed = {space: Space((None,) if act in plain else sp.alphas, sp.clips, sp.per_token)
+                   for space, sp in spaces.items()}
         grid = _errors(x, w, channel_amax[act], fmt, float_dtype,
-                       list(dict.fromkeys(a for alphas, _ in allowed.values() for a in alphas)),
-                       list(dict.fromkeys(c for _, clips in allowed.values() for c in clips)))
+                       list(dict.fromkeys((a, sp.per_token) for sp in allowed.values() for a in sp.alphas)),
+                       list(dict.fromkeys(c for sp in allowed.values() for c in sp.clips)))
         y_layers = None
-        for space, (alphas, clips) in allowed.items():
+        for space, sp in allowed.items():
             amax, smooth, chosen = results[space]
-            alpha, clip = min(((a, c) for a in alphas for c in clips), key=lambda ac: grid[ac][2])
-            s, a, err = grid[(alpha, clip)]
+            alpha, clip = min(((a, c) for a in sp.alphas for c in sp.clips),
+                              key=lambda ac: grid[(*ac, sp.per_token)][2])
+            s, a, err = grid[(alpha, clip, sp.per_token)]
             amax[act] = a
             if s is not None:
                 smooth[act] = s
             # each layer's own error under the chosen quantization: the ranking for step 3
             per_layer, start = {}, 0
-            xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype)
+            xq, wq = _quantized_pair(x, w, s, a, fmt, float_dtype, sp.per_token)
             if y_layers is None:
                 y_layers, begin = [], 0
                 for n in widths:
@@ -111,6 +140,7 @@ def choose_in_spaces(targets, weights: dict[str, np.ndarray], observers, channel
                 per_layer[t.layer] = _rel_err(xq @ wq[:, start:start + n], y)
                 start += n
             chosen[act] = {"layers": [t.layer for t in ts], "smoothquant_alpha": alpha, "clip": clip,
+                           **({"scale": "per-token dynamic"} if sp.per_token else {}),
                            "output_error": float(err), "layer_errors": per_layer}
         progress("recipe", i + 1, len(by_act))
     return results
@@ -120,32 +150,38 @@ def _rel_err(y_hat: np.ndarray, y: np.ndarray) -> float:
     return float(np.sum((y_hat - y) ** 2) / max(float(np.sum(y * y)), 1e-30))
 
 
-def _quantized_pair(x, w, s, amax: float, fmt: str, float_dtype):
-    """The rows and the weight as the Q/DQ graph computes them: (x / s) fake-quantized per tensor against amax,
-    diag(s) w per output channel."""
+def _quantized_pair(x, w, s, amax: float, fmt: str, float_dtype, per_token: bool = False):
+    """The rows and the weight as the Q/DQ graph computes them: (x / s) fake-quantized per tensor against amax (or
+    per row, per_token), diag(s) w per output channel."""
     ws = w * s[:, None] if s is not None else w
     scale_w = weight_scales(ws, fmt, dtype=float_dtype)
     wq = dequantize(quantize(ws, scale_w, fmt), scale_w, fmt)
     xs = x / s if s is not None else x
+    if per_token:
+        return dequantized_rows(xs, fmt, float_dtype), wq
     scale_x = stored_scale(max(amax, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
     return dequantize(quantize(xs, scale_x, fmt), scale_x, fmt), wq
 
 
 def _errors(x, w, channel_amax, fmt: str, float_dtype, alphas, clips) -> dict[tuple, tuple]:
-    """(alpha, clip) -> (factors, amax, relative output error on the rows) for every pair."""
+    """(alpha, clip, per-token) -> (factors, amax, relative output error on the rows) for every (alpha,
+    per-token) of `alphas` and clip (one entry, clip 1.0, per alpha where per-token: each row is its own range)."""
     y = x @ w
     grid = {}
-    for alpha in alphas:
+    for alpha, per_token in alphas:
         s = smoothquant_factors(channel_amax, w, alpha) if alpha is not None else None
         full = float((channel_amax / s).max()) if s is not None else float(channel_amax.max())
         ws = w * s[:, None] if s is not None else w
         scale_w = weight_scales(ws, fmt, dtype=float_dtype)
         wq = dequantize(quantize(ws, scale_w, fmt), scale_w, fmt)
         xs = x / s if s is not None else x
+        if per_token:
+            grid[(alpha, 1.0, True)] = (s, full, _rel_err(dequantized_rows(xs, fmt, float_dtype) @ wq, y))
+            continue
         for clip in clips:
             a = clip * full
             scale_x = stored_scale(max(a, 1e-8) / QMAX[fmt], float_dtype).astype(np.float32)
-            grid[(alpha, clip)] = (s, a, _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y))
+            grid[(alpha, clip, False)] = (s, a, _rel_err(dequantize(quantize(xs, scale_x, fmt), scale_x, fmt) @ wq, y))
     return grid
 
 
@@ -204,6 +240,46 @@ class Search:
             n = n * 2 if n * 2 <= allowed or n == allowed else allowed
         return best
 
+    def promote(self, quantize: Callable, first, first_m, sizes: dict[str, int], what=None):
+        """INT4's step 3: layer types (each layer's name with its indices as *: every layer's v_proj) stored as INT8
+        blocks. Each type is measured alone; then the types that helped, most gain per element first, are added
+        one at a time while the target is missed and INT8_BUDGET allows. quantize(int8 layer names) -> quantize's
+        result; first: the INT4 result and first_m its metrics. Returns (result, metrics, the INT8 layers)."""
+        types: dict[str, list[str]] = {}
+        for layer in sizes:
+            types.setdefault(re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", layer), []).append(layer)
+        total = sum(sizes.values())
+        size = {t: sum(sizes[layer] for layer in ls) for t, ls in types.items()}
+        best, base = (first, first_m, []), first_m["perplexity_delta_pct"]
+        gains = {}
+        for t in sorted(types, key=size.get):
+            if self.out_of_time():
+                break
+            if size[t] > INT8_BUDGET * total or len(types) == 1:
+                continue
+            result = quantize(types[t])
+            m = self.measure(result[0], {**(what or {}), "int8_layers": [t]})
+            gains[t] = base - m["perplexity_delta_pct"]
+            if m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
+                best = (result, m, types[t])
+        order = sorted((t for t in gains if gains[t] > 0), key=lambda t: gains[t] / size[t], reverse=True)
+        kept, used = [], 0
+        for t in order:
+            if self.meets(best[1]) or self.out_of_time():
+                break
+            if used + size[t] > INT8_BUDGET * total:
+                continue
+            kept.append(t)
+            used += size[t]
+            if len(kept) == 1:  # measured alone above
+                continue
+            layers = [layer for layer in sizes if any(layer in types[k] for k in kept)]  # in graph order
+            result = quantize(layers)
+            m = self.measure(result[0], {**(what or {}), "int8_layers": list(kept)})
+            if m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
+                best = (result, m, layers)
+        return best
+
     def record(self, chosen: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
         return {
             "mode": "auto",
@@ -222,50 +298,74 @@ class Search:
 
 def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], chosen: dict | None,
            held_out: list[int] | None, gptq_for_block: Callable, progress):
-    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=) -> (model, targets, excluded, record);
-    starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space of SPACES (W8A8,
-    else None); held_out: the calibration text's
-    held-out ids; gptq_for_block(block_size) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
+    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=, per_token=) -> (model, targets,
+    excluded, record); starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space
+    of spaces_for(recipe.activations) (W8A8, else None); the returned recipe's activations are the chosen space's;
+    held_out: the calibration text's
+    held-out ids; gptq_for_block(block_size, zero_points) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
     was chosen, the manifest's record)."""
     if held_out is None or len(held_out) <= budget_window(bundle):
-        # random tokens, or too little text to hold some out: step 1 decides alone (INT4: its fixed defaults)
-        space = next(iter(SPACES))
+        # random tokens, or too little text to hold some out: step 1 decides alone in the first space (static where
+        # the activations are not fixed: the form every backend runs; INT4: its fixed defaults)
+        space = next(iter(chosen)) if chosen else None
         amax, smooth, picked = chosen[space] if chosen else (None, None, None)
-        result = quantize(starved, scales=(amax, smooth)) if chosen else quantize(starved)
+        if chosen:
+            recipe = _with_space(recipe, space)
+            result = quantize(starved, scales=(amax, smooth), per_token=SPACES[space].per_token)
+        else:
+            result = quantize(starved)
         return result, recipe, {"mode": "auto", "measured_on": None,
                                 "chosen": {"space": space, "activations": picked} if chosen else {},
                                 "note": "no held-out calibration text to measure candidates on"}
     s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress,
                session_format=recipe.session_format)
     if recipe.weight_only:
-        best = None
+        best, zp = None, bool(recipe.zero_points)
         for block, use_gptq in INT4_CANDIDATES:
             if best is not None and (s.meets(best[1]) or s.out_of_time()):
                 break
-            result = quantize(starved, block_size=block, rounder=gptq_for_block(block) if use_gptq else None)
-            m = s.measure(result[0], {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest"})
+            result = quantize(starved, block_size=block, rounder=gptq_for_block(block, zp) if use_gptq else None,
+                              zero_points=zp)
+            m = s.measure(result[0], {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest",
+                                      "zero_points": zp})
             if best is None or m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
                 best = (result, m, (block, use_gptq))
         result, measured, (block, use_gptq) = best
         recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
-        return result, recipe, s.record({"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest"},
-                                        measured)
+        chosen = {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest", "zero_points": zp}
+        if zp and not s.meets(measured):  # ONNX Runtime's form: the most sensitive layer types as INT8 blocks
+            rounder = gptq_for_block(block, zp) if use_gptq else None
+            result, measured, chosen["int8_layers"] = s.promote(
+                lambda layers: quantize(starved, block_size=block, rounder=rounder, zero_points=zp, int8=layers),
+                result, measured, sizes_of(float_model, result[1]), {"block_size": block})
+        return result, recipe, s.record(chosen, measured)
     best = None
     for space, (amax, smooth, picked) in chosen.items():  # step 2: each space's choices, the whole graph measured
         if best is not None and s.out_of_time():
             break
-        result = quantize(starved, scales=(amax, smooth))
+        result = quantize(starved, scales=(amax, smooth), per_token=SPACES[space].per_token)
         m = s.measure(result[0], {"space": space, "kept_in_float": []})
         if best is None or m["perplexity_delta_pct"] < best[1]["perplexity_delta_pct"]:
             best = (result, m, space)
     first, m, space = best
     amax, smooth, picked = chosen[space]
+    order, allowed = float_order(picked, sizes_of(float_model, first[1]))
+    per_token = SPACES[space].per_token
+    result, measured, kept = s.keep_in_float(
+        lambda extra: quantize(starved + extra, scales=(amax, smooth), per_token=per_token), order, allowed,
+        (first, m, []), {"space": space})
+    return result, _with_space(recipe, space), s.record({"space": space, "activations": picked, "kept_in_float": kept}, measured)
+
+
+def sizes_of(float_model, targets) -> dict[str, int]:
+    """Each target layer's weight elements."""
     inits = {i.name: i for i in float_model.graph.initializer}
-    sizes = {t.layer: int(np.prod(inits[t.weight].dims)) for t in first[1]}
-    order, allowed = float_order(picked, sizes)
-    result, measured, kept = s.keep_in_float(lambda extra: quantize(starved + extra, scales=(amax, smooth)), order,
-                                             allowed, (first, m, []), {"space": space})
-    return result, recipe, s.record({"space": space, "activations": picked, "kept_in_float": kept}, measured)
+    return {t.layer: int(np.prod(inits[t.weight].dims)) for t in targets}
+
+
+def _with_space(recipe, space: str):
+    """The recipe with its activations those of the chosen space."""
+    return dataclasses.replace(recipe, activations="per-token" if SPACES[space].per_token else "static")
 
 
 def recipe_summary(record: dict[str, Any]) -> str:

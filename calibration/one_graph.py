@@ -18,7 +18,7 @@ from kvforge.ort_session import prefill_feeds
 
 from .budget import fit_budget
 from .data import load_calibration_set
-from .auto import HOLD_OUT_TOKENS, SAMPLE_ROWS, SPACES, choose_in_spaces, search
+from .auto import HOLD_OUT_TOKENS, PROMOTED_BLOCK, SAMPLE_ROWS, choose_in_spaces, search, spaces_for
 from .experts import KEEP_ROWS, cover_starved, find_experts, router_inputs
 from .gptq import HessianAccumulator, gptq_rounder
 from .passes import Probe, Progress, activation_scales, observe, rows_per_run
@@ -52,7 +52,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         observed = activations + presents + extra
         feeds = lambda batch: prefill_feeds(batch, bundle.model_config, bundle.io, bundle.dtype)  # noqa: E731
         max_rows = rows_per_run(model, observed, cset.samples.shape[1], np.dtype(float_dtype).itemsize)
-        if not recipe.static_ranges and hessians is None and not presents:
+        if not (recipe.static_ranges or searching) and hessians is None and not presents:
             # rounding to nearest reads no activation (an automatic recipe's text is for its held-out measurements,
             # and a GPTQ candidate observes when it is tried: candidate_hessians)
             observers, channel_amax, probe = {}, {}, Probe(model, observed, float_dtype, feeds, base, max_rows)
@@ -72,8 +72,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
         weights = _Weights(model, base)
         chosen = choose_in_spaces(targets, weights, observers, channel_amax, recipe.precision, float_dtype, progress,
-                                  plain, SPACES)
-        act_amax, smooth, _ = chosen[next(iter(SPACES))]
+                                  plain, spaces_for(recipe.activations))
+        act_amax, smooth, _ = next(iter(chosen.values()))
     elif recipe.static_ranges:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
                                              recipe.precision, recipe.method, recipe.percentile, recipe.smoothquant,
@@ -87,7 +87,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
 
     # the budget's rewrites reuse each weight's GPTQ rounding
     round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, progress,
-                                len(targets)) if recipe.gptq else None
+                                len(targets), bool(recipe.zero_points)) if recipe.gptq else None
 
     def candidate_hessians():
         """The automatic INT4 recipe's Hessians, summed on its first GPTQ candidate (it tries GPTQ only where
@@ -103,17 +103,25 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
             probe.release()
         return hessians
 
-    def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None):
+    def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None,
+                 per_token=recipe.per_token, zero_points=recipe.zero_points, int8=()):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float; scales: the
-        activations' (amax, smoothing factors) when not the calibration's own."""
+        activations' (amax, smoothing factors) when not the calibration's own; per_token: the activations scaled
+        per row at run time (an automatic recipe's per-token space); zero_points: asymmetric INT4 blocks; int8:
+        layers of a weight-only graph stored as INT8 blocks (PROMOTED_BLOCK, to nearest) instead."""
         amax, factors = scales or (act_amax, smooth)
         q = type(model)()
         q.CopyFrom(model)
         q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head,
                                              base_dir=base)
-        rec = rewrite(q, q_targets, recipe.precision, amax, block_size, factors, float_dtype, rounder, base,
-                      lambda done, total: progress("quantize", done, total),  # a bar per layer, each rewrite
-                      per_token=recipe.per_token)
+        bar = lambda done, total: progress("quantize", done, total)  # noqa: E731 - a bar per layer, each rewrite
+        rec = rewrite(q, [t for t in q_targets if t.layer not in int8], recipe.precision, amax, block_size, factors,
+                      float_dtype, rounder, base, bar, per_token=per_token, zero_points=bool(zero_points))
+        if int8:  # the rewrite above replaced the graph's nodes: the promoted MatMuls are found again
+            late = [t for t in find_targets(q, require_matches=False, base_dir=base)[0] if t.layer in int8]
+            promoted = rewrite(q, late, "int8", None, PROMOTED_BLOCK, None, float_dtype, None, base, bar)
+            rec["weights"].update(promoted["weights"])
+            rec["int8_layers"] = [t.layer for t in q_targets if t.layer in int8]
         if recipe.kv_cache:  # the cache keeps its max: an outlier key clipped would change every later step
             rec["kv_cache"] = add_kv_cache_qdq(q, {p: observers[p].compute_amax("max", "fp8") for p in presents},
                                                float_dtype)
@@ -127,11 +135,16 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     elif recipe.auto:
         (model, targets, excluded, record), recipe, recipe_record = search(
             bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,
-            lambda b: gptq_rounder(candidate_hessians(), None, recipe.precision, b, float_dtype, progress, len(targets)),
+            lambda b, zp: gptq_rounder(candidate_hessians(), None, recipe.precision, b, float_dtype, progress,
+                                       len(targets), zp),
             progress)
     else:
         model, targets, excluded, record = quantize(starved)
-    return Quantized({bundle.manifest["graph"]: model}, recipe.quantization_record([t.layer for t in targets], excluded),
+    quantization = recipe.quantization_record([t.layer for t in targets], excluded)
+    int8_layers = record.pop("int8_layers", None)  # the scales record holds each layer's scales (int8 ones too)
+    if int8_layers:
+        quantization["int8_layers"] = int8_layers
+    return Quantized({bundle.manifest["graph"]: model}, quantization,
                      {**calibration, "scales": record, "accuracy_budget": budget_report, "experts": expert_record,
                       "recipe": recipe_record})
 

@@ -19,11 +19,15 @@ float; `lm_head` stays in float unless asked. Per target:
   back). No range is calibrated, and a token's outliers do not coarsen the others': per-tensor ranges cost
   all-MiniLM-L6-v2's embeddings 0.02-0.05 of mean cosine (0.06-0.14 at worst), a range per token 0.0014
   (0.0075; benchmarks/minilm_embeddings.py).
-  ONNX Runtime runs it (runtime/ort/per_token.py: integer kernels); TensorRT takes only constant scales;
+  FP8 per token: each row's scale max|row| / 448, symmetric (zero points FP8 zeros, made by a Cast).
+  ONNX Runtime runs it (runtime/ort/per_token.py: INT8 on integer kernels); TensorRT takes only constant scales;
+- asymmetric INT4 blocks (`zero_points`): uint4 codes with a uint4 zero point per block, the range chosen per
+  block by least squared error (zero_point_blocks), Q4_1's form with a code for zero; ONNX Runtime runs them as
+  MatMulNBits (faster than signed codes there), TensorRT takes zero points of 0 only;
 - SmoothQuant (INT8): the activation is divided per input channel by s and
   the weight rows multiplied by s (s_k = amax_x,k^a / amax_w,k^(1-a)),
   an exact rewrite that moves outliers from activations into weights.
-Scales have the dtype of the tensor they quantize; zero points are zero and
+Scales have the dtype of the tensor they quantize; zero points (but asymmetric INT4's and per-token INT8's) are zero and
 typed like the quantized tensor (an int8 zero point makes ONNX Runtime fuse
 the pattern into integer kernels; omitting it would mean uint8).
 """
@@ -178,14 +182,53 @@ def weight_scales(w: np.ndarray, fmt: str, block_size: int | None = None, dtype=
     return stored_scale(np.where(amax > 0, amax / QMAX[fmt], 1.0), dtype).astype(np.float32)
 
 
-def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
-    """ONNX QuantizeLinear semantics (round half to even, saturate), zero point 0; `scale` per output channel [N]
-    or per block of `block_size` rows [ceil(K/B), N]."""
+# the range shrinks an asymmetric INT4 block's search tries at each end (zero_point_blocks)
+SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def zero_point_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric INT4 blocks of a [K, N] weight: (scales [ceil(K/B), N] float32, exact in `dtype`; zero points
+    [ceil(K/B), N] uint8 in [0, 15]), codes q in [0, 15] standing for (q - z) * scale, as llama.cpp's Q4_1 and
+    AWQ's blocks (with a code for zero: ONNX's zero point is an integer).
+
+    Each block's range [lo, hi] (lo <= 0 <= hi) is the one, of its min and max each shrunk by SHRINKS, whose
+    rounding leaves the smallest squared error on the block (an outlier may be clipped so the rest round finer)."""
+    K, N = w.shape
+    blocks = -(-K // block_size)
+    padded = np.zeros((blocks * block_size, N), np.float32)
+    padded[:K] = w
+    b = padded.reshape(blocks, block_size, N)
+    lo0, hi0 = np.minimum(b.min(axis=1), 0), np.maximum(b.max(axis=1), 0)
+    best_err = best_scale = best_zp = None
+    for f_lo in SHRINKS:
+        for f_hi in SHRINKS:
+            span = hi0 * f_hi - lo0 * f_lo
+            scale = stored_scale(np.where(span > 0, span / 15, 1.0), dtype).astype(np.float32)
+            zp = np.clip(np.rint(-lo0 * f_lo / scale), 0, 15)
+            q = np.clip(np.rint(b / scale[:, None]) + zp[:, None], 0, 15)
+            err = (((q - zp[:, None]) * scale[:, None] - b) ** 2).sum(axis=1)
+            if best_err is None:
+                best_err, best_scale, best_zp = err, scale, zp
+            else:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_scale, best_zp = np.where(better, scale, best_scale), np.where(better, zp, best_zp)
+    return best_scale, best_zp.astype(np.uint8)
+
+
+def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
+             zero_point: np.ndarray | None = None) -> np.ndarray:
+    """ONNX QuantizeLinear semantics (round half to even, saturate); `scale` per output channel [N] or per block of
+    `block_size` rows [ceil(K/B), N]; zero point 0, or INT4's `zero_point` (shaped like scale: uint4 codes)."""
     import ml_dtypes
 
     if np.ndim(scale) == 2:
         scale = np.repeat(scale, block_size, axis=0)[: x.shape[0]]
     y = x.astype(np.float32) / scale
+    if zero_point is not None:
+        if np.ndim(zero_point) == 2:
+            zero_point = np.repeat(zero_point, block_size, axis=0)[: x.shape[0]]
+        return np.clip(np.rint(y) + zero_point, 0, 15).astype(ml_dtypes.uint4)
     if fmt == "int8":
         return np.clip(np.rint(y), -128, 127).astype(np.int8)
     if fmt == "int4":
@@ -193,10 +236,33 @@ def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None 
     return np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn)
 
 
-def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None) -> np.ndarray:
+def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
+               zero_point: np.ndarray | None = None) -> np.ndarray:
     if np.ndim(scale) == 2:
         scale = np.repeat(scale, block_size, axis=0)[: q.shape[0]]
+    if zero_point is not None:
+        if np.ndim(zero_point) == 2:
+            zero_point = np.repeat(zero_point, block_size, axis=0)[: q.shape[0]]
+        return (q.astype(np.float32) - zero_point) * scale
     return q.astype(np.float32) * scale
+
+
+def dequantized_rows(x: np.ndarray, fmt: str, dtype=np.float32) -> np.ndarray:
+    """What the per-token Q/DQ pair (_QdqEdit.activation_per_token) makes of x's rows (..., K), in float32: INT8
+    asymmetric uint8 over [min(row, 0), max(row, 0)], FP8 E4M3 symmetric over max|row|; scales in `dtype`."""
+    import ml_dtypes
+
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    tiny = np.finfo(dtype).tiny
+    if fmt == "fp8":
+        scale = np.maximum((np.abs(rows).max(1) * np.float32(1 / 448)).astype(dtype), tiny).astype(np.float32)[:, None]
+        q = np.clip(rows / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        return (q * scale).reshape(x.shape)
+    lo, hi = np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0)
+    scale = np.maximum(((hi - lo) * np.float32(1 / 255)).astype(dtype), tiny).astype(np.float32)
+    zp = np.clip(np.rint(-lo / scale), 0, 255)
+    q = np.clip(np.rint(rows / scale[:, None]) + zp[:, None], 0, 255)
+    return ((q - zp[:, None]) * scale[:, None]).reshape(x.shape)
 
 
 def smoothquant_factors(act_amax: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
@@ -215,18 +281,21 @@ def recorded(scale: np.ndarray) -> list:
 # --- the graph rewrite -------------------------------------------------------------
 def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] | None, block_size: int | None,
             smooth: dict[str, np.ndarray] | None, float_dtype: np.dtype, round_weight=None, base_dir: str = "",
-            progress=None, per_token: bool = False) -> dict:
+            progress=None, per_token: bool = False, zero_points: bool = False) -> dict:
     """Quantize the targets' weights in place and insert activation Q/DQ; returns the scales used.
 
     act_amax: each activation's calibrated range (W8A8 with static scales), or None: weight-only; per_token: INT8
     activations scaled per row at run time (act_amax is not read; smooth, SmoothQuant's factors, is).
 
-    round_weight(target, w) -> (codes, scales) replaces round-to-nearest (GPTQ); `w` is already smoothed,
+    zero_points: INT4 blocks asymmetric (uint4 codes with a zero point per block: zero_point_blocks; ONNX Runtime's
+    form, TensorRT takes zero points of 0 only).
+
+    round_weight(target, w) -> (codes, scales[, zero points]) replaces round-to-nearest (GPTQ); `w` is already smoothed,
     and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)). base_dir:
     where the graph's external data lies, for a graph loaded without it: each weight is read when it is quantized,
     and the weights that stay float stay where they are. progress(done, total): after each target's weight.
     """
-    edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype, base_dir)
+    edit = _QdqEdit(model, fmt, block_size, smooth, float_dtype, base_dir, zero_points)
     for i, t in enumerate(targets, 1):
         edit.weight(t, round_weight)
         if per_token:
@@ -250,12 +319,13 @@ class _QdqEdit:
     target node and spliced in before it at the end (so node indices stay valid while targets are visited)."""
 
     def __init__(self, model, fmt: str, block_size: int | None, smooth: dict[str, np.ndarray] | None, float_dtype,
-                 base_dir: str = ""):
+                 base_dir: str = "", zero_points: bool = False):
         from onnx import TensorProto
 
         self.g = model.graph
         self.inits = {i.name: i for i in self.g.initializer}
         self.fmt, self.block_size, self.smooth, self.float_dtype = fmt, block_size, smooth, float_dtype
+        self.zero_points = zero_points  # INT4 blocks asymmetric (zero_point_blocks), ONNX Runtime's form
         self.base_dir = base_dir
         self.q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
         self.new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
@@ -277,20 +347,28 @@ class _QdqEdit:
         w = numpy_helper.to_array(self.inits[t.weight], self.base_dir).astype(np.float32)
         if self.smooth and t.activation in self.smooth:
             w = w * self.smooth[t.activation][:, None]  # W' = diag(s) W
+        zp = None
         if round_weight is not None:
-            q, scale = round_weight(t, w)
+            q, scale, *zp = round_weight(t, w)
+            zp = zp[0] if zp else None
+        elif self.zero_points:
+            scale, zp = zero_point_blocks(w, block_size, self.float_dtype)
+            q = quantize(w, scale, fmt, block_size, zp)
         else:
             scale = weight_scales(w, fmt, block_size, self.float_dtype)
             q = quantize(w, scale, fmt, block_size)
         k_padding = -w.shape[0] % block_size if block_size else 0
         if k_padding:
             # TensorRT reads the block size as K / scale rows, so every block must be whole: the codes
-            # get zero rows up to the last block's end, and the activation as many zero columns.
-            q = np.concatenate([q, np.zeros((k_padding, q.shape[1]), q.dtype)])
+            # get zero rows up to the last block's end (its zero point where it has one: the value 0), and the
+            # activation as many zero columns.
+            pad = np.broadcast_to(zp[-1:] if zp is not None else np.zeros((1, q.shape[1])), (k_padding, q.shape[1]))
+            q = np.concatenate([q, pad.astype(q.dtype)])
             if t.activation not in self.padded:
                 pads = f"{t.layer}.input_pads"
                 g.initializer.append(numpy_helper.from_array(np.array([0, k_padding], np.int64), pads))
-                if not self.padded:  # the first padded activation adds the axes initializer they all share
+                if "input_pad_axes" not in self.inits and not self.padded:  # the first padded activation (of any
+                    # rewrite of this graph) adds the axes initializer they all share
                     g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), "input_pad_axes"))
                 self.padded[t.activation] = f"{t.layer}.input_padded"
                 self.before(t, helper.make_node("Pad", [t.activation, pads, "", "input_pad_axes"],
@@ -303,6 +381,11 @@ class _QdqEdit:
         g.initializer.append(numpy_helper.from_array(scale.astype(self.float_dtype), s_name))
         dq_inputs = [q_name, s_name]
         attrs = {"axis": 0, "block_size": block_size} if block_size else {"axis": 1}
+        if zp is not None:  # asymmetric INT4 blocks: uint4 codes and zero points
+            import ml_dtypes
+
+            g.initializer.append(numpy_helper.from_array(zp.astype(ml_dtypes.uint4), z_name))
+            dq_inputs.append(z_name)
         if not block_size:
             zp = np.zeros(scale.shape, np.int8) if fmt == "int8" else None
             g.initializer.append(
@@ -314,6 +397,7 @@ class _QdqEdit:
                                         **attrs))
         t.node.input[1] = f"{base}_dequantized"
         self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
+                                           **({"zero_point": zp.tolist()} if zp is not None else {}),
                                            **({"k_padding": k_padding} if k_padding else {})}
 
     def smoothed(self, t: Target, prefix: str) -> str:
@@ -356,51 +440,31 @@ class _QdqEdit:
         t.node.input[0] = f"{mine}_dequantized"
 
     def activation_per_token(self, t: Target) -> None:
-        """The target's input quantized per row (a token) at run time, asymmetric uint8: the (tokens, K) view's
-        row min and max (each widened to include 0) give scale (max - min) / 255 and zero point round(-min /
-        scale); one QuantizeLinear -> DequantizeLinear pair (axis 0) per activation, shared by its consumers. The
-        MatMul reads that view, and its output is reshaped back to the activation's leading dimensions."""
-        from onnx import TensorProto, helper, numpy_helper
+        """The target's input quantized per row (a token) at run time: one QuantizeLinear -> DequantizeLinear pair
+        (axis 0) on its (tokens, K) view, shared by the activation's consumers, with the row's scale (and zero
+        point) computed in the graph (_row_scales). The MatMul reads that view, and its output is reshaped back to
+        the activation's leading dimensions."""
+        from onnx import helper, numpy_helper
 
-        g, dt = self.g, self.float_dtype
+        g = self.g
         k, n = (int(d) for d in self.record["weights"][t.layer]["shape"])
         if t.activation not in self.shared:
-            prefix = f"{t.layer}.input"
-            act = self.smoothed(t, prefix)  # SmoothQuant: x / s, its rows then quantized (W' = diag(s) W)
-            consts = {"_rows_shape": np.array([-1, k], np.int64), "_zero": np.array(0, dt),
-                      "_inv_levels": np.array(1 / 255, dt), "_tiny": np.array(np.finfo(dt).tiny, dt),
-                      "_levels": np.array(255, dt)}
-            g.initializer.extend(numpy_helper.from_array(v, prefix + name) for name, v in consts.items())
-            rows, lo, hi = f"{prefix}_rows", f"{prefix}_row_min", f"{prefix}_row_max"
-            if self.opset >= 18:  # axes became an input in opset 18
-                g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), f"{prefix}_axes"))
-                reduce = lambda op, out: helper.make_node(op, [rows, f"{prefix}_axes"], [out], keepdims=0)  # noqa: E731
-            else:
-                reduce = lambda op, out: helper.make_node(op, [rows], [out], axes=[1], keepdims=0)  # noqa: E731
-            p = prefix
+            p = f"{t.layer}.input"
+            act = self.smoothed(t, p)  # SmoothQuant: x / s, its rows then quantized (W' = diag(s) W)
+            g.initializer.extend([numpy_helper.from_array(np.array([-1, k], np.int64), p + "_rows_shape"),
+                                  numpy_helper.from_array(np.array([0], np.int64), p + "_lead_start"),
+                                  numpy_helper.from_array(np.array([-1], np.int64), p + "_lead_end")])
+            rows = f"{p}_rows"
+            self.before(t, helper.make_node("Reshape", [act, p + "_rows_shape"], [rows], name=f"{p}_rows"))
+            scale, zp = self._row_scales(t, p, rows)
             self.before(t,
-                        helper.make_node("Reshape", [act, p + "_rows_shape"], [rows], name=f"{p}_rows"),
-                        reduce("ReduceMin", lo + "_raw"), reduce("ReduceMax", hi + "_raw"),
-                        helper.make_node("Min", [lo + "_raw", p + "_zero"], [lo]),
-                        helper.make_node("Max", [hi + "_raw", p + "_zero"], [hi]),
-                        helper.make_node("Sub", [hi, lo], [p + "_row_range"]),
-                        helper.make_node("Mul", [p + "_row_range", p + "_inv_levels"], [p + "_row_scale_raw"]),
-                        helper.make_node("Max", [p + "_row_scale_raw", p + "_tiny"], [p + "_row_scale"]),
-                        helper.make_node("Div", [lo, p + "_row_scale"], [p + "_row_min_steps"]),
-                        helper.make_node("Neg", [p + "_row_min_steps"], [p + "_row_zp_raw"]),
-                        helper.make_node("Round", [p + "_row_zp_raw"], [p + "_row_zp_rounded"]),
-                        helper.make_node("Clip", [p + "_row_zp_rounded", p + "_zero", p + "_levels"], [p + "_row_zp_float"]),
-                        helper.make_node("Cast", [p + "_row_zp_float"], [p + "_row_zero_point"], to=TensorProto.UINT8),
-                        helper.make_node("QuantizeLinear", [rows, p + "_row_scale", p + "_row_zero_point"],
-                                         [p + "_quantized"], name=f"{p}_q", axis=0),
-                        helper.make_node("DequantizeLinear", [p + "_quantized", p + "_row_scale", p + "_row_zero_point"],
-                                         [p + "_dequantized"], name=f"{p}_dq", axis=0),
+                        helper.make_node("QuantizeLinear", [rows, scale, zp], [p + "_quantized"], name=f"{p}_q", axis=0),
+                        helper.make_node("DequantizeLinear", [p + "_quantized", scale, zp], [p + "_dequantized"],
+                                         name=f"{p}_dq", axis=0),
                         helper.make_node("Shape", [act], [p + "_shape"], name=f"{p}_shape"),
                         helper.make_node("Slice", [p + "_shape", p + "_lead_start", p + "_lead_end"], [p + "_lead"],
                                          name=f"{p}_lead"))
-            g.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), p + "_lead_start"),
-                                  numpy_helper.from_array(np.array([-1], np.int64), p + "_lead_end")])
-            self.shared[t.activation] = (prefix, p + "_dequantized")
+            self.shared[t.activation] = (p, p + "_dequantized")
             self.record["activations"][t.layer + ".input"] = {"tensor": t.activation, "scale": "per-token dynamic"}
         prefix, rows_dq = self.shared[t.activation]
         out, mine = t.node.output[0], f"{t.layer}.output"
@@ -410,6 +474,49 @@ class _QdqEdit:
         self.after_nodes.setdefault(self.index[id(t.node)], []).extend([
             helper.make_node("Concat", [f"{prefix}_lead", f"{mine}_width"], [f"{mine}_shape"], axis=0),
             helper.make_node("Reshape", [f"{mine}_rows", f"{mine}_shape"], [out], name=f"{mine}_reshape")])
+
+    def _row_scales(self, t: Target, p: str, rows: str) -> tuple[str, str]:
+        """Nodes computing each row's scale and zero point (names returned). INT8: asymmetric uint8, the row's min
+        and max (each widened to include 0) give scale (max - min) / 255 and zero point round(-min / scale). FP8:
+        symmetric E4M3, scale max|row| / 448 and a zero zero point (typed FP8: made by a Cast, one per row)."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        dt = self.float_dtype
+        fp8 = self.fmt == "fp8"
+        consts = {"_zero": np.array(0, dt), "_tiny": np.array(np.finfo(dt).tiny, dt),
+                  "_inv_levels": np.array(1 / (448 if fp8 else 255), dt)}
+        if not fp8:
+            consts["_levels"] = np.array(255, dt)
+        self.g.initializer.extend(numpy_helper.from_array(v, p + name) for name, v in consts.items())
+        if self.opset >= 18:  # axes became an input in opset 18
+            self.g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), f"{p}_axes"))
+            reduce = lambda op, x, out: helper.make_node(op, [x, f"{p}_axes"], [out], keepdims=0)  # noqa: E731
+        else:
+            reduce = lambda op, x, out: helper.make_node(op, [x], [out], axes=[1], keepdims=0)  # noqa: E731
+        if fp8:
+            self.before(t,
+                        helper.make_node("Abs", [rows], [p + "_rows_abs"]),
+                        reduce("ReduceMax", p + "_rows_abs", p + "_row_amax"),
+                        helper.make_node("Mul", [p + "_row_amax", p + "_inv_levels"], [p + "_row_scale_raw"]),
+                        helper.make_node("Max", [p + "_row_scale_raw", p + "_tiny"], [p + "_row_scale"]),
+                        helper.make_node("Mul", [p + "_row_scale", p + "_zero"], [p + "_row_zp_float"]),
+                        helper.make_node("Cast", [p + "_row_zp_float"], [p + "_row_zero_point"],
+                                         to=TensorProto.FLOAT8E4M3FN))
+            return p + "_row_scale", p + "_row_zero_point"
+        lo, hi = f"{p}_row_min", f"{p}_row_max"
+        self.before(t,
+                    reduce("ReduceMin", rows, lo + "_raw"), reduce("ReduceMax", rows, hi + "_raw"),
+                    helper.make_node("Min", [lo + "_raw", p + "_zero"], [lo]),
+                    helper.make_node("Max", [hi + "_raw", p + "_zero"], [hi]),
+                    helper.make_node("Sub", [hi, lo], [p + "_row_range"]),
+                    helper.make_node("Mul", [p + "_row_range", p + "_inv_levels"], [p + "_row_scale_raw"]),
+                    helper.make_node("Max", [p + "_row_scale_raw", p + "_tiny"], [p + "_row_scale"]),
+                    helper.make_node("Div", [lo, p + "_row_scale"], [p + "_row_min_steps"]),
+                    helper.make_node("Neg", [p + "_row_min_steps"], [p + "_row_zp_raw"]),
+                    helper.make_node("Round", [p + "_row_zp_raw"], [p + "_row_zp_rounded"]),
+                    helper.make_node("Clip", [p + "_row_zp_rounded", p + "_zero", p + "_levels"], [p + "_row_zp_float"]),
+                    helper.make_node("Cast", [p + "_row_zp_float"], [p + "_row_zero_point"], to=TensorProto.UINT8))
+        return p + "_row_scale", p + "_row_zero_point"
 
     def splice(self) -> None:
         """Every collected node in, before the node it feeds (or after the node it reads)."""
@@ -439,6 +546,8 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     base = f"{head.layer}.weight"
     codes = numpy_helper.to_array(inits[f"{base}_quantized"])  # [K', N]
     scale = numpy_helper.to_array(inits[f"{base}_scale"])  # [N], or [K'/B, N] block-wise
+    block_zp = numpy_helper.to_array(inits[f"{base}_zero_point"]) if block_size and f"{base}_zero_point" in inits \
+        else None  # asymmetric INT4 blocks' zero points [K'/B, N]
     emb = inits[embedding]
     n_vocab, k = emb.dims
     name = "model.embed_and_lm_head.weight"
@@ -449,6 +558,9 @@ def share_tied_head(model, head: Target, embedding: str, fmt: str, block_size: i
     shared = [numpy_helper.from_array(np.ascontiguousarray(codes.T), f"{name}_quantized"),
               numpy_helper.from_array(np.ascontiguousarray(scale.T) if scale.ndim == 2 else scale, f"{name}_scale")]
     dq_inputs = [f"{name}_quantized", f"{name}_scale"]
+    if block_zp is not None:
+        shared.append(numpy_helper.from_array(np.ascontiguousarray(block_zp.T), f"{name}_zero_point"))
+        dq_inputs.append(f"{name}_zero_point")
     if not block_size:
         zp = helper.make_tensor(f"{name}_zero_point", shared[0].data_type, [n_vocab], np.zeros(n_vocab).tolist()) \
             if fmt == "fp8" else numpy_helper.from_array(np.zeros(n_vocab, np.int8), f"{name}_zero_point")

@@ -60,11 +60,15 @@ class Recipe:
     # "auto" | "fixed"; None: the kind's default, auto where its quantizer measures a decoder's perplexity
     # (calibration/auto.py), fixed elsewhere; a tuning option never changes it (it is refused under auto)
     recipe: str | None = None
-    # INT8 activations: "static" (a calibrated per-tensor scale: TensorRT and ONNX Runtime) or "per-token" (each
-    # row's scale computed at run time: ONNX Runtime only); None: the kind's quantizer's default (calibration/kinds.py)
+    # W8A8 activations: "static" (a calibrated per-tensor scale: TensorRT and ONNX Runtime) or "per-token" (each
+    # row's scale computed at run time: ONNX Runtime only); None: chosen by measurement under the automatic recipe,
+    # else the kind's quantizer's default (calibration/kinds.py)
     activations: str | None = None
     # INT8 weights in blocks with the activations left in float (as llama.cpp's Q8_0), instead of W8A8
     weights_only: bool = False
+    # INT4 blocks with a zero point each (uint4 codes: llama.cpp's Q4_1 / AWQ's form; ONNX Runtime only) or without
+    # (symmetric: TensorRT's form); None: with them under the automatic recipe, without under the fixed one
+    zero_points: bool | None = None
 
     @property
     def auto(self) -> bool:
@@ -126,9 +130,10 @@ class Recipe:
                                f"{'it' if len(tuning) == 1 else 'them'}, or drop {'it' if len(tuning) == 1 else 'them'}")
         return mode
 
-    def _activations(self, default: str) -> str | None:
-        """The activations' quantization as stated or the kind's default (INT8 only: FP8 takes static scales,
-        weight-only INT4 none), or a KvforgeError naming what per-token activations cannot go with."""
+    def _activations(self, default: str, auto: bool) -> str | None:
+        """The activations' quantization as stated; under the automatic recipe None when not stated (both forms
+        measured, calibration/auto.py spaces_for); else the kind's default (INT8; FP8 static; weight-only formats
+        none). A KvforgeError names what per-token activations cannot go with."""
         if self.activations not in (None, *ACTIVATIONS):
             raise KvforgeError(f"--activations {self.activations!r} is not one of {ACTIVATIONS}")
         if self.weight_only:
@@ -136,9 +141,8 @@ class Recipe:
                 raise KvforgeError(f"--activations applies to W8A8; {self.precision}"
                                    f"{' with --weights-only' if self.weights_only else ''} is weight-only")
             return None
-        if self.activations == "per-token" and self.precision != "int8":
-            raise KvforgeError(f"--activations per-token is INT8's (uint8 codes per row); {self.precision} takes "
-                               "static scales")
+        if self.activations is None and auto:
+            return "static" if self.quantize_lm_head else None
         activations = self.activations or (default if self.precision == "int8" else "static")
         if activations == "per-token":
             fixed = [f"--{name}" for name, v in (("method", self.method), ("percentile", self.percentile)) if v is not None]
@@ -162,10 +166,7 @@ class Recipe:
             raise KvforgeError(f"--weights-only applies to int8 (int4 is always weight-only; fp8 quantizes "
                                f"activations too), not {self.precision}")
         mode = self._mode(bundle, fits_budget)
-        activations = self._activations(default_activations)
-        if activations == "per-token" and mode == "auto":
-            raise KvforgeError("the automatic recipe chooses static activation ranges by measurement; add --recipe "
-                               "fixed for --activations per-token")
+        activations = self._activations(default_activations, mode == "auto")
         method = self.method if self.method is not None else "max"
         percentile = 99.99 if self.percentile is None else self.percentile
         self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq),
@@ -195,6 +196,9 @@ class Recipe:
                                "a weight-only format")
         if self.kv_cache and bundle.manifest.get("opset", 0) < 19:
             raise KvforgeError("an FP8 KV cache needs opset >= 19; re-export with --opset 21")
+        if self.zero_points is not None and self.precision != "int4":
+            raise KvforgeError(f"--{'' if self.zero_points else 'no-'}zero-points applies to int4's blocks, not to "
+                               f"{self.precision}{' --weights-only' if self.weights_only else ''}")
         if self.block_size is not None and not self.weight_only:
             raise KvforgeError(f"--block-size applies to the weight-only formats' block-wise weights (int4, int8 "
                                f"--weights-only); {self.precision} W8A8 weights are per channel")
@@ -216,15 +220,19 @@ class Recipe:
         if bundle.manifest.get("opset", 0) < MIN_OPSET[self.precision]:
             raise KvforgeError(f"{self.precision} Q/DQ needs opset >= {MIN_OPSET[self.precision]}; "
                                f"re-export with --opset {max(21, MIN_OPSET[self.precision])}")
-        return dataclasses.replace(self, exclude=exclude, accuracy_budget=budget, block_size=block_size)
+        zero_points = (self.auto if self.zero_points is None else self.zero_points) if self.precision == "int4" else False
+        return dataclasses.replace(self, exclude=exclude, accuracy_budget=budget, block_size=block_size,
+                                   zero_points=zero_points)
 
     def quantization_record(self, layers: list[str], excluded: list[str]) -> dict[str, Any]:
         """The manifest's precision.quantization entry for the layers quantized and those kept in float."""
         return {
             "format": self.precision,
             "recipe": self.recipe,
-            "weights": "block-wise" if self.weight_only else "per-channel",
+            "weights": ("block-wise asymmetric" if self.zero_points else "block-wise") if self.weight_only
+            else "per-channel",
             "weight_only": self.weight_only,
+            "zero_points": bool(self.zero_points),
             "weight_rounding": "gptq" if self.gptq else "nearest",
             "gptq_damp": DAMP if self.gptq else None,
             "activations": None if self.weight_only else {"static": "per-tensor static",

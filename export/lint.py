@@ -153,7 +153,8 @@ def _qdq_findings(graph, types: dict[str, int], opset: int) -> list[Finding]:
             if zp is None:
                 findings.append(Finding("error", "qdq", "zero point must be a constant (and zero)", name, op))
             elif np.any(zp.astype(np.float32) != 0):
-                findings.append(Finding("error", "qdq", "zero point must be zero (symmetric quantization)", name, op))
+                findings.append(Finding("error", "qdq", "zero point must be zero (symmetric quantization: TensorRT takes no other; "
+                                        "calibrate int4 with --no-zero-points for TensorRT)", name, op))
         s_type = types.get(node.input[1])
         if op == "QuantizeLinear":
             f_type = types.get(node.input[0])

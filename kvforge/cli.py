@@ -244,9 +244,10 @@ def inspect(bundle, as_json):
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--smoothquant", type=click.FloatRange(0, 1), help="SmoothQuant alpha (int8, fp8).")
 @click.option("--activations", type=click.Choice(["static", "per-token"]),
-              help="INT8 activation scales: static (one calibrated scale per tensor; TensorRT and ONNX Runtime; the "
-                   "default for decoders, encoder-decoders and vision-language models) or per-token (each token's "
-                   "scale computed at run time; ONNX Runtime only; the default for encoders).")
+              help="INT8/FP8 activation scales: static (one calibrated scale per tensor; TensorRT and ONNX Runtime) "
+                   "or per-token (each token's scale computed at run time; ONNX Runtime only). Default: chosen by "
+                   "measurement under the automatic recipe (decoders); static for encoder-decoders and "
+                   "vision-language models; per-token INT8 for encoders. Pass static for a TensorRT build.")
 @click.option("--exclude", multiple=True, help="Regex over layer names (e.g. 'layers\\.0\\.' or 'down_proj') to keep in float; repeatable.")
 @click.option("--weights-only", is_flag=True,
               help="int8: weights in blocks along K (llama.cpp's Q8_0 form, default block 32), activations left in "
@@ -254,6 +255,10 @@ def inspect(bundle, as_json):
 @click.option("--block-size", default=None, type=click.IntRange(1),
               help="Block size along K of the weight-only formats (INT4 default 128: TensorRT documents 64 and 128; "
                    "INT8 --weights-only default 32).")
+@click.option("--zero-points/--no-zero-points", default=None,
+              help="int4: blocks with a zero point each (asymmetric, llama.cpp Q4_1's form; ONNX Runtime only) or "
+                   "without (symmetric: TensorRT's form). Default: with them under the automatic recipe, which may "
+                   "also keep its most sensitive layer types as INT8 blocks; without under --recipe fixed.")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
@@ -272,14 +277,14 @@ def inspect(bundle, as_json):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new bundle is complete).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def calibrate(bundle, out, precision, recipe, method, percentile, data, samples, seq_len, smoothquant, activations, exclude,
-              weights_only, block_size, random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
+              weights_only, block_size, zero_points, random_data, quantize_lm_head, batch_size, kv_cache, budget, budget_data, budget_tokens, gptq,
               min_expert_tokens, starved_experts, force, quiet):
     """Quantize a float BUNDLE: INT8 / FP8 W8A8 calibrated on data, or INT4 (or INT8 --weights-only) weight-only, as Q/DQ."""
     with PhaseProgress(enabled=not quiet) as progress:
         options = Recipe(
             precision=precision, method=method, percentile=percentile, data=data, samples=samples, seq_len=seq_len,
             smoothquant=smoothquant, activations=activations, exclude=tuple(exclude), weights_only=weights_only,
-            block_size=block_size, random_data=random_data,
+            block_size=block_size, zero_points=zero_points, random_data=random_data,
             batch_size=batch_size, quantize_lm_head=quantize_lm_head, kv_cache=kv_cache,
             accuracy_budget=list(budget) or None, budget_data=budget_data, budget_tokens=budget_tokens, gptq=gptq,
             min_expert_tokens=min_expert_tokens, starved_experts=starved_experts, recipe=recipe)

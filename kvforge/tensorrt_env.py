@@ -159,9 +159,18 @@ def check_precision_supported(quantization: dict[str, Any] | None, compute_capab
                            "added after the scale), which TensorRT's DequantizeLinear does not take (INT8, FP8, FP4, "
                            "INT4 only); export the checkpoint with --dequantize and calibrate it for TensorRT")
     if q.get("activations") == "per-token dynamic":
-        raise KvforgeError("this bundle's INT8 activations are scaled per token at run time (--activations per-token, "
-                           "an encoder's default), which ONNX Runtime runs and TensorRT does not (its scales are "
-                           "constants); calibrate the float bundle with --activations static for TensorRT")
+        raise KvforgeError(f"this bundle's {q.get('format', '').upper()} activations are scaled per token at run time "
+                           "(--activations per-token, an encoder's default, or the automatic recipe's measured "
+                           "choice), which ONNX Runtime runs and TensorRT does not (its scales are constants); "
+                           "calibrate the float bundle with --activations static for TensorRT")
+    if q.get("zero_points"):
+        raise KvforgeError("this bundle's INT4 blocks have zero points (asymmetric: the automatic recipe's default, "
+                           "which ONNX Runtime runs), and TensorRT's DequantizeLinear takes zero points of 0 only; "
+                           "calibrate the float bundle with --no-zero-points for TensorRT")
+    if q.get("int8_layers"):
+        raise KvforgeError(f"this bundle keeps {len(q['int8_layers'])} layers as block-wise INT8 weights beside its INT4 "
+                           "ones (the automatic recipe's choice), which TensorRT's block-wise Q/DQ (INT4's) does not "
+                           "take; calibrate the float bundle with --no-zero-points for TensorRT")
     if q.get("format") == "int8" and q.get("weight_only"):
         raise KvforgeError("this bundle's INT8 weights are block-wise with float activations (--weights-only), which "
                            "ONNX Runtime runs and TensorRT does not (its block-wise Q/DQ is INT4's); calibrate the "

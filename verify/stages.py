@@ -136,6 +136,8 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
         log(f"calibrate {a.name}: {a.precision} from {base}")
         options = {"data": calibration_data, **a.calibrate}
         options["exclude"] = list(options.get("exclude") or [])
+        if "tensorrt" in a.backends and a.precision in ("int8", "fp8") and not options.get("weights_only"):
+            options.setdefault("activations", "static")  # TensorRT takes constant scales only
         paths[a.name] = calibrate(paths[base], workdir / a.name, precision=a.precision, force=True, progress=progress, **options).path
     return paths
 

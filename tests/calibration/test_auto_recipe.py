@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from kvforge import metrics, runtime
 from kvforge.calibration import calibrate
-from kvforge.calibration.auto import choose_activations
+from kvforge.calibration.auto import SPACES, choose_activations
 from kvforge.calibration.observers import TensorObserver
 from kvforge.calibration.qdq import Target
 from kvforge.cli import main
@@ -70,16 +70,19 @@ def _perplexity_delta(bundle, reference, chunks):
 def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny_fp32, tiny_heldout):
     auto = calibrate(tiny_fp32.path, tmp_path / "auto", precision="int8", samples=32, seq_len=128)
     q, c = auto.manifest["precision"]["quantization"], auto.manifest["calibration"]
-    assert q["recipe"] == "auto" and q["method"] == "per-activation search" and q["smoothquant_alpha"] is None
+    assert q["recipe"] == "auto" and q["smoothquant_alpha"] is None
     r = c["recipe"]
     assert r["measured_on"]["tokens"] > 0 and r["tried"] and r["target"]["perplexity_delta_pct"] == 1.0
     assert r["result"] == {k: r["tried"][-1][k] for k in r["result"]} or r["result"] in [
         {k: t[k] for k in r["result"]} for t in r["tried"]]
-    # the three spaces were measured, the fixed recipe's among them, and the best one kept
+    # every space was measured, static and per-token, the fixed recipe's among them, and the best one kept
     firsts = {t["space"]: t["perplexity_delta_pct"] for t in r["tried"] if not t["kept_in_float"]}
-    assert set(firsts) == {"smoothed and clipped", "clipped", "max"}
+    assert set(firsts) == set(SPACES)
     assert r["chosen"]["space"] == min(firsts, key=firsts.get)
     assert r["result"]["perplexity_delta_pct"] <= firsts["max"]
+    per_token = SPACES[r["chosen"]["space"]].per_token
+    assert q["activations"] == ("per-token dynamic" if per_token else "per-tensor static")
+    assert q["method"] == (None if per_token else "per-activation search")
     # every activation the graph quantizes has its choice recorded, and each smoothing is a Mul by 1/s in the graph
     chosen = r["chosen"]["activations"]
     assert {a["tensor"] for a in c["scales"]["activations"].values()} == set(chosen)
@@ -88,7 +91,8 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     smoothed = [n for n in inits if n.endswith(".input_smooth")]
     assert len(smoothed) == sum(v["smoothquant_alpha"] is not None for v in chosen.values())
     for record in c["scales"]["activations"].values():  # the stored scale is the chosen (clipped) range / 127
-        assert record["scale"] == pytest.approx(record["amax"] / 127.0, rel=1e-6)
+        assert record["scale"] == "per-token dynamic" if per_token else \
+            record["scale"] == pytest.approx(record["amax"] / 127.0, rel=1e-6)
     # against the Torch reference on held-out text: within +1%, and within 0.5 points of the fixed defaults (max, no
     # smoothing: on tiny, which has no outlier channels, both sit near zero and the choice on the calibration text's
     # tail does not transfer beyond that noise; SmolLM2's figures are in benchmarks/quantization_smollm2.py)
@@ -158,3 +162,98 @@ def test_the_held_out_text_comes_from_every_part_of_the_corpus(tmp_path, tiny_fp
     held_runs = {tuple(held[i:i + 32]) for i in range(len(held) - 31)}  # prose repeats no 32-token run
     for sample in cset.samples.tolist():  # no calibration window reads held-out text
         assert not any(tuple(sample[i:i + 32]) in held_runs for i in range(len(sample) - 31))
+
+
+def test_int4_keeps_the_layer_types_that_help_most_per_element_as_int8_within_the_budget():
+    """INT4's step 3 (Search.promote): each layer type (v_proj of every layer, ...) measured alone as INT8 blocks,
+    then the ones that helped added most gain per element first, within INT8_BUDGET of the weights, until the target
+    holds. The measurements here are a stated function of the INT8 set, so the choice can be checked by hand."""
+    from kvforge.calibration.auto import INT8_BUDGET, Search
+
+    layers = [f"layers.{i}.{t}" for i in range(4) for t in ("attn.q_proj", "attn.v_proj", "ffn.up_proj", "ffn.down_proj")]
+    sizes = {name: {"q_proj": 100, "v_proj": 25, "up_proj": 400, "down_proj": 200}[name.rsplit(".", 1)[1]]
+             for name in layers}
+    gain = {"attn.q_proj": 0.1, "attn.v_proj": 2.0, "ffn.up_proj": 0.0, "ffn.down_proj": 3.0}  # points per type
+    search = Search.__new__(Search)
+    search.target, search.tried, search.started, search.time_bound = 4.0, [], 0.0, float("inf")
+    search.out_of_time = lambda: False
+
+    def measure(model, what):  # the "model": the INT8 layers' names
+        search.tried.append(what)
+        return {"perplexity_delta_pct": 9.0 - sum(gain[t] for t in {".".join(n.split(".")[2:]) for n in model})}
+
+    search.measure = measure
+    result, metrics_, kept = search.promote(lambda int8: (list(int8),), ([],), {"perplexity_delta_pct": 9.0}, sizes)
+    total = sum(sizes.values())
+    assert 4 * (25 + 200) <= INT8_BUDGET * total < 4 * 400  # v_proj and down_proj fit the budget together, up_proj not
+    # each type measured alone (up_proj, 1600 of 2900 elements, is over the budget: never tried)
+    alone = [w["int8_layers"] for w in search.tried if len(w["int8_layers"]) == 1]
+    assert sorted(t for (t,) in alone) == ["layers.*.attn.q_proj", "layers.*.attn.v_proj", "layers.*.ffn.down_proj"]
+    # v_proj gains most per element, then down_proj; together they meet the target (9 - 5 = 4), so q_proj is not added
+    assert search.tried[-1]["int8_layers"] == ["layers.*.attn.v_proj", "layers.*.ffn.down_proj"]
+    assert sorted(kept) == sorted(n for n in layers if n.endswith(("v_proj", "down_proj")))
+    assert metrics_["perplexity_delta_pct"] == pytest.approx(4.0)
+
+
+def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantized_float_graph(tmp_path, tiny_fp32,
+                                                                                            tiny_heldout, monkeypatch):
+    """The automatic INT4 recipe (zero points: ONNX Runtime's form) with a target no candidate meets goes through
+    every block candidate and step 3: layer types kept as INT8 blocks. The bundle's graph holds uint4 codes with a
+    zero point per block and block-wise INT8 codes for the promoted layers; on ONNX Runtime (the runtime's variant:
+    INT8 blocks as float weights) it computes the float graph with each weight replaced by its codes dequantized
+    here from the definition, (q - z) * s."""
+    import ml_dtypes
+
+    from kvforge.calibration import auto
+    from kvforge.calibration.qdq import find_targets
+    from kvforge.ort_session import make_session, prefill_feeds
+    from kvforge.tensorrt_env import check_precision_supported
+
+    monkeypatch.setitem(auto.TARGET_PPL_PCT, "int4", -100.0)  # unreachable: every step runs
+    q = calibrate(tiny_fp32.path, tmp_path / "int4", precision="int4", samples=16, seq_len=64)
+    quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
+    assert quant["zero_points"] is True and quant["weights"] == "block-wise asymmetric" and not r["met"]
+    blocks_tried = [t for t in r["tried"] if "weight_rounding" in t]
+    assert [(t["block_size"], t["weight_rounding"]) for t in blocks_tried] == list(
+        (b, "gptq" if g else "nearest") for b, g in auto.INT4_CANDIDATES)
+    promoted = quant["int8_layers"]
+    assert promoted and promoted == r["chosen"]["int8_layers"]
+    types = {t["int8_layers"][0] for t in r["tried"] if len(t.get("int8_layers", [])) == 1}
+    assert types and all("*" in t for t in types)  # measured per layer type
+    best = min(r["tried"], key=lambda t: t["perplexity_delta_pct"])
+    assert r["result"]["perplexity_delta_pct"] == best["perplexity_delta_pct"]
+    assert not q.manifest["lint"]["passed"]  # TensorRT takes neither; the build is refused, naming the way out
+    with pytest.raises(KvforgeError, match="--no-zero-points"):
+        check_precision_supported(quant, "9.0", "H100")
+
+    g = onnx.load(str(q.graph_file)).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    block = quant["block_size"]
+    dequantized = {}
+    for layer in quant["quantized_layers"]:
+        codes, scale = inits[f"{layer}.weight_quantized"], inits[f"{layer}.weight_scale"]
+        if layer in promoted:
+            assert codes.dtype == np.int8 and f"{layer}.weight_zero_point" not in inits
+            steps = np.repeat(scale, auto.PROMOTED_BLOCK, 0)[:len(codes)]
+            dequantized[layer] = codes.astype(np.float32) * steps
+        else:
+            zp = inits[f"{layer}.weight_zero_point"]
+            assert codes.dtype == ml_dtypes.uint4 and zp.dtype == ml_dtypes.uint4 and zp.shape == scale.shape
+            dequantized[layer] = (codes.astype(np.float32) - np.repeat(zp, block, 0)[:len(codes)].astype(np.float32)) \
+                * np.repeat(scale, block, 0)[:len(codes)]
+    reference = onnx.load(str(tiny_fp32.graph_file))
+    targets, _ = find_targets(reference)
+    weights = {i.name: i for i in reference.graph.initializer}
+    for t in targets:
+        k = weights[t.weight].dims[0]
+        weights[t.weight].CopyFrom(numpy_helper.from_array(dequantized[t.layer][:k], t.weight))
+    ids = tiny_heldout[:2, :64].copy()
+    (theirs,) = make_session(reference.SerializeToString()).run(
+        ["logits"], prefill_feeds(ids, tiny_fp32.model_config, tiny_fp32.io, "float32"))
+    from kvforge.runtime.ort.variant import variant_path
+
+    with runtime.load(q.path) as fast:
+        read = {i for n in onnx.load(str(variant_path(q))).graph.node for i in n.input}
+        assert not read & {f"{layer}.weight_quantized" for layer in promoted}  # the variant's are float weights
+        assert any(i.endswith("_quantized") for i in read)  # the INT4 codes stay codes (MatMulNBits)
+        np.testing.assert_allclose(fast.forward(ids)[0], theirs, rtol=0, atol=2e-4)

@@ -87,6 +87,47 @@ def test_quantized_weights_dequantize_identically_in_onnxruntime(fmt, K, block):
         assert q.dtype == ml_dtypes.float8_e4m3fn
 
 
+@pytest.mark.parametrize("K", [96, 100])
+def test_asymmetric_int4_blocks_are_the_least_error_range_and_dequantize_identically_in_onnxruntime(K):
+    """Zero-point INT4 blocks (uint4 codes, a uint4 zero point per block): ONNX Runtime's DequantizeLinear gives
+    the same values, and each block's range leaves no more squared error than its plain [min, max] (the oracle:
+    asymmetric quantization written here from its definition) or the symmetric +-max|w| / 7 grid."""
+    from kvforge.calibration.qdq import zero_point_blocks
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((K, 24)) + 0.4).astype(np.float32)  # off-centre: a zero point has work to do
+    w[3, 2] = 9.0  # an outlier: clipping it may lower the block's error
+    scale, zp = zero_point_blocks(w, 32)
+    q = quantize(w, scale, "int4", 32, zp)
+    assert q.dtype == ml_dtypes.uint4 and zp.dtype == np.uint8 and zp.max() <= 15
+    ours = dequantize(q, scale, "int4", 32, zp)
+    node = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=0, block_size=32)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", TP.FLOAT, None)], initializer=[
+        numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s"),
+        numpy_helper.from_array(zp.astype(ml_dtypes.uint4), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    (theirs,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-6)
+
+    def block_errors(deq):
+        e = np.zeros((-(-K // 32) * 32, 24))
+        e[:K] = (deq - w) ** 2
+        return e.reshape(-1, 32, 24).sum(1)
+
+    padded = np.zeros((-(-K // 32) * 32, 24), np.float32)
+    padded[:K] = w
+    b = padded.reshape(-1, 32, 24)
+    lo, hi = np.minimum(b.min(1), 0), np.maximum(b.max(1), 0)
+    step = (hi - lo) / 15
+    z = np.clip(np.round(-lo / step), 0, 15)
+    plain = (np.clip(np.round(b / step[:, None]) + z[:, None], 0, 15) - z[:, None]) * step[:, None]
+    plain = plain.reshape(-1, 24)[:K]
+    sym_scale = weight_scales(w, "int4", 32)
+    sym = dequantize(quantize(w, sym_scale, "int4", 32), sym_scale, "int4", 32)
+    assert (block_errors(ours) <= block_errors(plain) * (1 + 1e-5) + 1e-9).all()
+    assert block_errors(ours).sum() < 0.8 * block_errors(sym).sum()
+
+
 @pytest.mark.parametrize("fmt,block", [("int8", None), ("fp8", None), ("int4", 16)])
 def test_float16_scales_are_stored_exactly_and_never_flush_to_zero(fmt, block):
     """A float16 model's scales are float16: amax / qmax of a near-dead channel (here ~1e-8) would round to 0,

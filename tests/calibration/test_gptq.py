@@ -12,7 +12,7 @@ from kvforge.calibration.qdq import dequantize, quantize, weight_scales
 from kvforge.errors import KvforgeError
 from kvforge.runtime.evaluate import window_logits
 
-FORMATS = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 40)]  # 40 does not divide K = 100
+FORMATS = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 40), ("int4-zp", 32)]  # 40 does not divide K = 100
 
 
 def _layer(seed=0, K=100, N=48, rows=3000):
@@ -31,20 +31,26 @@ def _hessian(x):
 
 @pytest.mark.parametrize("fmt,block", FORMATS)
 def test_gptq_lowers_the_layer_output_error_on_the_same_grid(fmt, block):
+    from kvforge.calibration.qdq import zero_point_blocks
+
     x, w = _layer()
-    codes, scales = gptq_quantize(w, _hessian(x), fmt, block)
-    rtn_scales = weight_scales(w, fmt, block)
-    rtn = dequantize(quantize(w, rtn_scales, fmt, block), rtn_scales, fmt, block)
-    assert codes.shape == w.shape and codes.dtype == quantize(w, rtn_scales, fmt, block).dtype
+    zero_points = fmt.endswith("-zp")  # asymmetric INT4 blocks: uint4 codes and a zero point per block
+    fmt = fmt.removesuffix("-zp")
+    codes, scales, *zp = gptq_quantize(w, _hessian(x), fmt, block, zero_points=zero_points)
+    zp = zp[0] if zp else None
+    assert (zp is not None) == zero_points
+    rtn_scales, rtn_zp = zero_point_blocks(w, block) if zero_points else (weight_scales(w, fmt, block), None)
+    rtn = dequantize(quantize(w, rtn_scales, fmt, block, rtn_zp), rtn_scales, fmt, block, rtn_zp)
+    assert codes.shape == w.shape and codes.dtype == quantize(w, rtn_scales, fmt, block, rtn_zp).dtype
     assert scales.shape == rtn_scales.shape and scales.dtype == np.float32
     if fmt != "int4":  # per-channel scales are the weight's own; int4 blocks take theirs as GPTQ reaches them
         np.testing.assert_array_equal(scales, rtn_scales)
-    ours = dequantize(codes, scales, fmt, block)
+    ours = dequantize(codes, scales, fmt, block, zp)
     gptq_err = np.linalg.norm(x @ (w - ours))
     rtn_err = np.linalg.norm(x @ (w - rtn))
     assert gptq_err < 0.85 * rtn_err, (gptq_err, rtn_err)
     # every code is on the grid: re-quantizing the dequantized weight gives the same codes
-    np.testing.assert_array_equal(quantize(ours, scales, fmt, block).astype(np.float32), codes.astype(np.float32))
+    np.testing.assert_array_equal(quantize(ours, scales, fmt, block, zp).astype(np.float32), codes.astype(np.float32))
 
 
 def test_uncorrelated_inputs_make_gptq_round_to_nearest():

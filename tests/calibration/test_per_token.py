@@ -35,7 +35,22 @@ def _per_row_oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
-def _one_layer_graph(k: int, n: int, rank: int, seed: int = 0):
+def _per_row_fp8_oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (..., K) quantized per row to FP8 E4M3 over +-max|row| (ml_dtypes' rounding), w per output channel over
+    +-max|w|; the product of the dequantized values, in float64."""
+    import ml_dtypes
+
+    def fp8(a, step):
+        return np.clip(a / step, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * step
+
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    step = np.maximum((np.abs(rows).max(1) / np.float32(448)).astype(np.float32), np.finfo(np.float32).tiny)[:, None]
+    w_step = (np.abs(w).max(0) / 448).astype(np.float32)
+    y = fp8(rows, step) @ fp8(w, w_step)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _one_layer_graph(k: int, n: int, rank: int, seed: int = 0, fmt: str = "int8"):
     w = np.random.default_rng(seed).normal(size=(k, n)).astype(np.float32)
     shape = ["b", "t", k] if rank == 3 else ["t", k]
     node = helper.make_node("MatMul", ["x", "layers.0.mlp.up_proj.weight"], ["y"], name="layers.0.mlp.up_proj")
@@ -45,13 +60,13 @@ def _one_layer_graph(k: int, n: int, rank: int, seed: int = 0):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     targets, _ = find_targets(model)
-    rewrite(model, targets, "int8", None, None, None, np.float32, per_token=True)
+    rewrite(model, targets, fmt, None, None, None, np.float32, per_token=True)
     return model, w
 
 
-@pytest.mark.parametrize("rank", [2, 3])
-def test_the_graph_quantizes_each_row_as_numpy_does(rank):
-    model, w = _one_layer_graph(48, 24, rank)
+@pytest.mark.parametrize("rank, fmt", [(2, "int8"), (3, "int8"), (3, "fp8")])
+def test_the_graph_quantizes_each_row_as_numpy_does(rank, fmt):
+    model, w = _one_layer_graph(48, 24, rank, fmt=fmt)
     rng = np.random.default_rng(1)
     x = rng.normal(size=(3, 5, 48) if rank == 3 else (6, 48)).astype(np.float32) * 3
     rows = x.reshape(-1, 48)
@@ -59,8 +74,13 @@ def test_the_graph_quantizes_each_row_as_numpy_does(rank):
     rows[1] = np.abs(rows[1])  # all positive: zero point 0, 255 steps over [0, max]
     rows[2] = -np.abs(rows[2]) * 1000  # all negative and large: zero point 255; its scale is its own
     (y,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
-    expected = _per_row_oracle(x, w)
+    expected = (_per_row_fp8_oracle if fmt == "fp8" else _per_row_oracle)(x, w)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    # the scales the automatic recipe's search assumes (calibration.qdq.dequantized_rows) are the graph's
+    from kvforge.calibration.qdq import dequantized_rows, weight_scales, dequantize, quantize
+    step = weight_scales(w, fmt)
+    searched = dequantized_rows(x, fmt).astype(np.float64) @ dequantize(quantize(w, step, fmt), step, fmt)
+    np.testing.assert_allclose(searched, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     assert not np.any(y.reshape(-1, 24)[0])
     # one row's outlier does not coarsen the others: the row next to the large one keeps its precision
     exact = x.reshape(-1, 48).astype(np.float64) @ w
@@ -115,7 +135,7 @@ def test_an_encoder_defaults_to_per_token_int8_without_data(micro_bundle, tmp_pa
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(precision="fp8", activations="per-token"), "fp8 takes static scales"),
+    (dict(precision="fp8", activations="per-token", method="mse"), "--method"),
     (dict(precision="int4", activations="per-token"), "int4 is weight-only"),
     (dict(precision="int8", activations="per-token", percentile=99.0), "--percentile"),
     (dict(precision="int8", activations="per-token", quantize_lm_head=True), "--quantize-lm-head"),
@@ -127,12 +147,19 @@ def test_per_token_options_that_cannot_apply_are_named(micro_bundle, tmp_path, o
     assert not (tmp_path / "out").exists()
 
 
-def test_a_decoder_takes_per_token_with_the_fixed_recipe_and_tensorrt_refuses_it(micro_bundle, tmp_path):
+def test_a_decoder_takes_per_token_with_either_recipe_and_tensorrt_refuses_it(micro_bundle, tmp_path):
     from kvforge.tensorrt_env import check_precision_supported
 
     b = micro_bundle("llama3-micro")
-    with pytest.raises(KvforgeError, match="--recipe fixed"):
-        calibrate(b.path, tmp_path / "auto", precision="int8", activations="per-token")
+    # the automatic recipe searches only the per-token spaces when asked for them (random data: no held-out text,
+    # so the first space's choices are taken)
+    auto = calibrate(b.path, tmp_path / "auto", precision="fp8", activations="per-token", random_data=True,
+                     samples=4, seq_len=16)
+    assert auto.manifest["precision"]["quantization"]["activations"] == "per-token dynamic"
+    assert auto.manifest["calibration"]["recipe"]["chosen"]["space"] == "per-token smoothed"
+    assert all(a["scale"] == "per-token dynamic" for a in auto.manifest["calibration"]["scales"]["activations"].values())
+    with pytest.raises(KvforgeError, match="FP8 activations are scaled per token.*--activations static"):
+        check_precision_supported(auto.quantization, "9.0", "H100")
     q = calibrate(b.path, tmp_path / "int8", precision="int8", activations="per-token", recipe="fixed")
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
     with runtime.load(b.path, backend="torch") as reference, runtime.load(q.path) as s:
