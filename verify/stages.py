@@ -138,6 +138,8 @@ def produce(source, artifacts: list[Artifact], workdir: Path, calibration_data=N
         options["exclude"] = list(options.get("exclude") or [])
         if "tensorrt" in a.backends and a.precision in ("int8", "fp8") and not options.get("weights_only"):
             options.setdefault("activations", "static")  # TensorRT takes constant scales only
+        if "tensorrt" in a.backends and a.precision == "int4":
+            options.setdefault("zero_points", False)  # TensorRT's INT4 blocks are symmetric
         paths[a.name] = calibrate(paths[base], workdir / a.name, precision=a.precision, force=True, progress=progress, **options).path
     return paths
 
