@@ -53,9 +53,9 @@ def quantize_graphs(models: dict[str, Any], files: dict[str, str], found: dict[s
                                                  recipe.smoothquant, report)
         if recipe.gptq:
             round_weight = gptq_rounder(hessians, smooth, recipe.precision, recipe.block_size, float_dtype, report,
-                                        len(targets))
+                                        len(targets), bool(recipe.zero_points))
         scales[role] = rewrite(model, targets, recipe.precision, act_amax, recipe.block_size, smooth, float_dtype,
-                               round_weight, per_token=recipe.per_token)
+                               round_weight, per_token=recipe.per_token, zero_points=bool(recipe.zero_points))
         out[files[role]] = model
         layers += [t.layer for t in targets]
         excluded_all += excluded
