@@ -210,7 +210,7 @@ def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantize
     from kvforge.tensorrt_env import check_precision_supported
 
     monkeypatch.setitem(auto.TARGET_PPL_PCT, "int4", -100.0)  # unreachable: every step runs
-    q = calibrate(tiny_fp32.path, tmp_path / "int4", precision="int4", samples=16, seq_len=64)
+    q = calibrate(tiny_fp32.path, tmp_path / "int4", precision="int4", zero_points=True, samples=16, seq_len=64)
     quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
     assert quant["zero_points"] is True and quant["weights"] == "block-wise asymmetric" and not r["met"]
     blocks_tried = [t for t in r["tried"] if "weight_rounding" in t]
