@@ -40,7 +40,7 @@ import numpy as np
 
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
-from kvforge.onnx_graph import drop_dead_nodes, node_reads, replace_nodes
+from kvforge.onnx_graph import drop_dead_nodes, node_attribute, node_reads, replace_nodes
 
 from .attention import LOGITS_ROWS, use_group_query_attention
 from .codes import checkpoint_kernels
@@ -65,11 +65,11 @@ def float_int8_blocks(model) -> int:
     for node in nodes:
         if node.op_type != "DequantizeLinear" or not all(i in inits for i in node.input if i):
             continue
-        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        block = node_attribute(node, "block_size", 0)
         codes = inits[node.input[0]]
         if not block or codes.data_type != TensorProto.INT8:
             continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        axis = node_attribute(node, "axis", 1)
         q = numpy_helper.to_array(codes).astype(np.float32)
         scale = numpy_helper.to_array(inits[node.input[1]])
         zp = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32) if len(node.input) > 2 and node.input[2] \
