@@ -67,7 +67,7 @@ class Recipe:
     # INT8 weights in blocks with the activations left in float (as llama.cpp's Q8_0), instead of W8A8
     weights_only: bool = False
     # INT4 blocks with a zero point each (uint4 codes: llama.cpp's Q4_1 / AWQ's form; ONNX Runtime only) or without
-    # (symmetric: TensorRT's form, the default)
+    # (symmetric: TensorRT's form); None: with them under the automatic recipe, without in a fixed one
     zero_points: bool | None = None
 
     @property
@@ -220,7 +220,10 @@ class Recipe:
         if bundle.manifest.get("opset", 0) < MIN_OPSET[self.precision]:
             raise KvforgeError(f"{self.precision} Q/DQ needs opset >= {MIN_OPSET[self.precision]}; "
                                f"re-export with --opset {max(21, MIN_OPSET[self.precision])}")
-        zero_points = bool(self.zero_points) if self.precision == "int4" else False  # symmetric unless asked
+        # INT4 blocks: with zero points under the automatic recipe (ONNX Runtime's uint4 form, as per-token W8A8
+        # is its form of activations), symmetric in a fixed one; --no-zero-points / --zero-points say which
+        zero_points = (self.auto if self.zero_points is None else bool(self.zero_points)) \
+            if self.precision == "int4" else False
         return dataclasses.replace(self, exclude=exclude, accuracy_budget=budget, block_size=block_size,
                                    zero_points=zero_points)
 

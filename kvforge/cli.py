@@ -256,9 +256,9 @@ def inspect(bundle, as_json):
               help="Block size along K of the weight-only formats (INT4 default 128: TensorRT documents 64 and 128; "
                    "INT8 --weights-only default 32).")
 @click.option("--zero-points/--no-zero-points", default=None,
-              help="int4: blocks with a zero point each (asymmetric, llama.cpp Q4_1's form; ONNX Runtime only) or "
-                   "without (symmetric: TensorRT's form, the default). With them, the automatic recipe may also keep "
-                   "its most sensitive layer types as INT8 blocks.")
+              help="int4: blocks with a zero point each (asymmetric, llama.cpp Q4_1's form; ONNX Runtime only: the "
+                   "automatic recipe's default) or without (symmetric: TensorRT's form, the fixed recipe's default). "
+                   "With them, the automatic recipe may also keep its most sensitive layer types as INT8 blocks.")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))

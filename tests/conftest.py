@@ -382,12 +382,14 @@ def tiny_heldout(tiny_fp32):
 
 @pytest.fixture(scope="session")
 def tiny_int8(tiny_fp32, tmp_path_factory):
-    """tiny calibrated to INT8 (max, built-in corpus, 32 samples of 128 tokens: quick)."""
+    """tiny calibrated to INT8 by the fixed recipe (static max scales, built-in corpus, 32 samples of 128 tokens:
+    quick, and a static scale per activation that tests can read or corrupt); the automatic recipe has tests of its
+    own (tests/calibration/test_auto_recipe.py)."""
     from kvforge.bundle import Bundle
     from kvforge.calibration import calibrate
 
-    return Bundle(once_per_run(tmp_path_factory, "tiny-int8",
-                               lambda d: calibrate(tiny_fp32.path, d, precision="int8", samples=32, seq_len=128)))
+    return Bundle(once_per_run(tmp_path_factory, "tiny-int8", lambda d: calibrate(
+        tiny_fp32.path, d, precision="int8", samples=32, seq_len=128, recipe="fixed")))
 
 
 @pytest.fixture(scope="session")

@@ -206,12 +206,14 @@ def test_dry_run_prints_the_plan_without_tensorrt(fp32, int8, cli, tmp_path, no_
     assert plan_text(plan).startswith(f"build plan for {fp32.path}")
 
 
-@pytest.mark.parametrize("precision,expected", [
-    ("fp8", {"QuantizeLinear": {"FP8": 14}, "DequantizeLinear": {"FP8": 28}}),
-    ("int4", {"QuantizeLinear": {}, "DequantizeLinear": {"INT4": 14}}),
+@pytest.mark.parametrize("precision,options,expected", [
+    ("fp8", dict(activations="static"), {"QuantizeLinear": {"FP8": 14}, "DequantizeLinear": {"FP8": 28}}),
+    ("int4", dict(zero_points=False), {"QuantizeLinear": {}, "DequantizeLinear": {"INT4": 14}}),
+    ("int4", {}, {"QuantizeLinear": {}, "DequantizeLinear": {"UINT4": 14}}),  # the automatic recipe's zero points
 ])
-def test_precision_summary_counts_qdq_by_dtype(fp32, tmp_path, precision, expected):
-    q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=4, seq_len=16)
+def test_precision_summary_counts_qdq_by_dtype(fp32, tmp_path, precision, options, expected):
+    q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=4, seq_len=16,
+                  **options)
     summary = build_plan(q.path)["precision"]
     assert summary["qdq"] == expected
     assert summary["quantization"] == precision and summary["dtype"] == "float32" and summary["quantized_layers"] == 14

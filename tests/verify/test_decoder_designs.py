@@ -28,7 +28,10 @@ def test_calibrate_compare_and_plan_every_design(micro_bundle, tmp_path, preset)
     fp32 = micro_bundle(preset)
     cfg = fp32.model_config
     for precision in ("int8", "fp8", "int4"):
-        q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=8, seq_len=32)
+        # each calibrated for TensorRT (the plan below): static activation scales, symmetric INT4 blocks
+        form = dict(zero_points=False) if precision == "int4" else dict(activations="static")
+        q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=8, seq_len=32,
+                      **form)
         # every linear layer of every block was found and quantized, whatever the block's shape
         assert len(q.manifest["calibration"]["scales"]["weights"]) == cfg["n_layers"] * _linears_per_layer(cfg)
         assert q.manifest["lint"]["passed"], q.manifest["lint"]["findings"]
