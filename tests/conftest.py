@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -288,7 +289,12 @@ def once_per_run(tmp_path_factory, name: str, make) -> Path:
     shared = root / "shared-artifacts"
     shared.mkdir(exist_ok=True)
     path, done = shared / name, shared / f"{name}.done"
+    asked = time.monotonic()
     with FileLock(str(shared / f"{name}.lock")):
+        waited = time.monotonic() - asked
+        if waited > 1.0:  # a worker idle while another makes it: the run's waits.txt says how long (the schedule's cost)
+            with open(shared / "waits.txt", "a") as log:
+                log.write(f"{name}\t{waited:.1f}\t{os.environ.get('PYTEST_XDIST_WORKER', '-')}\n")
         if not done.is_file():  # not made yet, or its maker failed part way
             if path.exists():
                 shutil.rmtree(path)
