@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.errors import KvforgeError
+from kvforge.onnx_graph import block_dequantized
 
 FORMATS = ("int8", "fp8", "int4")
 QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
@@ -238,11 +239,9 @@ def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
                zero_point: np.ndarray | None = None) -> np.ndarray:
-    if np.ndim(scale) == 2:
-        scale = np.repeat(scale, block_size, axis=0)[: q.shape[0]]
+    if np.ndim(scale) == 2:  # blocks along K (axis 0 of a [K, N] weight)
+        return block_dequantized(q, scale, block_size, 0, zero_point)
     if zero_point is not None:
-        if np.ndim(zero_point) == 2:
-            zero_point = np.repeat(zero_point, block_size, axis=0)[: q.shape[0]]
         return (q.astype(np.float32) - zero_point) * scale
     return q.astype(np.float32) * scale
 

@@ -120,6 +120,17 @@ def scalar_value(value: np.ndarray | None) -> float | None:
     return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
 
+def block_dequantized(codes: np.ndarray, scale: np.ndarray, block: int, axis: int = 0,
+                      zero_point: np.ndarray | None = None) -> np.ndarray:
+    """DequantizeLinear's block-wise result in float32, (codes - zero_point) * scale, each scale and zero point
+    spread over its `block` elements along `axis` (the last block cut to the codes' length)."""
+    def spread(a):
+        return np.repeat(np.asarray(a, np.float32), block, axis=axis)[tuple(slice(0, d) for d in codes.shape)]
+
+    q = codes.astype(np.float32)
+    return ((q - spread(zero_point)) if zero_point is not None else q) * spread(scale)
+
+
 def replace_nodes(graph, removed: set[int], added: dict[int, list]) -> None:
     """Drop nodes whose id is in `removed`; put added[id] where that node stood. The caller holds the nodes it took
     ids of (a list of them, or a map such as producers): protobuf's upb makes a node's Python object when it is

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
-from kvforge.onnx_graph import drop_dead_nodes, node_attribute, node_reads, replace_nodes
+from kvforge.onnx_graph import block_dequantized, drop_dead_nodes, node_attribute, node_reads, replace_nodes
 
 from .attention import LOGITS_ROWS, use_group_query_attention
 from .codes import checkpoint_kernels
@@ -69,13 +69,10 @@ def float_int8_blocks(model) -> int:
         codes = inits[node.input[0]]
         if not block or codes.data_type != TensorProto.INT8:
             continue
-        axis = node_attribute(node, "axis", 1)
-        q = numpy_helper.to_array(codes).astype(np.float32)
         scale = numpy_helper.to_array(inits[node.input[1]])
-        zp = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32) if len(node.input) > 2 and node.input[2] \
-            else np.zeros_like(scale, np.float32)
-        spread = lambda a: np.repeat(a, block, axis=axis)[tuple(slice(0, d) for d in q.shape)]  # noqa: E731
-        w = ((q - spread(zp)) * spread(scale.astype(np.float32))).astype(scale.dtype)
+        zp = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] else None
+        w = block_dequantized(numpy_helper.to_array(codes), scale, block, node_attribute(node, "axis", 1),
+                              zp).astype(scale.dtype)
         g.initializer.append(numpy_helper.from_array(w, node.output[0]))
         removed.add(id(node))
         done += 1
