@@ -210,6 +210,14 @@ def dequantizes_weights(model) -> bool:
     return any(n.op_type == "DequantizeLinear" and all(i in inits for i in n.input if i) for n in model.graph.node)
 
 
+def dequantizes_with_run_time_scales(model) -> bool:
+    """Whether a DequantizeLinear of the graph reads a scale computed as it runs (per-token activations: a scale
+    per row), not a stored one (an initializer or a Constant)."""
+    g = model.graph
+    stored = {i.name for i in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
+    return any(n.op_type == "DequantizeLinear" and len(n.input) > 1 and n.input[1] not in stored for n in g.node)
+
+
 def compute_weights_where_read(model) -> int:
     """Move the nodes that compute a weight from initializers alone (computed_weights: a checkpoint's codes behind
     a DequantizeLinear and the ops after it) to just before each node that reads it, a copy for each such node;

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.kinds import kind_of
-from kvforge.onnx_graph import MS_DOMAIN
+from kvforge.onnx_graph import MS_DOMAIN, dequantizes_with_run_time_scales
 
 
 def import_onnxruntime():
@@ -130,6 +130,27 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
     return config
 
 
+def _run_time_scales(model) -> bool:
+    """Whether an INT8 graph (a path or serialized bytes) still holds Q/DQ pairs scaled as it runs (per-token
+    activations that runtime/ort/per_token.py has not moved onto the integer kernels: calibration's candidates,
+    the bundle's own graph). ONNX Runtime's Q/DQ fusion (1.24 to 1.32, where int8_kernels_exact) turns such a pair
+    and its MatMul into a MatMulIntegerToFloat that refuses a zero point per row when it runs ("Per-Channel is not
+    supported yet"), so such a graph runs with the fusion off: as written, the graph's function."""
+    import onnx
+
+    try:
+        if isinstance(model, onnx.ModelProto):
+            proto = model
+        elif isinstance(model, bytes):
+            proto = onnx.ModelProto()
+            proto.ParseFromString(model)
+        else:
+            proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a graph: ONNX Runtime names the problem when it opens it
+        return False
+    return dequantizes_with_run_time_scales(proto)
+
+
 SPINNING_ENV = "KVFORGE_ORT_SPINNING"
 # KVFORGE_ORT_PROFILE=PREFIX: every session kvforge opens runs ONNX Runtime's profiler, which writes
 # PREFIX_<date>.json (each node's time, as chrome://tracing reads it) when the session closes
@@ -232,7 +253,10 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     }[optimization]
     if threads:
         opts.intra_op_num_threads = threads
-    for key, value in session_config(quant_format, providers).items():
+    config = session_config(quant_format, providers)
+    if quant_format == "int8" and config.get("session.disable_quant_qdq") != "1" and _run_time_scales(model):
+        config.update(EXACT_QDQ)
+    for key, value in config.items():
         opts.add_session_config_entry(key, value)
     if not spinning:
         opts.add_session_config_entry("session.force_spinning_stop", "1")

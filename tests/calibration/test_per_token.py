@@ -87,6 +87,18 @@ def test_the_graph_quantizes_each_row_as_numpy_does(rank, fmt):
     assert np.abs(y.reshape(-1, 24)[3] - exact[3]).max() < 0.05 * np.abs(exact[3]).max()
 
 
+@pytest.mark.parametrize("rank", [2, 3])
+def test_an_int8_session_over_the_bundles_own_graph_computes_it_as_written(rank):
+    """The per-token graph as calibration measures it and a bundle holds it (not moved onto the integer kernels):
+    ONNX Runtime's own Q/DQ fusion, on where its integer kernels are exact, would make of it a kernel that refuses
+    a zero point per row; make_session runs it as written."""
+    model, _ = _one_layer_graph(64, 40, rank, seed=4)
+    x = (np.random.default_rng(5).standard_t(3, size=(2, 7, 64) if rank == 3 else (9, 64)) * 4).astype(np.float32)
+    (as_written,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
+    (int8,) = make_session(model.SerializeToString(), "int8").run(["y"], {"x": x})
+    np.testing.assert_allclose(int8, as_written, rtol=1e-5, atol=1e-5 * np.abs(as_written).max())
+
+
 @pytest.mark.skipif(not u8_kernels_exact(), reason="ONNX Runtime's uint8 integer kernel is not exact on this CPU")
 def test_the_integer_kernels_compute_the_graph_as_written():
     model, _ = _one_layer_graph(64, 40, 3, seed=2)
