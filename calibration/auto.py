@@ -17,7 +17,9 @@ measurement on the calibration data, in three steps:
    of the calibration text (windows no calibration sample covers; never the evaluation text). W8A8 measures
    step 1's choices searched in each space of SPACES (smoothing and clipping, clipping alone, the fixed recipe's
    max without smoothing, and per-token scales with and without smoothing: local error does not always rank what
-   perplexity feels) and keeps the best. INT4 tries blocks 128, 64 and 32 rounded to nearest, then 128 and 32
+   perplexity feels) and keeps the best; where that misses the target, the best space's weights rounded by GPTQ
+   (its Hessians from a second pass, divided by the space's smoothing) are measured too, and kept if better
+   (FP8's error is mostly its weights': E4M3 keeps three mantissa bits). INT4 tries blocks 128, 64 and 32 rounded to nearest, then 128 and 32
    with GPTQ, and keeps the first that is within the target (else the best): larger blocks are smaller and as
    fast. Its blocks have zero points (uint4 codes, qdq.zero_point_blocks) unless the recipe says no (TensorRT).
 3. While perplexity misses the target: W8A8 keeps the linear layers with the largest local error in float, 1,
@@ -302,7 +304,7 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
     excluded, record); starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space
     of spaces_for(recipe.activations) (W8A8, else None); the returned recipe's activations are the chosen space's;
     held_out: the calibration text's
-    held-out ids; gptq_for_block(block_size, zero_points) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
+    held-out ids; gptq_for_block(block_size, zero_points, smoothing factors=None) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
     was chosen, the manifest's record)."""
     if held_out is None or len(held_out) <= budget_window(bundle):
         # random tokens, or too little text to hold some out: step 1 decides alone in the first space (static where
@@ -349,12 +351,23 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
             best = (result, m, space)
     first, m, space = best
     amax, smooth, picked = chosen[space]
-    order, allowed = float_order(picked, sizes_of(float_model, first[1]))
     per_token = SPACES[space].per_token
+    rounder, rounding = None, "nearest"
+    if not s.meets(m) and not s.out_of_time():  # the weights' own error: GPTQ rounding against the space's smoothing
+        rounder = gptq_for_block(None, False, smooth)
+        gptq = quantize(starved, scales=(amax, smooth), per_token=per_token, rounder=rounder)
+        gm = s.measure(gptq[0], {"space": space, "weight_rounding": "gptq", "kept_in_float": []})
+        if gm["perplexity_delta_pct"] < m["perplexity_delta_pct"]:
+            first, m, rounding = gptq, gm, "gptq"
+        else:
+            rounder = None
+    order, allowed = float_order(picked, sizes_of(float_model, first[1]))
     result, measured, kept = s.keep_in_float(
-        lambda extra: quantize(starved + extra, scales=(amax, smooth), per_token=per_token), order, allowed,
-        (first, m, []), {"space": space})
-    return result, _with_space(recipe, space), s.record({"space": space, "activations": picked, "kept_in_float": kept}, measured)
+        lambda extra: quantize(starved + extra, scales=(amax, smooth), per_token=per_token, rounder=rounder), order,
+        allowed, (first, m, []), {"space": space, "weight_rounding": rounding})
+    recipe = dataclasses.replace(_with_space(recipe, space), gptq=rounding == "gptq")
+    return result, recipe, s.record({"space": space, "activations": picked, "weight_rounding": rounding,
+                                     "kept_in_float": kept}, measured)
 
 
 def sizes_of(float_model, targets) -> dict[str, int]:

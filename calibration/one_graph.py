@@ -135,8 +135,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     elif recipe.auto:
         (model, targets, excluded, record), recipe, recipe_record = search(
             bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,
-            lambda b, zp: gptq_rounder(candidate_hessians(), None, recipe.precision, b, float_dtype, progress,
-                                       len(targets), zp),
+            lambda b, zp, factors=None: gptq_rounder(candidate_hessians(), factors, recipe.precision, b, float_dtype,
+                                                     progress, len(targets), zp),
             progress)
     else:
         model, targets, excluded, record = quantize(starved)

@@ -76,7 +76,8 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     assert r["result"] == {k: r["tried"][-1][k] for k in r["result"]} or r["result"] in [
         {k: t[k] for k in r["result"]} for t in r["tried"]]
     # every space was measured, static and per-token, the fixed recipe's among them, and the best one kept
-    firsts = {t["space"]: t["perplexity_delta_pct"] for t in r["tried"] if not t["kept_in_float"]}
+    firsts = {t["space"]: t["perplexity_delta_pct"] for t in r["tried"]
+              if not t["kept_in_float"] and t.get("weight_rounding") != "gptq"}
     assert set(firsts) == set(SPACES)
     assert r["chosen"]["space"] == min(firsts, key=firsts.get)
     assert r["result"]["perplexity_delta_pct"] <= firsts["max"]
@@ -102,6 +103,28 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     chunks = tiny_heldout[:8]
     d_auto, d_fixed = _perplexity_delta(auto.path, "tiny", chunks), _perplexity_delta(fixed.path, "tiny", chunks)
     assert d_auto <= max(d_fixed, 0.0) + 0.5 and d_auto < 1.0, (d_auto, d_fixed)
+
+
+def test_w8a8_that_misses_its_target_measures_gptq_rounding_in_the_chosen_space(tmp_path, tiny_fp32, monkeypatch):
+    """FP8's error is mostly its weights' (E4M3 keeps three mantissa bits): where the best space misses the target,
+    that space's weights rounded by GPTQ (against its smoothing) are measured before any layer is kept in float,
+    and the better rounding is kept, recorded and stated in the manifest."""
+    from kvforge.calibration import auto
+
+    monkeypatch.setitem(auto.TARGET_PPL_PCT, "fp8", -100.0)  # unreachable: every step runs
+    monkeypatch.setattr(auto, "FLOAT_BUDGET", 0.0)  # no layer kept in float: step 2 alone
+    q = calibrate(tiny_fp32.path, tmp_path / "fp8", precision="fp8", activations="static", samples=16, seq_len=64)
+    quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
+    spaces = [t for t in r["tried"] if t.get("weight_rounding") is None]
+    assert [t["space"] for t in spaces] == [name for name, sp in SPACES.items() if not sp.per_token]
+    best_space = min(spaces, key=lambda t: t["perplexity_delta_pct"])
+    (gptq,) = [t for t in r["tried"] if t.get("weight_rounding") == "gptq"]
+    assert r["tried"].index(gptq) == len(spaces) and gptq["space"] == best_space["space"] == r["chosen"]["space"]
+    rounding = "gptq" if gptq["perplexity_delta_pct"] < best_space["perplexity_delta_pct"] else "nearest"
+    assert r["chosen"]["weight_rounding"] == quant["weight_rounding"] == rounding
+    assert (quant["gptq_damp"] is not None) == (rounding == "gptq")
+    kept = gptq if rounding == "gptq" else best_space
+    assert r["result"]["perplexity_delta_pct"] == kept["perplexity_delta_pct"] and not r["met"]
 
 
 def test_the_recipe_mode_is_stated_not_inferred_from_tuning_options(tmp_path, tiny_fp32):
