@@ -130,22 +130,27 @@ def session_config(quant_format: str | None, providers: list[str] | None = None)
     return config
 
 
+def _graph_proto(model):
+    """A graph given as a ModelProto (itself), serialized bytes or a path (read without its external data)."""
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, bytes):
+        proto = onnx.ModelProto()
+        proto.ParseFromString(model)
+        return proto
+    return onnx.load(str(model), load_external_data=False)
+
+
 def _run_time_scales(model) -> bool:
     """Whether an INT8 graph (a path or serialized bytes) still holds Q/DQ pairs scaled as it runs (per-token
     activations that runtime/ort/per_token.py has not moved onto the integer kernels: calibration's candidates,
     the bundle's own graph). ONNX Runtime's Q/DQ fusion (1.24 to 1.32, where int8_kernels_exact) turns such a pair
     and its MatMul into a MatMulIntegerToFloat that refuses a zero point per row when it runs ("Per-Channel is not
     supported yet"), so such a graph runs with the fusion off: as written, the graph's function."""
-    import onnx
-
     try:
-        if isinstance(model, onnx.ModelProto):
-            proto = model
-        elif isinstance(model, bytes):
-            proto = onnx.ModelProto()
-            proto.ParseFromString(model)
-        else:
-            proto = onnx.load(str(model), load_external_data=False)
+        proto = _graph_proto(model)
     except Exception:  # noqa: BLE001 - not a graph: ONNX Runtime names the problem when it opens it
         return False
     return dequantizes_with_run_time_scales(proto)
@@ -214,13 +219,8 @@ def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tu
     from kvforge.onnx_graph import (compute_weights_where_read, gather_dequantized_rows, matmul_transposed_weights,
                                     read_dequantized_weights_in_blocks, read_half_weights_in_blocks)
 
-    if isinstance(model, onnx.ModelProto):
-        proto = model
-    elif isinstance(model, bytes):
-        proto = onnx.ModelProto()
-        proto.ParseFromString(model)
-    else:
-        proto = onnx.load(str(model), load_external_data=False)
+    proto = _graph_proto(model)
+    if not isinstance(model, (onnx.ModelProto, bytes)):
         external_dir = Path(model).parent
     changed = compute_weights_where_read(proto)
     changed += matmul_transposed_weights(proto)
