@@ -76,11 +76,11 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     assert r["result"] == {k: r["tried"][-1][k] for k in r["result"]} or r["result"] in [
         {k: t[k] for k in r["result"]} for t in r["tried"]]
     # every space was measured, static and per-token, the fixed recipe's among them, and the best one kept
-    firsts = {t["space"]: t["perplexity_delta_pct"] for t in r["tried"]
+    firsts = {t["space"]: (t["kl_divergence_mean"], t["perplexity_delta_pct"]) for t in r["tried"]
               if not t["kept_in_float"] and t.get("weight_rounding") != "gptq"}
     assert set(firsts) == set(SPACES)
-    assert r["chosen"]["space"] == min(firsts, key=firsts.get)
-    assert r["result"]["perplexity_delta_pct"] <= firsts["max"]
+    assert r["chosen"]["space"] == min(firsts, key=firsts.get)  # ranked by KL from the float graph, then perplexity
+    assert r["result"]["kl_divergence_mean"] <= firsts["max"][0]
     per_token = SPACES[r["chosen"]["space"]].per_token
     assert q["activations"] == ("per-token dynamic" if per_token else "per-tensor static")
     assert q["method"] == (None if per_token else "per-activation search")
@@ -117,10 +117,11 @@ def test_w8a8_that_misses_its_target_measures_gptq_rounding_in_the_chosen_space(
     quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
     spaces = [t for t in r["tried"] if t.get("weight_rounding") is None]
     assert [t["space"] for t in spaces] == [name for name, sp in SPACES.items() if not sp.per_token]
-    best_space = min(spaces, key=lambda t: t["perplexity_delta_pct"])
+    rank = lambda t: (t["kl_divergence_mean"], t["perplexity_delta_pct"])  # noqa: E731
+    best_space = min(spaces, key=rank)
     (gptq,) = [t for t in r["tried"] if t.get("weight_rounding") == "gptq"]
     assert r["tried"].index(gptq) == len(spaces) and gptq["space"] == best_space["space"] == r["chosen"]["space"]
-    rounding = "gptq" if gptq["perplexity_delta_pct"] < best_space["perplexity_delta_pct"] else "nearest"
+    rounding = "gptq" if rank(gptq) < rank(best_space) else "nearest"
     assert r["chosen"]["weight_rounding"] == quant["weight_rounding"] == rounding
     assert (quant["gptq_damp"] is not None) == (rounding == "gptq")
     kept = gptq if rounding == "gptq" else best_space
@@ -203,10 +204,12 @@ def test_int4_keeps_the_layer_types_that_help_most_per_element_as_int8_within_th
 
     def measure(model, what):  # the "model": the INT8 layers' names
         search.tried.append(what)
-        return {"perplexity_delta_pct": 9.0 - sum(gain[t] for t in {".".join(n.split(".")[2:]) for n in model})}
+        ppl = 9.0 - sum(gain[t] for t in {".".join(n.split(".")[2:]) for n in model})
+        return {"perplexity_delta_pct": ppl, "kl_divergence_mean": ppl / 100}  # gains rank by KL
 
     search.measure = measure
-    result, metrics_, kept = search.promote(lambda int8: (list(int8),), ([],), {"perplexity_delta_pct": 9.0}, sizes)
+    result, metrics_, kept = search.promote(lambda int8: (list(int8),), ([],),
+                                            {"perplexity_delta_pct": 9.0, "kl_divergence_mean": 0.09}, sizes)
     total = sum(sizes.values())
     assert 4 * (25 + 200) <= INT8_BUDGET * total < 4 * 400  # v_proj and down_proj fit the budget together, up_proj not
     # each type measured alone (up_proj, 1600 of 2900 elements, is over the budget: never tried)
@@ -243,8 +246,8 @@ def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantize
     assert promoted and promoted == r["chosen"]["int8_layers"]
     types = {t["int8_layers"][0] for t in r["tried"] if len(t.get("int8_layers", [])) == 1}
     assert types and all("*" in t for t in types)  # measured per layer type
-    best = min(r["tried"], key=lambda t: t["perplexity_delta_pct"])
-    assert r["result"]["perplexity_delta_pct"] == best["perplexity_delta_pct"]
+    best = min(r["tried"], key=lambda t: (t["kl_divergence_mean"], t["perplexity_delta_pct"]))
+    assert r["result"]["kl_divergence_mean"] == best["kl_divergence_mean"]
     assert not q.manifest["lint"]["passed"]  # TensorRT takes neither; the build is refused, naming the way out
     with pytest.raises(KvforgeError, match="--no-zero-points"):
         check_precision_supported(quant, "9.0", "H100")
