@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -132,3 +133,13 @@ def test_a_missing_baseline_is_an_error_not_a_pass(tmp_path):
     path.write_text('[[artifacts]]\nname = "fp32"\n')
     with pytest.raises(KvforgeError, match="no baseline at .*--update-baseline"):
         check(path, log=lambda m: None)
+
+
+@pytest.mark.parametrize("spec_file", sorted((Path(__file__).parents[2] / "checks").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_committed_spec_loads_and_its_baseline_holds_each_artifact(spec_file):
+    """A committed check (checks/*.toml) runs in someone's CI: its spec must load and its committed baseline must
+    hold a result for every artifact it makes, else that check fails on its first run."""
+    loaded = load_spec(spec_file)
+    baseline = json.loads(loaded.baseline.read_text())
+    assert baseline["spec"] == spec_file.name
+    assert {key.split("/")[0] for key in baseline["results"]} == {a.name for a in loaded.artifacts}
