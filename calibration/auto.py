@@ -75,7 +75,7 @@ SAMPLE_ROWS = 512  # calibration rows per activation for the local search
 # that KL too (perplexity change on the windows breaks ties). A perplexity change measured on ~2000 tokens of a
 # given text is not the figure to steer by: errors can raise the probability of the text that happens to follow.
 # On SmolLM2 INT8 the static smoothed space measured +0.43% there (KL 0.039) against +1.00% for per-token smoothed
-# (KL 0.008), where held-out Alice measures +2.69% and +0.84% (KL 0.042 and 0.008); on Gemma 3 270M INT4 blocks of
+# (KL 0.008), where held-out Alice measures +2.69% and +0.63% (KL 0.042 and 0.008); on Gemma 3 270M INT4 blocks of
 # 32 measured -2.7% there, "within" +4%, with KL 0.52 and top-1 0.63.
 TARGET_PPL_PCT = {"int8": 1.0, "fp8": 1.0, "int4": 4.0}
 RANKED_BY = ("kl_divergence_mean", "perplexity_delta_pct")
