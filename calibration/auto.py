@@ -22,9 +22,10 @@ measurement on the calibration data, in three steps:
    (its Hessians from a second pass, divided by the space's smoothing) are measured too, and kept if better
    (FP8's error is mostly its weights': E4M3 keeps three mantissa bits). INT4 tries blocks 128, 64 and 32 rounded to nearest, then 128 and 32
    with GPTQ, and keeps the first that is within the target (else the best): larger blocks are smaller and as
-   fast. Its blocks have zero points (uint4 codes, qdq.zero_point_blocks) unless the recipe says no (TensorRT).
+   fast. Its blocks have a float minimum each (qdq.minimum_blocks: Q4_1 / Q4_K's form) unless the recipe says no
+   (TensorRT).
 3. While the target is missed: W8A8 keeps the linear layers with the largest local error in float, 1,
-   2, 4, ... of them, within FLOAT_BUDGET of the quantized weights; INT4 with zero points keeps layer types as
+   2, 4, ... of them, within FLOAT_BUDGET of the quantized weights; INT4 with minimums keeps layer types as
    INT8 blocks (Search.promote), within INT8_BUDGET.
 
 Everything tried, measured and chosen is recorded in the manifest (`calibration.recipe`), and the search stops
@@ -83,7 +84,7 @@ FLOAT_BUDGET = 0.10  # at most this fraction of the quantized weights' elements 
 # (block size, GPTQ): the largest block first, rounded to nearest; GPTQ where nearest falls short (on SmolLM2,
 # whose float weights were dequantized from 4-bit blocks of 32, GPTQ measured worse than nearest at every size)
 INT4_CANDIDATES = ((128, False), (64, False), (32, False), (128, True), (32, True))
-# INT4 with zero points (ONNX Runtime's form): layer types kept as INT8 blocks of PROMOTED_BLOCK (llama.cpp's
+# INT4 with minimums (ONNX Runtime's form): layer types kept as INT8 blocks of PROMOTED_BLOCK (llama.cpp's
 # Q8_0) where INT4 misses its target, as Q4_K_M keeps some of its tensors in more bits; at most this fraction of
 # the quantized weights' elements
 INT8_BUDGET = 0.35
@@ -211,7 +212,7 @@ def float_order(chosen: dict[str, dict], sizes: dict[str, int]) -> tuple[list[st
 
 
 class Search:
-    """Step 2 and 3's measurements: candidates against the float graph on held-out calibration windows."""
+    """Step 2 and 3's measurements: candidates against the float graph on held-out windows."""
 
     def __init__(self, bundle, float_model, held_out: tuple[list[int], str], precision: str, progress,
                  time_bound: float = TIME_BOUND_S, session_format: str | None = None):
@@ -315,14 +316,14 @@ class Search:
 
 
 def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], chosen: dict | None,
-           held_out: list[int] | None, gptq_for_block: Callable, progress):
+           held_out: tuple[list[int], str] | None, gptq_for_block: Callable, progress):
     """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=, per_token=) -> (model, targets,
     excluded, record); starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space
     of spaces_for(recipe.activations) (W8A8, else None); the returned recipe's activations are the chosen space's;
-    held_out: the calibration text's
-    held-out ids; gptq_for_block(block_size, zero_points, smoothing factors=None) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
+    held_out: the ids to measure on
+    and their name (CalibrationSet.held_out, held_out_source); gptq_for_block(block_size, zero_points, smoothing factors=None) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
     was chosen, the manifest's record)."""
-    if held_out is None or len(held_out) <= budget_window(bundle):
+    if held_out is None or len(held_out[0]) <= budget_window(bundle):
         # random tokens, or too little text to hold some out: step 1 decides alone in the first space (static where
         # the activations are not fixed: the form every backend runs; INT4: its fixed defaults)
         space = next(iter(chosen)) if chosen else None
@@ -334,8 +335,8 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
             result = quantize(starved)
         return result, recipe, {"mode": "auto", "measured_on": None,
                                 "chosen": {"space": space, "activations": picked} if chosen else {},
-                                "note": "no held-out calibration text to measure candidates on"}
-    s = Search(bundle, float_model, (held_out, "held-out calibration text"), recipe.precision, progress,
+                                "note": "no held-out text to measure candidates on"}
+    s = Search(bundle, float_model, held_out, recipe.precision, progress,
                session_format=recipe.session_format)
     if recipe.weight_only:
         best, zp = None, bool(recipe.zero_points)
@@ -423,7 +424,8 @@ def recipe_summary(record: dict[str, Any]) -> str:
         return f"recipe auto: {'; '.join(parts) or 'defaults'} ({record.get('note')})"
     r, target = record["result"], record["target"]
     met = "" if record["met"] else ", NOT met: the best candidate is kept"
-    return (f"recipe auto: {'; '.join(parts)}; on {record['measured_on']['tokens']} held-out calibration tokens: "
+    return (f"recipe auto: {'; '.join(parts)}; on {record['measured_on']['tokens']} tokens of "
+            f"{record['measured_on']['data']}: "
             f"KL {r['kl_divergence_mean']:.4f} vs float (target <= {target['kl_divergence_mean']:.4f}: "
             f"+{target['perplexity_delta_pct']}% perplexity on the float model's own text{met}), "
             f"perplexity {r['perplexity_delta_pct']:+.2f}%, top-1 {r['top1_agreement']:.4f}; "

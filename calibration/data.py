@@ -32,7 +32,8 @@ class CalibrationSet:
     source: str  # the file, "built-in tiny corpus" or "random tokens"
     sha256: str  # of the token ids
     random: bool = False
-    held_out: list[int] | None = None  # ids kept out of the samples (hold_out), pieces from all over the corpus
+    held_out: list[int] | None = None  # ids to measure on (hold_out): pieces from all over a text never calibrated on
+    held_out_source: str | None = None  # what they are
 
     def batches(self, batch_size: int):
         for i in range(0, len(self.samples), batch_size):
@@ -108,9 +109,10 @@ def load_calibration_set(
 ) -> CalibrationSet:
     """Up to `samples` windows of `seq_len` tokens, spread evenly over the corpus.
 
-    hold_out: up to this many tokens (at most a fifth of the corpus), in pieces of seq_len spread evenly over it,
-    are kept out of the samples and returned as `held_out`, for measuring what the calibration chose on text it
-    did not see."""
+    hold_out: up to this many tokens, in pieces of seq_len spread evenly over a text, are returned as `held_out`,
+    for measuring what the calibration chose on text it did not see: the built-in held-out prose where the
+    built-in prose is calibrated on (another source and register), else pieces of the corpus itself (at most a
+    fifth of it), kept out of the samples."""
     if samples < 1 or seq_len < 1:
         raise KvforgeError(f"need samples >= 1 and seq_len >= 1, got {samples} and {seq_len}")
     max_context = bundle.io.max_context or bundle.text_config["max_seq_len"]
@@ -124,6 +126,7 @@ def load_calibration_set(
         except MemoryError as e:
             raise KvforgeError(f"{samples} random samples of {seq_len} tokens do not fit in memory; ask for fewer") from e
         return CalibrationSet(ids, "random tokens", hashlib.sha256(ids.tobytes()).hexdigest(), random=True)
+    prose = False  # the built-in prose: measured on the built-in held-out prose
     if data is None and _is_builtin_tiny(bundle):
         from kvforge.model_defs.checkpoint import TINY_DIR  # torch: only when tiny's own text is the default
 
@@ -136,15 +139,21 @@ def load_calibration_set(
                 "see, or --random-data to calibrate on random tokens (scales then rarely fit real inputs)"
             )
         texts, source = builtin_prose("calibration")
+        prose = True
     else:
         texts, source = read_texts(data), str(data)
     if bundle.tokenizer_file is None:
         raise KvforgeError(f"bundle {bundle.path} has no tokenizer to tokenize calibration text with")
     tok = Tokenizer.from_file(bundle.tokenizer_file)
     stream = np.concatenate([np.asarray(tok.encode(text), np.int64) for text in texts])
-    held_out = None
-    if hold_out and len(stream) >= 2 * seq_len:
+    held_out = held_name = None
+    if hold_out and prose:
+        other, held_name = builtin_prose("held-out")
+        other_stream = np.concatenate([np.asarray(tok.encode(text), np.int64) for text in other])
+        held_out = _hold_out(other_stream, min(hold_out, len(other_stream) // 2), seq_len)[1]
+    elif hold_out and len(stream) >= 2 * seq_len:
         stream, held_out = _hold_out(stream, min(hold_out, len(stream) // 5), seq_len)
+        held_name = f"held-out pieces of {source}"
     if len(stream) < seq_len:
         raise KvforgeError(f"calibration data has {len(stream)} tokens; one sample needs seq_len={seq_len}")
     windows = len(stream) // seq_len
@@ -152,7 +161,8 @@ def load_calibration_set(
     starts = np.linspace(0, (windows - 1) * seq_len, n).astype(np.int64) // seq_len * seq_len
     ids = np.stack([stream[s : s + seq_len] for s in starts])
     check_vocab(ids, vocab, f"calibration data {source}")
-    return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest(), held_out=held_out)
+    return CalibrationSet(ids, source, hashlib.sha256(ids.tobytes()).hexdigest(), held_out=held_out,
+                          held_out_source=held_name)
 
 
 def _hold_out(stream: np.ndarray, keep: int, piece: int) -> tuple[np.ndarray, list[int]]:

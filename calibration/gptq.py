@@ -20,7 +20,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
-from .qdq import QMAX, dequantize, quantize, weight_scales, zero_point_blocks
+from .qdq import QMAX, dequantize, minimum_blocks, quantize, weight_scales
 
 DAMP = 0.01  # fraction of mean(diag(H)) added to the diagonal (the paper's default)
 _LAZY = 128  # rows per lazy-batch update
@@ -77,7 +77,7 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
 def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None = None,
                   damp: float = DAMP, dtype=np.float32, zero_points: bool = False) -> tuple:
     """GPTQ-round a [K, N] weight onto the `fmt` grid; returns (quantized codes, scales) like qdq.quantize/weight_scales,
-    and the zero points where `zero_points` (asymmetric INT4 blocks: qdq.zero_point_blocks).
+    and the blocks' offsets where `zero_points` (asymmetric INT4 blocks: qdq.minimum_blocks).
 
     Per output channel scales of `w`, or given a block size (the weight-only formats) per block of `block_size`
     rows along K, each block's scale taken from its rows as they stand when GPTQ reaches it (earlier rows' errors
@@ -92,11 +92,11 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
     W = w.astype(np.float64).copy()
     U = _inverse_cholesky(h, damp)
     blocked = block_size is not None
-    zps = None
+    offsets = None
     if blocked:
         lazy = block_size * max(1, _LAZY // block_size)  # a scale block never straddles two lazy batches
         scales = np.zeros((-(-K // block_size), N), np.float32)
-        zps = np.zeros(scales.shape, np.uint8) if zero_points else None
+        offsets = np.zeros(scales.shape, np.float32) if zero_points else None  # the blocks' offsets
     else:
         lazy = _LAZY
         scales = weight_scales(w.astype(np.float32), fmt, dtype=dtype)
@@ -110,26 +110,26 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str, block_size: int | None
             if blocked and row % block_size == 0:
                 end = min(i + block_size, i2 - i1)
                 if zero_points:
-                    block_scale, block_zp = zero_point_blocks(W1[i:end].astype(np.float32), end - i, dtype)
-                    scales[row // block_size], zps[row // block_size] = block_scale[0], block_zp[0]
+                    block_scale, block_offset = minimum_blocks(W1[i:end].astype(np.float32), end - i, dtype)
+                    scales[row // block_size], offsets[row // block_size] = block_scale[0], block_offset[0]
                 else:
                     scales[row // block_size] = weight_scales(W1[i:end].astype(np.float32), fmt, end - i, dtype)[0]
             s = scales[row // block_size][None] if blocked else scales  # this row's scales
-            z = zps[row // block_size][None] if zps is not None else None
-            q = quantize(W1[i][None], s, fmt, 1, z)  # block size 1: one row, its own scale row (ignored per-channel)
-            deq = dequantize(q, s, fmt, 1, z)[0]
+            z = offsets[row // block_size][None] if offsets is not None else None
+            q = quantize(W1[i][None], s, fmt, 1, offset=z)  # block size 1: one row, its own scale row (ignored per-channel)
+            deq = dequantize(q, s, fmt, 1, offset=z)[0]
             codes.append(q[0])
             e = (W1[i] - deq) / U[row, row]
             W1[i + 1:] -= np.outer(U[row, row + 1:i2], e)
             err[i] = e
         W[i2:] -= U[i1:i2, i2:].T @ err
-    return (np.stack(codes), scales) + ((zps,) if zps is not None else ())
+    return (np.stack(codes), scales) + ((offsets,) if offsets is not None else ())
 
 
 def gptq_rounder(hessians, smooth, fmt: str, block_size, dtype, progress, total: int, zero_points: bool = False):
     """round_weight(target, w) for qdq.rewrite: each target's weight rounded by GPTQ once (later rewrites of the
     same graph reuse it), from its activation's Hessian (divided by the SmoothQuant factors where given);
-    zero_points: asymmetric INT4 blocks."""
+    zero_points: asymmetric INT4 blocks (a minimum each: qdq.minimum_blocks)."""
     rounded: dict[str, tuple] = {}
 
     def round_weight(t, w):

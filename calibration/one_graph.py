@@ -134,7 +134,8 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
             bundle, model, quantize, recipe.session_format, recipe.accuracy_budget, held_out, progress)
     elif recipe.auto:
         (model, targets, excluded, record), recipe, recipe_record = search(
-            bundle, model, recipe, quantize, starved, chosen, cset.held_out if cset else None,
+            bundle, model, recipe, quantize, starved, chosen,
+            (cset.held_out, cset.held_out_source) if cset and cset.held_out else None,
             lambda b, zp, factors=None: gptq_rounder(candidate_hessians(), factors, recipe.precision, b, float_dtype,
                                                      progress, len(targets), zp),
             progress)

@@ -21,9 +21,13 @@ float; `lm_head` stays in float unless asked. Per target:
   (0.0075; benchmarks/minilm_embeddings.py).
   FP8 per token: each row's scale max|row| / 448, symmetric (zero points FP8 zeros, made by a Cast).
   ONNX Runtime runs it (runtime/ort/per_token.py: INT8 on integer kernels); TensorRT takes only constant scales;
-- asymmetric INT4 blocks (`zero_points`): uint4 codes with a uint4 zero point per block, the range chosen per
-  block by least squared error (zero_point_blocks), Q4_1's form with a code for zero; ONNX Runtime runs them as
-  MatMulNBits (faster than signed codes there), TensorRT takes zero points of 0 only;
+- asymmetric INT4 blocks (`zero_points`): a float minimum per block beside its scale, llama.cpp's Q4_1 and
+  Q4_K form (minimum_blocks: scale and minimum a least-squares fit to the block). The codes are signed INT4
+  behind a DequantizeLinear with no zero point, c * scale; the minimum (stored as offset = minimum + 8 * scale)
+  joins on the activation side, x @ (W + offsets spread over their blocks) = x @ W + blocksum(x) @ offsets (a
+  Reshape and ReduceSum shared by the activation's readers, a small MatMul and an Add per layer), so ONNX
+  Runtime still runs the weight as MatMulNBits. A tied head quantized with the embedding keeps uint4 codes with
+  an integer zero point per block (zero_point_blocks), which its embedding Gather reads as well;
 - SmoothQuant (INT8): the activation is divided per input channel by s and
   the weight rows multiplied by s (s_k = amax_x,k^a / amax_w,k^(1-a)),
   an exact rewrite that moves outliers from activations into weights.
@@ -69,6 +73,7 @@ def layer_name(node) -> str:
 
 
 TIED_FROM = "kvforge: tied to "
+BLOCK_OFFSETS = "kvforge: INT4 block offsets"  # the doc string of minimum_blocks' offset tables (not layers)
 
 
 def untie_lm_head(model, base_dir: str = "") -> bool:
@@ -124,7 +129,8 @@ def find_targets(model, exclude: list[str] = (), quantize_lm_head: bool = False,
             raise KvforgeError(f"--exclude {p!r} is not a valid regular expression: {e}") from e
     targets, excluded, names = [], [], []
     for node in g.node:
-        if node.op_type != "MatMul" or node.input[1] not in inits or len(inits[node.input[1]].dims) != 2:
+        if node.op_type != "MatMul" or node.input[1] not in inits or len(inits[node.input[1]].dims) != 2 \
+                or inits[node.input[1]].doc_string == BLOCK_OFFSETS:
             continue
         name = "lm_head" if "logits" in node.output else layer_name(node)
         names.append(name)
@@ -217,14 +223,73 @@ def zero_point_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple
     return best_scale, best_zp.astype(np.uint8)
 
 
+# where an INT4 block's least-squares fit of its scale and minimum starts (minimum_blocks): its [min, max] range,
+# each end moved inwards by (1 - f) / 2 of the span; and how many times it rounds and refits from there
+MINIMUM_STARTS = (1.0, 0.9, 0.8)
+FIT_STEPS = 4
+
+
+def minimum_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric INT4 blocks of a [K, N] weight with a float minimum each, llama.cpp's Q4_1 and Q4_K form:
+    (scales, offsets), each [ceil(K/B), N] and exact in `dtype`; signed codes c in [-8, 7] stand for
+    c * scale + offset (offset = the block's minimum + 8 * scale).
+
+    Each block's pair is a least-squares fit: from its range (each end moved in by MINIMUM_STARTS), the codes are
+    rounded and (scale, offset) refit to them FIT_STEPS times; the start that ends with the smallest squared error
+    on the block is kept. A weight that was itself Q4_1 or Q4_K blocks of this size comes back on its own grid."""
+    K, N = w.shape
+    blocks = -(-K // block_size)
+    padded = np.zeros((blocks * block_size, N), np.float32)
+    padded[:K] = w
+    b = padded.reshape(blocks, block_size, N)
+    mask = (np.arange(blocks * block_size) < K).astype(np.float32).reshape(blocks, block_size, 1)
+    count = mask.sum(axis=1)  # [blocks, 1]: a last block cut short fits its real rows only
+    big = np.float32(np.finfo(np.float32).max)
+    lo0, hi0 = np.where(mask > 0, b, big).min(axis=1), np.where(mask > 0, b, -big).max(axis=1)
+    span0 = hi0 - lo0
+    mean_b = (b * mask).sum(axis=1) / count
+    tiny = np.finfo(dtype).tiny
+
+    def rounded(scale, offset):
+        return np.clip(np.rint((b - offset[:, None]) / scale[:, None]), -8, 7)
+
+    best_err = best_scale = best_offset = None
+    for f_lo in MINIMUM_STARTS:
+        for f_hi in MINIMUM_STARTS:
+            lo = lo0 + (1 - f_lo) / 2 * span0
+            scale = np.maximum((hi0 - (1 - f_hi) / 2 * span0 - lo) / 15, tiny)
+            offset = lo + 8 * scale
+            for _ in range(FIT_STEPS):
+                c = rounded(scale, offset)
+                mean_c = (c * mask).sum(axis=1) / count
+                dc = (c - mean_c[:, None]) * mask
+                var, cov = (dc * dc).sum(axis=1), (dc * (b - mean_b[:, None])).sum(axis=1)
+                fit = (var > 0) & (cov > 0)
+                scale = np.where(fit, cov / np.where(fit, var, 1), scale)
+                offset = mean_b - scale * mean_c
+            scale = stored_scale(scale, dtype).astype(np.float32)
+            offset = offset.astype(dtype).astype(np.float32)
+            err = ((((rounded(scale, offset) * scale[:, None] + offset[:, None]) - b) ** 2) * mask).sum(axis=1)
+            if best_err is None:
+                best_err, best_scale, best_offset = err, scale, offset
+            else:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_scale, best_offset = np.where(better, scale, best_scale), np.where(better, offset, best_offset)
+    return best_scale, best_offset
+
+
 def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
-             zero_point: np.ndarray | None = None) -> np.ndarray:
+             zero_point: np.ndarray | None = None, offset: np.ndarray | None = None) -> np.ndarray:
     """ONNX QuantizeLinear semantics (round half to even, saturate); `scale` per output channel [N] or per block of
-    `block_size` rows [ceil(K/B), N]; zero point 0, or INT4's `zero_point` (shaped like scale: uint4 codes)."""
+    `block_size` rows [ceil(K/B), N]; zero point 0, or INT4's `zero_point` (shaped like scale: uint4 codes), or
+    INT4's float `offset` (shaped like scale: minimum_blocks' signed codes of x - offset)."""
     import ml_dtypes
 
     if np.ndim(scale) == 2:
         scale = np.repeat(scale, block_size, axis=0)[: x.shape[0]]
+    if offset is not None:
+        x = x - np.repeat(offset, block_size, axis=0)[: x.shape[0]]
     y = x.astype(np.float32) / scale
     if zero_point is not None:
         if np.ndim(zero_point) == 2:
@@ -238,9 +303,10 @@ def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None 
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
-               zero_point: np.ndarray | None = None) -> np.ndarray:
+               zero_point: np.ndarray | None = None, offset: np.ndarray | None = None) -> np.ndarray:
     if np.ndim(scale) == 2:  # blocks along K (axis 0 of a [K, N] weight)
-        return block_dequantized(q, scale, block_size, 0, zero_point)
+        w = block_dequantized(q, scale, block_size, 0, zero_point)
+        return w if offset is None else w + np.repeat(np.asarray(offset, np.float32), block_size, axis=0)[: q.shape[0]]
     if zero_point is not None:
         return (q.astype(np.float32) - zero_point) * scale
     return q.astype(np.float32) * scale
@@ -286,10 +352,10 @@ def rewrite(model, targets: list[Target], fmt: str, act_amax: dict[str, float] |
     act_amax: each activation's calibrated range (W8A8 with static scales), or None: weight-only; per_token: INT8
     activations scaled per row at run time (act_amax is not read; smooth, SmoothQuant's factors, is).
 
-    zero_points: INT4 blocks asymmetric (uint4 codes with a zero point per block: zero_point_blocks; ONNX Runtime's
-    form, TensorRT takes zero points of 0 only).
+    zero_points: INT4 blocks asymmetric (a float minimum per block: minimum_blocks; a tied head, zero_point_blocks;
+    the form kvforge runs on ONNX Runtime).
 
-    round_weight(target, w) -> (codes, scales[, zero points]) replaces round-to-nearest (GPTQ); `w` is already smoothed,
+    round_weight(target, w) -> (codes, scales[, offsets]) replaces round-to-nearest (GPTQ); `w` is already smoothed,
     and the scales it returns must be exact in `float_dtype` (weight_scales(..., dtype=float_dtype)). base_dir:
     where the graph's external data lies, for a graph loaded without it: each weight is read when it is quantized,
     and the weights that stay float stay where they are. progress(done, total): after each target's weight.
@@ -324,7 +390,7 @@ class _QdqEdit:
         self.g = model.graph
         self.inits = {i.name: i for i in self.g.initializer}
         self.fmt, self.block_size, self.smooth, self.float_dtype = fmt, block_size, smooth, float_dtype
-        self.zero_points = zero_points  # INT4 blocks asymmetric (zero_point_blocks), ONNX Runtime's form
+        self.zero_points = zero_points  # INT4 blocks asymmetric (minimum_blocks), ONNX Runtime's form
         self.base_dir = base_dir
         self.q_type = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.INT4}[fmt]
         self.new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
@@ -334,6 +400,7 @@ class _QdqEdit:
         self.record = {"weights": {}, "activations": {}}
         self.shared: dict[str, tuple[str, str]] = {}  # activation -> (its scale's prefix, the tensor consumers read)
         self.padded: dict[str, str] = {}  # block-wise: activation -> its copy padded to whole blocks along K
+        self.block_sums: dict[str, str] = {}  # minimum_blocks: the MatMul input -> its blocks' sums
 
     def before(self, t: Target, *nodes) -> None:
         self.new_nodes.setdefault(self.index[id(t.node)], []).extend(nodes)
@@ -346,13 +413,18 @@ class _QdqEdit:
         w = numpy_helper.to_array(self.inits[t.weight], self.base_dir).astype(np.float32)
         if self.smooth and t.activation in self.smooth:
             w = w * self.smooth[t.activation][:, None]  # W' = diag(s) W
-        zp = None
-        if round_weight is not None:
-            q, scale, *zp = round_weight(t, w)
-            zp = zp[0] if zp else None
-        elif self.zero_points:
+        zp = offset = None
+        # a tied head's codes are also its embedding's rows (share_tied_head): integer zero points, read by both
+        tied = self.zero_points and self.inits[t.weight].doc_string.startswith(TIED_FROM)
+        if round_weight is not None and not tied:
+            q, scale, *offset = round_weight(t, w)
+            offset = offset[0] if offset else None
+        elif tied:
             scale, zp = zero_point_blocks(w, block_size, self.float_dtype)
             q = quantize(w, scale, fmt, block_size, zp)
+        elif self.zero_points:
+            scale, offset = minimum_blocks(w, block_size, self.float_dtype)
+            q = quantize(w, scale, fmt, block_size, offset=offset)
         else:
             scale = weight_scales(w, fmt, block_size, self.float_dtype)
             q = quantize(w, scale, fmt, block_size)
@@ -395,9 +467,45 @@ class _QdqEdit:
         self.before(t, helper.make_node("DequantizeLinear", dq_inputs, [f"{base}_dequantized"], name=f"{base}_dq",
                                         **attrs))
         t.node.input[1] = f"{base}_dequantized"
+        if offset is not None:
+            self.block_offsets(t, offset, -(-w.shape[0] // block_size), block_size)
         self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
                                            **({"zero_point": zp.tolist()} if zp is not None else {}),
+                                           **({"offset": recorded(offset)} if offset is not None else {}),
                                            **({"k_padding": k_padding} if k_padding else {})}
+
+    def block_offsets(self, t: Target, offset: np.ndarray, blocks: int, block_size: int) -> None:
+        """The blocks' offsets on the activation side: the target's output plus blocksum(x) @ offset, x its input
+        (padded to whole blocks where it is); the block sums (a Reshape to [..., blocks, B] and a ReduceSum) are
+        shared by the activation's readers."""
+        from onnx import helper, numpy_helper
+
+        g, x = self.g, t.node.input[0]
+        if x not in self.block_sums:
+            p = f"{t.layer}.input_blocks"
+            g.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), p + "_lead_start"),
+                                  numpy_helper.from_array(np.array([-1], np.int64), p + "_lead_end"),
+                                  numpy_helper.from_array(np.array([blocks, block_size], np.int64), p + "_block_shape"),
+                                  numpy_helper.from_array(np.array([-1], np.int64), p + "_axes")])
+            self.before(t,
+                        helper.make_node("Shape", [x], [p + "_shape"], name=p + "_shape"),
+                        helper.make_node("Slice", [p + "_shape", p + "_lead_start", p + "_lead_end"], [p + "_lead"],
+                                         name=p + "_lead"),
+                        helper.make_node("Concat", [p + "_lead", p + "_block_shape"], [p + "_blocked_shape"],
+                                         name=p + "_blocked_shape", axis=0),
+                        helper.make_node("Reshape", [x, p + "_blocked_shape"], [p + "_blocked"], name=p + "_blocked"),
+                        helper.make_node("ReduceSum", [p + "_blocked", p + "_axes"], [p + "_sums"], name=p + "_sums",
+                                         keepdims=0))
+            self.block_sums[x] = p + "_sums"
+        base, out = f"{t.layer}.weight", t.node.output[0]
+        table = numpy_helper.from_array(offset.astype(self.float_dtype), f"{base}_offset")
+        table.doc_string = BLOCK_OFFSETS  # not a layer: find_targets passes it by
+        g.initializer.append(table)
+        t.node.output[0] = f"{t.layer}.output_without_offsets"
+        self.after_nodes.setdefault(self.index[id(t.node)], []).extend([
+            helper.make_node("MatMul", [self.block_sums[x], f"{base}_offset"], [f"{base}_offsets"],
+                             name=f"{base}_offsets"),
+            helper.make_node("Add", [t.node.output[0], f"{base}_offsets"], [out], name=f"{base}_plus_offsets")])
 
     def smoothed(self, t: Target, prefix: str) -> str:
         """The target's input divided by SmoothQuant's factors (a Mul by 1/s) where it has them, else the input."""

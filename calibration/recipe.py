@@ -66,8 +66,8 @@ class Recipe:
     activations: str | None = None
     # INT8 weights in blocks with the activations left in float (as llama.cpp's Q8_0), instead of W8A8
     weights_only: bool = False
-    # INT4 blocks with a zero point each (uint4 codes: llama.cpp's Q4_1 / AWQ's form; ONNX Runtime only) or without
-    # (symmetric: TensorRT's form); None: with them under the automatic recipe, without in a fixed one
+    # INT4 blocks asymmetric, a float minimum each (llama.cpp's Q4_1 / Q4_K form: qdq.minimum_blocks; ONNX Runtime)
+    # or symmetric (TensorRT's form); None: asymmetric under the automatic recipe, symmetric in a fixed one
     zero_points: bool | None = None
 
     @property
@@ -220,8 +220,9 @@ class Recipe:
         if bundle.manifest.get("opset", 0) < MIN_OPSET[self.precision]:
             raise KvforgeError(f"{self.precision} Q/DQ needs opset >= {MIN_OPSET[self.precision]}; "
                                f"re-export with --opset {max(21, MIN_OPSET[self.precision])}")
-        # INT4 blocks: with zero points under the automatic recipe (ONNX Runtime's uint4 form, as per-token W8A8
-        # is its form of activations), symmetric in a fixed one; --no-zero-points / --zero-points say which
+        # INT4 blocks: with minimums under the automatic recipe (the form kvforge runs on ONNX Runtime, as
+        # per-token W8A8 is its form of activations), symmetric in a fixed one; --no-zero-points / --zero-points
+        # say which
         zero_points = (self.auto if self.zero_points is None else bool(self.zero_points)) \
             if self.precision == "int4" else False
         return dataclasses.replace(self, exclude=exclude, accuracy_budget=budget, block_size=block_size,
@@ -232,7 +233,7 @@ class Recipe:
         return {
             "format": self.precision,
             "recipe": self.recipe,
-            "weights": ("block-wise asymmetric" if self.zero_points else "block-wise") if self.weight_only
+            "weights": ("block-wise with minimums" if self.zero_points else "block-wise") if self.weight_only
             else "per-channel",
             "weight_only": self.weight_only,
             "zero_points": bool(self.zero_points),

@@ -232,7 +232,7 @@ def inspect(bundle, as_json):
 @click.option("--precision", required=True, type=click.Choice(["int8", "fp8", "int4"]))
 @click.option("--recipe", type=click.Choice(["auto", "fixed"]),
               help="auto (the default for decoders): smoothing, clipping, layers kept in "
-                   "float, INT4 block size and rounding chosen by measurement on held-out calibration text; fixed: "
+                   "float, INT4 block size and rounding chosen by measurement on held-out text; fixed: "
                    "the options as given (max, no smoothing, block 128, nearest where not given); the default for encoders, "
                    "encoder-decoders and INT4 with no text to measure on. The options below that fix a choice "
                    "(--method, --percentile, --smoothquant, --block-size, --gptq, --accuracy-budget) need --recipe fixed.")
@@ -256,8 +256,9 @@ def inspect(bundle, as_json):
               help="Block size along K of the weight-only formats (INT4 default 128: TensorRT documents 64 and 128; "
                    "INT8 --weights-only default 32).")
 @click.option("--zero-points/--no-zero-points", default=None,
-              help="int4: blocks with a zero point each (asymmetric, llama.cpp Q4_1's form; ONNX Runtime only: the "
-                   "automatic recipe's default) or without (symmetric: TensorRT's form, the fixed recipe's default). "
+              help="int4: blocks with a float minimum each (asymmetric, llama.cpp Q4_1's and Q4_K's form; ONNX "
+                   "Runtime only: the automatic recipe's default) or without (symmetric: TensorRT's form, the fixed "
+                   "recipe's default). "
                    "With them, the automatic recipe may also keep its most sensitive layer types as INT8 blocks.")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")

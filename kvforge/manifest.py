@@ -57,7 +57,7 @@ IO = Rec({
 QUANTIZATION = Rec({
     "format": Enum(*QUANT_FORMATS), "recipe": Opt(Enum("auto", "fixed")), "weights": str, "weight_rounding": str, "gptq_damp": Opt(Num(low=0)),
     "weight_only": Opt(bool),  # the activations stay float (int4; int8 with --weights-only)
-    "zero_points": Opt(bool),  # int4 blocks with a uint4 zero point each (ONNX Runtime's form)
+    "zero_points": Opt(bool),  # int4 blocks asymmetric: a float minimum each (ONNX Runtime's form)
     "int8_layers": Opt(ListOf(str)),  # an int4 graph's layers stored as INT8 blocks (the automatic recipe's step 3)
     "activations": Opt(str), "method": Opt(str), "percentile": Opt(Num(low=0, high=100)),
     "smoothquant_alpha": Opt(Num(low=0, high=1)), "block_size": Opt(POSITIVE), "kv_cache": Opt(Enum("int8", "fp8")),

@@ -164,8 +164,8 @@ def check_precision_supported(quantization: dict[str, Any] | None, compute_capab
                            "choice), which ONNX Runtime runs and TensorRT does not (its scales are constants); "
                            "calibrate the float bundle with --activations static for TensorRT")
     if q.get("zero_points"):
-        raise KvforgeError("this bundle's INT4 blocks have zero points (asymmetric: the automatic recipe's default, "
-                           "which ONNX Runtime runs), and TensorRT's DequantizeLinear takes zero points of 0 only; "
+        raise KvforgeError("this bundle's INT4 blocks are asymmetric (a minimum or zero point per block: the "
+                           "automatic recipe's default, which kvforge runs on ONNX Runtime, not on TensorRT); "
                            "calibrate the float bundle with --no-zero-points for TensorRT")
     if q.get("int8_layers"):
         raise KvforgeError(f"this bundle keeps {len(q['int8_layers'])} layers as block-wise INT8 weights beside its INT4 "

@@ -228,10 +228,10 @@ def test_int4_keeps_the_layer_types_that_help_most_per_element_as_int8_within_th
 def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantized_float_graph(tmp_path, tiny_fp32,
                                                                                             tiny_heldout, monkeypatch):
     """The automatic INT4 recipe (zero points: ONNX Runtime's form) with a target no candidate meets goes through
-    every block candidate and step 3: layer types kept as INT8 blocks. The bundle's graph holds uint4 codes with a
-    zero point per block and block-wise INT8 codes for the promoted layers; on ONNX Runtime (the runtime's variant:
-    INT8 blocks as float weights) it computes the float graph with each weight replaced by its codes dequantized
-    here from the definition, (q - z) * s."""
+    every block candidate and step 3: layer types kept as INT8 blocks. The bundle's graph holds signed INT4 codes
+    with a scale and a float offset per block (a minimum each) and block-wise INT8 codes for the promoted layers; on
+    ONNX Runtime (the runtime's variant: INT8 blocks as float weights) it computes the float graph with each weight
+    replaced by its codes dequantized here from the definition, q * s + offset."""
     import ml_dtypes
 
     from kvforge.calibration import auto
@@ -242,7 +242,7 @@ def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantize
     monkeypatch.setitem(auto.TARGET_PPL_PCT, "int4", -50.0)  # unreachable (a negative KL): every step runs
     q = calibrate(tiny_fp32.path, tmp_path / "int4", precision="int4", zero_points=True, samples=16, seq_len=64)
     quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
-    assert quant["zero_points"] is True and quant["weights"] == "block-wise asymmetric" and not r["met"]
+    assert quant["zero_points"] is True and quant["weights"] == "block-wise with minimums" and not r["met"]
     blocks_tried = [t for t in r["tried"] if "weight_rounding" in t]
     assert [(t["block_size"], t["weight_rounding"]) for t in blocks_tried] == list(
         (b, "gptq" if g else "nearest") for b, g in auto.INT4_CANDIDATES)
@@ -267,10 +267,11 @@ def test_int4_with_zero_points_keeps_int8_layer_types_and_runs_as_the_dequantize
             steps = np.repeat(scale, auto.PROMOTED_BLOCK, 0)[:len(codes)]
             dequantized[layer] = codes.astype(np.float32) * steps
         else:
-            zp = inits[f"{layer}.weight_zero_point"]
-            assert codes.dtype == ml_dtypes.uint4 and zp.dtype == ml_dtypes.uint4 and zp.shape == scale.shape
-            dequantized[layer] = (codes.astype(np.float32) - np.repeat(zp, block, 0)[:len(codes)].astype(np.float32)) \
-                * np.repeat(scale, block, 0)[:len(codes)]
+            offset = inits[f"{layer}.weight_offset"]
+            assert codes.dtype == ml_dtypes.int4 and f"{layer}.weight_zero_point" not in inits
+            assert offset.shape == scale.shape and offset.dtype == np.float32
+            dequantized[layer] = codes.astype(np.float32) * np.repeat(scale, block, 0)[:len(codes)] \
+                + np.repeat(offset, block, 0)[:len(codes)]
     reference = onnx.load(str(tiny_fp32.graph_file))
     targets, _ = find_targets(reference)
     weights = {i.name: i for i in reference.graph.initializer}

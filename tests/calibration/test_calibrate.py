@@ -128,6 +128,74 @@ def test_asymmetric_int4_blocks_are_the_least_error_range_and_dequantize_identic
     assert block_errors(ours).sum() < 0.8 * block_errors(sym).sum()
 
 
+def test_minimum_blocks_give_q4_1_weights_back_and_fit_others_closer_than_a_range_or_an_integer_zero_point():
+    """INT4 blocks with a float minimum (llama.cpp's Q4_1 / Q4_K form): a weight gguf quantized to Q4_1 (the oracle:
+    llama.cpp's reference quantizer in gguf-py) comes back on its own grid; on other weights each block leaves no
+    more squared error than its plain [min, max] range with a float minimum (written here from the definition), and
+    less in all than the integer zero point form."""
+    import gguf
+
+    from kvforge.calibration.qdq import minimum_blocks, zero_point_blocks
+
+    rng = np.random.default_rng(11)
+    rows = (rng.standard_normal((48, 128)) * 0.05 + 0.01).astype(np.float32)  # [N, K]: gguf blocks the last axis
+    on_grid = gguf.quants.dequantize(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_1),
+                                     gguf.GGMLQuantizationType.Q4_1).T.copy()  # [K, N]
+    scale, offset = minimum_blocks(on_grid, 32)
+    back = dequantize(quantize(on_grid, scale, "int4", 32, offset=offset), scale, "int4", 32, offset=offset)
+    np.testing.assert_allclose(back, on_grid, rtol=0, atol=1e-6 * np.abs(on_grid).max())
+
+    w = (rng.standard_normal((100, 24)) + 0.4).astype(np.float32)  # K = 100: the last block is cut short
+    w[3, 2] = 9.0
+    scale, offset = minimum_blocks(w, 32)
+    q = quantize(w, scale, "int4", 32, offset=offset)
+    assert q.dtype == ml_dtypes.int4 and scale.shape == offset.shape == (4, 24)
+    ours = dequantize(q, scale, "int4", 32, offset=offset)
+
+    def block_errors(deq):
+        e = np.zeros((128, 24))
+        e[:100] = (deq - w) ** 2
+        return e.reshape(4, 32, 24).sum(1)
+
+    plain = np.zeros_like(w)
+    for start in range(0, 100, 32):
+        b = w[start:start + 32]
+        lo, step = b.min(0), (b.max(0) - b.min(0)) / 15
+        plain[start:start + 32] = np.round((b - lo) / step) * step + lo
+    assert (block_errors(ours) <= block_errors(plain) * (1 + 1e-5) + 1e-9).all()
+    zp_scale, zp = zero_point_blocks(w, 32)
+    integer = dequantize(quantize(w, zp_scale, "int4", 32, zp), zp_scale, "int4", 32, zp)
+    assert block_errors(ours).sum() < 0.9 * block_errors(integer).sum()
+
+
+@pytest.mark.parametrize("K", [96, 100])
+def test_minimum_blocks_run_in_onnxruntime_as_the_weight_they_stand_for(K):
+    """The Q/DQ rewrite of a MatMul with minimum blocks (signed codes behind a DequantizeLinear, the offsets added on
+    the activation side through block sums) computes, in ONNX Runtime, x @ (codes * scale + offset) (numpy, float64),
+    padded K included; the offset table is not a layer find_targets would quantize again."""
+    from kvforge.calibration.qdq import find_targets, minimum_blocks, rewrite
+    from kvforge.ort_session import make_session
+
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((K, 24)) * 0.1 + 0.02).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, ["b", "t", K])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, ["b", "t", 24])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    targets, _ = find_targets(model)
+    record = rewrite(model, targets, "int4", None, 32, None, np.float32, zero_points=True)
+    assert "offset" in record["weights"]["proj"] and "zero_point" not in record["weights"]["proj"]
+    onnx.checker.check_model(model, full_check=True)
+    assert find_targets(model, require_matches=False)[0] == []
+    scale, offset = minimum_blocks(w, 32)
+    expected_w = dequantize(quantize(w, scale, "int4", 32, offset=offset), scale, "int4", 32, offset=offset)
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    (y,) = make_session(model.SerializeToString(), "int4").run(None, {"x": x})  # MatMulNBits, float32 sums
+    np.testing.assert_allclose(y, x.astype(np.float64) @ expected_w, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt,block", [("int8", None), ("fp8", None), ("int4", 16)])
 def test_float16_scales_are_stored_exactly_and_never_flush_to_zero(fmt, block):
     """A float16 model's scales are float16: amax / qmax of a near-dead channel (here ~1e-8) would round to 0,
@@ -350,6 +418,32 @@ def test_other_models_calibrate_on_the_built_in_prose_or_an_explicit_random_flag
     (no_tokenizer / "kvforge.json").write_text(json.dumps(manifest))
     with pytest.raises(KvforgeError, match="no calibration data: .* has no tokenizer"):
         calibrate(no_tokenizer, tmp_path / "q2", precision="int8")
+
+
+def test_the_built_in_prose_is_measured_on_held_out_prose_of_another_source(micro_bundle):
+    """Calibrating on the shipped prose, the automatic recipe measures its candidates on the fourth shipped text
+    (another source and register): every held-out piece is a run of that text's tokens, spread over all of it,
+    and none is in the calibration prose. With --data the pieces are the corpus's own (test_auto_recipe)."""
+    from kvforge.calibration import load_calibration_set
+    from kvforge.texts import builtin_prose
+    from kvforge.tokenizer import Tokenizer
+
+    b = micro_bundle("llama3-micro")
+    cset = load_calibration_set(b, samples=4, seq_len=64, hold_out=1024)
+    (text,), name = builtin_prose("held-out")
+    assert cset.held_out_source == name and "loc_workshop_on_electronic_texts.txt" in name
+    tok = Tokenizer.from_file(b.tokenizer_file)
+    stream = tok.encode(text)
+    calibration = [tok.encode(t) for t in builtin_prose("calibration")[0]]
+    held = cset.held_out
+    assert len(held) == 1024
+    starts = []
+    for i in range(0, len(held), 64):
+        piece = held[i:i + 64]
+        starts.append(next(s for s in range(len(stream) - 63) if stream[s:s + 64] == piece))
+        run = piece[:24]
+        assert not any(c[j:j + 24] == run for c in calibration for j in range(len(c) - 23))
+    assert starts == sorted(starts) and starts[0] < len(stream) / 8 and starts[-1] > len(stream) * 7 / 8
 
 
 def test_option_errors(tmp_path, fp32):

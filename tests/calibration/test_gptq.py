@@ -31,26 +31,27 @@ def _hessian(x):
 
 @pytest.mark.parametrize("fmt,block", FORMATS)
 def test_gptq_lowers_the_layer_output_error_on_the_same_grid(fmt, block):
-    from kvforge.calibration.qdq import zero_point_blocks
+    from kvforge.calibration.qdq import minimum_blocks
 
     x, w = _layer()
-    zero_points = fmt.endswith("-zp")  # asymmetric INT4 blocks: uint4 codes and a zero point per block
+    zero_points = fmt.endswith("-zp")  # asymmetric INT4 blocks: signed codes, a scale and a float offset per block
     fmt = fmt.removesuffix("-zp")
-    codes, scales, *zp = gptq_quantize(w, _hessian(x), fmt, block, zero_points=zero_points)
-    zp = zp[0] if zp else None
-    assert (zp is not None) == zero_points
-    rtn_scales, rtn_zp = zero_point_blocks(w, block) if zero_points else (weight_scales(w, fmt, block), None)
-    rtn = dequantize(quantize(w, rtn_scales, fmt, block, rtn_zp), rtn_scales, fmt, block, rtn_zp)
-    assert codes.shape == w.shape and codes.dtype == quantize(w, rtn_scales, fmt, block, rtn_zp).dtype
+    codes, scales, *offset = gptq_quantize(w, _hessian(x), fmt, block, zero_points=zero_points)
+    offset = offset[0] if offset else None
+    assert (offset is not None) == zero_points
+    rtn_scales, rtn_offset = minimum_blocks(w, block) if zero_points else (weight_scales(w, fmt, block), None)
+    rtn = dequantize(quantize(w, rtn_scales, fmt, block, offset=rtn_offset), rtn_scales, fmt, block, offset=rtn_offset)
+    assert codes.shape == w.shape and codes.dtype == quantize(w, rtn_scales, fmt, block, offset=rtn_offset).dtype
     assert scales.shape == rtn_scales.shape and scales.dtype == np.float32
     if fmt != "int4":  # per-channel scales are the weight's own; int4 blocks take theirs as GPTQ reaches them
         np.testing.assert_array_equal(scales, rtn_scales)
-    ours = dequantize(codes, scales, fmt, block, zp)
+    ours = dequantize(codes, scales, fmt, block, offset=offset)
     gptq_err = np.linalg.norm(x @ (w - ours))
     rtn_err = np.linalg.norm(x @ (w - rtn))
     assert gptq_err < 0.85 * rtn_err, (gptq_err, rtn_err)
     # every code is on the grid: re-quantizing the dequantized weight gives the same codes
-    np.testing.assert_array_equal(quantize(ours, scales, fmt, block, zp).astype(np.float32), codes.astype(np.float32))
+    np.testing.assert_array_equal(quantize(ours, scales, fmt, block, offset=offset).astype(np.float32),
+                                  codes.astype(np.float32))
 
 
 def test_uncorrelated_inputs_make_gptq_round_to_nearest():
