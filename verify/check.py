@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvforge
-from kvforge.bundle import now_utc
+from kvforge.bundle import Bundle, now_utc
 from kvforge.calibration.observers import METHODS
 from kvforge.checks import positive_int_or_none
 from kvforge.errors import KvforgeError
@@ -179,6 +179,7 @@ class CheckResult:
     outcomes: list[Outcome]
     findings: list[Finding]
     baseline_written: bool = False
+    estimates: dict[str, dict] = field(default_factory=dict)  # recipe_estimates()
 
     @property
     def passed(self) -> bool:
@@ -194,7 +195,31 @@ class CheckResult:
             "baseline_written": self.baseline_written,
             "results": {o.key: (o.report.result if o.report else {"skipped": o.skipped}) for o in self.outcomes},
             "findings": [f.__dict__ for f in self.findings],
+            "recipe_estimates": self.estimates,
         }
+
+
+ESTIMATED = ("kl_divergence_mean", "perplexity_delta_pct", "top1_agreement")
+
+
+def recipe_estimates(outcomes: list[Outcome]) -> dict[str, dict]:
+    """Each artifact the automatic recipe calibrated: what the recipe measured on its held-out text while it chose
+    (the estimate `kvforge calibrate` prints) beside what the check measured on its own text, so a user sees
+    whether the printed estimate can be trusted."""
+    out = {}
+    for o in outcomes:
+        if o.report is None or o.bundle is None:
+            continue
+        recipe = (Bundle(o.bundle).manifest.get("calibration") or {}).get("recipe") or {}
+        if not recipe.get("measured_on"):
+            continue
+        r = o.report.result
+        out[o.key] = {
+            "estimated": {**{k: recipe["result"][k] for k in ESTIMATED}, "data": recipe["measured_on"]["data"],
+                          "tokens": recipe["measured_on"]["tokens"]},
+            "measured": {**{k: r.get(k) for k in ESTIMATED}, "data": r.get("data"), "tokens": r.get("tokens")},
+        }
+    return out
 
 
 def limit_for(metric: str, baseline: float, tolerance: tuple[float, float]) -> float:
@@ -273,8 +298,9 @@ def check(spec_path: str | Path, update_baseline: bool = False, *, workdir: str 
         record = baseline_record(outcomes, spec)
         findings = against_baseline(outcomes, record, spec.tolerances)
         spec.baseline.write_text(json.dumps(record, indent=2) + "\n")
-        return CheckResult(spec, outcomes, findings, baseline_written=True)
-    return CheckResult(spec, outcomes, against_baseline(outcomes, baseline, spec.tolerances))
+        return CheckResult(spec, outcomes, findings, baseline_written=True, estimates=recipe_estimates(outcomes))
+    return CheckResult(spec, outcomes, against_baseline(outcomes, baseline, spec.tolerances),
+                       estimates=recipe_estimates(outcomes))
 
 
 def write_check_report(result: CheckResult, json_path: str | Path) -> list[Path]:

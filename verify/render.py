@@ -51,6 +51,17 @@ def print_check(result, spec, console) -> None:
         if o.skipped:
             table.add_row(o.key, "-", "", "", "", f"skipped: {o.skipped}")
     console.print(table)
+    if result.estimates:
+        table = Table(title="the automatic recipe's estimate (its held-out text) beside this check's measurement")
+        for col in ("artifact/backend", "", "KL", "perplexity change", "top-1", "text"):
+            table.add_column(col)
+        for key, pair in result.estimates.items():
+            for which in ("estimated", "measured"):
+                e = pair[which]
+                table.add_row(key if which == "estimated" else "", which, fmt(e["kl_divergence_mean"]),
+                              f"{e['perplexity_delta_pct']:+.2f}%", f"{e['top1_agreement']:.4f}",
+                              f"{e['tokens']} tokens of {e['data']}")
+        console.print(table)
 
 
 def print_pipeline(result, source, console) -> None:

@@ -77,6 +77,27 @@ def test_check_passes_unmodified_and_catches_a_corrupted_scale(spec, tmp_path):
     assert json.loads((tmp_path / "baseline.json").read_text()) == baseline
 
 
+def test_the_recipe_estimate_is_shown_beside_the_checks_measurement(tiny_fp32, tmp_path):
+    """An artifact the automatic recipe calibrated: the check reports the estimate the recipe printed (measured on its
+    held-out text) beside its own measurement (on the check's text), in the result, the JSON report and the table."""
+    shutil.copytree(tiny_fp32.path, tmp_path / "fp32")
+    spec = tmp_path / "check.toml"
+    spec.write_text('source = "tiny"\nbaseline = "baseline.json"\n[data]\nmax_tokens = 512\nsteps = 4\nprompts = 1\n'
+                    '[[artifacts]]\nname = "fp32"\nbundle = "fp32"\n'
+                    '[[artifacts]]\nname = "q"\nprecision = "int8"\nbase = "fp32"\nsamples = 8\nseq_len = 64\n')
+    out = CliRunner().invoke(main, ["check", str(spec), "--quiet", "--update-baseline", "--workdir", str(tmp_path / "w"),
+                                    "--report", str(tmp_path / "report.json")])
+    assert out.exit_code == 0, out.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["recipe_estimates"]) == {"q/onnxruntime"}  # the float artifact has no recipe
+    recipe = Bundle(tmp_path / "w" / "q").manifest["calibration"]["recipe"]
+    pair, measured = report["recipe_estimates"]["q/onnxruntime"], report["results"]["q/onnxruntime"]
+    assert pair["estimated"]["kl_divergence_mean"] == recipe["result"]["kl_divergence_mean"] > 0
+    assert pair["estimated"]["data"] == recipe["measured_on"]["data"] != pair["measured"]["data"] == measured["data"]
+    assert pair["measured"]["kl_divergence_mean"] == measured["kl_divergence_mean"] > 0
+    assert "automatic recipe's estimate" in out.output
+
+
 def test_an_artifact_missing_from_the_baseline_fails(spec, tmp_path):
     (tmp_path / "baseline.json").write_text(json.dumps({"results": {}}))
     result = check(spec, log=lambda m: None)
