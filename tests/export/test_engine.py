@@ -34,6 +34,8 @@ from kvforge.export.engine import (
 from kvforge.export.onnx_export import io_spec
 from kvforge.model_defs import ModelConfig
 
+from ..derived_checks import add_raw_adapter, assert_altered_adapter_is_caught, assert_derived
+
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
@@ -209,7 +211,8 @@ def test_dry_run_prints_the_plan_without_tensorrt(fp32, int8, cli, tmp_path, no_
 @pytest.mark.parametrize("precision,options,expected", [
     ("fp8", dict(activations="static"), {"QuantizeLinear": {"FP8": 14}, "DequantizeLinear": {"FP8": 28}}),
     ("int4", dict(zero_points=False), {"QuantizeLinear": {}, "DequantizeLinear": {"INT4": 14}}),
-    ("int4", {}, {"QuantizeLinear": {}, "DequantizeLinear": {"UINT4": 14}}),  # the automatic recipe's zero points
+    # the automatic recipe's blocks with a float minimum: signed codes too (the minimums are an offset table)
+    ("int4", {}, {"QuantizeLinear": {}, "DequantizeLinear": {"INT4": 14}}),
 ])
 def test_precision_summary_counts_qdq_by_dtype(fp32, tmp_path, precision, options, expected):
     q = calibrate(fp32.path, tmp_path / precision, precision=precision, random_data=True, samples=4, seq_len=16,
@@ -315,3 +318,43 @@ def test_inspect_shows_the_engine(int8, tmp_path, cli):
     text = " ".join(out.output.split())
     assert "engine: TensorRT 10.13.0.35 for NVIDIA H100 80GB HBM3 (compute capability 9.0), max batch 4, max context 128" in text
     assert "profile 0 prefill" in text and "profile 1 decode" in text
+
+
+# -- the written bundle: what it carries of its source (kvforge/derived.py), through a stand-in TensorRT ------------
+@pytest.fixture
+def standin_build(monkeypatch):
+    """`build` runs against the stand-in TensorRT of the newest described release (tests/runtime/trt_standin.py:
+    it parses the graph and serializes a record of the build), on a stand-in GPU."""
+    from kvforge import tensorrt_env
+    from kvforge.export import engine as engine_mod
+
+    from ..runtime.trt_standin import RELEASES, tensorrt
+
+    trt = tensorrt(RELEASES[-1])
+    monkeypatch.setattr(tensorrt_env.TrtLogger, "instance", None)
+    monkeypatch.setattr(engine_mod, "require_tensorrt_gpu",
+                        lambda: (trt, {"name": "Stand-in GPU", "compute_capability": "9.0", "count": 1}))
+
+
+def test_an_engine_bundle_carries_its_sources_files_and_adapters_and_hashes_every_file(fp32, standin_build, tmp_path):
+    shutil.copytree(fp32.path, tmp_path / "source")
+    source = add_raw_adapter(Bundle(tmp_path / "source"))
+    assert "adapters/x/adapter.safetensors" in source.manifest["files"]
+    engine = build(source.path, tmp_path / "engine", max_batch=2, max_context=64)
+    assert engine.manifest["graph"] == "model.engine" and engine.manifest["engine"]["source"]["bundle"] == str(source.path)
+    assert "config.json" in engine.manifest["files"]  # `kvforge lora add` reads it from an engine bundle too
+    assert_derived(source, engine, "build")
+    assert_altered_adapter_is_caught(engine, "x")
+
+
+def test_one_engine_per_graph_is_a_bundle_that_carries_and_hashes_as_well(micro_bundle, standin_build, tmp_path):
+    """A vision-language bundle (two graphs: export/engine_graphs.py): the engine bundle opens (its `engine` record
+    names the decoder's engine and profiles, as the schema asks), with the source's files and adapters."""
+    shutil.copytree(micro_bundle("llava-micro").path, tmp_path / "source")
+    source = add_raw_adapter(Bundle(tmp_path / "source"))
+    engine = build(source.path, tmp_path / "engine", max_batch=2, max_context=48)
+    assert engine.manifest["graphs"] == {"vision": "vision.engine", "decoder": "decoder.engine"}
+    assert engine.manifest["engine"]["file"] == engine.manifest["graph"] == "decoder.engine"
+    assert engine.manifest["engine"]["profiles"] == engine.manifest["engines"]["decoder"]["profiles"]
+    assert_derived(source, engine, "build")
+    assert_altered_adapter_is_caught(engine, "x")
