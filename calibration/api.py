@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import kvforge
 from kvforge import resources
-from kvforge.bundle import Bundle, now_utc, write_manifest
+from kvforge.bundle import Bundle
+from kvforge.derived import write_derived
 from kvforge.ecosystem import write_ecosystem_files
-from kvforge.outputs import check_output_path, staged_bundle
+from kvforge.outputs import check_output_path
 from kvforge.tokenizer import Tokenizer
 
 from .auto import HOLD_OUT_TOKENS
@@ -67,15 +66,16 @@ def calibrate(bundle_path: str | Path, out: str | Path, *, options: Recipe | Non
 
 def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], quantization: dict[str, Any],
                      calibration: dict[str, Any], options: dict[str, Any], started: float) -> Bundle:
-    """Stage the quantized graphs (file name -> ModelProto) with the float bundle's tokenizer and a manifest
-    that extends its lineage. Two graphs (an encoder-decoder) keep their weights in one shared file."""
+    """Write the quantized graphs (file name -> ModelProto) as the bundle derived from the float one
+    (kvforge.derived.write_derived: its tokenizer, config and adapters carried, its lineage extended, every file
+    hashed). Two graphs (an encoder-decoder) keep their weights in one shared file."""
     import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
     from kvforge.export.lint import lint, merge_lint  # the export package imports torch: only when writing
     from kvforge.onnx_graph import external_bytes, save_with_data
 
-    with staged_bundle(out, force, [bundle.path]) as tmp:
+    def write(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         shared = len(models) > 1
         # a graph may still read float weights from the input bundle's data file (calibration reads each when it
         # is used): they stay in a data file, as does everything of a graph over EXTERNAL_FROM
@@ -88,40 +88,23 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
             else:
                 load_external_data_for_model(model, str(bundle.path))
                 onnx.save(model, str(tmp / name))
-        sharing = None
+        entries: dict[str, Any] = {}
         if shared:
             from kvforge.export.seq2seq_export import share_weights
 
-            sharing = share_weights([tmp / name for name in models])
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (bundle.path / name).is_file():
-                shutil.copy2(bundle.path / name, tmp / name)
+            entries["weight_sharing"] = share_weights([tmp / name for name in models])
         precision_record = {"dtype": bundle.dtype, "quantization": quantization}
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
-        ecosystem = write_ecosystem_files(tmp, bundle.model_config, bundle.io, bundle.manifest["graph"], precision_record,
-                                          tokenizer, from_bundle=bundle.path)
         roles = {name: role for role, name in bundle.manifest.get("graphs", {"model": "model.onnx"}).items()}
-        lint_result = merge_lint({roles.get(name, name): lint(tmp / name) for name in models})
-        manifest: dict[str, Any] = {
-            k: v for k, v in bundle.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")
-        }
-        manifest.update(
-            stage="calibrate",
+        entries.update(
             external_data="model.onnx.data" if big or shared else None,
             precision=precision_record,
-            ecosystem=ecosystem,
+            # regenerated for the quantized graph (the float bundle's config.json carried over as it is)
+            ecosystem=write_ecosystem_files(tmp, bundle.model_config, bundle.io, bundle.manifest["graph"],
+                                            precision_record, tokenizer, from_bundle=bundle.path),
             calibration=calibration,
-            lint=lint_result,
-            lineage=bundle.manifest.get("lineage", []) + [{
-                "stage": "calibrate",
-                "tool": f"kvforge {kvforge.__version__}",
-                "time": now_utc(),
-                "input": {"source": str(bundle.path.resolve()), "kind": "bundle", "sha256": bundle.graph_sha256},
-                "options": options,
-                "seconds": {"total": round(time.time() - started, 2)},
-            }],
+            lint=merge_lint({roles.get(name, name): lint(tmp / name) for name in models}),
         )
-        if sharing is not None:
-            manifest["weight_sharing"] = sharing
-        write_manifest(tmp, manifest)
-    return Bundle(out)
+        return entries, {"options": options, "seconds": {"total": round(time.time() - started, 2)}}
+
+    return write_derived(bundle, out, force, "calibrate", write)

@@ -31,18 +31,15 @@ TensorRT part (`engine_plan.compile_engine`) is kept thin.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import kvforge
-from kvforge.adapters import copy_adapters
-from kvforge.bundle import Bundle, now_utc, sha256_file, write_manifest
-from kvforge.ecosystem import HF_CONFIG
+from kvforge.bundle import Bundle, sha256_file
+from kvforge.derived import derived_manifest, write_derived
 from kvforge.errors import KvforgeError
-from kvforge.outputs import check_output_path, staged_bundle
+from kvforge.outputs import check_output_path
 from kvforge.tensorrt_env import (
     ENGINE_FILE,
     INSTALL,
@@ -175,16 +172,15 @@ def _builder_lines(plan: dict[str, Any]) -> list[str]:
 
 
 # -- the manifest --------------------------------------------------------------------------
-def engine_manifest(source: dict[str, Any], *, source_path: str, tensorrt_version: str, gpu_name: str,
-                    compute_capability: str, profiles: list[dict[str, Any]], limits: dict[str, int],
-                    options: dict[str, Any], timing_cache: dict[str, Any] | None, lint_result: dict[str, Any],
-                    seconds: dict[str, float]) -> dict[str, Any]:
-    """The engine bundle's manifest from the source manifest and the facts of the build (pure: testable with any facts)."""
+def engine_records(source: dict[str, Any], *, source_path: str, tensorrt_version: str, gpu_name: str,
+                   compute_capability: str, profiles: list[dict[str, Any]], limits: dict[str, int],
+                   options: dict[str, Any], timing_cache: dict[str, Any] | None, lint_result: dict[str, Any],
+                   seconds: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The build's own manifest entries and lineage fields (kvforge.derived.derived_manifest adds them to the
+    source's), from the source manifest and the facts of the build (pure: testable with any facts)."""
     files = source.get("files", {})
     graph, data = source["graph"], source.get("external_data")
-    manifest = {k: v for k, v in source.items() if k not in ("format", "format_version", "files", "validation", "lint")}
-    manifest.update(
-        stage="build",
+    entries = dict(
         graph=ENGINE_FILE,
         external_data=None,
         io={**source["io"], "max_context": limits["max_context"]},
@@ -209,17 +205,14 @@ def engine_manifest(source: dict[str, Any], *, source_path: str, tensorrt_versio
             "timing_cache": timing_cache,
         },
         lint=lint_result,
-        lineage=source.get("lineage", []) + [{
-            "stage": "build",
-            "tool": f"kvforge {kvforge.__version__}",
-            "time": now_utc(),
-            "input": {"source": source_path, "kind": "bundle", "sha256": files.get(graph, {}).get("sha256")},
-            "options": {**limits, **options},
-            "versions": {"tensorrt": tensorrt_version},
-            "seconds": seconds,
-        }],
     )
-    return manifest
+    lineage = {"options": {**limits, **options}, "versions": {"tensorrt": tensorrt_version}, "seconds": seconds}
+    return entries, lineage
+
+
+def engine_manifest(source: dict[str, Any], *, source_path: str, **facts: Any) -> dict[str, Any]:
+    """The engine bundle's manifest but its files: what `build` writes (pure: engine_records' facts)."""
+    return derived_manifest(source, source_path, "build", *engine_records(source, source_path=source_path, **facts))
 
 
 # -- the build -----------------------------------------------------------------------------
@@ -261,19 +254,19 @@ def build(bundle, out, *, max_batch: int | None = None, max_context: int | None 
                   "saved_sha256": sha256_file(tc_path)}
 
     progress("write", 0, 1)
-    with staged_bundle(out, force, [plan["bundle"]]) as tmp:
+    source_path = str(source.path.resolve())
+
+    def write(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         (tmp / ENGINE_FILE).write_bytes(engine_bytes)
-        for name in ("tokenizer.json", "tokenizer_config.json", HF_CONFIG):  # config.json: `kvforge lora add` reads it
-            if (source.path / name).is_file():
-                shutil.copy2(source.path / name, tmp / name)
-        copy_adapters(source.path, tmp)  # a slotted bundle's adapters: the engine serves them, and takes more
         opts = {k: v for k, v in asdict(options).items() if k != "timing_cache"}
-        manifest = engine_manifest(
-            source.manifest, source_path=str(source.path), tensorrt_version=trt.__version__, gpu_name=device["name"],
+        return engine_records(
+            source.manifest, source_path=source_path, tensorrt_version=trt.__version__, gpu_name=device["name"],
             compute_capability=device["compute_capability"], profiles=plan["profiles"], limits=plan["limits"],
             options=opts, timing_cache=timing, lint_result=plan["lint"],
             seconds={"build": round(build_s, 2), "total": round(time.time() - started, 2)},
         )
-        write_manifest(tmp, manifest)
+
+    # the tokenizer, config.json and a slotted bundle's adapters carried (the engine serves them, and takes more)
+    engine = write_derived(source, out, force, "build", write)
     progress("write", 1, 1)
-    return Bundle(out)
+    return engine

@@ -32,11 +32,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import kvforge
-from kvforge.bundle import BATCH, HEIGHT, IMAGE_TOKENS, IMAGES, SEQ, WIDTH, Bundle, IOSpec, TensorSpec, now_utc, write_manifest
+from kvforge.bundle import BATCH, HEIGHT, IMAGE_TOKENS, IMAGES, SEQ, WIDTH, Bundle, IOSpec, TensorSpec
+from kvforge.derived import write_derived
 from kvforge.errors import KvforgeError
 from kvforge.images import ImageProcessing
-from kvforge.outputs import staged_bundle
 from kvforge.tensorrt_env import concrete_shape
 
 from .engine_plan import (POINTS, BuildOptions, Limits, check_graph, check_profiles, compile_engine, infer_profile_shapes,
@@ -188,31 +187,26 @@ def build_graphs(trt, device, source: Bundle, plan: dict[str, Any], out, force: 
         built[g["role"]] = (g, engine, round(time.time() - t0, 2))
     progress("build", len(plan["graphs"]), len(plan["graphs"]))
     files = source.manifest.get("files", {})
-    with staged_bundle(out, force, [source.path]) as tmp:
-        import shutil
+    settings = {k: v for k, v in asdict(options).items() if k != "timing_cache"}
+    main, main_profiles = next((g["engine"], g["profiles"]) for g, _, _ in built.values()
+                               if g["graph"] == source.manifest["graph"])
 
+    def write(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         for g, engine, _ in built.values():
             (tmp / g["engine"]).write_bytes(engine)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (source.path / name).is_file():
-                shutil.copy2(source.path / name, tmp / name)
-        manifest = {k: v for k, v in source.manifest.items() if k not in ("format", "format_version", "files", "validation", "lint")}
-        main = next(g["engine"] for g, _, _ in built.values() if g["graph"] == source.manifest["graph"])
-        manifest.update(
-            stage="build", graph=main, external_data=None,
-            graphs={role: g["engine"] for role, (g, _, _) in built.items()} if len(built) > 1 else None,
+        entries = dict(
+            graph=main, external_data=None,
             engines={role: {"file": g["engine"], "profiles": g["profiles"], "source_graph": g["graph"],
                             "onnx_sha256": files.get(g["graph"], {}).get("sha256"), "seconds": s}
                      for role, (g, _, s) in built.items()},
-            engine={"tensorrt_version": trt.__version__, "gpu": {"name": device["name"],
+            # `engine` describes the main graph's engine (the bundle's `graph`), as a one-engine bundle's does
+            engine={"file": main, "tensorrt_version": trt.__version__, "gpu": {"name": device["name"],
                     "compute_capability": device["compute_capability"]}, "strongly_typed": True,
-                    "limits": plan["limits"], **{k: v for k, v in asdict(options).items() if k != "timing_cache"}},
-            lineage=source.manifest.get("lineage", []) + [{
-                "stage": "build", "tool": f"kvforge {kvforge.__version__}", "time": now_utc(),
-                "input": {"source": str(source.path), "kind": "bundle"}, "options": plan["limits"],
-                "versions": {"tensorrt": trt.__version__}, "seconds": {"total": round(time.time() - started, 2)}}],
+                    "limits": plan["limits"], "profiles": main_profiles, **settings},
+            **({"graphs": {role: g["engine"] for role, (g, _, _) in built.items()}} if len(built) > 1 else {}),
         )
-        if manifest["graphs"] is None:
-            del manifest["graphs"]
-        write_manifest(tmp, manifest)
-    return Bundle(out)
+        lineage = {"options": plan["limits"], "versions": {"tensorrt": trt.__version__},
+                   "seconds": {"total": round(time.time() - started, 2)}}
+        return entries, lineage
+
+    return write_derived(source, out, force, "build", write)

@@ -4,7 +4,9 @@ A bundle exported with LoRA slots (io.extra.lora) serves any adapter that fits t
 `adapters/NAME/`: `adapter.safetensors` (per slot `{slot}.a` (in, rank) and `{slot}.b` (rank, out), the scaling
 folded into b; float32) and `adapter.json` (its rank, slots, where it came from and the safetensors file's
 sha256). Adding one writes a staged directory and renames it into place, so a reader sees a whole adapter or
-none; the graph and the manifest are not touched. Reading checks the file's hash and that every slot it fills is
+none; then, as after removing one, the manifest lists the adapters' files again (`record_adapters`: each hashed,
+the other files' records kept as they were); the graph is not touched. A bundle derived from this one (calibrate,
+build: kvforge/derived.py) carries its adapters. Reading checks the file's hash and that every slot it fills is
 one of the bundle's, of the bundle's shapes, within its max rank: an adapter copied from another bundle is refused
 by name.
 
@@ -24,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import Bundle, sha256_file
+from .bundle import Bundle, file_records, sha256_file, write_manifest
 from .errors import KvforgeError
+from .manifest import ADAPTERS
 
 MASK = "lora_mask"  # the graph input: per row, 1 over the columns of its adapter in the concatenated ranks
 LORA_WIDTH = "lora_width"  # the inputs' dynamic dimension: the step's adapters' ranks side by side
-ADAPTERS = "adapters"
 WEIGHTS, RECORD = "adapter.safetensors", "adapter.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -146,6 +148,7 @@ def write_adapter(bundle: Bundle, name: str, slots: dict[str, tuple[np.ndarray, 
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+    record_adapters(bundle)
     return _info(target)
 
 
@@ -184,12 +187,22 @@ def remove_adapter(bundle: Bundle, name: str) -> None:
     gone = directory.with_name(f".{name}.removed")
     shutil.rmtree(gone, ignore_errors=True)
     os.replace(directory, gone)  # one rename: a reader sees the adapter whole or not at all
+    record_adapters(bundle)
     shutil.rmtree(gone, ignore_errors=True)
+
+
+def record_adapters(bundle: Bundle) -> None:
+    """Record the adapters the bundle holds now in its manifest's files (each of their files listed and hashed;
+    write_manifest); the other files' records stay as they were, not hashed again, so a graph altered since it
+    was written is still caught."""
+    manifest = Bundle(bundle.path).manifest  # as it is now: another `lora add` may have written it since
+    kept = {name: rec for name, rec in manifest["files"].items() if not name.startswith(f"{ADAPTERS}/")}
+    write_manifest(bundle.path, manifest, dict(sorted({**kept, **file_records(bundle.path, ADAPTERS)}.items())))
 
 
 def copy_adapters(source: Path, directory: Path) -> list[str]:
     """Copy the bundle at `source`'s adapters (whole ones: not one being staged or removed) into the bundle being
-    written at `directory` (an engine built from it serves them too); returns their names."""
+    written at `directory` (one derived from it: kvforge/derived.py); returns their names."""
     names = []
     for d in sorted((Path(source) / ADAPTERS).glob("*")):
         if d.is_dir() and not d.name.startswith(".") and (d / RECORD).is_file():

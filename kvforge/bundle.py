@@ -22,7 +22,8 @@ import numpy as np
 from kvforge.cache import cache_root
 from kvforge.errors import KvforgeError
 from kvforge.kinds import Kind, kind_of
-from kvforge.manifest import session_format, validate_manifest
+from kvforge.manifest import check_file_name, session_format, validate_manifest
+from kvforge.schema import SchemaError
 from kvforge.tensorrt_env import is_engine_bundle
 
 MANIFEST = "kvforge.json"
@@ -408,20 +409,42 @@ class Bundle:
                                + "; re-export it from a finite checkpoint")
 
 
-def file_records(directory: Path) -> dict[str, dict[str, Any]]:
-    return {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
+def file_records(directory: Path, under: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every file in the bundle at `directory` but its manifest, by its '/'-separated path inside the bundle (the
+    adapters' adapters/NAME/FILE too), with its bytes and sha256; under: only those in that subdirectory. A
+    hidden directory (`kvforge lora add` staging an adapter, or removing one) is not the bundle's yet, or any
+    more: it is left out. A file the manifest could not list (in another subdirectory) is refused by name."""
+    directory = Path(directory)
+    top = directory / under if under else directory
+    records = {}
+    for root, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # os.walk follows no link to a directory
+        for name in files:
+            p = Path(root) / name
+            if not p.is_file() or p == directory / MANIFEST:
+                continue
+            rel = p.relative_to(directory).as_posix()
+            try:
+                check_file_name(rel, rel)
+            except SchemaError as e:
+                raise KvforgeError(f"{directory} holds {rel}, which a bundle's manifest cannot list: it {e.problem}; "
+                                   "remove it") from e
+            records[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    return dict(sorted(records.items()))
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any], files: dict[str, dict[str, Any]] | None = None
                    ) -> dict[str, Any]:
-    """Complete the manifest with the file records and write it (last, after every file). files: the records
-    write_manifest returned before, where no file but the manifest changed since (an entry added after a check
-    that reads the written bundle)."""
+    """Complete the manifest with the file records (file_records: every file in the bundle) and write it (last,
+    after every file; in one rename, so a reader of a bundle in use sees the old manifest or the new one).
+    files: the records to write instead (those write_manifest returned before, where no file but the manifest
+    changed since: an entry added after a check that reads the written bundle)."""
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest,
                 "files": file_records(directory) if files is None else files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    staged = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    try:
+        staged.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        os.replace(staged, directory / MANIFEST)
+    finally:
+        staged.unlink(missing_ok=True)
     return manifest

@@ -19,6 +19,8 @@ from kvforge.schema import (
 )
 
 STAGES = ("export", "calibrate", "build")
+# a bundle's files lie at its top level, but for its LoRA adapters' (kvforge/adapters.py): adapters/NAME/FILE
+ADAPTERS = "adapters"
 DTYPES = ("float32", "float16", "bfloat16")
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool",
                  "float8_e4m3fn")
@@ -197,11 +199,23 @@ def _check_paths(m: dict[str, Any]) -> None:
         named["io.extra.encoder.graph"] = extra["encoder"]["graph"]
     if m.get("engine"):
         named["engine.file"] = m["engine"]["file"]
-    for name, meta in m["files"].items():
-        check(name, RelPath(), f"manifest.files[{name[:60]!r}]")
+    for name in m["files"]:
+        check_file_name(name, f"manifest.files[{name[:60]!r}]")
     for field, name in named.items():
         if name not in m["files"]:
             raise SchemaError(f"manifest.{field}", f"{name!r} is not one of the bundle's recorded files")
+
+
+def check_file_name(name: str, where: str) -> None:
+    """SchemaError unless `name` is one a bundle's files may have: a plain name at its top level, or an adapter's
+    file, adapters/NAME/FILE."""
+    parts = name.split("/")
+    if len(parts) > 1 and parts[0] == ADAPTERS:
+        check(name, RelPath(directories=True), where)
+        if len(parts) != 3:
+            raise SchemaError(where, f"lies in {ADAPTERS}/ but is not {ADAPTERS}/NAME/FILE (an adapter's file)")
+    else:
+        check(name, RelPath(), where)
 
 
 def _check_cache_tensors(io: dict[str, Any]) -> None:

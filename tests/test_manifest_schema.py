@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,18 @@ def test_read_json_names_the_file_and_the_problem(tmp_path):
     with pytest.raises(KvforgeError, match=r"cannot read .*missing.json"):
         read_json(tmp_path / "missing.json")
     assert read_json(tmp_path / "b.json", kind=list) == [1]
+
+
+def test_the_files_lie_at_the_top_level_but_for_the_adapters(micro_bundle):
+    """A bundle's one subdirectory is adapters/NAME/ (kvforge/adapters.py); any other path in `files` is refused."""
+    manifest = json.loads((micro_bundle("bert-micro").path / "kvforge.json").read_text())
+    record = next(iter(manifest["files"].values()))
+    manifest["files"]["adapters/a2/adapter.safetensors"] = record
+    validate_manifest(manifest, "bert")
+    for name, problem in [("sub/x.json", "names a file in a subdirectory"),
+                          ("adapters/a2/more/x", "is not adapters/NAME/FILE"),
+                          ("adapters/x", "is not adapters/NAME/FILE"),
+                          ("adapters/../x", "climbs out of the bundle")]:
+        bad = {**manifest, "files": {**manifest["files"], name: record}}
+        with pytest.raises(KvforgeError, match=f"bert is damaged: .files\\[{re.escape(repr(name))}\\].* {problem}"):
+            validate_manifest(bad, "bert")

@@ -20,6 +20,7 @@ from kvforge.errors import KvforgeError
 from kvforge.export import export
 
 from ..conftest import make_hf_model, make_peft_adapter
+from ..derived_checks import assert_altered_adapter_is_caught, assert_derived, assert_every_file_hashed
 
 ATOL = 1e-4
 HF = dict(vocab_size=4096)  # the test Llama with tiny's tokenizer (4096 tokens), so that text prompts work
@@ -117,6 +118,8 @@ def test_an_adapter_added_replaced_or_removed_while_a_session_runs_is_served_as_
         late = _peft(3, tmp_path / "late", seed=11, targets=["q_proj", "v_proj"])
         add = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "late"), "--name", "late"])
         assert add.exit_code == 0, add.output
+        first_sha = _recorded(bundle, "late")
+        assert first_sha is not None
         expected_late = late(torch.tensor([PROMPTS[3]])).logits[0].detach().numpy()
         assert np.abs(_logits(session, PROMPTS[3], "late") - expected_late).max() < ATOL  # served without a restart
         first_tokens = session.generate(PROMPTS[3], max_new_tokens=6, ignore_eos=True, adapter="late").tokens
@@ -124,6 +127,7 @@ def test_an_adapter_added_replaced_or_removed_while_a_session_runs_is_served_as_
         newer = _peft(5, tmp_path / "newer", seed=12, targets=["k_proj", "down_proj"])
         force = CliRunner().invoke(main, ["lora", "add", str(bundle.path), str(tmp_path / "newer"), "--name", "late", "--force"])
         assert force.exit_code == 0, force.output
+        assert _recorded(bundle, "late") not in (None, first_sha)
         with torch.no_grad():
             ids = list(PROMPTS[3])
             for _ in range(6):
@@ -134,6 +138,7 @@ def test_an_adapter_added_replaced_or_removed_while_a_session_runs_is_served_as_
         assert np.abs(_logits(session, PROMPTS[3], "late") - expected_newer).max() < ATOL
         removed = CliRunner().invoke(main, ["lora", "remove", str(bundle.path), "late"])
         assert removed.exit_code == 0 and "late" not in [a.name for a in list_adapters(bundle)]
+        assert _recorded(bundle, "late") is None
         with pytest.raises(KvforgeError, match=r"has no adapter 'late'"):  # refused to new requests at once
             session.generate(PROMPTS[3], max_new_tokens=2, adapter="late")
     with runtime.load(bundle.path) as session:
@@ -142,6 +147,50 @@ def test_an_adapter_added_replaced_or_removed_while_a_session_runs_is_served_as_
     listing = CliRunner().invoke(main, ["lora", "list", str(bundle.path), "--json"])
     assert [json.loads(line)["name"] for line in listing.output.splitlines()] == sorted(RANKS)
     assert {json.loads(line)["name"]: json.loads(line)["rank"] for line in listing.output.splitlines()} == RANKS
+
+
+def _recorded(bundle, name: str) -> str | None:
+    """The sha256 the bundle's manifest records for adapter `name`'s weights (None: it lists no such file), after
+    checking that the manifest lists and hashes every file of the bundle."""
+    now = Bundle(bundle.path)
+    assert_every_file_hashed(now)
+    return now.manifest["files"].get(f"adapters/{name}/adapter.safetensors", {}).get("sha256")
+
+
+def test_lora_add_records_each_adapters_files_in_the_manifest(lora_bundle, tmp_path):
+    """`kvforge lora add` leaves the manifest listing and hashing the files it wrote (kvforge/adapters.py
+    record_adapters), so the full check passes, and catches an adapter altered afterwards (in a copy)."""
+    import shutil
+
+    bundle, _, _ = lora_bundle
+    for adapter in list_adapters(bundle):  # the manifest's hash is the one adapter.json records
+        assert adapter.sha256 is not None and _recorded(bundle, adapter.name) == adapter.sha256
+    shutil.copytree(bundle.path, tmp_path / "copy")
+    assert_altered_adapter_is_caught(Bundle(tmp_path / "copy"), "a2")
+
+
+def test_calibrate_keeps_the_adapters_and_hashes_them_with_every_other_file(lora_bundle, tmp_path):
+    """`kvforge calibrate` of a bundle with adapters: the calibrated bundle holds them byte for byte, listed and
+    hashed with every other file (kvforge/derived.py write_derived), its lineage the float one's plus calibrate;
+    the runtime lists and serves them from it with no adapter added again; one altered afterwards fails the full
+    check, naming the file."""
+    bundle, _, _ = lora_bundle
+    result = CliRunner().invoke(main, ["calibrate", str(bundle.path), "-o", str(tmp_path / "int8"), "--precision",
+                                       "int8", "--random-data", "--samples", "4", "--seq-len", "32", "--quiet"])
+    assert result.exit_code == 0, result.output
+    int8 = Bundle(tmp_path / "int8")
+    assert int8.quantization_format == "int8"
+    assert_derived(bundle, int8, "calibrate")
+    assert [(a.name, a.sha256) for a in list_adapters(int8)] == [(a.name, a.sha256) for a in list_adapters(bundle)]
+    # served from the calibrated bundle, the adapter moves its logits as it moves the float bundle's (within INT8's
+    # error on 4 random samples, about 0.3; no adapter, or another one, is an error of 1 or more)
+    with runtime.load(int8.path) as session:
+        moved = _logits(session, PROMPTS[0], "a4") - _logits(session, PROMPTS[0])
+    with runtime.load(bundle.path) as session:
+        float_moved = _logits(session, PROMPTS[0], "a4") - _logits(session, PROMPTS[0])
+    error = np.linalg.norm(moved - float_moved) / np.linalg.norm(float_moved)
+    assert error < 0.5 and np.abs(float_moved).max() > 100 * ATOL, error
+    assert_altered_adapter_is_caught(int8, "a4")
 
 
 def test_bad_adapters_change_nothing(lora_bundle, tmp_path):
@@ -164,8 +213,8 @@ def test_bad_adapters_change_nothing(lora_bundle, tmp_path):
 @pytest.mark.parametrize("precision", ["int8", "fp8", "int4"])
 def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_with_it_merged(lora_bundle, tmp_path,
                                                                                                precision):
-    """The slotted bundle calibrated to INT8, FP8 or INT4 weight-only (the adapters stay float inputs), the adapter
-    added to it: `compare` against the Torch reference with the adapter merged into its weights passes INT8's
+    """The slotted bundle calibrated to INT8, FP8 or INT4 weight-only (the adapters stay float inputs, and the
+    calibrated bundle keeps the float one's): `compare` against the Torch reference with the adapter merged into its weights passes INT8's
     tolerances, and for each precision agrees with it as well as the base without the adapter agrees with the plain
     reference; the FP32 bundle
     with the adapter matches the merged reference to FP32's tolerances (the merge computes the adapter another way;
@@ -173,11 +222,11 @@ def test_a_quantized_base_with_an_adapter_passes_compare_against_the_reference_w
     from kvforge.calibration import calibrate
     from kvforge.verify.compare import compare
 
-    bundle, _, root = lora_bundle
+    bundle, _, _ = lora_bundle
     int8 = calibrate(bundle.path, tmp_path / precision, precision=precision, random_data=True)
     assert int8.manifest["io"]["extra"]["lora"] == bundle.manifest["io"]["extra"]["lora"]
-    add = CliRunner().invoke(main, ["lora", "add", str(int8.path), str(root / "peft-a4"), "--name", "a4"])
-    assert add.exit_code == 0, add.output
+    # calibrate carried the adapters (none is added again here)
+    assert [a.name for a in list_adapters(int8)] == [a.name for a in list_adapters(bundle)]
     options = dict(random_data=True, steps=8, prompts=2, max_tokens=256, seq_len=64)
     quantized = compare(int8.path, adapter="a4", **options)
     if precision == "int8":
