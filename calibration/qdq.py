@@ -337,6 +337,17 @@ def smoothquant_factors(act_amax: np.ndarray, weight: np.ndarray, alpha: float) 
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
 
 
+def digest(a: np.ndarray) -> dict:
+    """A block-wise weight's scales (offsets, zero points) for the manifest: their shape, range and the sha256 of
+    the array's bytes as the graph stores them (every block's value would make the manifest as large as the
+    scales: 150 MB for Gemma 3 270M's INT4)."""
+    import hashlib
+
+    a = np.ascontiguousarray(a)
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "min": float(a.min()), "max": float(a.max()),
+            "sha256": hashlib.sha256(a.tobytes()).hexdigest()}
+
+
 def recorded(scale: np.ndarray) -> list:
     """Scales for the manifest: each the shortest decimal that reads back as the float32 the graph stores."""
     a = np.asarray(scale, np.float32)
@@ -469,9 +480,12 @@ class _QdqEdit:
         t.node.input[1] = f"{base}_dequantized"
         if offset is not None:
             self.block_offsets(t, offset, -(-w.shape[0] // block_size), block_size)
-        self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": recorded(scale),
-                                           **({"zero_point": zp.tolist()} if zp is not None else {}),
-                                           **({"offset": recorded(offset)} if offset is not None else {}),
+        # per channel: the scales themselves; per block (ceil(K/B) x N of them): a digest of the stored tensors
+        summary = digest if block_size else recorded
+        self.record["weights"][t.layer] = {"shape": list(w.shape), "scale": summary(scale.astype(self.float_dtype)),
+                                           **({"zero_point": digest(zp.astype(np.uint8))} if zp is not None else {}),
+                                           **({"offset": digest(offset.astype(self.float_dtype))}
+                                              if offset is not None else {}),
                                            **({"k_padding": k_padding} if k_padding else {})}
 
     def block_offsets(self, t: Target, offset: np.ndarray, blocks: int, block_size: int) -> None:
