@@ -551,8 +551,10 @@ def _batching(bundle, max_batch, max_cache_tokens, prefix_cache_tokens, prefix_b
     where = DRAFTERS[spec.method].draft(spec, Path(bundle)) if spec is not None else None
     if where is not None:
         speculative = f"draft:{Path(where).resolve()}"
-    return runtime.BatchOptions(max_batch, max_cache_tokens, prefix_cache_tokens, prefix_block, prefill_chunk, mixed_steps,
-                                speculative or "", draft_tokens)
+    return runtime.BatchOptions(max_batch=max_batch, max_cache_tokens=max_cache_tokens,
+                                prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
+                                prefill_chunk=prefill_chunk, mixed_steps=mixed_steps, speculative=speculative or "",
+                                draft_tokens=draft_tokens)
 
 
 def _serve_options(f):

@@ -32,7 +32,7 @@ class SerialRunner(RequestQueue):
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
         self.session._check(rows)
-        return self._enqueue(Request(next(self._ids), rows[0], config, self.session._stop_ids(config), 0,
+        return self._enqueue(Request(next(self._ids), rows[0], config, self.session.stop_tokens(config), 0,
                                      TextStream(self.session.tokenizer)))
 
     @property

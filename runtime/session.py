@@ -342,6 +342,20 @@ class Session(SessionLifecycle):
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
         return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
+    # what a runner of requests (runtime/batcher.py) asks of the session
+    def prompt_rows(self, prompt) -> tuple[list[list[int]], bool]:
+        """A prompt (str | ids | a list of either) as lists of token ids, and whether one prompt was given."""
+        return self._prompts(prompt)
+
+    def stop_tokens(self, config: GenerationConfig) -> set[int]:
+        """The token ids that end a generation under config (its stop ids, and the model's EOS unless ignored)."""
+        return self._stop_ids(config)
+
+    def new_drafter(self, config: GenerationConfig):
+        """A fresh drafter for config.speculation (runtime/drafting.py): its draft session opened once per path and
+        kept, its vocabulary checked."""
+        return self._drafter(config)()
+
     def generate(self, prompt, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list (-> list, left-padded batch)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)

@@ -41,7 +41,8 @@ from kvforge.images import ImageProcessing, load_image, prompt_with_images, rope
 from kvforge.ort_session import make_session
 from kvforge.tokenizer import Tokenizer
 
-from .batcher import Batcher, Request, join_inputs
+from .batch_executor import join_inputs
+from .batcher import BatchOptions, Batcher, Request
 from .generate import GenerationConfig, GenerationResult, TokenEvent, token_rows
 from .ort_backend import OnnxRuntimeBackend
 from .session import Session
@@ -278,10 +279,10 @@ class VisionLanguageSession:
         """This thread's generation feeds each row its images (and multimodal RoPE's offsets)."""
         self._local.feeds = [self.feed(ims, row) for row, ims in zip(rows, images)]
 
-    def batcher(self, **options) -> "VisionBatcher":
+    def batcher(self, options: BatchOptions | None = None, **settings) -> "VisionBatcher":
         """A continuous batcher over this session's decoder whose requests carry their own images
-        (submit(prompt, images=[...])): runtime.Batcher's options."""
-        return VisionBatcher(self, **options)
+        (submit(prompt, images=[...])): runtime.Batcher's options (a BatchOptions, or its fields)."""
+        return VisionBatcher(self, options, **settings)
 
     def chat_ids(self, messages, images=None, add_generation_prompt: bool = True) -> tuple[list[int], list[Any]]:
         """(prompt ids, images) of a conversation whose contents may hold image parts (kvforge.chat.split_images:
@@ -414,10 +415,11 @@ class VisionBatcher(Batcher):
     graph runs at the request's first prefill step and its features feed that request's image tokens. Prompts with images and without share the batch; mixed steps are off (a prompt's
     chunk rides apart)."""
 
-    def __init__(self, session: VisionLanguageSession, **options):
-        if options.get("speculative"):
+    def __init__(self, session: VisionLanguageSession, options: BatchOptions | None = None, **settings):
+        options = BatchOptions.of(options, settings)
+        if options.speculative:
             raise KvforgeError("speculative decoding with images is not built yet; leave speculative out")
-        super().__init__(session.decoder, **options)
+        super().__init__(session.decoder, options)
         self.vision = session
 
     def submit(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs) -> Request:

@@ -13,7 +13,6 @@ instance, so both endpoints feed the same batch.
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -37,11 +36,11 @@ class ServedKind(NamedTuple):
 
 
 def _batcher(session, batching: BatchOptions):
-    return Batcher.with_options(session, batching)
+    return Batcher(session, batching)
 
 
 def _vision_batcher(session, batching: BatchOptions):
-    return session.batcher(**asdict(batching))
+    return session.batcher(batching)
 
 
 def _serial(session, batching: BatchOptions):
