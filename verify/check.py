@@ -291,6 +291,7 @@ def check(spec_path: str | Path, update_baseline: bool = False, *, workdir: str 
     try:
         paths = produce(spec.source, spec.artifacts, work, spec.calibration_data, progress, log)
         outcomes = compare_all(spec.artifacts, paths, work, spec.reference, spec.compare_options, progress, log)
+        estimates = recipe_estimates(outcomes)  # read from the bundles, before a temporary workdir goes
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -298,9 +299,8 @@ def check(spec_path: str | Path, update_baseline: bool = False, *, workdir: str 
         record = baseline_record(outcomes, spec)
         findings = against_baseline(outcomes, record, spec.tolerances)
         spec.baseline.write_text(json.dumps(record, indent=2) + "\n")
-        return CheckResult(spec, outcomes, findings, baseline_written=True, estimates=recipe_estimates(outcomes))
-    return CheckResult(spec, outcomes, against_baseline(outcomes, baseline, spec.tolerances),
-                       estimates=recipe_estimates(outcomes))
+        return CheckResult(spec, outcomes, findings, baseline_written=True, estimates=estimates)
+    return CheckResult(spec, outcomes, against_baseline(outcomes, baseline, spec.tolerances), estimates=estimates)
 
 
 def write_check_report(result: CheckResult, json_path: str | Path) -> list[Path]:
