@@ -95,7 +95,7 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
             entries["weight_sharing"] = share_weights([tmp / name for name in models])
         precision_record = {"dtype": bundle.dtype, "quantization": quantization}
         tokenizer = Tokenizer.from_file(bundle.tokenizer_file) if bundle.tokenizer_file else None
-        roles = {name: role for role, name in bundle.manifest.get("graphs", {"model": "model.onnx"}).items()}
+        roles = {name: role for role, name in bundle.graphs.items()}
         entries.update(
             external_data="model.onnx.data" if big or shared else None,
             precision=precision_record,
@@ -103,7 +103,7 @@ def write_calibrated(bundle: Bundle, out, force: bool, models: dict[str, Any], q
             ecosystem=write_ecosystem_files(tmp, bundle.model_config, bundle.io, bundle.manifest["graph"],
                                             precision_record, tokenizer, from_bundle=bundle.path),
             calibration=calibration,
-            lint=merge_lint({roles.get(name, name): lint(tmp / name) for name in models}),
+            lint=merge_lint({roles[name]: lint(tmp / name) for name in models}),
         )
         return entries, {"options": options, "seconds": {"total": round(time.time() - started, 2)}}
 

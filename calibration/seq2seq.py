@@ -83,7 +83,7 @@ def quantize_seq2seq(bundle: Bundle, recipe: Recipe, held_out, progress: Callabl
     """Both graphs quantized by the recipe (an encoder-decoder fits no accuracy budget: held_out is None)."""
     import onnx
 
-    graphs = bundle.manifest["graphs"]
+    graphs = bundle.graphs
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
@@ -99,7 +99,7 @@ def quantize_seq2seq(bundle: Bundle, recipe: Recipe, held_out, progress: Callabl
 def _feeds(bundle: Bundle, decoder, float_dtype):
     """(encoder feeds, decoder feeds) for a calibration item: the decoder reads the float encoder's cross K/V."""
     cfg = bundle.model_config
-    encoder_float = make_session(bundle.path / bundle.manifest["graphs"]["encoder"])
+    encoder_float = make_session(bundle.path / bundle.graphs["encoder"])
     n, H, D = cfg["n_decoder_layers"], cfg["decoder_heads"], cfg["decoder_head_dim"]
     dec_inputs = [i.name for i in decoder.graph.input]
 

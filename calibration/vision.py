@@ -89,8 +89,7 @@ def quantize_vision_language(bundle: Bundle, recipe: Recipe, held_out, progress:
     """Both graphs quantized by the recipe (held_out is None: no accuracy budget for this kind)."""
     import onnx
 
-    spec = bundle.io.extra["vision"]
-    graphs = {"vision": spec["graph"], "decoder": bundle.manifest["graph"]}
+    graphs = bundle.graphs
     bundle.load_graph(external_data=False)  # refuses external data outside the bundle
     models = {role: onnx.load(str(bundle.path / name)) for role, name in graphs.items()}
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32

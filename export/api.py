@@ -239,7 +239,8 @@ def export(
         manifest = {
             "stage": "export",
             "graph": graphs.main,
-            **({"graphs": graphs.files, "weight_sharing": graphs.weight_sharing} if graphs.weight_sharing is not None else {}),
+            "graphs": graphs.files,  # role -> file, every graph (Bundle.graphs)
+            **({"weight_sharing": graphs.weight_sharing} if graphs.weight_sharing is not None else {}),
             "external_data": EXTERNAL_DATA if (tmp / EXTERNAL_DATA).exists() else None,
             "model": cfg.to_dict(),
             "io": io.to_dict(),

@@ -182,6 +182,7 @@ def engine_records(source: dict[str, Any], *, source_path: str, tensorrt_version
     graph, data = source["graph"], source.get("external_data")
     entries = dict(
         graph=ENGINE_FILE,
+        graphs={"model": ENGINE_FILE},  # a decoder LM's one graph
         external_data=None,
         io={**source["io"], "max_context": limits["max_context"]},
         engine={

@@ -53,28 +53,28 @@ class GraphSpec(NamedTuple):
 
 
 def graph_specs(bundle: Bundle) -> list[GraphSpec]:
-    """Each graph of an encoder, encoder-decoder or vision-language bundle: its IO spec and its profiles."""
+    """Each graph of an encoder, encoder-decoder or vision-language bundle (Bundle.graphs): its IO spec and its
+    profiles."""
+    graphs, io = bundle.graphs, bundle.io
     if not bundle.kind.multi_graph:
-        return [GraphSpec("model", bundle.manifest["graph"], bundle.io, _whole_input_profiles, check_corners)]
-    io = bundle.io
-    for role, profiles in (("encoder", _source_profiles), ("vision", _image_profiles)):
-        side = io.extra.get(role)  # the graph beside the decoder: its own IO in io.extra
-        if side is None:
-            continue
-        side_io = IOSpec([TensorSpec.from_dict(t) for t in side["inputs"]],
-                         [TensorSpec.from_dict(t) for t in side["outputs"]], [], [], max_context=io.max_context)
-        if role == "encoder":
-            return [GraphSpec("encoder", side["graph"], side_io, profiles, check_corners),
-                    GraphSpec("decoder", bundle.manifest["graphs"]["decoder"], io, _step_profiles, check_corners)]
-        # a vision-language decoder: the KV-cache decoder's prefill and decode profiles (engine_plan.py)
-        processing, v = ImageProcessing(**bundle.model_config["image_processing"]), bundle.model_config["vision"]
-        # the sides the graph takes: pixels, or (Qwen2-VL: flattened patches) patches
-        nominal = v["image_size"] // v["patch_size"] if v.get("patch_input") == "patches" else v["image_size"]
-        side_io.extra.update(max_tiles=processing.max_tiles, side_bounds=processing.side_bounds, image_size=nominal,
-                             merge_size=v.get("merge_size", 1))
-        return [GraphSpec("vision", side["graph"], side_io, profiles, check_corners),
-                GraphSpec("decoder", bundle.manifest["graph"], io, synthesize_profiles, check_profiles)]
-    raise KvforgeError(f"{bundle.path}'s manifest describes no second graph (io.extra has no encoder or vision entry)")
+        (role, graph), = graphs.items()
+        return [GraphSpec(role, graph, io, _whole_input_profiles, check_corners)]
+    side, _ = bundle.kind.graph_roles  # the graph beside the decoder ("encoder", "vision"): its own IO in io.extra
+    if side not in io.extra:
+        raise KvforgeError(f"{bundle.path}'s manifest has no io.extra.{side} entry: the {side} graph's IO")
+    side_io = IOSpec([TensorSpec.from_dict(t) for t in io.extra[side]["inputs"]],
+                     [TensorSpec.from_dict(t) for t in io.extra[side]["outputs"]], [], [], max_context=io.max_context)
+    if side == "encoder":
+        return [GraphSpec("encoder", graphs["encoder"], side_io, _source_profiles, check_corners),
+                GraphSpec("decoder", graphs["decoder"], io, _step_profiles, check_corners)]
+    # a vision-language decoder: the KV-cache decoder's prefill and decode profiles (engine_plan.py)
+    processing, v = ImageProcessing(**bundle.model_config["image_processing"]), bundle.model_config["vision"]
+    # the sides the graph takes: pixels, or (Qwen2-VL: flattened patches) patches
+    nominal = v["image_size"] // v["patch_size"] if v.get("patch_input") == "patches" else v["image_size"]
+    side_io.extra.update(max_tiles=processing.max_tiles, side_bounds=processing.side_bounds, image_size=nominal,
+                         merge_size=v.get("merge_size", 1))
+    return [GraphSpec("vision", graphs["vision"], side_io, _image_profiles, check_corners),
+            GraphSpec("decoder", graphs["decoder"], io, synthesize_profiles, check_profiles)]
 
 
 def _profile(index: int, name: str, used_for: str, io: IOSpec, dims: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -203,7 +203,7 @@ def build_graphs(trt, device, source: Bundle, plan: dict[str, Any], out, force: 
             engine={"file": main, "tensorrt_version": trt.__version__, "gpu": {"name": device["name"],
                     "compute_capability": device["compute_capability"]}, "strongly_typed": True,
                     "limits": plan["limits"], "profiles": main_profiles, **settings},
-            **({"graphs": {role: g["engine"] for role, (g, _, _) in built.items()}} if len(built) > 1 else {}),
+            graphs={role: g["engine"] for role, (g, _, _) in built.items()},
         )
         lineage = {"options": plan["limits"], "versions": {"tensorrt": trt.__version__},
                    "seconds": {"total": round(time.time() - started, 2)}}

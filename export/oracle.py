@@ -160,9 +160,8 @@ def _seq2seq_graph_outputs(bundle, rows) -> list[dict[str, np.ndarray]]:
 
     from .seq2seq_export import cross_names
 
-    manifest_graphs = bundle.manifest["graphs"]
-    encoder = make_session(bundle.path / manifest_graphs["encoder"], bundle.session_format)
-    decoder = make_session(bundle.path / manifest_graphs["decoder"], bundle.session_format)
+    encoder = make_session(bundle.path / bundle.graphs["encoder"], bundle.session_format)
+    decoder = make_session(bundle.path / bundle.graphs["decoder"], bundle.session_format)
     n = len(bundle.io.past)  # the decoder's self-attention cache, a (key, value) pair a layer
     # the decoder's cross-attention inputs are the encoder's outputs of the same layer; its own cache starts empty
     written = dict(zip(sum(cross_names(n, "past_key_values"), []), sum(cross_names(n, "present"), [])))

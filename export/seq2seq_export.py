@@ -83,7 +83,7 @@ def decoder_output_names(cfg) -> list[str]:
 
 def io_spec(cfg, dtype: torch.dtype, max_len: int) -> IOSpec:
     """The decoder graph's IO spec (its self-attention cache is the KV cache the runtime manages); the encoder
-    graph's and the cross-attention cache's names go in `extra`."""
+    graph's IO and the cross-attention cache's names go in `extra` (the graphs' files: the manifest's `graphs`)."""
     kv = _NP[dtype]
     H, D, n = cfg.decoder_heads, cfg.decoder_head_dim, cfg.n_decoder_layers
     cross_in = cross_names(n, "past_key_values")
@@ -94,13 +94,12 @@ def io_spec(cfg, dtype: torch.dtype, max_len: int) -> IOSpec:
     outputs = [TensorSpec("logits", "float32", [BATCH, DEC_SEQ, cfg.vocab_size])] + [
         TensorSpec(name, kv, [BATCH, H, DEC_TOTAL, D]) for pair in self_names(n, "present") for name in pair]
     encoder = {
-        "graph": ENCODER_GRAPH,
         "inputs": [TensorSpec(name, "int64", [BATCH, ENC_SEQ]).to_dict() for name in ("input_ids", "attention_mask")],
         "outputs": [TensorSpec("last_hidden_state", "float32", [BATCH, ENC_SEQ, cfg.dim]).to_dict()] + [
             TensorSpec(name, kv, [BATCH, H, ENC_SEQ, D]).to_dict() for pair in cross_names(n, "present") for name in pair],
     }
     return IOSpec(inputs, outputs, self_names(n, "past_key_values"), self_names(n, "present"), max_context=max_len,
-                  extra={"architecture": "encoder-decoder", "decoder_graph": DECODER_GRAPH, "encoder": encoder,
+                  extra={"architecture": "encoder-decoder", "encoder": encoder,
                          "cross_cache": {"inputs": cross_in, "encoder_outputs": cross_names(n, "present")},
                          "max_source_length": max_len})
 

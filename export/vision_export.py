@@ -88,7 +88,8 @@ def _image_sizes(cfg, n: int) -> list[tuple[int, int]]:
 
 
 def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
-    """The decoder graph's IO (the KV-cache contract and image_features); the vision graph's in extra.vision."""
+    """The decoder graph's IO (the KV-cache contract and image_features); the vision graph's IO and the image
+    tokens in extra.vision (the graphs' files: the manifest's `graphs`)."""
     dec = cfg.decoder_config
     io = decoder_io_spec(dec, dtype, max_context)
     kv = NP_DTYPES[dtype]
@@ -96,8 +97,7 @@ def io_spec(cfg, dtype: torch.dtype, max_context: int) -> IOSpec:
     if _mrope(cfg):
         io.inputs.append(TensorSpec(OFFSETS, "int64", [BATCH, 3, SEQ]))
     io.extra["vision"] = {
-        "graph": VISION_GRAPH, "decoder_graph": DECODER_GRAPH, "image_token_id": cfg.image_token_id,
-        "image_tokens": cfg.image_tokens,
+        "image_token_id": cfg.image_token_id, "image_tokens": cfg.image_tokens,
         "inputs": [TensorSpec(PIXELS, "float32", [IMAGES, *_pixel_dims(cfg)]).to_dict()],
         "outputs": [TensorSpec(FEATURES, kv, [IMAGES, IMAGE_TOKENS if _patches(cfg) else cfg.image_tokens,
                                               dec.dim]).to_dict()],

@@ -197,6 +197,7 @@ class Bundle:
             IOSpec.from_dict(self.manifest["io"])
         except (KvforgeError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise KvforgeError(f"{manifest} is damaged: its io entry does not read ({type(e).__name__}: {e})") from e
+        self._graphs = _graphs_of(self.manifest, str(manifest))
 
     # -- the typed face: what stages ask of a bundle, read from the validated manifest -----------------------
     @property
@@ -273,6 +274,12 @@ class Bundle:
     @property
     def graph_file(self) -> Path:
         return self.path / self.manifest["graph"]
+
+    @property
+    def graphs(self) -> dict[str, str]:
+        """The bundle's graphs, role -> file: its kind's graph_roles ("model" for one graph; "encoder" or "vision",
+        and "decoder", for two), `graph` among them. Every reader asks this, for every bundle (docs/bundle.md)."""
+        return dict(self._graphs)
 
     @property
     def tokenizer_file(self) -> Path | None:
@@ -407,6 +414,25 @@ class Bundle:
             raise KvforgeError(f"bundle {self.path} is damaged: {listed}"
                                + (f" (and {len(bad) - 3} more tensors)" if len(bad) > 3 else "")
                                + "; re-export it from a finite checkpoint")
+
+
+def _graphs_of(manifest: dict[str, Any], where: str) -> dict[str, str]:
+    """The manifest's `graphs` (validated by the schema); for a manifest written before export always wrote it,
+    the same map from where it kept its graphs: a one-graph bundle's is `graph`; an encoder-decoder's encoder and
+    a vision-language model's vision graph are named in io.extra beside their IO, the decoder is `graph`. This is
+    the one place that knows those layouts."""
+    if "graphs" in manifest:
+        return dict(manifest["graphs"])
+    kind = kind_of(manifest["model"])
+    if not kind.multi_graph:
+        return {kind.graph_roles[0]: manifest["graph"]}
+    side, main = kind.graph_roles  # ("encoder" or "vision", "decoder")
+    spec = manifest["io"].get("extra", {}).get(side)
+    name = spec.get("graph") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or name not in manifest["files"]:
+        raise KvforgeError(f"{where} is damaged: it has no 'graphs' entry, and its io.extra.{side}.graph "
+                           f"({name!r}) is not one of the bundle's recorded files")
+    return {side: name, main: manifest["graph"]}
 
 
 def file_records(directory: Path, under: str | None = None) -> dict[str, dict[str, Any]]:

@@ -3,8 +3,9 @@
 Every such stage writes its own files (graphs, engines) and its own manifest entries; what it keeps of its
 source is the same for all of them, so it is done here: the output is staged (outputs.staged_bundle), the files
 a derived bundle keeps from its source are copied in (CARRIED and the LoRA adapters under adapters/), the
-source's manifest is carried less what described its own files (`derived_manifest`), the lineage gains the
-stage's entry, and `write_manifest` records every file of the new bundle, adapters included, with its hash.
+source's manifest is carried less what described its own files (`derived_manifest`), its graphs (role -> file,
+Bundle.graphs) unless the stage names its own (a build's engines), the lineage gains the stage's entry, and
+`write_manifest` records every file of the new bundle, adapters included, with its hash.
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ def write_derived(source: Bundle, out: str | Path, force: bool, stage: str, writ
 
     The directory is staged, the source's carried files are copied in (carry_files), then `write(directory)`
     writes the stage's own files (it may replace a carried one) and returns (manifest entries, lineage fields);
-    the manifest is `derived_manifest`'s, and `write_manifest` lists and hashes every file in the bundle."""
+    the manifest is `derived_manifest`'s, its `graphs` the source's (Bundle.graphs: written even where the source's
+    manifest predates the entry) unless the stage gives its own, and `write_manifest` lists and hashes every file
+    in the bundle."""
     with staged_bundle(out, force, [source.path]) as tmp:
         carry_files(source.path, tmp)
         entries, lineage = write(tmp)
+        entries = {"graphs": source.graphs, **entries}
         if "files" in entries or "lineage" in entries:
             raise KvforgeError(f"internal error: the {stage} stage gave its own files or lineage; write_derived "
                                "records them")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge.errors import KvforgeError
-from kvforge.kinds import DEFAULT_KIND
+from kvforge.kinds import DEFAULT_KIND, get_kind
 from kvforge.model_fields import MODEL_FIELDS
 from kvforge.schema import (
     AnyJSON, DictOf, Enum, ListOf, Num, Opt, Pattern, Rec, RelPath, SchemaError, Union, annotation_spec, check,
@@ -45,9 +45,10 @@ IO = Rec({
     "extra": Rec({
         "architecture": Enum(*ARCHITECTURES),
         "per_token_outputs": ListOf(str),
+        # where bundles written before `graphs` was always written named their graphs (kvforge.bundle reads them)
         "decoder_graph": RelPath(),
         "encoder": Rec({"graph": RelPath(), "inputs": ListOf(TENSOR), "outputs": ListOf(TENSOR)},
-                       required=("graph", "inputs", "outputs")),
+                       required=("inputs", "outputs")),
         "cross_cache": Rec({"inputs": CACHE_NAMES, "encoder_outputs": CACHE_NAMES}, required=("inputs", "encoder_outputs")),
         "max_source_length": POSITIVE,
         # LoRA slots (export --lora-max-rank): per slot (a module name) its [in, out] features
@@ -142,7 +143,9 @@ ORACLE = Rec({
 
 MANIFEST_SCHEMA = Rec({
     "format": Enum("kvforge-bundle"), "format_version": COUNT, "stage": Enum(*STAGES),
-    "graph": RelPath(), "external_data": Opt(RelPath()), "graphs": Opt(DictOf(RelPath())),
+    # graphs: role -> file, every graph of the bundle (`graph` the one that generates); absent in bundles written
+    # before export always wrote it (kvforge.bundle derives it from their layout)
+    "graph": RelPath(), "external_data": Opt(RelPath()), "graphs": DictOf(RelPath()),
     "model": DictOf(AnyJSON),  # field by field below, by architecture
     "io": IO, "precision": PRECISION, "opset": Opt(POSITIVE), "files": FILES, "lineage": LINEAGE,
     "validation": Opt(VALIDATION), "lint": Opt(LINT), "ecosystem": Opt(ECOSYSTEM), "calibration": Opt(CALIBRATION),
@@ -179,6 +182,7 @@ def validate_manifest(manifest: Any, where: str) -> None:
         check(architecture, Enum(*ARCHITECTURES), "manifest.model.architecture")
         check(model, model_spec(architecture), "manifest.model")
         _check_paths(manifest)
+        _check_graphs(manifest, architecture)
         _check_cache_tensors(manifest["io"])
     except SchemaError as e:
         field = e.path.removeprefix("manifest.").removeprefix("manifest")
@@ -190,13 +194,8 @@ def _check_paths(m: dict[str, Any]) -> None:
     named = {"graph": m["graph"]}
     if m.get("external_data"):
         named["external_data"] = m["external_data"]
-    for role, name in (m.get("graphs") or {}).items():
+    for role, name in m.get("graphs", {}).items():
         named[f"graphs.{role}"] = name
-    extra = m["io"].get("extra", {})
-    if "decoder_graph" in extra:
-        named["io.extra.decoder_graph"] = extra["decoder_graph"]
-    if "encoder" in extra:
-        named["io.extra.encoder.graph"] = extra["encoder"]["graph"]
     if m.get("engine"):
         named["engine.file"] = m["engine"]["file"]
     for name in m["files"]:
@@ -204,6 +203,19 @@ def _check_paths(m: dict[str, Any]) -> None:
     for field, name in named.items():
         if name not in m["files"]:
             raise SchemaError(f"manifest.{field}", f"{name!r} is not one of the bundle's recorded files")
+
+
+def _check_graphs(m: dict[str, Any], architecture: str) -> None:
+    """`graphs` (where written) names one file per graph role of the bundle's kind, `graph` among them."""
+    if "graphs" not in m:
+        return
+    roles = get_kind(architecture).graph_roles
+    if sorted(m["graphs"]) != sorted(roles):
+        raise SchemaError("manifest.graphs", f"has the roles {sorted(m['graphs'])}; {architecture} bundles have "
+                                             f"{list(roles)}")
+    if m["graph"] not in m["graphs"].values():
+        raise SchemaError("manifest.graph", f"{m['graph']!r} is not one of the files 'graphs' names "
+                                            f"({', '.join(m['graphs'].values())})")
 
 
 def check_file_name(name: str, where: str) -> None:

@@ -43,7 +43,7 @@ class OrtGraphs(Runner):
         if bundle.dtype == "bfloat16":
             raise KvforgeError("ONNX Runtime's CPU provider has no bfloat16 kernels; run a float32 or float16 bundle")
         self.bundle, self.threads, self.optimization = bundle, threads, optimization
-        self.graphs = bundle.manifest.get("graphs") or {"model": bundle.manifest["graph"]}  # role -> file
+        self.graphs = bundle.graphs  # role -> file
         self.sessions: dict[str, Any] = {}
         self.dtype = np.float16 if bundle.dtype == "float16" else np.float32
 

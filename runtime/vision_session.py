@@ -80,7 +80,7 @@ class VisionLanguageSession:
         self.feature_dim = next(t for t in self.io.inputs if t.name == FEATURES).shape[-1]
         self.feature_dtype = np.float16 if next(t for t in self.io.inputs if t.name == FEATURES).dtype == "float16" \
             else np.float32
-        self._vision_graph = bundle.path / spec["graph"]
+        self._vision_graph = bundle.path / bundle.graphs["vision"]
         self._vision = None
         self._threads = options.get("threads")
         self._local = threading.local()  # each thread's generation feeds (a batcher's thread has its own)

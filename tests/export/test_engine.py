@@ -287,6 +287,7 @@ def _fake_engine_bundle(source: Bundle, out, engine_bytes: bytes = b"not a real 
 def test_engine_manifest_records_the_build(fp32, int8, tmp_path):
     m = _engine_manifest(int8)
     assert m["stage"] == "build" and m["graph"] == "model.engine" and m["external_data"] is None
+    assert int8.manifest["graphs"] == {"model": "model.onnx"} and m["graphs"] == {"model": "model.engine"}
     e = m["engine"]
     assert e["tensorrt_version"] == "10.13.0.35"
     assert e["gpu"] == {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}
@@ -342,6 +343,7 @@ def test_an_engine_bundle_carries_its_sources_files_and_adapters_and_hashes_ever
     assert "adapters/x/adapter.safetensors" in source.manifest["files"]
     engine = build(source.path, tmp_path / "engine", max_batch=2, max_context=64)
     assert engine.manifest["graph"] == "model.engine" and engine.manifest["engine"]["source"]["bundle"] == str(source.path)
+    assert engine.manifest["graphs"] == engine.graphs == {"model": "model.engine"}
     assert "config.json" in engine.manifest["files"]  # `kvforge lora add` reads it from an engine bundle too
     assert_derived(source, engine, "build")
     assert_altered_adapter_is_caught(engine, "x")
@@ -358,3 +360,17 @@ def test_one_engine_per_graph_is_a_bundle_that_carries_and_hashes_as_well(micro_
     assert engine.manifest["engine"]["profiles"] == engine.manifest["engines"]["decoder"]["profiles"]
     assert_derived(source, engine, "build")
     assert_altered_adapter_is_caught(engine, "x")
+
+
+@pytest.mark.parametrize("preset, graphs", [
+    ("t5-micro", {"encoder": "encoder_model.engine", "decoder": "decoder_model.engine"}),
+    ("bert-micro", {"model": "model.engine"}),
+])
+def test_an_engine_bundle_names_each_engine_by_its_graphs_role(preset, graphs, micro_bundle, standin_build, tmp_path):
+    """`graphs` names the engines, one graph's too (the source's ONNX files are not in the engine bundle), and the
+    engine bundle opens."""
+    source = micro_bundle(preset)
+    engine = build(source.path, tmp_path / "engine", max_batch=2, max_context=32)
+    assert engine.manifest["graphs"] == Bundle(engine.path).graphs == graphs
+    assert {role: g["source_graph"] for role, g in engine.manifest["engines"].items()} == source.graphs
+    assert_derived(source, engine, "build")

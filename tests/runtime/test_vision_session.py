@@ -45,7 +45,8 @@ def test_the_bundle_records_both_graphs_and_the_image_processing(llava_bundle):
     _, bundle, _ = llava_bundle
     assert bundle.kind.name == "vision-language" and bundle.manifest["validation"]["passed"]
     vision = bundle.io.extra["vision"]
-    assert (bundle.path / vision["graph"]).is_file() and bundle.manifest["graph"] == vision["decoder_graph"]
+    assert bundle.graphs == {"vision": "vision.onnx", "decoder": bundle.manifest["graph"]}
+    assert all((bundle.path / name).is_file() for name in bundle.graphs.values())
     assert vision["image_tokens"] == PATCHES and vision["image_token_id"] == IMAGE_TOKEN
     assert bundle.model_config["image_processing"]["crop_size"] == {"height": 30, "width": 30}
     assert_checked_on_text(bundle, "token ids")
