@@ -206,21 +206,24 @@ def zero_point_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple
     padded[:K] = w
     b = padded.reshape(blocks, block_size, N)
     lo0, hi0 = np.minimum(b.min(axis=1), 0), np.maximum(b.max(axis=1), 0)
-    best_err = best_scale = best_zp = None
+    best = None
     for f_lo in SHRINKS:
         for f_hi in SHRINKS:
             span = hi0 * f_hi - lo0 * f_lo
             scale = stored_scale(np.where(span > 0, span / 15, 1.0), dtype).astype(np.float32)
             zp = np.clip(np.rint(-lo0 * f_lo / scale), 0, 15)
             q = np.clip(np.rint(b / scale[:, None]) + zp[:, None], 0, 15)
-            err = (((q - zp[:, None]) * scale[:, None] - b) ** 2).sum(axis=1)
-            if best_err is None:
-                best_err, best_scale, best_zp = err, scale, zp
-            else:
-                better = err < best_err
-                best_err = np.where(better, err, best_err)
-                best_scale, best_zp = np.where(better, scale, best_scale), np.where(better, zp, best_zp)
+            best = _per_block_best(best, (((q - zp[:, None]) * scale[:, None] - b) ** 2).sum(axis=1), scale, zp)
+    _, best_scale, best_zp = best
     return best_scale, best_zp.astype(np.uint8)
+
+
+def _per_block_best(best: tuple | None, err: np.ndarray, *values: np.ndarray) -> tuple:
+    """(error, *values) per block: this candidate's where its error is smaller than `best`'s (None: the first)."""
+    if best is None:
+        return (err, *values)
+    better = err < best[0]
+    return (np.where(better, err, best[0]), *(np.where(better, v, kept) for v, kept in zip(values, best[1:])))
 
 
 # where an INT4 block's least-squares fit of its scale and minimum starts (minimum_blocks): its [min, max] range,
@@ -253,7 +256,7 @@ def minimum_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple[np
     def rounded(scale, offset):
         return np.clip(np.rint((b - offset[:, None]) / scale[:, None]), -8, 7)
 
-    best_err = best_scale = best_offset = None
+    best = None
     for f_lo in MINIMUM_STARTS:
         for f_hi in MINIMUM_STARTS:
             lo = lo0 + (1 - f_lo) / 2 * span0
@@ -270,13 +273,8 @@ def minimum_blocks(w: np.ndarray, block_size: int, dtype=np.float32) -> tuple[np
             scale = stored_scale(scale, dtype).astype(np.float32)
             offset = offset.astype(dtype).astype(np.float32)
             err = ((((rounded(scale, offset) * scale[:, None] + offset[:, None]) - b) ** 2) * mask).sum(axis=1)
-            if best_err is None:
-                best_err, best_scale, best_offset = err, scale, offset
-            else:
-                better = err < best_err
-                best_err = np.where(better, err, best_err)
-                best_scale, best_offset = np.where(better, scale, best_scale), np.where(better, offset, best_offset)
-    return best_scale, best_offset
+            best = _per_block_best(best, err, scale, offset)
+    return best[1], best[2]
 
 
 def quantize(x: np.ndarray, scale: np.ndarray, fmt: str, block_size: int | None = None,
