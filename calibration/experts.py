@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvforge import onnx_graph
 from kvforge.errors import KvforgeError
+from kvforge.onnx_graph import layer_name
 
-from .qdq import layer_name
+router_choices = onnx_graph.router_choices  # the core's (runtime/ort/moe.py reads it too); benchmarks import it here
 
 EXPERT = re.compile(r"^(?P<moe>layers\.\d+\.ffn)\.experts\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 STARVED = ("all-tokens", "float")
@@ -70,17 +72,6 @@ def router_inputs(model, moes: set[str]) -> dict[str, str]:
     missing = sorted(moes - set(out))
     if missing:
         raise KvforgeError(f"the routers of the MoE layers {missing} were not found in the graph")
-    return out
-
-
-def router_choices(model) -> dict[str, str]:
-    """Each MoE layer's routing decision: moe prefix ("layers.1.ffn") -> the (tokens, k) expert indices tensor
-    (the last TopK under its router: a group-limited router picks groups first)."""
-    out = {}
-    for node in model.graph.node:
-        name = layer_name(node)
-        if node.op_type == "TopK" and name.endswith(".router"):
-            out[name[: -len(".router")]] = node.output[1]
     return out
 
 

@@ -38,14 +38,13 @@ the pattern into integer kernels; omitting it would mean uint8).
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvforge.errors import KvforgeError
-from kvforge.onnx_graph import block_dequantized
+from kvforge.onnx_graph import block_dequantized, layer_name
 
 FORMATS = ("int8", "fp8", "int4")
 QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
@@ -57,19 +56,6 @@ class Target:
     layer: str  # module path, e.g. "layers.0.attn.q_proj" or "lm_head"
     weight: str  # initializer name
     activation: str  # the MatMul's first input
-
-
-def layer_name(node) -> str:
-    """The module a node came from, from the exporter's name scopes ("layers.0.attn.q_proj")."""
-    for prop in node.metadata_props:
-        if prop.key == "pkg.torch.onnx.name_scopes":
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                break
-            if len(scopes) >= 2:
-                return scopes[-2].removeprefix("model.")
-    return node.name
 
 
 TIED_FROM = "kvforge: tied to "

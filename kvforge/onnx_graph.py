@@ -1,11 +1,13 @@
-"""Reading ONNX graphs: element type names, every value's type, constants. Shared by export's lint and engine
-plan, calibration's Q/DQ rewrite and the runtime's ONNX Runtime rewrites (docs/design.md, Layers).
+"""Reading ONNX graphs: element type names, every value's type, constants, the module a node came from and a
+mixture's routing. Shared by export's lint and engine plan, calibration's Q/DQ rewrite and experts, and the
+runtime's ONNX Runtime rewrites (docs/design.md, Layers).
 
 `onnx` is imported where it is used: the core is imported by users of the ONNX Runtime path alone.
 """
 
 from __future__ import annotations
 
+import ast
 import collections
 from typing import Any
 
@@ -19,6 +21,31 @@ TYPE_NAMES = {
     17: "FP8", 18: "FP8", 19: "FP8", 20: "FP8", 22: "INT4", 21: "UINT4", 23: "FP4", 11: "DOUBLE",
     5: "INT16", 4: "UINT16", 12: "UINT32", 13: "UINT64", 8: "STRING",
 }
+
+
+def layer_name(node) -> str:
+    """The module a node came from, from the exporter's name scopes ("layers.0.attn.q_proj"); else its name."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                break
+            if len(scopes) >= 2:
+                return scopes[-2].removeprefix("model.")
+    return node.name
+
+
+def router_choices(model) -> dict[str, str]:
+    """Each MoE layer's routing decision: moe prefix ("layers.1.ffn") -> the (tokens, k) expert indices tensor
+    (the last TopK under its router: a group-limited router picks groups first). Calibration's experts and the
+    runtime's ONNX Runtime variant (runtime/ort/moe.py) read it."""
+    out = {}
+    for node in model.graph.node:
+        name = layer_name(node)
+        if node.op_type == "TopK" and name.endswith(".router"):
+            out[name[: -len(".router")]] = node.output[1]
+    return out
 
 
 def value_types(model) -> dict[str, int]:

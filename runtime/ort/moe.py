@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.calibration.experts import router_choices
-from kvforge.calibration.qdq import layer_name
+from kvforge.onnx_graph import layer_name, router_choices
 
 
 def skip_unchosen_experts(model, elem_type: int = 1) -> int:
