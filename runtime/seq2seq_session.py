@@ -70,7 +70,8 @@ class Seq2SeqSession(GraphSession):
             if len(r) > self.max_context:
                 raise KvforgeError(f"a source of {len(r)} tokens exceeds this bundle's maximum of {self.max_context}")
 
-    def _stop_ids(self, config: GenerationConfig) -> set[int]:
+    def stop_tokens(self, config: GenerationConfig) -> set[int]:
+        """The token ids that end a generation under config (its stop ids, and the model's EOS unless ignored)."""
         return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class Seq2SeqSession(GraphSession):
         config = config or GenerationConfig.from_kwargs(**kwargs)
         rows, single = self._sources(source)
         tokens, finish, scores = [], [], None
-        for tokens, finish, scores in self._loop(rows, config, self._stop_ids(config)):
+        for tokens, finish, scores in self._loop(rows, config, self.stop_tokens(config)):
             pass
         results = [GenerationResult(list(t), f or "length", len(r)) for t, f, r in zip(tokens, finish, rows)]
         if scores is not None:
@@ -184,7 +185,7 @@ class Seq2SeqSession(GraphSession):
         if not single:
             raise KvforgeError("stream() takes one source; use generate() for a batch")
         text = TextStream(self.tokenizer)
-        for tokens, finish, scores in self._loop(rows, config, self._stop_ids(config)):
+        for tokens, finish, scores in self._loop(rows, config, self.stop_tokens(config)):
             if not tokens[0]:
                 continue
             last = finish[0] is not None
