@@ -10,7 +10,7 @@ In one run, batch 1, a 128-token prompt of held-out prose (Alice, kvforge/assets
   transformers loads from the GGUF file and saves (safetensors);
 - transformers (eager attention, FP32) on that checkpoint.
 
-Contenders run interleaved in rotating orders with a pause before each (runtime_125m.interleaved_runs); medians over
+Contenders run interleaved in rotating orders with a pause before each (harness.interleaved_runs); medians over
 --runs. The roofline of each ONNX model is the bytes of its weights as stored that a decode step reads
 (initializers but those only gathered by the embedding lookup) over this machine's read bandwidth, measured
 three times in the same run (median); transformers' is its FP32 parameters'. Every contender's first 16
@@ -25,16 +25,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from quantized_decode_125m import onnx_weight_bytes  # noqa: E402
-from runtime_125m import NEW_TOKENS, GenAI, Transformers, bandwidth_gbs, decode_rate, interleaved_runs  # noqa: E402
+from harness import bandwidth_gbs, decode_rate, interleaved_runs, onnx_weight_bytes
+from runtime_125m import NEW_TOKENS, GenAI, Transformers
 
 PROMPT_LEN = 128
 PRECISIONS = ("fp32", "int8", "int4")

@@ -7,7 +7,7 @@ every weight of the model as the ONNX Runtime variant lays them out (30 layers o
 fused gate/up 576x3072 and down 1536x576, then the 576x49152 head: 538 MB), one product after another, as a
 decode step does. The figure is the weights' bytes over the time: at one row the product is bound by memory, so
 the gap between M=1 and M=8 is what the kernels lose to computing 8 rows. Read bandwidth is measured in the same
-run (runtime_125m.bandwidth_gbs). Medians of 7 rounds; 2 threads each.
+run (harness.bandwidth_gbs). Medians of 7 rounds; 2 threads each.
 
     python3 benchmarks/fp32_gemm_rows.py
 Writes benchmarks/results/fp32_gemm_rows.json.
@@ -18,14 +18,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_125m import bandwidth_gbs  # noqa: E402
+from harness import bandwidth_gbs
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960
 SHAPES = [(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)] * LAYERS + [(HIDDEN, VOCAB)]

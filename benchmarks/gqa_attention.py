@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BUFFER = 12, 12, 4, 64, 4096
 CONTEXTS = (64, 512, 1024, 2000)

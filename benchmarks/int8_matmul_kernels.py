@@ -31,13 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LAYERS = 12
 SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768)]  # (K, N) of qkv, o, gate/up, down
@@ -95,7 +93,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "int8_matmul_kernels.json"))
     args = parser.parse_args()
-    from runtime_125m import bandwidth_gbs
+    from harness import bandwidth_gbs
 
     rng = np.random.default_rng(0)
     ws = weights(rng)

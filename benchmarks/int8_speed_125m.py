@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, interleaved_runs, make_checkpoint  # noqa: E402
+from harness import interleaved_runs
+from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, make_checkpoint
 
 
 def main() -> int:

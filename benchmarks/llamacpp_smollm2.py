@@ -13,14 +13,14 @@ every metadata field and every other tensor (the norms, F32) copied; general.fil
 
 kvforge runs on its ONNX Runtime backend as users get it (runtime.load(bundle), default threads: both cores);
 llama.cpp through llama-cpp-python built from source in a benchmark-only virtual environment this script creates
-and reuses ($KVFORGE_CACHE/bench-llamacpp-venv; the build takes 15-30 min here; cmake_args says how: this CPU's
+and reuses ($KVFORGE_CACHE/bench-llamacpp-venv; the build takes 15-30 min here; harness.cmake_args says how: this CPU's
 SIMD extensions, AMX off), one subprocess per GGUF file (benchmarks/llamacpp_run.py --serve) with n_threads 2,
 n_ctx 512. Batch 1, a 128-token prompt of held-out prose (Alice, kvforge/assets/text, tokenized by the bundle's
 tokenizer; llama.cpp gets the same ids), 128 greedy new tokens; prefill = the prompt plus the first token's choice,
 decode = the 127 steps after it, both wall-clock around the same calls on each side (kvforge: Session.forward +
 argmax, runtime.bench.timed_greedy; llama.cpp: Llama.eval + argmax), llama.cpp's own counters
 (llama_perf_context) recorded beside. All six contenders run interleaved in rotating orders with a pause before
-each (runtime_125m.interleaved_runs); medians over --runs, and each one's best run; this machine's read bandwidth
+each (harness.interleaved_runs); medians over --runs, and each one's best run; this machine's read bandwidth
 is sampled after the warm-up, mid-way and at the end (median), its load average after every round. Each
 contender's first 16 greedy tokens are compared with kvforge FP32's.
 
@@ -49,115 +49,23 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import prompt_ids  # noqa: E402
-from quantized_decode_125m import onnx_weight_bytes  # noqa: E402
-from runtime_125m import NEW_TOKENS, bandwidth_gbs, decode_rate, interleaved_runs  # noqa: E402
+from decode_smollm2 import prompt_ids
+from harness import RUNNER, THREADS, bandwidth_gbs, bench_venv, decode_rate, interleaved_runs, onnx_weight_bytes, write_gguf
+from runtime_125m import NEW_TOKENS
 
 PROMPT_LEN = 128
-RUNNER = Path(__file__).parent / "llamacpp_run.py"
-LLAMA_CPP_VERSION = "0.3.36"
-# ggml's x86 options and the /proc/cpuinfo flags each needs (all of them)
-GGML_X86 = {"GGML_SSE42": ("sse4_2",), "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",),
-            "GGML_F16C": ("f16c",), "GGML_BMI2": ("bmi2",), "GGML_AVX_VNNI": ("avx_vnni",),
-            "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
-            "GGML_AVX512_VBMI": ("avx512vbmi",), "GGML_AVX512_VNNI": ("avx512_vnni",), "GGML_AVX512_BF16": ("avx512_bf16",)}
-
-
-def cmake_args() -> str:
-    """A CPU build for this machine: OpenMP threads, no BLAS, no GPU, no downloads (curl), none of the tools,
-    examples or tests; each SIMD extension the CPU reports switched on by name, AMX off. Not GGML_NATIVE:
-    -march=native also compiles in ggml's AMX kernels wherever CPUID reports AMX, and a VM whose kernel has not
-    enabled the AMX tile state (this one: a Firecracker guest on a Sapphire Rapids host) then dies of SIGILL on
-    the first `tileloadd`."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    simd = " ".join(f"-D{opt}={'ON' if all(f in flags for f in need) else 'OFF'}" for opt, need in GGML_X86.items())
-    return ("-DGGML_NATIVE=OFF " + simd + " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
-            "-DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-            "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF")
-
-
-THREADS, N_CTX = 2, 512
+N_CTX = 512
 # (kvforge bundle, llama.cpp GGUF type) pairs, in the order the brief ranks them
 PAIRS = (("int8", "Q8_0"), ("q4", "Q4_1"), ("fp32", "F32"))
 
 
 # ---------------------------------------------------------------- llama.cpp: build, files, runner
-
-
-def bench_venv(venv: Path) -> tuple[Path, str]:
-    """(the python of the benchmark-only venv with llama-cpp-python built from source, its CMAKE_ARGS); built on
-    first use, and again when the build it holds was made with other CMAKE_ARGS."""
-    python, stamp, args = venv / "bin" / "python", venv / "kvforge-llamacpp-build.json", cmake_args()
-    wanted = {"llama_cpp_python": LLAMA_CPP_VERSION, "cmake_args": args}
-    if (python.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == wanted
-            and subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode == 0):
-        return python, args
-    if not python.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    log = venv / "build.log"
-    env = {**os.environ, "CMAKE_ARGS": args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} (minutes; log: {log})", flush=True)
-    with open(log, "w") as f:
-        done = subprocess.run([str(python), "-m", "pip", "install", "-v", "--force-reinstall", "--no-cache-dir",
-                               "--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
-                              env=env, stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        lines = log.read_text(errors="replace").splitlines()
-        errors = [ln for ln in lines if "error" in ln.lower() and "Werror" not in ln]
-        raise SystemExit(f"llama-cpp-python did not build (CMAKE_ARGS={args}):\n" +
-                         "\n".join(errors[:20] or lines[-40:]) + f"\nfull log: {log}")
-    stamp.write_text(json.dumps(wanted))
-    return python, args
-
-
-def write_gguf(src: Path, dst: Path, target: str) -> Path:
-    """`src` with every 2-D weight stored as `target` (F32 or Q8_0): dequantized from its own type, requantized for
-    Q8_0; tensors already of that type and 1-D ones (norms) copied as stored; every metadata field copied, but
-    general.file_type, which says the new type. Written once (reused when `dst` exists)."""
-    import gguf
-
-    if dst.is_file():
-        return dst
-    qt, vt = gguf.GGMLQuantizationType, gguf.GGUFValueType
-    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[target]
-    reader = gguf.GGUFReader(src)
-    tmp = dst.with_name(dst.name + ".part")
-    writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())  # writes general.architecture
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":  # the header's, written by the writer
-            continue
-        value = int(file_type) if key == "general.file_type" else field.contents()
-        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if field.types[0] == vt.ARRAY else None)
-    for t in reader.tensors:
-        if len(t.shape) == 2 and t.tensor_type != qt[target]:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            if target == "F32":
-                writer.add_tensor(t.name, w)
-            else:
-                writer.add_tensor(t.name, gguf.quants.quantize(w, qt[target]), raw_dtype=qt[target])
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if t.tensor_type == qt.F32 else t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(dst)
-    return dst
 
 
 def describe_gguf(path: Path, reference: Path) -> dict:

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import bandwidth_gbs  # noqa: E402
+from harness import bandwidth_gbs
 
 SLOTS = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)] * 30
 RANK = 16

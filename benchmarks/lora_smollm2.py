@@ -30,10 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import hf_checkpoint  # noqa: E402
-from quantized_decode_125m import onnx_weight_bytes  # noqa: E402
-from runtime_125m import bandwidth_gbs  # noqa: E402
+from decode_smollm2 import hf_checkpoint
+from harness import bandwidth_gbs, onnx_weight_bytes
 
 RANK, MAX_RANK, ADAPTERS, PROMPT = 16, 64, 8, 64
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

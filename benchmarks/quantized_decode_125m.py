@@ -27,15 +27,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, bandwidth_gbs, decode_rate, interleaved_runs, make_checkpoint  # noqa: E402
+from harness import bandwidth_gbs, decode_rate, interleaved_runs, onnx_weight_bytes
+from runtime_125m import NEW_TOKENS, PROMPT_LEN, GenAI, make_checkpoint
 
 INT8 = dict(recipe="fixed", precision="int8", method="mse", smoothquant=0.5)
 BUNDLES = {  # name -> calibrate() options (None: the FP32 export)
@@ -48,29 +47,6 @@ BUNDLES = {  # name -> calibrate() options (None: the FP32 export)
     "int4-b32+head": dict(recipe="fixed", precision="int4", block_size=32, quantize_lm_head=True),
 }
 CONTEXTS = (64, 1024, 4096)
-
-
-def onnx_weight_bytes(graph_file) -> int:
-    """Bytes of the initializers a decode step of an ONNX model reads, as stored: all but those only the
-    embedding Gather reads."""
-    import onnx
-
-    g = onnx.load(str(graph_file), load_external_data=False).graph
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for x in n.input:
-            readers.setdefault(x, []).append(n)
-
-    def stored(t) -> int:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            return int({e.key: e.value for e in t.external_data}["length"])
-        return len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes
-
-    def gathered_only(name: str) -> bool:
-        users = readers.get(name, [])
-        return bool(users) and all(u.op_type == "Gather" and u.input[0] == name and "input_ids" in u.input for u in users)
-
-    return sum(stored(t) for t in g.initializer if not gathered_only(t.name))
 
 
 def build(work: Path) -> dict:

@@ -33,9 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+
+from harness import bandwidth_gbs, decode_rate, interleaved_runs
 
 CONFIG = dict(
     hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -43,7 +44,6 @@ CONFIG = dict(
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
 )
 PROMPT_LEN, NEW_TOKENS = 64, 128
-PAUSE_S = 1.0  # idle time before each contender's run
 
 
 def make_checkpoint(directory: Path) -> dict:
@@ -82,62 +82,6 @@ def export_random(fields: dict, directory: Path, name: str):
     t = time.time()
     bundle = export(directory / f"{name}-ckpt", directory / name)
     return bundle, model, round(time.time() - t, 1)
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of n contenders in which each follows each other one equally often (a Williams design)."""
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    rows = [[(x + i) % n for x in first] for i in range(n)]
-    return rows + [r[::-1] for r in rows] if n % 2 else rows
-
-
-def decode_rate(result: dict) -> float:
-    """Decode tokens/s of one timed generation (timed_greedy's, or a peer's with the same keys)."""
-    return result["decode_steps"] / result["decode_s"]
-
-
-def interleaved_runs(contenders: dict[str, Callable[[], dict]], rounds: int, rate: Callable[[dict], float],
-                     after_round: Callable[[int], None] | None = None) -> dict[str, list[dict]]:
-    """Each contender's results over `rounds` rounds: every contender warmed up once, then each round runs every
-    one once, a pause before each run, in balanced orders (each follows each other equally often) for up to
-    four contenders and in rotations beyond. Prints each round's decode rates (rate(result), tokens/s);
-    after_round(i) runs after the warm-up (i = -1) and after each round i (a bandwidth sample, say)."""
-    names = list(contenders)
-    for run in contenders.values():  # warm-up
-        run()
-    if after_round is not None:
-        after_round(-1)
-    n = len(names)
-    orders = balanced_orders(n) if n <= 4 else [list(range(n))[i:] + list(range(n))[:i] for i in range(n)]
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for i in range(rounds):
-        for name in (names[k] for k in orders[i % len(orders)]):
-            time.sleep(PAUSE_S)
-            runs[name].append(contenders[name]())
-        print(f"run {i}: " + ", ".join(f"{name} {rate(r[-1]):.1f} tok/s" for name, r in runs.items()), flush=True)
-        if after_round is not None:
-            after_round(i)
-    return runs
-
-
-def bandwidth_gbs(reps: int = 9) -> float:
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    a = torch.ones(256 * 2**20, dtype=torch.float32)  # 1 GiB, beyond any cache
-    a.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a.sum()
-        times.append(time.perf_counter() - t)
-    return a.numel() * 4 / statistics.median(times) / 1e9
 
 
 class Kvforge:

@@ -28,7 +28,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 SHAPE = dict(vocab_size=32128, dim=512, n_layers=6, n_decoder_layers=6, n_heads=8, head_dim=64, ffn_dim=1024,
              max_seq_len=1024, relative_buckets=32, relative_max_distance=128, activation="gelu_tanh", gated_ffn=True,
@@ -79,7 +77,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "seq2seq_decode.json"))
     args = ap.parse_args()
-    from runtime_125m import bandwidth_gbs
+    from harness import bandwidth_gbs
 
     from kvforge import runtime
     from kvforge.export import export

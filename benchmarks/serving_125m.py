@@ -31,7 +31,6 @@ import http.client
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -39,8 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_125m import make_checkpoint  # noqa: E402
+from runtime_125m import make_checkpoint
 
 CLIENTS = (1, 4, 8, 16)
 PROMPT_LEN, NEW_TOKENS = 64, 128

@@ -40,8 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import bundles, hf_checkpoint  # noqa: E402
+from decode_smollm2 import bundles, hf_checkpoint
 
 PREFIX, TAIL, NEW = 192, 64, 128
 REQUESTS = {1: 3, 8: 2, 16: 1, 32: 1}  # per client

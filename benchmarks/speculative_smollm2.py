@@ -26,15 +26,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import bundles  # noqa: E402
-from quantized_decode_125m import onnx_weight_bytes  # noqa: E402
-from runtime_125m import bandwidth_gbs  # noqa: E402
+from decode_smollm2 import bundles
+from harness import bandwidth_gbs, onnx_weight_bytes
 
 NEW_TOKENS = 128
 

@@ -40,8 +40,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from runtime_125m import bandwidth_gbs  # noqa: E402
+from harness import bandwidth_gbs
 
 IMAGE_TOKEN = 49151
 CONFIG = dict(

@@ -44,8 +44,7 @@ CHUNK = 512  # prefill chunk
 
 
 def bandwidth_gbs(reps: int = 9) -> float:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from runtime_125m import bandwidth_gbs as measure
+    from harness import bandwidth_gbs as measure
 
     return measure(reps)
 
