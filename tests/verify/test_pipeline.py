@@ -34,7 +34,7 @@ def test_pipeline_writes_bundles_a_report_and_pictures(tmp_path):
     int4_manifest = json.loads((work / "int4" / "kvforge.json").read_text())
     # kvforge calibrate's defaults: the automatic recipe, measured on tiny's own held-out corpus
     assert int4_manifest["precision"]["quantization"]["recipe"] == "auto"
-    assert int4_manifest["calibration"]["recipe"]["measured_on"]["data"] == "held-out calibration text"
+    assert int4_manifest["calibration"]["recipe"]["measured_on"]["data"] == "held-out pieces of built-in tiny corpus"
     if importlib.util.find_spec("tensorrt") is None:  # said plainly, once, and recorded
         assert "TensorRT engine build skipped" in out.output and "TensorRT" in report["tensorrt_skipped"]
         assert not any(k.endswith("/tensorrt") for k in report["results"])
