@@ -36,16 +36,16 @@ CHILD = textwrap.dedent("""
 
     import kvforge.outputs as outputs
     import kvforge.export.api as export_api
-    import kvforge.calibration.api as calibrate_api
+    import kvforge.derived as derived  # calibrate's writer (kvforge/derived.py write_derived)
     if point == "graph-written":  # export: the graph is in the staging directory, the manifest is not
         import kvforge.export.kinds as export_kinds
         decoder = export_kinds.EXPORTS["decoder"]
         export_kinds.EXPORTS["decoder"] = decoder._replace(write=after(decoder.write))
     elif point == "before-manifest":
-        export_api.write_manifest = calibrate_api.write_manifest = lambda *a, **k: die()
+        export_api.write_manifest = derived.write_manifest = lambda *a, **k: die()
     elif point == "staged-whole":  # the staging directory is complete, not yet renamed into place
         export_api.write_manifest = after(export_api.write_manifest)
-        calibrate_api.write_manifest = after(calibrate_api.write_manifest)
+        derived.write_manifest = after(derived.write_manifest)
     elif point == "at-swap":  # --force: right before the new bundle takes the old one's place
         outputs._exchange = lambda *a, **k: die()
     elif point == "after-swap":  # --force: swapped, the previous bundle not yet deleted
