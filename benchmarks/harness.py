@@ -1,14 +1,17 @@
 """Helpers the benchmarks share: interleaved timing of contenders (balanced orders, decode rates), the machine's
-memory bandwidth and load average, the bytes of weights an ONNX decode step reads, JSON result writing, and the
-benchmark-only llama.cpp venv (built from source), its runner and GGUF re-typing.
+memory bandwidth, the fields every result records (the machine, the load average, the time) and its JSON writer,
+the bytes of weights an ONNX decode step reads, and the benchmark-only llama.cpp venv (built from source), its
+runner and GGUF re-typing.
 
-Scripts run as `python3 benchmarks/NAME.py`, so Python puts benchmarks/ first on sys.path and `from harness import X`
-works with no path manipulation."""
+benchmarks/ is a package: scripts run from the repository root as `python3 -m benchmarks.GROUP.NAME` and import
+this module as `from benchmarks.harness import X`, fixtures of other benchmarks as `from benchmarks.peers.NAME
+import X` (no script touches the import path)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -18,9 +21,12 @@ from typing import Callable
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+RESULTS = ROOT / "benchmarks" / "results"
 PAUSE_S = 1.0  # idle time before each contender's run (interleaved_runs)
-RUNNER = Path(__file__).parent / "llamacpp_run.py"  # runs a GGUF under the bench venv's llama-cpp-python
+# runs a GGUF under the bench venv's llama-cpp-python, by path (self-contained: it imports nothing of kvforge's
+# or of this package)
+RUNNER = ROOT / "benchmarks" / "peers" / "llamacpp_run.py"
 THREADS = 2  # llama.cpp threads (this machine's cores)
 
 
@@ -91,11 +97,21 @@ def load_average() -> list[float]:
         return []
 
 
-def write_result(name: str, result: dict, path: Path | None = None) -> Path:
+def machine() -> dict:
+    """What a result records of the machine it ran on: its CPU count, Python and platform."""
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def utc_time() -> str:
+    """Now, UTC, as a result's `time` (or `date`) field: 2026-11-23T15:56:07Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def write_result(name: str, result: dict, path: Path | str | None = None, indent: int = 2) -> Path:
     """`result` as indented JSON at `path` (default benchmarks/results/<name>.json), directories made; the path."""
-    path = path or RESULTS / f"{name}.json"
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=indent) + "\n")
     return path
 
 

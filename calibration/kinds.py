@@ -23,7 +23,7 @@ class KindQuantizer(NamedTuple):
     fits_budget: bool
     # INT8 activations when none are asked for (Recipe.activations): "static" (TensorRT and ONNX Runtime) or
     # "per-token" (ONNX Runtime). An encoder's embeddings take per-token: on all-MiniLM-L6-v2 a static per-tensor
-    # range costs 0.021 of mean cosine and 0.052 at worst over per-token (benchmarks/minilm_embeddings.py)
+    # range costs 0.021 of mean cosine and 0.052 at worst over per-token (benchmarks/peers/minilm_embeddings.py)
     activations: str = "static"
 
 

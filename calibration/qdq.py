@@ -18,7 +18,7 @@ float; `lm_head` stays in float unless asked. Per target:
   per-axis QuantizeLinear -> DequantizeLinear on the (tokens, K) view, the MatMul on that view and a Reshape
   back). No range is calibrated, and a token's outliers do not coarsen the others': per-tensor ranges cost
   all-MiniLM-L6-v2's embeddings 0.02-0.05 of mean cosine (0.06-0.14 at worst), a range per token 0.0014
-  (0.0075; benchmarks/minilm_embeddings.py).
+  (0.0075; benchmarks/peers/minilm_embeddings.py).
   FP8 per token: each row's scale max|row| / 448, symmetric (zero points FP8 zeros, made by a Cast).
   ONNX Runtime runs it (runtime/ort/per_token.py: INT8 on integer kernels); TensorRT takes only constant scales;
 - asymmetric INT4 blocks (`zero_points`): a float minimum per block beside its scale, llama.cpp's Q4_1 and

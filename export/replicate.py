@@ -1,7 +1,7 @@
 """Trace each distinct layer once and replicate it in the ONNX graph: export time that does not grow with depth.
 
 torch.onnx's dynamo export costs ~3.8 s per decoder layer on one core whatever the layer's size
-(benchmarks/export_trace_layers.py): a 30-layer model spends two minutes tracing thirty copies of one block.
+(benchmarks/kernels/export_trace_layers.py): a 30-layer model spends two minutes tracing thirty copies of one block.
 Layers of one *design* (the same modules, attributes and buffers: the same window, the same dense or mixture
 FFN) compute the same graph on different weights, so the exporter traces only the shortest prefix of layers that
 holds every design, and each later layer is a copy of its design's traced layer whose weights, cache inputs and

@@ -52,7 +52,7 @@ EXACT_QDQ = {"session.disable_quant_qdq": "1"}  # Q/DQ computed as written, no i
 #   DequantizeLinear is constant-folded into a float weight at load: exact, at the float graph's speed. Left on,
 #   block-wise int8 DQ -> MatMul becomes an 8-bit MatMulNBits that quantizes the activations to int8 at its
 #   default accuracy level, and at level 0 (exact) it is 22x slower than the W8A8 integer kernel over the same
-#   weights (benchmarks/int8_matmul_kernels.py).
+#   weights (benchmarks/kernels/int8_matmul_kernels.py).
 QUANT_SESSION_CONFIG = {
     "fp8": EXACT_QDQ,
     "int8-weights": EXACT_QDQ,

@@ -52,7 +52,7 @@ RUNTIME = 3 * GIB // 2  # torch, ONNX Runtime and the interpreter before any wei
 EXPORT_PER_FP32_BYTE = 8  # peak resident bytes per byte of the float32 reference
 # peak resident bytes per byte of the bundle's weights, weights streamed: Qwen2.5-1.5B's shape 7.94 GiB for a
 # 5.75 GiB float32 bundle, 4.79 GiB for its 2.88 GiB float16 bundle (each half weight cast to float32 where it is
-# used: kvforge/ort_session.py compute_weights_when_used; benchmarks/export_scale.py)
+# used: kvforge/ort_session.py compute_weights_when_used; benchmarks/features/export_scale.py)
 STREAMED_EXPORT_PER_BUNDLE_BYTE = 1.25
 # calibration keeps the weights in the bundle's data file (calibration/one_graph.py): one ONNX Runtime session maps
 # them at a time (a half weight cast to float32 where it is used), beside one run's activations

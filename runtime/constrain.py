@@ -33,7 +33,7 @@ grammar is complete and nothing but a stop token may follow. Vocabulary rows bey
 (a model's padded embedding) are always masked.
 
 The engine: llguidance (Microsoft's; vLLM's and SGLang's `guidance` backend), chosen over xgrammar 0.2.8 by
-benchmarks/grammar_engines.py on SmolLM2's 49,152-token vocabulary and the 20 schemas of the tests (both compile
+benchmarks/kernels/grammar_engines.py on SmolLM2's 49,152-token vocabulary and the 20 schemas of the tests (both compile
 all 20): llguidance compiles a schema in 0.5 ms (median; max 0.8) where xgrammar takes 16 ms (max 119: it
 precomputes masks per grammar), and computes a mask in 14 us median, 91 us mean, 2.2 ms p99, where xgrammar's
 median is 2 us but its mean 0.5 ms and p99 11 ms; a SmolLM2 decode step takes about 30 ms here, so either is cheap
@@ -45,7 +45,7 @@ fallback, added and special tokens), so every family kvforge reads works.
 Compiled grammars are cached: one per (tokenizer, vocabulary size, format), least recently used first out.
 A batch's masks are computed in one call (llguidance's executor, the GIL released) after the tokens' choice and
 before the next forward pass; they take 0.6% of a decode step at batch 1 and 2% at batch 8
-(benchmarks/constrained_decoding.py), so they are not overlapped with it.
+(benchmarks/features/constrained_decoding.py), so they are not overlapped with it.
 
 Limits: JSON Schema cannot bound the digits of a fraction, so a weak model may write them until max_new_tokens
 ("length"), as it may a string without maxLength or an array without maxItems. To the grammar, a SentencePiece token's leading ▁ is a space, so JSON

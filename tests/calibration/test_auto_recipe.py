@@ -98,7 +98,7 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
             record["scale"] == pytest.approx(record["amax"] / 127.0, rel=1e-6)
     # against the Torch reference on held-out text: within +1%, and within 0.5 points of the fixed defaults (max, no
     # smoothing: on tiny, which has no outlier channels, both sit near zero and the choice on the calibration text's
-    # tail does not transfer beyond that noise; SmolLM2's figures are in benchmarks/quantization_smollm2.py)
+    # tail does not transfer beyond that noise; SmolLM2's figures are in benchmarks/features/quantization_smollm2.py)
     fixed = calibrate(tiny_fp32.path, tmp_path / "fixed", precision="int8", samples=32, seq_len=128, recipe="fixed")
     assert fixed.manifest["precision"]["quantization"]["recipe"] == "fixed"
     assert fixed.manifest["calibration"]["recipe"] is None

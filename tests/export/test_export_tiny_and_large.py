@@ -1,5 +1,5 @@
-"""`tiny` in every dtype. (The large presets at scale: benchmarks/export_125m.py, `--source gpt2-124m` for GPT-2's
-design; the real SmolLM2-135M and Gemma 3 270M are exported at scale in the slow tier.)"""
+"""`tiny` in every dtype. (The large presets at scale: benchmarks/features/export_125m.py, `--source gpt2-124m` for
+GPT-2's design; the real SmolLM2-135M and Gemma 3 270M are exported at scale in the slow tier.)"""
 
 from __future__ import annotations
 

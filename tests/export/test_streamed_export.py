@@ -3,7 +3,7 @@
 A checkpoint in the Hub's layout (BF16 safetensors in shards with model.safetensors.index.json, as transformers
 writes a large model) is exported without loading the model: the graph's weights are read one at a time as the
 file is written, the validating reference reads each block's as it runs. transformers, loading the same
-directory, is the oracle for the values; memory is measured by benchmarks/export_scale.py.
+directory, is the oracle for the values; memory is measured by benchmarks/features/export_scale.py.
 """
 
 from __future__ import annotations

