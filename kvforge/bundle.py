@@ -133,6 +133,12 @@ class IOSpec:
             values[past_w], values[total_w] = min(past, w), min(past + seq, w)
         return values
 
+    @property
+    def feature_token(self) -> int | None:
+        """The token id whose positions take the graph's image feature rows (a vision-language decoder's), else None."""
+        vision = self.extra.get("vision")
+        return int(vision["image_token_id"]) if vision else None
+
     def cache_lengths(self, past: int) -> list[int]:
         """How many positions each layer's cache holds after `past` tokens."""
         return [past if w is None else min(past, w) for w in self.windows]

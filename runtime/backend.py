@@ -14,6 +14,8 @@ import numpy as np
 
 from kvforge.errors import KvforgeError
 
+from .step_inputs import StepInputs
+
 
 @dataclass
 class KVCache:
@@ -115,28 +117,28 @@ class Backend(Runner):
     # -- inference -------------------------------------------------------------
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: KVCache,
-        last_only: bool = False, lora: dict[str, np.ndarray] | None = None,
+        last_only: bool = False, inputs: StepInputs | None = None,
     ) -> tuple[np.ndarray, KVCache]:
-        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T. lora: the
-        graph's inputs beyond the KV-cache contract, by input name: its LoRA slots' (runtime/lora.py
-        AdapterSet.feeds), or the step inputs a Session adds (a vision-language decoder's image_features)."""
+        """One step: float32 logits (B, T, V), or (B, 1, V) with last_only, and the cache extended by T. inputs: the
+        graph's inputs beyond the KV-cache contract, each kind by what it is (runtime/step_inputs.py: LoRA adapter
+        rows and weights, a vision-language decoder's image feature rows and per-token RoPE offsets)."""
         self.check_active()
         if cache.backend != self.name:
             raise KvforgeError(f"this cache belongs to the {cache.backend} backend, not {self.name}")
-        return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only, lora)
+        return self.forward_impl(input_ids, attention_mask, position_ids, cache, last_only, inputs)
 
     def prepare_mixed(self) -> bool:
         """Make forward_mixed's one-call form ready where the backend has one (it is used once made ready); whether
         it has."""
         return False
 
-    def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False, lora: tuple = (None, None)
+    def forward_mixed(self, decode: tuple, prompt: tuple, last_only: bool = False, inputs: tuple = (None, None)
                       ) -> tuple[tuple, tuple]:
         """A mixed step: `decode` and `prompt` are each (input_ids, attention_mask, position_ids, cache) of a
         forward(), the first one token for each of its rows, the second one row's prompt tokens (a chunk);
         returns each part's (logits, cache), as their two forward() calls would. A backend that can computes
-        both in one call (every weight read once); this one makes the two calls."""
-        return (self.forward(*decode, last_only, lora[0]), self.forward(*prompt, last_only, lora[1]))
+        both in one call (every weight read once); this one makes the two calls. inputs: each part's StepInputs."""
+        return (self.forward(*decode, last_only, inputs[0]), self.forward(*prompt, last_only, inputs[1]))
 
     def empty_cache(self, batch: int) -> KVCache:
         return KVCache(self.name, batch, 0, self.empty_cache_impl(batch))
@@ -242,7 +244,7 @@ class Backend(Runner):
                            "reference only")
 
     # -- hooks -----------------------------------------------------------------
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only, lora=None
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache, last_only, inputs: StepInputs | None = None
                      ) -> tuple[np.ndarray, KVCache]:
         raise NotImplementedError
 

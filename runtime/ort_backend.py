@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.adapters import MASK
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
 from kvforge.ort_session import make_session
@@ -82,7 +81,8 @@ class OnnxRuntimeBackend(Backend):
                 "with the torch backend, or export float16/float32 for the CPU"
             )
         if self.variant:
-            self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"])
+            self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"],
+                                           config=self.config)
         else:
             self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
         self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads,
@@ -115,15 +115,15 @@ class OnnxRuntimeBackend(Backend):
         ort = _ort()
         return [ort.OrtValue.ortvalue_from_numpy(z, self.device_name, 0) for z in self._zeros(batch)]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, inputs=None):
         if (cache.layout is not None) != self.packed:
             made, runs = ("a packed", "the bundle's attention") if cache.layout is not None else ("an unpacked", "a packed cache")
             raise KvforgeError(f"this is {made} cache, and this session runs {runs} (attention={self.attention!r}, "
                                f"variant={self.variant}): continue a cache on a session loaded with the same options")
         if self.packed:
-            return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only, lora)
+            return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only, inputs)
         binding = self.session.io_binding()
-        for name, value in (lora or {}).items():
+        for name, value in (inputs.feeds() if inputs is not None else {}).items():
             binding.bind_cpu_input(name, value)
         if self.variant:
             binding.bind_cpu_input(KEEP_INPUT, np.array([1 if last_only else input_ids.shape[1]], np.int64))
@@ -142,7 +142,7 @@ class OnnxRuntimeBackend(Backend):
         present = [outputs[n] for n in self.present_names]
         return logits, KVCache(self.name, cache.batch, cache.length + input_ids.shape[1], present)
 
-    def _forward_packed(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
+    def _forward_packed(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, inputs=None):
         ort = _ort()
         layout = cache.layout
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
@@ -152,18 +152,18 @@ class OnnxRuntimeBackend(Backend):
             store.binding = self.session.io_binding()
             self._bind_buffers(store.binding, arrays)
             store.bound = arrays
-            store.lora = None
+            store.weights = None
         binding = store.binding
-        if lora:
-            stacks = next(v for k, v in lora.items() if k != MASK)
-            if store.lora is None or store.lora[0] is not stacks:  # the same set of adapters: bound once
-                for name, value in lora.items():
-                    if name != MASK:
-                        binding.bind_cpu_input(name, value)
-                store.lora = (stacks, lora)  # (the arrays stay alive while bound)
-            binding.bind_cpu_input(MASK, lora[MASK])
+        weights = inputs.adapter_weights if inputs is not None else None
+        if weights and (store.weights is None or any(store.weights.get(n) is not a for n, a in weights.items())):
+            for name, value in weights.items():  # the same adapter set's arrays: bound once
+                binding.bind_cpu_input(name, value)
+            store.weights = weights  # (the arrays stay alive while bound)
         logits = None
         for step in steps:
+            if inputs is not None:  # the step's own inputs, re-selected as the call holds the step's tokens
+                for name, value in inputs.for_columns(input_ids, step.cols).step_feeds().items():
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
             for name, value in (("input_ids", step.ids), ("position_ids", step.positions), (SEQLENS, step.seqlens_k),
                                 (TOTAL, step.total), (LOGITS_ROWS, step.logits_rows)):
                 binding.bind_cpu_input(name, value)
@@ -205,16 +205,16 @@ class OnnxRuntimeBackend(Backend):
         if not self.packed or not self.variant or self.io.extra.get("lora"):
             return False
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
-            path = variant_path(self.bundle, attention=True, mixed=True)
+            path = variant_path(self.bundle, attention=True, mixed=True, config=self.config)
             self._mixed = make_session(path, self.quant_format, ["CPUExecutionProvider"], self.optimization,
                                        self.threads, self.spinning) if path is not None else False
         return self._mixed is not False
 
-    def forward_mixed(self, decode, prompt, last_only: bool, lora: tuple = (None, None)):
+    def forward_mixed(self, decode, prompt, last_only: bool, inputs: tuple = (None, None)):
         (d_ids, d_mask, d_pos, d_cache), (p_ids, p_mask, p_pos, p_cache) = decode, prompt
-        if lora != (None, None) or not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
+        if inputs != (None, None) or not self._mixed or d_cache.layout is None or p_cache.layout is None or d_ids.shape[1] != 1 \
                 or p_ids.shape[0] != 1 or d_cache.layout.store is p_cache.layout.store:  # (branches of one cache)
-            return super().forward_mixed(decode, prompt, last_only, lora)
+            return super().forward_mixed(decode, prompt, last_only, inputs)
         ort = _ort()
         (d_step,) = packed.plan(d_ids, d_pos, d_mask, d_cache.layout.lengths, d_cache.length, last_only)
         (p_step,) = packed.plan(p_ids, p_pos, p_mask, p_cache.layout.lengths, p_cache.length, last_only)

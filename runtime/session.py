@@ -30,6 +30,7 @@ from .backend import Backend, KVCache, SessionLifecycle, torch_source
 from .drafting import DRAFTERS, check_vocabularies
 from .generate import GenerationConfig, GenerationResult, TextStream, TokenEvent, generate_tokens, stop_ids, token_rows
 from .lora import AdapterSet, no_slots
+from .step_inputs import StepInputs
 from .ort_backend import OnnxRuntimeBackend
 from .speculative import generate_speculative
 from .torch_backend import TorchBackend
@@ -144,7 +145,7 @@ class Session(SessionLifecycle):
                 extra = {**(extra or {}), **inputs}
             elif self.step_inputs is not None:
                 extra = {**(extra or {}), **self.step_inputs(step[0])}
-            logits, present = self.backend.forward(*step, last_logits_only, extra)
+            logits, present = self.backend.forward(*step, last_logits_only, StepInputs.of(extra, self.io.feature_token))
             present.owner = self.model_id
             return logits, present
 
@@ -170,7 +171,7 @@ class Session(SessionLifecycle):
             if decode[3] is chunk[3]:
                 raise KvforgeError("forward_mixed takes two different caches")
             lora = (self._lora(adapters[0], decode[0].shape[0]), self._lora(adapters[1], 1))
-            parts = self.backend.forward_mixed(decode, chunk, True, lora if self.adapters is not None else (None, None))
+            parts = self.backend.forward_mixed(decode, chunk, True, tuple(StepInputs.of(f) for f in lora))
             for _, cache in parts:
                 cache.owner = self.model_id
             return parts
@@ -412,7 +413,7 @@ class Session(SessionLifecycle):
                     raise KvforgeError(f"the draft {path} is {kind_name(bundle.kind.name)}; a draft is a decoder LM "
                                        "bundle with the target's tokenizer")
                 # on ONNX Runtime its threads stop spinning after each step: they would take the cores from the
-                # target's verification step that follows (benchmarks/speculative_smollm2.py)
+                # target's verification step that follows (benchmarks/features/speculative_smollm2.py)
                 draft = open_decoder(bundle, "auto", **({} if bundle.is_engine else {"spinning": False})).activate()
                 check_vocabularies(self, draft)
                 self._drafts[key] = draft

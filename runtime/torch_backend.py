@@ -50,14 +50,14 @@ class TorchBackend(Backend):
     def empty_cache_impl(self, batch: int):
         return [t for kv in self.model.empty_cache(batch) for t in kv]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, inputs=None):
         torch = self._torch
         dev = self.device
         past, at = [], 0
         for layer in self.io.past:  # per layer: (key, value), or (latent,)
             past.append(tuple(cache.values[at:at + len(layer)]))
             at += len(layer)
-        with torch.inference_mode(), self._feeding(lora):
+        with torch.inference_mode(), self._feeding(inputs):
             logits, present = self.model(
                 torch.from_numpy(input_ids).to(dev),
                 torch.from_numpy(attention_mask).to(dev),
@@ -80,21 +80,26 @@ class TorchBackend(Backend):
                 delta = torch.from_numpy(np.asarray(a, np.float64) @ np.asarray(b, np.float64)).T
                 weight.add_(delta.to(weight.dtype).to(weight.device))
 
-    def _feeding(self, lora):
-        """The LoRA inputs (by graph input name) as the reference's slots take them."""
+    def _feeding(self, inputs):
+        """The step's LoRA inputs (runtime/step_inputs.py) as the reference's slots take them."""
         import contextlib
 
-        if not lora:
+        if inputs is None:
             return contextlib.nullcontext()
-        from kvforge.adapters import MASK, slot_input_names
+        if inputs.token_rows or inputs.per_token:
+            raise KvforgeError(f"the torch backend runs a decoder's reference model, which takes no "
+                               f"{sorted({**inputs.token_rows, **inputs.per_token})}: run it on onnxruntime")
+        if inputs.adapter_rows is None:
+            return contextlib.nullcontext()
+        from kvforge.adapters import slot_input_names
         from kvforge.model_defs.lora import LoraFeed, feeding
 
-        torch, dev = self._torch, self.device
+        torch, dev, lora = self._torch, self.device, inputs.adapter_weights
         weights = {}
         for slot in self.model.lora_slots:
             a, b = slot_input_names(slot)
             weights[slot] = (torch.from_numpy(lora[a]).to(dev), torch.from_numpy(lora[b]).to(dev))
-        return feeding(self.model, LoraFeed(torch.from_numpy(lora[MASK]).to(dev), weights))
+        return feeding(self.model, LoraFeed(torch.from_numpy(inputs.adapter_rows).to(dev), weights))
 
     def drop_oldest_impl(self, values, drops):
         return [v[:, :, n:].contiguous() if n else v for v, n in zip(values, drops)]

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvforge.adapters import LORA_WIDTH, MASK
+from kvforge.adapters import LORA_WIDTH
 from kvforge.bundle import BATCH, Bundle
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError, MissingDependencyError
@@ -308,25 +308,27 @@ class TensorRTBackend(Backend):
         values = self.io.dim_values(batch, 0, 0)
         return [DeviceTensor(0, concrete_shape(self.io.input(n).shape, values, n), self.dtypes[n]) for n in self.past_names]
 
-    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, lora=None):
+    def forward_impl(self, input_ids, attention_mask, position_ids, cache: KVCache, last_only: bool, inputs=None):
         self._check_alive(cache.values)
         B, T = input_ids.shape
-        extra = {LORA_WIDTH: lora[MASK].shape[1]} if lora else None
+        rows = inputs.adapter_rows if inputs is not None else None
+        extra = {LORA_WIDTH: rows.shape[1]} if rows is not None else None
         index, stepwise = plan_step(self.profiles, self.io, B, T, cache.length, extra)
         if not stepwise:
-            return self._run(index, input_ids, attention_mask, position_ids, cache, last_only, lora)
+            return self._run(index, input_ids, attention_mask, position_ids, cache, last_only, inputs)
         kept = []
         for i in range(T):
             total = cache.length + 1
+            part = inputs.for_columns(input_ids, np.full((B, 1), i)) if inputs is not None else None
             logits, cache = self._run(index, input_ids[:, i:i + 1], attention_mask[:, :total], position_ids[:, i:i + 1], cache,
-                                      True, lora)
+                                      True, part)
             kept.append(logits)
         return (kept[-1] if last_only else np.concatenate(kept, axis=1)), cache
 
     def _lora_weights(self, lora: dict[str, np.ndarray]) -> dict[str, _DeviceBuffer]:
         """A step's adapters' A and B on the device: uploaded once per set of adapters (the session passes the same
         joined arrays step after step, runtime/lora.py), the last LORA_SETS sets kept."""
-        arrays = {n: a for n, a in lora.items() if n != MASK and n in self.engine_inputs}
+        arrays = {n: a for n, a in lora.items() if n in self.engine_inputs}
         key = tuple((n, id(a)) for n, a in sorted(arrays.items()))
         held = self._lora_sets.pop(key, None)
         if held is None:
@@ -344,7 +346,7 @@ class TensorRTBackend(Backend):
         self._lora_sets[key] = held
         return held[1]
 
-    def _run(self, index: int, ids, mask, pos, cache: KVCache, last_only: bool, lora=None):
+    def _run(self, index: int, ids, mask, pos, cache: KVCache, last_only: bool, inputs=None):
         cuda, ctx, stream = self._cuda, self.context, self.stream
         copy, kind = cuda.wrapper().memcpy, cuda.MemcpyKind
         B, T = ids.shape
@@ -353,10 +355,10 @@ class TensorRTBackend(Backend):
             self.active_profile = index
         # inputs the engine kept (TensorRT drops inputs that no output depends on), in the engine's dtypes
         host = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-        if lora:
-            host[MASK] = lora[MASK]  # the rows' mask: small, copied each step; the adapters stay on the device
-            for name, buf in self._lora_weights(lora).items():
-                self._set_shape(name, lora[name].shape)
+        if inputs is not None:
+            host.update(inputs.step_feeds())  # small, copied each step; the adapters' weights stay on the device
+            for name, buf in self._lora_weights(inputs.adapter_weights).items():
+                self._set_shape(name, inputs.adapter_weights[name].shape)
                 ctx.set_tensor_address(name, buf.ptr)
         host = {n: np.ascontiguousarray(a, dtype=self.dtypes[n]) for n, a in host.items() if n in self.engine_inputs}
         for name, arr in host.items():

@@ -22,7 +22,8 @@ image_url, transformers' image) through the model's chat template.
 Generation is the decoder Session's (runtime/generate.py: greedy or sampled, stop tokens, response formats,
 logprobs): its prefill takes the images' features, each later step none (an image token the model generates keeps
 its own embedding, as in transformers). batcher() is the continuous batcher over the decoder whose requests carry
-their own images (VisionBatcher). Backend: onnxruntime, the bundle's graphs exactly. A session's calls are
+their own images (VisionBatcher). Backend: onnxruntime; the decoder runs its ORT variant over a packed cache (the image
+features bound per call, runtime/step_inputs.py) unless loaded with variant=False. A session's calls are
 serialized.
 """
 
@@ -55,12 +56,9 @@ class VisionLanguageSession:
     def __init__(self, bundle: Bundle, backend: str = "auto", **options):
         if backend not in ("auto", "onnxruntime"):
             raise KvforgeError(f"vision-language bundles run on the onnxruntime backend for now, not {backend!r}")
-        if options.get("variant"):
-            raise KvforgeError("vision-language bundles run their graphs exactly (variant=False)")
         if bundle.is_engine:
             raise KvforgeError(f"{bundle.path} holds TensorRT engines; running a vision-language model's engines is not "
                                "built yet: run its ONNX bundle (the one it was built from)")
-        options["variant"] = False
         self.bundle = bundle
         self.source = str(bundle.path)
         self.config: dict[str, Any] = bundle.model_config

@@ -479,7 +479,7 @@ def make_peft_adapter(model, path, seed: int, scale: float = 0.1, **lora_config)
 
 LLAVA_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30,
                     patch_size=10, projection_dim=16, layer_norm_eps=1e-5)
-LLAVA_TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+LLAVA_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
@@ -534,7 +534,7 @@ def make_idefics2(path, seed: int = 0, image_token_id: int = 299):
                            image_size=30, patch_size=10),
         perceiver_config=dict(hidden_act="silu", resampler_n_latents=IDEFICS2_LATENTS, resampler_depth=2,
                               resampler_n_heads=4, resampler_head_dim=8, num_key_value_heads=2),
-        text_config=dict(model_type="mistral", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
         image_token_id=image_token_id)
     torch.manual_seed(seed)
@@ -587,7 +587,7 @@ QWEN2_VL_SPECIALS = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|v
 
 def make_qwen2_vl(path, seed: int = 0):
     """A transformers Qwen2-VL (its vision tower: 4 px patches, 2 x 2 merges, two frames a patch, 2-D RoPE; a Qwen2
-    decoder with multimodal RoPE in sections [2, 1, 3]) with seeded, perturbed random weights, saved at `path` with its
+    decoder with multimodal RoPE in sections [2, 3, 3]) with seeded, perturbed random weights, saved at `path` with its
     image processor (Pillow; 8 px merge blocks, 256..4096 pixels) and the byte-level tokenizer with Qwen2-VL's image
     tokens (<|image_pad|> is 259); returns (model, image processor, tokenizer) in eval mode. (Qwen2VLProcessor
     itself needs torchvision for its video half: tests write its text expansion, <|image_pad|> once per token of
@@ -599,12 +599,12 @@ def make_qwen2_vl(path, seed: int = 0):
     from kvforge.tokenizer import Tokenizer
 
     config = Qwen2VLConfig(
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=48, num_heads=4, mlp_ratio=2, patch_size=4,
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, bos_token_id=256,
                          eos_token_id=257,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 3]}),
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
         image_token_id=259, video_token_id=262, vision_start_token_id=260, vision_end_token_id=261)
     torch.manual_seed(seed)
     model = save_perturbed(Qwen2VLForConditionalGeneration(config), path, seed)

@@ -9,19 +9,21 @@ The model (random weights, ~235M parameters, SmolVLM-256M's design, built from k
 - decoder: SmolLM2-135M's shape (30 layers of 576, 9 heads / 3 K/V heads, FFN 1536, vocab 49152, tied head).
 
 Exported by kvforge (FP32, validated; SmolLM2's tokenizer) and calibrated INT8 by kvforge (both graphs, default
-recipe: synthetic images for the vision graph, the built-in text and one prompt per image for the decoder), run on ONNX Runtime by
-the VisionLanguageSession (the decoder graph as exported: the ORT variant's packed cache is not used for
-vision-language bundles yet).
+recipe: synthetic images for the vision graph, the built-in text and one prompt per image for the decoder), run on
+ONNX Runtime by the VisionLanguageSession in two modes (--modes), each precision's sessions of both in the same runs:
+`packed`, the ORT variant with GroupQueryAttention over a packed cache, which the decoder runs by default since issue
+52 (the image features bound per call); `graph`, the decoder graph as exported (variant=False), what vision-language
+bundles ran before.
 
 Images are one 512 x 512 tile each here (SmolVLM's processor would also cut a large image into such tiles, each
-one more pass of the vision graph). Per run, each precision in turn: the vision graph on one image (and on 4, per image), then greedy decoding of
+one more pass of the vision graph). Per run, each precision and mode in turn: the vision graph on one image (and on 4, per image), then greedy decoding of
 --new-tokens tokens after a prompt of 64 image tokens + 16 text tokens, and after 80 text tokens (same context
 length). Decode tokens/s counts the tokens after the first (the prefill is timed apart). The roofline is the
 decoder graph's weight bytes over this machine's read bandwidth measured in the same run. Medians over --runs;
 INT8 / FP32 ratios from the same runs. The INT8 image features' cosine with FP32's is reported (the images
 here are random pixels).
 
-    python3 -m benchmarks.features.vlm_smolvlm [--runs 5] [--new-tokens 32] [--precisions float32,int8]
+    python3 -m benchmarks.features.vlm_smolvlm [--runs 5] [--new-tokens 32] [--precisions float32,int8] [--modes packed,graph]
 Writes benchmarks/results/vlm_smolvlm.json.
 """
 
@@ -50,6 +52,13 @@ CONFIG = dict(
     image_processing=dict(size={"height": 512, "width": 512}, do_center_crop=False, image_mean=[0.5] * 3,
                           image_std=[0.5] * 3, resample=2),
 )
+
+
+# the decoder runs compared (runtime.load options; what each is)
+MODES = {
+    "packed": ({}, "the ONNX Runtime variant with GroupQueryAttention over a packed cache (the default since issue 52)"),
+    "graph": ({"variant": False}, "the decoder graph as exported (what vision-language bundles ran before issue 52)"),
+}
 
 
 def bundle_path(cache: Path) -> Path:
@@ -117,10 +126,14 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvforge" / "bench-vlm")
     ap.add_argument("--out", type=Path, default=RESULTS / "vlm_smolvlm.json")
     ap.add_argument("--precisions", type=lambda s: s.split(","), default=["float32", "int8"])
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                    help="decoder runs to compare, in the same runs: " + "; ".join(f"{k}: {v[1]}" for k, v in MODES.items()))
     args = ap.parse_args()
     load_before = load_average()
     if not set(args.precisions) <= {"float32", "int8"} or not args.precisions:
         ap.error("--precisions: float32 and/or int8")
+    if not set(args.modes) <= set(MODES) or not args.modes:
+        ap.error(f"--modes: some of {sorted(MODES)}")
     from PIL import Image
 
     from kvforge import runtime
@@ -140,16 +153,18 @@ def main() -> int:
     assert len(with_image) == len(without) == 80
     bandwidth = [bandwidth_gbs()]
     keys = ("one", "four", "prefill_img", "decode_img", "prefill_txt", "decode_txt")
-    samples = {p: {k: [] for k in keys} for p in paths}
-    sessions = {p: runtime.load(path).activate() for p, path in paths.items()}
+    runs = [(p, mode) for p in paths for mode in args.modes]
+    samples = {run: {k: [] for k in keys} for run in runs}
+    sessions = {(p, mode): runtime.load(paths[p], **MODES[mode][0]).activate() for p, mode in runs}
     features = {}
-    for p, session in sessions.items():
+    for (p, mode), session in sessions.items():
         features[p] = session.image_features(images).astype(np.float64)  # warm-up
         timed_generate(session, with_image, images[:1], 4)
+    packed = {f"{p}/{mode}": bool(session.backend.packed) for (p, mode), session in sessions.items()}
     for _ in range(args.runs):
         bandwidth.append(bandwidth_gbs())  # read bandwidth varies on this machine: sampled every run
-        for p, session in sessions.items():
-            got = samples[p]
+        for (p, mode), session in sessions.items():
+            got = samples[p, mode]
             start = time.perf_counter()
             session.image_features(images[:1])
             got["one"].append(time.perf_counter() - start)
@@ -162,20 +177,21 @@ def main() -> int:
             a, b = timed_generate(session, without, [], args.new_tokens)
             got["prefill_txt"].append(a)
             got["decode_txt"].append(b)
-            print(f"{p}: image {got['one'][-1] * 1000:.0f} ms (4: {got['four'][-1] * 1000:.0f} ms each); decode "
+            print(f"{p} {mode}: image {got['one'][-1] * 1000:.0f} ms (4: {got['four'][-1] * 1000:.0f} ms each); decode "
                   f"with image {got['decode_img'][-1]:.1f} tok/s, without {got['decode_txt'][-1]:.1f} tok/s", flush=True)
     for session in sessions.values():
         session.deactivate()
     bandwidth.append(bandwidth_gbs())
     bw = statistics.median(bandwidth)
-    med = {p: {k: statistics.median(v) for k, v in got.items()} for p, got in samples.items()}
+    med = {run: {k: statistics.median(v) for k, v in got.items()} for run, got in samples.items()}
     per_precision = {}
-    for p, path in paths.items():
-        bundle = Bundle(path)
+    for p, mode in runs:
+        bundle = Bundle(paths[p])
         weight_bytes = decoder_weight_bytes(bundle)
         roofline = bw * 1e9 / weight_bytes
-        m = med[p]
-        per_precision[p] = {
+        m = med[p, mode]
+        per_precision.setdefault(p, {})[mode] = {
+            "decoder": MODES[mode][1], "packed_cache": packed[f"{p}/{mode}"],
             "bundle_bytes": sum(f["bytes"] for f in bundle.manifest["files"].values() if f.get("bytes")),
             "decoder_weight_bytes": weight_bytes,
             "vision_ms_per_image": {"batch_1": 1000 * m["one"], "batch_4": 1000 * m["four"]},
@@ -184,30 +200,38 @@ def main() -> int:
             "decode_with_image_vs_text": m["decode_img"] / m["decode_txt"],
             "decode_roofline_tokens_per_s": roofline,
             "decode_fraction_of_roofline": m["decode_img"] / roofline,
-            "samples": {"vision_ms": [1000 * x for x in samples[p]["one"]], "decode_with_image": samples[p]["decode_img"],
-                        "decode_text": samples[p]["decode_txt"]},
+            "samples": {"vision_ms": [1000 * x for x in samples[p, mode]["one"]],
+                        "decode_with_image": samples[p, mode]["decode_img"], "decode_text": samples[p, mode]["decode_txt"]},
         }
     result = {
         "benchmark": "vlm_smolvlm", "model": "SmolVLM-shaped (random weights)", "config": CONFIG,
-        "backend": "onnxruntime (the bundle's graphs)", "runs": args.runs,
+        "backend": "onnxruntime", "runs": args.runs,
         "new_tokens": args.new_tokens, "prompt_tokens": 80, "image_tokens": 64,
         "precisions": per_precision,
         "bandwidth_gbs": bw, "bandwidth_samples_gbs": bandwidth,
         "machine": machine(), "load_before": load_before, "time": utc_time(),
     }
+    mode = args.modes[0]
     if "int8" in paths and "float32" in paths:
         f, q = features["float32"].reshape(4, -1), features["int8"].reshape(4, -1)
         cos = (f * q).sum(-1) / (np.linalg.norm(f, axis=-1) * np.linalg.norm(q, axis=-1))
         result["int8_vs_float32"] = {
-            "vision_speedup_batch_1": med["float32"]["one"] / med["int8"]["one"],
-            "decode_speedup_with_image": med["int8"]["decode_img"] / med["float32"]["decode_img"],
+            "decoder": mode,
+            "vision_speedup_batch_1": med["float32", mode]["one"] / med["int8", mode]["one"],
+            "decode_speedup_with_image": med["int8", mode]["decode_img"] / med["float32", mode]["decode_img"],
             "image_feature_cosine_min": float(cos.min()),
         }
+    if set(args.modes) == set(MODES):  # the same runs: the packed cache's gain on the decode with an image
+        result["packed_vs_graph"] = {p: {k: med[p, "packed"][x] / med[p, "graph"][x] for k, x in (
+            ("decode_with_image", "decode_img"), ("decode_text_only", "decode_txt"),
+            ("prefill_with_image_speedup", "prefill_img"))} for p in paths}
+        for p in paths:  # (prefill: a time, so its speedup is graph over packed)
+            result["packed_vs_graph"][p]["prefill_with_image_speedup"] **= -1
     write_result("vlm_smolvlm", result, args.out)
-    print(json.dumps({"bandwidth_gbs": bw, **{p: {k: r[k] for k in ("vision_ms_per_image", "prefill_ms",
-                                                                   "decode_tokens_per_s", "decode_fraction_of_roofline")}
-                                             for p, r in per_precision.items()},
-                      "int8_vs_float32": result.get("int8_vs_float32")}, indent=1))
+    print(json.dumps({"bandwidth_gbs": bw, **{f"{p}/{mode}": {k: r[k] for k in (
+        "vision_ms_per_image", "prefill_ms", "decode_tokens_per_s", "decode_fraction_of_roofline")}
+        for p, modes in per_precision.items() for mode, r in modes.items()},
+        "int8_vs_float32": result.get("int8_vs_float32"), "packed_vs_graph": result.get("packed_vs_graph")}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

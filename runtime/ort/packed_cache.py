@@ -47,7 +47,7 @@ class Store:
     version: int = 0
     binding: object = None  # the backend's IO binding of these arrays as past and present (made once per arrays)
     bound: list | None = None  # the arrays `binding` binds
-    lora: tuple | None = None  # (one of the LoRA inputs `binding` binds, for its identity; all of them)
+    weights: dict | None = None  # the LoRA adapter weights `binding` binds (runtime/step_inputs.py), by identity
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Step:
     total: np.ndarray  # int32 [1]: also the positions the buffers must hold (the kernel writes up to it)
     logits_rows: np.ndarray  # int64 (B, K) flat rows of (B * T)
     lengths: np.ndarray  # int64 (B,) real positions held after the step
+    cols: np.ndarray  # int64 (B, T'): which of the caller's T tokens each of ids' columns is
     logits_at: list[int] = field(default_factory=list)  # output positions (of the caller's T) these logits fill
 
 
@@ -106,6 +107,7 @@ def plan(ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, lengths: np.n
         keep = not last_only or t == T - 1
         step = _one_call(ids[:, t:t + 1], positions[:, t:t + 1], held, real, 1, not keep, first=False)
         step.logits_at = [t] if keep else []
+        step.cols = np.full((B, 1), t, np.int64)
         steps.append(step)
         held = step.lengths
     return steps
@@ -116,7 +118,7 @@ def _one_call(ids, positions, lengths, new, T, last_only, first: bool) -> Step:
     if T == 1 and not first:  # a decode step: nothing to move
         written = lengths + 1
         return Step(ids, positions, lengths.astype(np.int32), np.array([written.max()], np.int32),
-                    np.arange(B, dtype=np.int64)[:, None], lengths + new, [0])
+                    np.arange(B, dtype=np.int64)[:, None], lengths + new, np.zeros((B, 1), np.int64), [0])
     # each row's real new tokens first (right padding): the kernel masks what lies past a row's length
     shift = T - new
     cols = (np.arange(T)[None, :] + shift[:, None]) % T
@@ -136,7 +138,7 @@ def _one_call(ids, positions, lengths, new, T, last_only, first: bool) -> Step:
         rows = base + (np.arange(T)[None, :] - shift[:, None]) % T  # output position i of a row reads right-aligned i - shift
         at = list(range(T))
     return Step(ids_r, pos_r, seqlens.astype(np.int32), np.array([total], np.int32), rows.astype(np.int64),
-                after.astype(np.int64), at)
+                after.astype(np.int64), cols.astype(np.int64), at)
 
 
 def unpack(array: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:

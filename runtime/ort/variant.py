@@ -373,24 +373,25 @@ def unshare_tied_head(model) -> int:
     return done
 
 
-def rewrite_attention(model, bundle, mixed: bool = False) -> int:
+def rewrite_attention(model, bundle, mixed: bool = False, config: dict | None = None) -> int:
     """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match);
-    mixed: the mixed step's graph (attention.py)."""
-    io, cfg = bundle.io, bundle.model_config
+    mixed: the mixed step's graph (attention.py); config: the decoder's (a vision-language bundle's
+    model_config["decoder"]), default the bundle's."""
+    io, cfg = bundle.io, config or bundle.model_config
     if any(w is not None for w in io.windows):  # capped caches roll: not the packed layout
         return 0
-    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
-                                     mixed)
+    head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]  # (None in a config written by hand: the default)
+    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], head_dim, mixed)
 
 
-def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path | None:
+def variant_path(bundle, attention: bool = False, mixed: bool = False, config: dict | None = None) -> Path | None:
     """Build (once) and return the cached ORT variant of `bundle`'s graph.
 
     attention: also rewrite the attention as GroupQueryAttention over a packed shared-buffer cache
     (attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
     then LOGITS_ROWS, else KEEP_INPUT.
     mixed (with attention): the graph of a mixed step, decode rows and one prompt row's chunk in one call
-    (attention.py); None where the attention is not rewritten."""
+    (attention.py); None where the attention is not rewritten. config: the decoder's, as rewrite_attention takes it."""
     files = bundle.manifest.get("files", {})
     graph = bundle.manifest["graph"]
     # The cache is keyed by the manifest's hashes; a file that no longer matches
@@ -429,7 +430,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False) -> Path |
         fold_scales_into_norms(model)
     skip_unchosen_experts(model, {"float16": 10, "bfloat16": 16}.get(bundle.dtype, 1))
     # after the RoPE fusion: GroupQueryAttention then reads RotaryEmbedding's (B, T, hidden) form directly
-    if attention and rewrite_attention(model, bundle, mixed):
+    if attention and rewrite_attention(model, bundle, mixed, config):
         add_logits_rows(model)
     elif mixed:
         model = None

@@ -126,6 +126,34 @@ def test_a_generated_image_token_keeps_its_embedding_as_in_transformers(llava_bu
             session.forward(np.asarray([ids]), np.zeros((0, 9, bundle.io.input("image_features").shape[-1])))
 
 
+def test_the_packed_cache_gives_each_call_the_image_rows_of_its_own_tokens(llava_bundle):
+    """On the CPU the decoder runs ONNX Runtime's packed-cache variant, which moves a left-padded prefill's real
+    tokens to the front and runs a multi-token step over a past at batch 2 as one call per token: each call must get
+    the feature rows of the image tokens it holds, in the order it reads them. Its logits equal the exported
+    graph's (variant=False: one call over the step as given) to 1e-4; rows given to the wrong calls would not."""
+    _, bundle, _ = llava_bundle
+    rng = np.random.default_rng(13)
+    prefill = np.array([[0, 5, IMAGE_TOKEN, 6], [IMAGE_TOKEN, IMAGE_TOKEN, 7, 8]])
+    prefill_mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    step = np.array([[5, IMAGE_TOKEN, IMAGE_TOKEN, 7], [IMAGE_TOKEN, 8, IMAGE_TOKEN, IMAGE_TOKEN]])
+    step_mask = np.concatenate([prefill_mask, np.ones((2, 4), np.int64)], axis=1)
+    width = bundle.io.input("image_features").shape[-1]
+    first, second = (rng.standard_normal((n, width)).astype(np.float32) for n in (3, 5))
+    got = {}
+    for variant in (False, True):
+        with runtime.load(bundle.path, variant=variant) as session:
+            assert session.backend.packed is variant
+            a, cache = session.forward(prefill, first, prefill_mask)
+            b, _ = session.forward(step, second, step_mask, cache=cache)
+            got[variant] = (a[prefill_mask.astype(bool)], b)
+    for packed, graph in zip(got[True], got[False]):
+        np.testing.assert_allclose(packed, graph, atol=1e-4)
+    with runtime.load(bundle.path) as session:  # the features matter to every row of the step
+        _, cache = session.forward(prefill, first, prefill_mask)
+        swapped, _ = session.forward(step, second[::-1].copy(), step_mask, cache=cache)
+        assert (np.abs(swapped - got[True][1]).max(axis=(1, 2)) > 1e-3).all()
+
+
 def test_the_batcher_runs_image_requests_beside_text_ones_as_each_alone(llava_bundle):
     """Requests with their own images (the same text with different images included), a text-only one, and one
     whose prompt is fed in chunks that split its image tokens, in one continuous batch: each gives what the
