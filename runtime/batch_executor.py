@@ -122,7 +122,7 @@ class BatchExecutor:
         """The prefix cache's namespace of a request's blocks: the model's, and its adapter's (an adapter computes
         other keys and values for the same tokens)."""
         space = self._namespace
-        key = getattr(request._inputs, "key", None)
+        key = getattr(request.inputs, "key", None)
         if key is not None:  # its own inputs (images): blocks of the same tokens with other inputs differ
             space = PrefixCache.namespace(space.hex(), f"inputs:{key.hex()}")
         if request.config.adapter is None:
@@ -208,7 +208,7 @@ class BatchExecutor:
         r = row.request
         if not r.speculates:
             return False
-        r._speculator = Speculator(self.session, r.prompt, r.config, r.stop, r._drafter, part.cache, row.logits)
+        r.speculator = Speculator(self.session, r.prompt, r.config, r.stop, r.drafter, part.cache, row.logits)
         return True
 
     def _join(self, parts: list[_Part], joins: Placement) -> None:
@@ -244,9 +244,9 @@ class BatchExecutor:
         live = [r for r in rows if r is not None]
         for r in live:
             if r.cancelled:
-                r._end("cancelled")
+                r.end("cancelled")
         try:  # every constrained row's mask at once (each row alone if one of them fails)
-            allowed = masks([r._constraint for r in live], self.session.vocab_size)
+            allowed = masks([r.constraint for r in live], self.session.vocab_size)
         except KvforgeError:
             allowed = None
         leaving = []
@@ -257,19 +257,19 @@ class BatchExecutor:
             row = self._rows[r]
             try:
                 mask = None
-                if r._constraint is not None:
-                    mask = allowed[k:k + 1] if allowed is not None else masks([r._constraint], self.session.vocab_size)
+                if r.constraint is not None:
+                    mask = allowed[k:k + 1] if allowed is not None else masks([r.constraint], self.session.vocab_size)
                 chosen = select(row.logits[None], [row.seen], r.config.sampling, [row.rng], mask)
                 token = int(chosen[0])
                 scored = step_logprobs(r.config, row.logits[None], chosen)
                 finish = end_of(token, len(r.tokens) + 1, len(r.prompt), r.config, r.stop, self.session.max_context,
-                                r._constraint)
+                                r.constraint)
             except KvforgeError as e:
-                r._end("error", e)
+                r.end("error", e)
                 leaving.append(r)
                 continue
             row.seen.append(token)
-            r._emit(token, finish, None if scored is None else scored[0])
+            r.emit(token, finish, None if scored is None else scored[0])
             if finish is not None:
                 leaving.append(r)
         self.peak_batch = max(self.peak_batch, len(live))
@@ -354,7 +354,7 @@ class BatchExecutor:
         ended = []
         for r in requests:
             if r.cancelled:
-                r._end("cancelled")
+                r.end("cancelled")
             elif not r.done:
                 self._speculate(r)
             if r.done:
@@ -363,16 +363,16 @@ class BatchExecutor:
         return ended
 
     def _speculate(self, r: Request) -> None:
-        sp = r._speculator
+        sp = r.speculator
         before = (sp.stats.steps, sp.stats.drafted, sp.stats.accepted)
         try:
             with self._timed("decode"):
                 emitted = sp.step() if sp.tokens else sp.first()
         except KvforgeError as e:
-            r._end("error", e)
+            r.end("error", e)
             emitted = []
         for token, finish, scored in emitted:
-            r._emit(token, finish, scored)
+            r.emit(token, finish, scored)
         self.speculation.steps += sp.stats.steps - before[0]
         self.speculation.drafted += sp.stats.drafted - before[1]
         self.speculation.accepted += sp.stats.accepted - before[2]
@@ -385,7 +385,7 @@ class BatchExecutor:
         row, in reading order); None where the session's graph has none."""
         if self.session.step_inputs is None:
             return None
-        return join_inputs([(r._inputs if r is not None and r._inputs is not None else self.session.step_inputs)(
+        return join_inputs([(r.inputs if r is not None and r.inputs is not None else self.session.step_inputs)(
             ids[None]) for r, ids in rows])
 
     @contextlib.contextmanager

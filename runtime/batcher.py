@@ -75,7 +75,7 @@ Options:
   call (Session.forward_mixed) where the backend can, instead of two calls that
   each read every weight (default False: on ONNX Runtime's CPU provider this
   loads a second graph of the bundle, which holds the weights a second time;
-  benchmarks/batcher_prefill.py measures both).
+  benchmarks/features/batcher_prefill.py measures both).
 
 BatchOptions holds these settings (all but prefix_cache) as one checked value,
 which the server writes into a model's configuration and reads back:
@@ -184,7 +184,8 @@ class BatchOptions:
 
 
 class Request:
-    """A submitted generation: iterate it for TokenEvents, result() for the whole; cancel() from any thread."""
+    """A submitted generation: iterate it for TokenEvents, result() for the whole; cancel() from any thread.
+    emit() and end(), and constraint, inputs, drafter and speculator, are its runner's (its worker thread's)."""
 
     def __init__(self, rid: int, prompt: list[int], config: GenerationConfig, stop: set[int], reserve: int,
                  text: TextStream, constraint: Constraint | None = None):
@@ -198,12 +199,12 @@ class Request:
         logprobs = config.logprobs is not None
         self.logprobs: list[float] | None = [] if logprobs else None  # config.logprobs not None: per token
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if logprobs else None
-        self._constraint = constraint  # the response format's matcher, dropped when the request ends
+        self.constraint = constraint  # the response format's matcher, dropped when the request ends
         # the request's own graph inputs beyond the KV-cache contract, per step from its input ids (a vision-language
         # prompt's image features: runtime/vision_session.py FeatureFeed); None: the session's step_inputs
-        self._inputs = None
-        self._drafter = None  # config.speculation: a fresh drafter (made at submit(), so a bad draft is refused there)
-        self._speculator: Speculator | None = None  # config.speculation: the row, once its prompt is prefilled
+        self.inputs = None
+        self.drafter = None  # config.speculation: a fresh drafter (made at submit(), so a bad draft is refused there)
+        self.speculator: Speculator | None = None  # config.speculation: the row, once its prompt is prefilled
         self.apart = 0  # leading prompt tokens fed apart, their blocks cached first (runtime/scheduler.py)
         self._text = text
         self._events: queue.Queue = queue.Queue()
@@ -254,10 +255,12 @@ class Request:
         return GenerationResult(list(self.tokens), self.finish_reason or "length", len(self.prompt), text,
                                 None if self.logprobs is None else list(self.logprobs),
                                 None if self.top_logprobs is None else list(self.top_logprobs),
-                                None if self._speculator is None else self._speculator.stats.as_dict())
+                                None if self.speculator is None else self.speculator.stats.as_dict())
 
-    # -- the scheduler's side ---------------------------------------------------------
-    def _emit(self, token: int, finish: str | None, scored: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+    # -- the runner's side (its worker thread: RequestQueue, runtime/batch_executor.py, runtime/serial.py) ----------
+    def emit(self, token: int, finish: str | None, scored: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+        """A generated token (with its log-probabilities, where asked) to the request's events; finish: it was the
+        last, and why (the request ends)."""
         self.tokens.append(token)
         event = TokenEvent(token, len(self.tokens) - 1, finish is not None, finish)
         if scored is not None and self.logprobs is not None:
@@ -267,12 +270,13 @@ class Request:
         event.text = self._text.push(token, finish is not None)
         self._events.put(event)
         if finish is not None:
-            self._end(finish)
+            self.end(finish)
 
-    def _end(self, finish: str | None, error: BaseException | None = None) -> None:
+    def end(self, finish: str | None, error: BaseException | None = None) -> None:
+        """The request ends (finish_reason `finish`; error: what result() and iteration raise); a no-op once it has."""
         if self._done.is_set():
             return
-        self._constraint = None  # frees the matcher
+        self.constraint = None  # frees the matcher
         self.finish_reason, self._error = finish, error
         self._events.put(_END)
         self._done.set()
@@ -295,7 +299,7 @@ class RequestQueue:
     def _enqueue(self, request: Request) -> Request:
         """Queue a checked request (one that asks for no token ends at once) and wake the worker."""
         if request.config.max_new_tokens == 0:
-            request._end("length")
+            request.end("length")
             return request
         with self._wake:
             if self._closing:
@@ -329,7 +333,7 @@ class RequestQueue:
         with self._wake:
             self._closing = True
             for r in self._waiting:
-                r._end("cancelled")
+                r.end("cancelled")
             self._waiting.clear()
             self._closing_running()
             self._wake.notify()
@@ -395,10 +399,10 @@ class Batcher(RequestQueue):
         if config.adapter is not None:  # read (and checked against the bundle's slots) now, not in the loop
             self.session.load_adapter(config.adapter)
         request = Request(next(self._ids), ids, config, stop, reserve, TextStream(self.session.tokenizer), row)
-        request._inputs = inputs
+        request.inputs = inputs
         request.apart = self._executor.apart(ids)
         if config.speculation is not None:  # the draft opened and its vocabulary checked now
-            request._drafter = self.session.new_drafter(config)
+            request.drafter = self.session.new_drafter(config)
         return self._enqueue(request)
 
     @classmethod
@@ -463,7 +467,7 @@ class Batcher(RequestQueue):
         scheduler, executor = self._scheduler, self._executor
         plan = scheduler.plan()
         for r in plan.dropped:
-            r._end("cancelled")
+            r.end("cancelled")
         executor.release(plan.dropped)
         executor.prefill(plan)
         if scheduler.rows:
@@ -475,5 +479,5 @@ class Batcher(RequestQueue):
         """End every admitted request not finished (a failed step, closing) and forget the batch."""
         requests = self._scheduler.clear()
         for r in requests:
-            r._end(finish, error)
+            r.end(finish, error)
         self._executor.reset(requests)

@@ -56,10 +56,10 @@ class SerialRunner(RequestQueue):
                     if request.cancelled:
                         break
                     scored = None if event.logprob is None else (event.logprob, list(event.top_logprobs or []))
-                    request._emit(event.token, event.finish_reason if event.last else None, scored)
-                request._end("cancelled")  # a no-op unless it was cancelled before its last token
+                    request.emit(event.token, event.finish_reason if event.last else None, scored)
+                request.end("cancelled")  # a no-op unless it was cancelled before its last token
             except BaseException as e:  # noqa: BLE001 - a failed request fails alone
                 error = e if isinstance(e, KvforgeError) else KvforgeError(f"generation failed: {type(e).__name__}: {e}")
-                request._end("error", error)
+                request.end("error", error)
             finally:
                 self._current = None
