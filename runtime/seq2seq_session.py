@@ -52,7 +52,9 @@ class Seq2SeqSession(GraphSession):
         self.vocab_size = self.config["vocab_size"]
 
     # -- inputs ------------------------------------------------------------------------------
-    def _sources(self, source) -> tuple[list[list[int]], bool]:
+    # what a runner of requests (runtime/serial.py) asks of the session
+    def prompt_rows(self, source) -> tuple[list[list[int]], bool]:
+        """A source (str | ids | a list of either) as lists of token ids, and whether one source was given."""
         return token_rows(source, self._encode_text, "source")
 
     def _encode_text(self, text: str) -> list[int]:
@@ -60,7 +62,8 @@ class Seq2SeqSession(GraphSession):
             raise KvforgeError(f"{self.source} has no tokenizer; pass token ids instead of text")
         return self.tokenizer.encode(text)
 
-    def _check(self, rows: list[list[int]]) -> None:
+    def check_sources(self, rows: list[list[int]]) -> None:
+        """Refuse an empty source, token ids outside the vocabulary, or one longer than the bundle's context."""
         for i, r in enumerate(rows):
             if not r:
                 raise KvforgeError(f"source {i} has no tokens")
@@ -78,7 +81,7 @@ class Seq2SeqSession(GraphSession):
     def _loop(self, rows: list[list[int]], config: GenerationConfig, stop: set[int]):
         """Yield every row's tokens after each step, with each row's finish reason (None: going on) and, when
         config.logprobs is set, each row's (log-probability, top alternatives) per token (else None)."""
-        self._check(rows)
+        self.check_sources(rows)
         cfg = self.config
         B = len(rows)
         pad = cfg.get("pad_token_id") or 0
@@ -150,7 +153,7 @@ class Seq2SeqSession(GraphSession):
                 raise KvforgeError(f"{name} must be a non-empty int64 array [batch, length]")
         if source_ids.shape != source_mask.shape or target_ids.shape[0] != source_ids.shape[0]:
             raise KvforgeError(f"shapes disagree: source {source_ids.shape}, mask {source_mask.shape}, target {target_ids.shape}")
-        self._check([r[m == 1].tolist() for r, m in zip(source_ids, source_mask)])
+        self.check_sources([r[m == 1].tolist() for r, m in zip(source_ids, source_mask)])
         if target_ids.shape[1] > self.max_context or target_ids.min() < 0 or target_ids.max() >= self.vocab_size:
             raise KvforgeError(f"target ids must lie in 0..{self.vocab_size - 1}, at most {self.max_context} per row")
         self.activate()
@@ -166,7 +169,7 @@ class Seq2SeqSession(GraphSession):
     def generate(self, source, config: GenerationConfig | None = None, **kwargs) -> GenerationResult | list[GenerationResult]:
         """The target for one source (-> GenerationResult) or each of a list (-> list; a right-padded batch)."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
-        rows, single = self._sources(source)
+        rows, single = self.prompt_rows(source)
         tokens, finish, scores = [], [], None
         for tokens, finish, scores in self._loop(rows, config, self.stop_tokens(config)):
             pass
@@ -181,7 +184,7 @@ class Seq2SeqSession(GraphSession):
     def stream(self, source, config: GenerationConfig | None = None, **kwargs) -> Iterator[TokenEvent]:
         """Yield each target token of one source with the text it completes."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
-        rows, single = self._sources(source)
+        rows, single = self.prompt_rows(source)
         if not single:
             raise KvforgeError("stream() takes one source; use generate() for a batch")
         text = TextStream(self.tokenizer)

@@ -28,10 +28,10 @@ class SerialRunner(RequestQueue):
     def submit(self, prompt, config: GenerationConfig | None = None, **kwargs) -> Request:
         """Queue one prompt (text or token ids); returns at once."""
         config = config or GenerationConfig.from_kwargs(**kwargs)
-        rows, single = self.session._sources(prompt)
+        rows, single = self.session.prompt_rows(prompt)
         if not single:
             raise KvforgeError("submit() takes one prompt; submit each of a batch on its own")
-        self.session._check(rows)
+        self.session.check_sources(rows)
         return self._enqueue(Request(next(self._ids), rows[0], config, self.session.stop_tokens(config), 0,
                                      TextStream(self.session.tokenizer)))
 

@@ -340,9 +340,6 @@ class Session(SessionLifecycle):
         """Normalize str | ids | list of either to a list of id lists; report whether one was given."""
         return token_rows(prompt, self.encode)
 
-    def _stop_ids(self, config: GenerationConfig) -> set[int]:
-        return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
-
     # what a runner of requests (runtime/batcher.py) asks of the session
     def prompt_rows(self, prompt) -> tuple[list[list[int]], bool]:
         """A prompt (str | ids | a list of either) as lists of token ids, and whether one prompt was given."""
@@ -350,7 +347,7 @@ class Session(SessionLifecycle):
 
     def stop_tokens(self, config: GenerationConfig) -> set[int]:
         """The token ids that end a generation under config (its stop ids, and the model's EOS unless ignored)."""
-        return self._stop_ids(config)
+        return stop_ids(config, self.config.get("eos_token_id"), self.vocab_size, self.tokenizer)
 
     def new_drafter(self, config: GenerationConfig):
         """A fresh drafter for config.speculation (runtime/drafting.py): its draft session opened once per path and
@@ -381,7 +378,7 @@ class Session(SessionLifecycle):
     def _generation(self, rows: list[list[int]], config: GenerationConfig, stream: bool = False):
         """The generation loop for config: speculative (runtime/speculative.py) or plain (runtime/generate.py);
         results, or (stream) the one row's TokenEvents."""
-        stop = self._stop_ids(config)
+        stop = self.stop_tokens(config)
         if config.adapter is not None:  # read and checked before any step
             self.load_adapter(config.adapter)
         if config.speculation is not None:

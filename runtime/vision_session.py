@@ -319,8 +319,9 @@ class VisionLanguageSession:
         return self.stream(ids, config, images=loaded, **kwargs)
 
     # -- generation --------------------------------------------------------------------------
-    def _stop_ids(self, config: GenerationConfig) -> set[int]:
-        return self.decoder._stop_ids(config)
+    def stop_tokens(self, config: GenerationConfig) -> set[int]:
+        """The token ids that end a generation under config (the decoder's)."""
+        return self.decoder.stop_tokens(config)
 
     def generate(self, prompt, config: GenerationConfig | None = None, images=None, **kwargs
                  ) -> GenerationResult | list[GenerationResult]:
