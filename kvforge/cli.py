@@ -375,11 +375,30 @@ def _backend_option(f):
     )(f)
 
 
+def _accuracy_level_option(f):
+    return click.option(
+        "--accuracy-level", default="0", show_default=True, type=click.Choice(["0", "4"]),
+        help="ONNX Runtime's MatMulNBits accuracy level (INT4 and checkpoint-code bundles): 0 computes the bundle's "
+             "function exactly; 4 quantizes the activations to int8 per weight block, as llama.cpp's dot products: "
+             "faster, not exact (docs/ort-variant.md).",
+    )(f)
+
+
+def _backend_options(backend: str, accuracy_level: str) -> dict:
+    """The backend options --accuracy-level sets (none at its default, so every backend takes them)."""
+    if accuracy_level == "0":
+        return {}
+    if backend not in ("auto", "onnxruntime"):
+        raise KvforgeError(f"--accuracy-level is an ONNX Runtime setting; --backend {backend} does not take it")
+    return {"accuracy_level": int(accuracy_level)}
+
+
 def _sampling_options(f):
     """The generation options generate and chat share (GenerationConfig's)."""
     for option in reversed([
         click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(0)),
         _backend_option,
+        _accuracy_level_option,
         click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy."),
         click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = no limit."),
         click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True)),
@@ -423,11 +442,11 @@ def _speculation(speculative, draft_tokens, ngram):
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image for a vision-language bundle, one per placeholder (<image>) in the prompt (with --chat: the images open the message); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
-def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed,
-             speculative, draft_tokens, ngram, adapter, images, as_json):
+def generate(source, prompt, as_chat, max_new_tokens, backend, accuracy_level, temperature, top_k, top_p,
+             repetition_penalty, seed, speculative, draft_tokens, ngram, adapter, images, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
-    session = runtime.load(source, backend=backend)
+    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level))
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty, seed=seed,
                    speculative=_speculation(speculative, draft_tokens, ngram), adapter=adapter)
@@ -455,10 +474,11 @@ def generate(source, prompt, as_chat, max_new_tokens, backend, temperature, top_
 @click.argument("source")
 @click.option("--system", help="A system message that opens the conversation (where the template takes one).")
 @_sampling_options
-def chat(source, system, max_new_tokens, backend, temperature, top_k, top_p, repetition_penalty, seed):
+def chat(source, system, max_new_tokens, backend, accuracy_level, temperature, top_k, top_p, repetition_penalty,
+         seed):
     """Talk with SOURCE (a bundle or model source with a chat template): each line you type is a user message,
     the reply streams back. /reset starts over, /exit (or Ctrl-D) quits; Ctrl-C stops a reply, not the chat."""
-    session = runtime.load(source, backend=backend)
+    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level))
     if not getattr(session, "chat", None):
         raise KvforgeError(f"{source} is {kind_name(session.architecture)}; `kvforge chat` talks with a decoder LM")
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -614,6 +634,7 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cac
 @main.command()
 @click.argument("bundle")
 @_backend_option
+@_accuracy_level_option
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(1))
@@ -623,13 +644,13 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cac
 @click.option("--prompt", help="With --speculative: the prompt text (a chat template's user message where the "
               "bundle has one; default: a request to repeat a paragraph of built-in prose).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
-def bench(bundle, backend, batch, prompt_len, new_tokens, runs, warmup, speculative, draft_tokens, ngram, prompt,
-          as_json):
+def bench(bundle, backend, accuracy_level, batch, prompt_len, new_tokens, runs, warmup, speculative, draft_tokens, ngram,
+          prompt, as_json):
     """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS. With --speculative:
     greedy decode tokens/s with and without speculation on one prompt (batch 1), their ratio, the acceptance rate
     and the tokens per step."""
 
-    with runtime.load(bundle, backend=backend) as session:
+    with runtime.load(bundle, backend=backend, **_backend_options(backend, accuracy_level)) as session:
         if not isinstance(session, runtime.Session):
             raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge bench` measures a decoder LM's "
                                "prefill and decode steps (time an encoder with kvforge.runtime's embed())")

@@ -59,6 +59,23 @@ QUANT_SESSION_CONFIG = {
     "int4": {"session.qdq_matmulnbits_accuracy_level": "0"},
     "checkpoint": EXACT_QDQ,
 }
+# MatMulNBits' accuracy level, the ONNX Runtime backend's opt-in speed setting (its `accuracy_level` option):
+# 0 keeps the activations in float (exact: the bundle's function), 4 quantizes them to int8 per weight block along
+# K (scale max|x| / 127 per block, as llama.cpp's Q8 activations) and sums integer products: an INT4 bundle's
+# fused MatMulNBits (this session config) and the ORT variant's (runtime/ort/variant.py) then run integer dot
+# products, measured 1.8-2x (4-bit) and 15-25x (8-bit) faster than level 0 at batch 1 here, with errors of 5e-3
+# to 2e-2 of the output's scale (benchmarks/kernels/int*_matmul_kernels.py, docs/ort-variant.md).
+ACCURACY_LEVELS = {0: "MatMulNBits keeps the activations in float: exact, the bundle's function",
+                   4: "MatMulNBits quantizes the activations to int8 per weight block (llama.cpp's dot products): "
+                      "faster, not exact"}
+
+
+def check_accuracy_level(level) -> int:
+    """`level` if it is one of ACCURACY_LEVELS, else a KvforgeError naming them and what each means."""
+    if isinstance(level, bool) or level not in ACCURACY_LEVELS:
+        allowed = "; ".join(f"{k} ({v})" for k, v in ACCURACY_LEVELS.items())
+        raise KvforgeError(f"accuracy_level must be one of {allowed}; got {level!r}")
+    return int(level)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,9 +138,15 @@ def _probe(nodes, inits, x: np.ndarray, x_type: int, n: int) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
-def session_config(quant_format: str | None, providers: list[str] | None = None) -> dict[str, str]:
-    """The session config entries a Q/DQ format needs on these providers (the CPU's, by default)."""
+def session_config(quant_format: str | None, providers: list[str] | None = None,
+                   accuracy_level: int = 0) -> dict[str, str]:
+    """The session config entries a Q/DQ format needs on these providers (the CPU's, by default). accuracy_level:
+    the MatMulNBits that ORT fuses from block-wise DequantizeLinear -> MatMul (INT4's) at that level
+    (ACCURACY_LEVELS; 0: exact)."""
+    level = check_accuracy_level(accuracy_level)
     config = dict(QUANT_SESSION_CONFIG.get(quant_format, {}))
+    if "session.qdq_matmulnbits_accuracy_level" in config:
+        config["session.qdq_matmulnbits_accuracy_level"] = str(level)
     on_cpu = not providers or list(providers) == ["CPUExecutionProvider"]
     if quant_format == "int8" and on_cpu and not int8_kernels_exact():
         config.update(EXACT_QDQ)
@@ -234,14 +257,15 @@ def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tu
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
                  threads: int | None = None, spinning: bool = True, external_dir: str | Path | None = None,
-                 half_weights: bool = False):
+                 half_weights: bool = False, accuracy_level: int = 0):
     """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs.
     spinning=False: its threads stop spinning when a run ends (ORT's session.force_spinning_stop), so that they do
     not take the cores from another session that runs in turn with it (a speculative draft and its target).
     external_dir: where the external data of a graph given as bytes lies (a bundle's folder): ONNX Runtime maps
     that file as it does for a graph loaded from its path, so the weights are not copied through the bytes.
     half_weights: a float16 graph run a few times (calibration's): each weight is cast to float32 where it is used
-    (compute_weights_when_used), not copied whole when the session loads."""
+    (compute_weights_when_used), not copied whole when the session loads.
+    accuracy_level: the fused MatMulNBits' (session_config; a graph's own MatMulNBits keep their attribute)."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -253,7 +277,7 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     }[optimization]
     if threads:
         opts.intra_op_num_threads = threads
-    config = session_config(quant_format, providers)
+    config = session_config(quant_format, providers, accuracy_level)
     if quant_format == "int8" and config.get("session.disable_quant_qdq") != "1" and _run_time_scales(model):
         config.update(EXACT_QDQ)
     for key, value in config.items():

@@ -47,6 +47,12 @@ class Runner:
             raise KvforgeError(f"unknown {self.name} backend option(s) {sorted(options)}; it takes: {known}")
         self.active = False
 
+    @property
+    def settings(self) -> dict:
+        """The options this backend runs with, by name (those that change its speed or its results): what
+        `kvforge bench` and the benchmarks record beside their figures. Empty where a backend names none."""
+        return {}
+
     # -- lifecycle -------------------------------------------------------------
     def activate(self) -> None:
         if not self.active:

@@ -17,6 +17,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def settings(session: Session) -> dict:
+    """The options the session's backend runs with (Runner.settings: ONNX Runtime's accuracy level, threads, ...),
+    recorded beside the figures they were measured with."""
+    return dict(getattr(session.backend, "settings", {}))
+
+
 def timed_greedy(session: Session, ids: np.ndarray, new_tokens: int) -> dict:
     """One timed generation: prefill `ids` (batch, prompt), then greedy decode to `new_tokens` tokens.
 
@@ -62,6 +68,7 @@ def benchmark(session: Session, batch: int, prompt_len: int, new_tokens: int, ru
     med_prefill, med_decode = statistics.median(prefill), statistics.median(decode)
     return {
         "backend": session.backend_name,
+        "backend_settings": settings(session),
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -106,7 +113,8 @@ def benchmark_speculative(session: Session, prompt: list[int], new_tokens: int, 
             fast.append(b)
     stats = session.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=speculative).speculation
     med_plain, med_fast = statistics.median(plain), statistics.median(fast)
-    return {"backend": session.backend_name, "prompt_len": len(prompt), "new_tokens": new_tokens, "runs": runs,
+    return {"backend": session.backend_name, "backend_settings": settings(session), "prompt_len": len(prompt),
+            "new_tokens": new_tokens, "runs": runs,
             "speculative": {k: str(v) if k == "draft" and v is not None else v for k, v in dict(speculative).items()},
             "plain_decode_tokens_per_s": med_plain, "speculative_decode_tokens_per_s": med_fast,
             "speedup": med_fast / med_plain, "acceptance_rate": stats["acceptance_rate"],

@@ -25,7 +25,9 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     to the backend: onnxruntime takes device ("auto", "cpu", "cuda"), threads,
     optimization ("all", "extended", "basic", "none"), variant (True: the
     faster ORT-specific variant of the graph, see runtime/ort/variant.py;
-    False: the bundle's graph exactly); tensorrt runs engine bundles (`kvforge
+    False: the bundle's graph exactly), accuracy_level (0: MatMulNBits exact;
+    4, opt-in: 8-bit activations as llama.cpp's dot products, faster and not
+    exact; kvforge/ort_session.ACCURACY_LEVELS); tensorrt runs engine bundles (`kvforge
     build`), and an ONNX bundle through an engine built once with the default
     limits and cached (runtime/trt_backend.py); torch takes device and source
     (the model to rebuild the reference from; default: the one recorded in the

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvforge.errors import KvforgeError, MissingDependencyError
 from kvforge.ort_session import import_onnxruntime as _ort
-from kvforge.ort_session import make_session
+from kvforge.ort_session import check_accuracy_level, make_session
 
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
@@ -26,10 +26,11 @@ _OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    option_names = ("device", "threads", "optimization", "variant", "attention", "spinning")
+    option_names = ("device", "threads", "optimization", "variant", "attention", "spinning", "accuracy_level")
 
     def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
-                 variant: bool = True, attention: str = "auto", spinning: bool = True, **options):
+                 variant: bool = True, attention: str = "auto", spinning: bool = True, accuracy_level: int = 0,
+                 **options):
         super().__init__(config, io, **options)
         if device not in ("auto", "cpu", "cuda"):
             raise KvforgeError(f"onnxruntime device {device!r} is not one of 'auto', 'cpu', 'cuda'")
@@ -52,6 +53,9 @@ class OnnxRuntimeBackend(Backend):
         if not isinstance(spinning, bool):
             raise KvforgeError(f"spinning must be True or False, got {spinning!r}")
         self.spinning = spinning  # False: the threads stop spinning after each run (a draft beside its target)
+        # MatMulNBits' accuracy level (kvforge/ort_session.ACCURACY_LEVELS): 0 exact; 4 (opt-in) 8-bit activations as
+        # llama.cpp's dot products, faster and not exact; an INT4 bundle's fused kernels and the variant's own
+        self.accuracy_level = check_accuracy_level(accuracy_level)
         self.optimization = optimization
         self.session = None
         self.kv_dtype = io.input(io.past[0][0]).dtype if io.past else "float32"
@@ -59,6 +63,16 @@ class OnnxRuntimeBackend(Backend):
         self.present_names = [n for layer in io.present for n in layer]
         self.output_names = [t.name for t in io.outputs]
         self.quant_format = bundle.session_format
+
+    @property
+    def settings(self) -> dict:
+        """The options this backend runs with, as load() takes them: what a benchmark records beside its figures."""
+        return {"device": self.device, "threads": self.threads, "optimization": self.optimization,
+                "variant": self.variant, "attention": self.attention, "spinning": self.spinning,
+                "accuracy_level": self.accuracy_level}
+
+    def __repr__(self) -> str:
+        return f"OnnxRuntimeBackend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
 
     def _providers(self) -> list[str]:
         ort = _ort()
@@ -82,11 +96,11 @@ class OnnxRuntimeBackend(Backend):
             )
         if self.variant:
             self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"],
-                                           config=self.config)
+                                           config=self.config, accuracy_level=self.accuracy_level)
         else:
             self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
         self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads,
-                                    self.spinning)
+                                    self.spinning, accuracy_level=self.accuracy_level)
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
         self.packed = SEQLENS in names
@@ -205,9 +219,11 @@ class OnnxRuntimeBackend(Backend):
         if not self.packed or not self.variant or self.io.extra.get("lora"):
             return False
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
-            path = variant_path(self.bundle, attention=True, mixed=True, config=self.config)
+            path = variant_path(self.bundle, attention=True, mixed=True, config=self.config,
+                                accuracy_level=self.accuracy_level)
             self._mixed = make_session(path, self.quant_format, ["CPUExecutionProvider"], self.optimization,
-                                       self.threads, self.spinning) if path is not None else False
+                                       self.threads, self.spinning, accuracy_level=self.accuracy_level) \
+                if path is not None else False
         return self._mixed is not False
 
     def forward_mixed(self, decode, prompt, last_only: bool, inputs: tuple = (None, None)):

@@ -107,7 +107,7 @@ class VisionLanguageSession:
             if self._vision is None:
                 # the tower's quantized kernels as the decoder's: exact Q/DQ where the CPU's fused INT8 ones saturate
                 self._vision = make_session(str(self._vision_graph), self.bundle.session_format,
-                                            threads=self._threads)
+                                            threads=self._threads, accuracy_level=self.backend.accuracy_level)
         return self
 
     def deactivate(self) -> None:

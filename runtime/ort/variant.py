@@ -23,9 +23,14 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
   kernels (moe.py). (ONNX Runtime's own MoE kernel computes
   softmax-routed experts too, but measured slower on the CPU at batch 1.)
 
+At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`: 8-bit activations, llama.cpp's dot
+products, not the bundle's function) a checkpoint's 8-bit codes run as 8-bit MatMulNBits too (codes.py), and an
+INT4 bundle's INT8 blocks stay block-wise DequantizeLinears, which ONNX Runtime fuses into 8-bit MatMulNBits at
+that level (the session's config, kvforge/ort_session.py), instead of float weights.
+
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
-hash of the bundle's graph files.
+hash of the bundle's graph files (and the accuracy level, where it is not 0).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import numpy as np
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
 from kvforge.onnx_graph import block_dequantized, drop_dead_nodes, node_attribute, node_reads, replace_nodes
+from kvforge.ort_session import check_accuracy_level
 
 from .attention import LOGITS_ROWS, use_group_query_attention
 from .codes import checkpoint_kernels
@@ -48,18 +54,24 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 18  # 18: an INT4 bundle's INT8 blocks as float weights
+VARIANT_VERSION = 19  # 19: a tied head on its embedding table's 4-bit (or, at level 4, 8-bit) codes
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
 
-def float_int8_blocks(model) -> int:
+def float_int8_blocks(model, keep_matmul_weights: bool = False) -> int:
     """Every block-wise INT8 DequantizeLinear of a constant weight replaced by its float result (the same values,
-    computed once); returns how many."""
+    computed once); returns how many. keep_matmul_weights: keep those along the input axis, in power-of-two blocks
+    of 16 or more, that only MatMuls read as their weight (ONNX Runtime fuses them into 8-bit MatMulNBits: at
+    accuracy level 4 as fast as the integer kernels)."""
     from onnx import TensorProto, numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
+    readers = collections.defaultdict(list)
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            readers[x].append((n, i))
     removed, done = set(), 0
     nodes = list(g.node)  # held: replace_nodes keys them by id
     for node in nodes:
@@ -68,6 +80,10 @@ def float_int8_blocks(model) -> int:
         block = node_attribute(node, "block_size", 0)
         codes = inits[node.input[0]]
         if not block or codes.data_type != TensorProto.INT8:
+            continue
+        users = readers[node.output[0]]
+        if keep_matmul_weights and node_attribute(node, "axis", 1) == 0 and block >= 16 and not block & (block - 1) \
+                and users and all(n.op_type == "MatMul" and i == 1 for n, i in users):
             continue
         scale = numpy_helper.to_array(inits[node.input[1]])
         zp = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] else None
@@ -247,7 +263,7 @@ def _head_entry(model):
     while head is not None and head.op_type in _PER_POSITION:
         live = [i for i in head.input if i and i not in constants]
         head = producer.get(live[0]) if len(live) == 1 else None
-    if head is None or head.op_type != "MatMul":
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits"):  # (a tied head on its codes: codes.py)
         raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
     # A quantized lm_head reads its input through its own Q -> DQ pair: cut before the pair, so that the
     # pair still feeds the MatMul alone (ORT fuses that; a Slice between DQ and MatMul makes ORT propagate the
@@ -384,14 +400,18 @@ def rewrite_attention(model, bundle, mixed: bool = False, config: dict | None = 
     return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], head_dim, mixed)
 
 
-def variant_path(bundle, attention: bool = False, mixed: bool = False, config: dict | None = None) -> Path | None:
+def variant_path(bundle, attention: bool = False, mixed: bool = False, config: dict | None = None,
+                 accuracy_level: int = 0) -> Path | None:
     """Build (once) and return the cached ORT variant of `bundle`'s graph.
 
     attention: also rewrite the attention as GroupQueryAttention over a packed shared-buffer cache
     (attention.py) where every layer's pattern allows; what the CPU backend runs. Its logits input is
     then LOGITS_ROWS, else KEEP_INPUT.
     mixed (with attention): the graph of a mixed step, decode rows and one prompt row's chunk in one call
-    (attention.py); None where the attention is not rewritten. config: the decoder's, as rewrite_attention takes it."""
+    (attention.py); None where the attention is not rewritten. config: the decoder's, as rewrite_attention takes it.
+    accuracy_level: the MatMulNBits accuracy level the variant's quantized MatMuls are built for
+    (kvforge/ort_session.ACCURACY_LEVELS; 0: exact, 4: 8-bit activations), a variant of its own."""
+    accuracy_level = check_accuracy_level(accuracy_level)
     files = bundle.manifest.get("files", {})
     graph = bundle.manifest["graph"]
     # The cache is keyed by the manifest's hashes; a file that no longer matches
@@ -404,7 +424,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
     if bundle.manifest.get("external_data"):
         key_parts.append(files.get(bundle.manifest["external_data"], {}).get("sha256", ""))
     key = "-".join(p[:16] for p in key_parts) + f"-v{VARIANT_VERSION}" + ("-gqa" if attention else "") + (
-        "-mixed" if mixed else "")
+        "-mixed" if mixed else "") + (f"-acc{accuracy_level}" if accuracy_level else "")
     directory = cache_dir("ort-variants") / key
     target = directory / "model.onnx"
     if target.is_file():
@@ -415,9 +435,9 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
 
     model = bundle.load_graph()
     if bundle.quantization_format == "checkpoint":  # a checkpoint's codes: 4-bit ones as MatMulNBits, others float
-        checkpoint_kernels(model)
-    if (bundle.quantization or {}).get("int8_layers"):
-        float_int8_blocks(model)
+        checkpoint_kernels(model, accuracy_level)  # (at level 4, 8-bit ones as MatMulNBits too)
+    if (bundle.quantization or {}).get("int8_layers"):  # at level 4 ORT fuses the MatMuls' into 8-bit MatMulNBits
+        float_int8_blocks(model, keep_matmul_weights=accuracy_level == 4)
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)

@@ -154,6 +154,39 @@ def test_kept_codes_bundle_matches_transformers_logits(all_types):
     assert len(nbits) == 4 and sum(n.op_type == "DequantizeLinear" for n in variant.graph.node) == 0
 
 
+def test_accuracy_level_4_runs_the_8_bit_codes_as_matmul_nbits(all_types):
+    """accuracy_level=4 (opt-in): the variant runs every kept weight that only MatMuls read as MatMulNBits at level 4,
+    the 8-bit codes too (Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and the converted IQ2_XXS's INT8 blocks, in
+    groups by activation and block: 7 kernels beside the 4 of 4 bits), and the tied head on its embedding table's
+    Q8_0 codes (the Gather keeps a float table), in a variant of its own; level 0's is the one it always was. The logits move by the 8-bit activations' rounding (this random model's: ~9% relative L2 across
+    its Q2_K..Q8_0 layers, its greedy tokens the same); each kernel's arithmetic is checked against a numpy oracle in
+    tests/runtime/test_ort_fusions.py."""
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort.variant import variant_path
+
+    _, _, bundle = all_types
+    p0, p4 = (variant_path(Bundle(bundle.path), attention=True, accuracy_level=level) for level in (0, 4))
+    assert "acc" not in p0.parent.name and p4.parent.name == f"{p0.parent.name}-acc4"
+    for path, level, widths in ((p0, 0, [4] * 4), (p4, 4, [4] * 4 + [8] * 8)):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        nbits = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                 for n in graph.node if n.op_type == "MatMulNBits"]
+        assert sorted(a["bits"] for a in nbits) == widths and {a["accuracy_level"] for a in nbits} == {level}
+        assert not any(n.op_type == "DequantizeLinear" for n in graph.node)
+        head = [n for n in graph.node if n.op_type == "MatMulNBits" and
+                onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "N")) == 320]
+        assert len(head) == (level == 4)  # the vocabulary projection, N = the vocabulary
+    ids = np.random.default_rng(3).integers(0, 320, (2, 17))
+    logits = {}
+    for level in (0, 4):
+        with runtime.load(bundle.path, accuracy_level=level) as session:
+            assert session.backend.settings["accuracy_level"] == level
+            logits[level] = session.forward(ids)[0]
+    rel_l2 = np.linalg.norm(logits[4] - logits[0]) / np.linalg.norm(logits[0])
+    assert 1e-3 < rel_l2 < 0.15, rel_l2
+    assert (logits[4].argmax(-1) == logits[0].argmax(-1)).mean() >= 0.9
+
+
 def test_a_dequantized_export_reads_the_file_tensor_by_tensor_and_computes_transformers_logits(all_types, tmp_path,
                                                                                                 monkeypatch):
     """`export --dequantize` of a GGUF file streams it (model_defs/checkpoint.load_streamed): each tensor decoded

@@ -258,3 +258,255 @@ def test_unchosen_experts_are_skipped_and_chosen_ones_run(micro_bundle, tmp_path
     assert [sum(1 for i in chosen if i // 8 == layer) for layer in (0, 1)] == [2, 2], chosen
     with runtime.load(bundle.path, variant=False) as plain:
         np.testing.assert_allclose(logits, plain.forward(np.array([[7]]))[0], atol=2e-5, rtol=0)
+
+
+# -- MatMulNBits accuracy level 4 (the backend's opt-in accuracy_level=4) ---------------------------------------------
+_CODE_RANGES = {TensorProto.INT8: (-128, 128), TensorProto.UINT8: (0, 256), TensorProto.INT4: (-8, 8),
+                TensorProto.UINT4: (0, 16)}
+
+
+def _llama_cpp_matmul(x: np.ndarray, w_int: np.ndarray, scale: np.ndarray, block: int,
+                      offset: np.ndarray | None = None) -> np.ndarray:
+    """The oracle, in numpy as llama.cpp's Q8 dot products compute it: each block of `block` inputs along K
+    quantized to int8 with its own scale d = max|x| / 127 (round to nearest), integer products summed per block,
+    times d and the weight's block scale. w_int: [K, N] integer codes less their zero points; scale: [K/B, N]; a
+    block offset [K/B, N] (GGUF's minimum) adds sum(x over the block) * offset, in float (as kvforge computes it)."""
+    k = x.shape[-1]
+    xb = x.reshape(-1, k // block, block)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    xq = np.rint(xb * np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32))
+    assert np.abs(xq).max() <= 127
+    dots = np.einsum("mbk,bkn->mbn", xq.astype(np.float64), w_int.reshape(k // block, block, -1).astype(np.float64))
+    y = (dots * d.astype(np.float64) * scale[None].astype(np.float64)).sum(1)
+    if offset is not None:
+        y += xb.astype(np.float64).sum(-1) @ offset.astype(np.float64)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def _codes_chain(dtype: int, block: int, offset: bool, zero_point: bool, k: int = 256, n: int = 48, seed: int = 0):
+    """A one-MatMul graph whose weight is a checkpoint-code chain as export/checkpoint_codes.py writes it
+    (DequantizeLinear [-> Reshape -> Add(offset) -> Reshape] -> Identity "*_weight"), its input x [2, 3, K]; and
+    (x, integer codes less zero points [K, N], scales [K/B, N], offsets [K/B, N] or None)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = _CODE_RANGES[dtype]
+    codes = rng.integers(lo, hi, (k, n))
+    scale = (rng.random((k // block, n)) * 0.02 + 0.001).astype(np.float32)
+    zp = rng.integers(lo, hi, (k // block, n)) if zero_point else np.zeros((k // block, n), np.int64)
+    inits = [helper.make_tensor("w_quantized", dtype, [k, n], codes.flatten().tolist()),
+             numpy_helper.from_array(scale, "w_scale")]
+    inputs = ["w_quantized", "w_scale"]
+    if zero_point:
+        inits.append(helper.make_tensor("w_zero_point", dtype, [k // block, n], zp.flatten().tolist()))
+        inputs.append("w_zero_point")
+    nodes = [helper.make_node("DequantizeLinear", inputs, ["w_dequantized"], name="w_dq", axis=0, block_size=block)]
+    current, rows = "w_dequantized", None
+    if offset:
+        rows = (rng.standard_normal((k // block, n)) * 0.05).astype(np.float32)
+        inits += [numpy_helper.from_array(np.array([k // block, block, n], np.int64), "w_blocks"),
+                  numpy_helper.from_array(rows[:, None], "w_offset"), numpy_helper.from_array(np.array([k, n], np.int64), "w_shape")]
+        nodes += [helper.make_node("Reshape", [current, "w_blocks"], ["w_in_blocks"], name="w_split"),
+                  helper.make_node("Add", ["w_in_blocks", "w_offset"], ["w_offset_added"], name="w_add_offset"),
+                  helper.make_node("Reshape", ["w_offset_added", "w_shape"], ["w_blocked"], name="w_join")]
+        current = "w_blocked"
+    nodes += [helper.make_node("Identity", [current], ["w"], name="w_weight"),
+              helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")]
+    graph = helper.make_graph(nodes, "codes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    x[1, 2, :16] *= 40  # an outlier block: its own scale, as llama.cpp's per-block quantization gives it
+    return model, (x, codes - np.repeat(zp, block, axis=0), scale, rows)
+
+
+def _rel(a, b) -> float:
+    """max |a - b| over the scale of b."""
+    return float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max())
+
+
+def _within_int8_rounding(got: np.ndarray, exact: np.ndarray, x: np.ndarray, w_scaled: np.ndarray, block: int) -> bool:
+    """Whether `got` departs from the exact product x @ w_scaled by no more than rounding each input to its block's
+    int8 step allows: |error| <= sum over blocks of (max|x_block| / 127) / 2 * sum |w| over the block, per output."""
+    k = x.shape[-1]
+    step = np.abs(x.reshape(-1, k // block, block)).max(-1).astype(np.float64) / 127
+    bound = step @ np.abs(w_scaled).reshape(k // block, block, -1).sum(1) / 2
+    error = np.abs(got.astype(np.float64) - exact).reshape(bound.shape)
+    return bool((error <= bound * (1 + 1e-5) + 1e-6 * np.abs(exact).max()).all())
+
+
+# GGUF's layouts (export/checkpoint_codes.py): Q8_0 int8 block 32; Q6_K int8 block 16; Q5_1 uint8 block 32 with a zero
+# point and a block minimum; Q4_0 int4; Q4_1 uint4 with its minimum. An int8 block of 8 is no MatMulNBits block.
+@pytest.mark.parametrize("dtype, block, offset, zero_point, bits", [
+    (TensorProto.INT8, 32, False, False, 8), (TensorProto.INT8, 16, False, False, 8),
+    (TensorProto.UINT8, 32, True, True, 8), (TensorProto.INT4, 32, False, False, 4),
+    (TensorProto.UINT4, 32, True, True, 4), (TensorProto.INT8, 8, False, False, None)],
+    ids=["Q8_0", "Q6_K", "Q5_1", "Q4_0", "Q4_1", "int8-block-8"])
+def test_accuracy_level_4_runs_checkpoint_codes_as_llama_cpp_dot_products(dtype, block, offset, zero_point, bits):
+    """At accuracy level 4 a checkpoint's 4-bit and 8-bit code chains run as MatMulNBits at that level, and compute
+    what numpy computes as llama.cpp does (activations quantized to int8 per weight block, max|x| / 127): within
+    1e-5 of the output's scale (float sums in another order), while they sit 1e-4 to 5e-2 from the exact product
+    (8-bit activations: each input off by at most half its block's step, max|x| / 127 / 2, which bounds each
+    output's error; an outlier block is measured too). At level 0 nothing changes: 4-bit chains run
+    MatMulNBits at level 0 (exact to float rounding), 8-bit ones a float weight, bit for bit the bundle's."""
+    from kvforge.ort_session import make_session
+    from kvforge.runtime.ort.codes import checkpoint_kernels
+
+    model, (x, w_int, scale, rows) = _codes_chain(dtype, block, offset, zero_point)
+    exact = x.astype(np.float64) @ (w_int * np.repeat(scale, block, axis=0))
+    if rows is not None:
+        exact += x.reshape(2, 3, -1, block).astype(np.float64).sum(-1) @ rows
+    as_written = make_session(model.SerializeToString(), "checkpoint").run(None, {"x": x})[0]
+    results = {}
+    for level in (0, 4):
+        variant = onnx.ModelProto()
+        variant.CopyFrom(model)
+        checkpoint_kernels(variant, accuracy_level=level)
+        nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute}
+                 for n in variant.graph.node if n.op_type == "MatMulNBits"]
+        expected = bits if level == 4 else (4 if bits == 4 else None)
+        assert [(a["bits"], a["accuracy_level"]) for a in nbits] == ([(expected, level)] if expected else [])
+        results[level] = make_session(variant.SerializeToString(), "checkpoint").run(None, {"x": x})[0]
+        if level == 0:
+            default = onnx.ModelProto()
+            default.CopyFrom(model)
+            checkpoint_kernels(default)  # the level-0 graph is the one the variant always built
+            assert default.SerializeToString() == variant.SerializeToString()
+    assert _rel(results[0], exact) < 2e-6 and _rel(as_written, exact) < 2e-6
+    if bits != 4:  # the weight evaluated to float: the bundle's own computation, bit for bit
+        assert np.array_equal(results[0], as_written)
+    if bits is None:
+        assert np.array_equal(results[4], results[0])
+        return
+    assert _rel(results[4], _llama_cpp_matmul(x, w_int, scale, block, rows)) < 1e-5
+    assert 1e-4 < _rel(results[4], exact) < 5e-2
+    assert _within_int8_rounding(results[4], exact, x, w_int * np.repeat(scale, block, axis=0), block)
+
+
+@pytest.mark.parametrize("dtype, levels", [(TensorProto.INT8, {0: None, 4: 8}), (TensorProto.INT4, {0: 4, 4: 4})],
+                         ids=["Q8_0", "Q4_0"])
+def test_a_tied_head_runs_on_its_embedding_tables_codes(dtype, levels):
+    """A tied embedding table on the checkpoint's codes ([V, K], blocks along K: GGUF's token_embd), read by a Gather
+    and, transposed, by the vocabulary projection: the Gather reads the table evaluated to float (exactly the
+    bundle's rows), and the head runs as MatMulNBits on the table's own codes where its width allows (4-bit at any
+    level; 8-bit at level 4): at level 0 within float rounding of the exact product, at level 4 what numpy computes
+    as llama.cpp does (1e-5)."""
+    from kvforge.ort_session import make_session
+    from kvforge.runtime.ort.codes import checkpoint_kernels
+
+    rng = np.random.default_rng(5)
+    vocab, k, block = 96, 128, 32
+    lo, hi = _CODE_RANGES[dtype]
+    codes = rng.integers(lo, hi, (vocab, k))
+    scale = (rng.random((vocab, k // block)) * 0.02 + 0.001).astype(np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["t_quantized", "t_scale"], ["t_dequantized"], name="t_dq", axis=1,
+                              block_size=block),
+             helper.make_node("Identity", ["t_dequantized"], ["t"], name="t_weight"),
+             helper.make_node("Gather", ["t", "ids"], ["rows"], name="embedding"),
+             helper.make_node("Transpose", ["t"], ["t_T"], name="t_transpose", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "t_T"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, k]),
+                                              helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("t_quantized", dtype, [vocab, k], codes.flatten().tolist()),
+                               numpy_helper.from_array(scale, "t_scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    x = rng.standard_normal((1, 2, k)).astype(np.float32)
+    ids = np.array([[0, 7, vocab - 1]])
+    table = codes * np.repeat(scale, block, axis=1)
+    exact = x.astype(np.float64) @ table.T
+    for level, bits in levels.items():
+        variant = onnx.ModelProto()
+        variant.CopyFrom(model)
+        checkpoint_kernels(variant, accuracy_level=level)
+        nbits = [n for n in variant.graph.node if n.op_type == "MatMulNBits"]
+        assert [helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits")) for n in nbits] == \
+            ([bits] if bits else [])
+        rows, logits = make_session(variant.SerializeToString(), "checkpoint").run(None, {"x": x, "ids": ids})
+        np.testing.assert_array_equal(rows, table[ids].astype(np.float32))
+        if level == 0:
+            assert _rel(logits, exact) < 2e-6
+        else:
+            assert _rel(logits, _llama_cpp_matmul(x, codes.T, scale.T, block)) < 1e-5
+            assert 1e-4 < _rel(logits, exact) < 5e-2
+
+
+def test_accuracy_level_4_fuses_an_int4_bundles_int8_blocks():
+    """An INT4 bundle's layers kept as INT8 blocks: at level 0 the variant makes them float weights (exact); at level
+    4 it keeps the block-wise DequantizeLinears that only MatMuls read, and ONNX Runtime (the int4 session config at
+    that level) runs them and the INT4 layer as MatMulNBits with 8-bit activations: each MatMul within 1e-5 of the
+    llama.cpp-style oracle. A table also read by a Gather (a tied embedding) becomes float at either level."""
+    from kvforge.ort_session import make_session
+    from kvforge.runtime.ort.variant import float_int8_blocks
+
+    rng = np.random.default_rng(1)
+    k, block = 128, 32
+    c4, c8 = rng.integers(-8, 8, (k, k)), rng.integers(-128, 128, (k, k))
+    s4, s8 = [(rng.random((k // block, k)) * 0.02 + 0.001).astype(np.float32) for _ in range(2)]
+    inits = [helper.make_tensor("w4_q", TensorProto.INT4, [k, k], c4.flatten().tolist()), numpy_helper.from_array(s4, "w4_s"),
+             numpy_helper.from_array(c8.astype(np.int8), "w8_q"), numpy_helper.from_array(s8, "w8_s"),
+             numpy_helper.from_array(c8.astype(np.int8), "t_q"), numpy_helper.from_array(s8, "t_s"),
+             numpy_helper.from_array(np.array([3], np.int64), "row")]
+    nodes = [helper.make_node("DequantizeLinear", ["w4_q", "w4_s"], ["w4"], axis=0, block_size=block),
+             helper.make_node("MatMul", ["x", "w4"], ["h"]),
+             helper.make_node("DequantizeLinear", ["w8_q", "w8_s"], ["w8"], axis=0, block_size=block),
+             helper.make_node("MatMul", ["h", "w8"], ["y"]),
+             helper.make_node("DequantizeLinear", ["t_q", "t_s"], ["t"], axis=0, block_size=block),
+             helper.make_node("Gather", ["t", "row"], ["g"]), helper.make_node("MatMul", ["x", "t"], ["z"])]
+    graph = helper.make_graph(nodes, "int4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, k])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("h", "y", "g", "z")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    x = rng.standard_normal((1, 2, k)).astype(np.float32)
+    kept, floated = onnx.ModelProto(), onnx.ModelProto()
+    kept.CopyFrom(model)
+    floated.CopyFrom(model)
+    assert float_int8_blocks(kept, keep_matmul_weights=True) == 1  # the table read by the Gather
+    assert float_int8_blocks(floated) == 2
+    assert [n.input[0] for n in kept.graph.node if n.op_type == "DequantizeLinear"] == ["w4_q", "w8_q"]
+    w8 = c8 * np.repeat(s8, block, axis=0).astype(np.float64)
+    h0, y0 = make_session(floated.SerializeToString(), "int4").run(["h", "y"], {"x": x})
+    assert _rel(h0, x.astype(np.float64) @ (c4 * np.repeat(s4, block, axis=0))) < 2e-6
+    assert _rel(y0, h0.astype(np.float64) @ w8) < 2e-6
+    h4, y4, z4 = make_session(kept.SerializeToString(), "int4", accuracy_level=4).run(["h", "y", "z"], {"x": x})
+    assert _rel(h4, _llama_cpp_matmul(x, c4, s4, block)) < 1e-5
+    assert _rel(y4, _llama_cpp_matmul(h4, c8, s8, block)) < 1e-5  # the second MatMul over the first's output
+    assert 1e-4 < _rel(y4, h4.astype(np.float64) @ w8) < 5e-2
+    assert _within_int8_rounding(y4, h4.astype(np.float64) @ w8, h4, w8, block)
+    assert _rel(z4, x.astype(np.float64) @ w8) < 2e-6  # the table's MatMul reads a float weight
+
+
+def test_accuracy_level_is_opt_in_recorded_and_refused_unless_0_or_4(micro_bundle, tmp_path):
+    """An INT4 bundle on ONNX Runtime: level 0 by default; accuracy_level=4 builds a variant of its own (the cache
+    key names the level; level 0's is the key it always had), is recorded in the backend's settings (and in what
+    benchmark() returns), and changes the logits a little (8-bit activations), with the variant and with the
+    bundle's graph alike. Any other level is refused by name, before any work."""
+    from kvforge.calibration import calibrate
+    from kvforge.errors import KvforgeError
+    from kvforge.runtime.bench import benchmark
+
+    fp32 = micro_bundle("llama3-micro")
+    q = calibrate(fp32.path, tmp_path / "int4", recipe="fixed", precision="int4", random_data=True, samples=8,
+                  seq_len=32, block_size=32)
+    p0, p4 = (variant_path(Bundle(q.path), attention=True, accuracy_level=level) for level in (0, 4))
+    assert p0 != p4 and p4.parent.name == f"{p0.parent.name}-acc4" and "acc" not in p0.parent.name
+    nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute}
+             for n in onnx.load(str(p4), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    assert nbits == []  # the variant keeps INT4's DequantizeLinears: ORT fuses them at the session's level
+    ids = np.random.default_rng(0).integers(0, 259, (2, 9))
+    logits = {}
+    for variant in (True, False):
+        for level in (0, 4):
+            with runtime.load(q.path, variant=variant, **({"accuracy_level": level} if level else {})) as s:
+                assert s.backend.settings["accuracy_level"] == level and f"accuracy_level={level}" in repr(s.backend)
+                logits[variant, level] = s.forward(ids)[0]
+                if variant and level:
+                    assert benchmark(s, 1, 4, 2, runs=1, warmup=0)["backend_settings"]["accuracy_level"] == 4
+    np.testing.assert_allclose(logits[True, 0], logits[False, 0], atol=1e-4, rtol=0)
+    for variant in (True, False):
+        base, fast = logits[variant, 0], logits[variant, 4]
+        rel_l2 = np.linalg.norm(fast - base) / np.linalg.norm(base)
+        assert 1e-5 < rel_l2 < 5e-2, rel_l2
+    for bad in (1, 2, 8, "4", True, None):
+        with pytest.raises(KvforgeError, match=r"accuracy_level must be one of 0 \(.*exact.*\); 4 \(.*int8.*\); got"):
+            runtime.load(q.path, accuracy_level=bad)
+    with pytest.raises(KvforgeError, match="accuracy_level must be one of"):
+        variant_path(Bundle(q.path), accuracy_level=3)
