@@ -296,11 +296,17 @@ def test_kvforge_serve_runs_until_a_signal_and_stops_cleanly(tiny_fp32, sig):
                                                      extra_body={"ignore_eos": True, **extra})
                            for extra in ({}, {"speculative": "none"}))
             assert spec.choices[0].text == plain.choices[0].text and spec.usage.completion_tokens == 24
-            deadline = time.monotonic() + 5  # the model's watcher moves the counters every 0.1 s
-            while not _metric(metrics, "kvforge_speculative_steps_total") and time.monotonic() < deadline:
-                time.sleep(0.1)
-            steps, drafted, accepted = (_metric(metrics, f"kvforge_speculative_{n}_total")
-                                        for n in ("steps", "drafted_tokens", "accepted_tokens"))
+            # the model's watcher moves the counters every 0.1 s, one family at a time: read until two reads 0.3 s
+            # apart agree (a read between two families' updates saw steps but not yet the accepted tokens)
+            deadline, seen = time.monotonic() + 5, None
+            while time.monotonic() < deadline:
+                now = tuple(_metric(metrics, f"kvforge_speculative_{n}_total")
+                            for n in ("steps", "drafted_tokens", "accepted_tokens"))
+                if now == seen and now[0]:
+                    break
+                seen = now
+                time.sleep(0.3)
+            steps, drafted, accepted = seen
             assert 0 < steps < 24 + 3 + 3 and 0 < accepted <= drafted  # some of the 24 came several to a step
             with pytest.raises(openai.BadRequestError, match="speculative"):
                 client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"speculative": "draft:/tmp"})
