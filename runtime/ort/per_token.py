@@ -13,6 +13,11 @@ point's term itself, in int32: the same function up to float rounding. The codes
 zero point 128, the same values): ONNX Runtime's uint8 x uint8 kernel widens to 16 bits, where its uint8 x int8
 one on AVX2 without VNNI sums pairs of products in 16 bits and saturates. kvforge.ort_session's
 `u8_kernels_exact` probes that once; where it fails the graph runs as written.
+At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`, docs/ort-variant.md) each such MatMul is
+instead one 8-bit MatMulNBits over the activation before its QuantizeLinear, at level 4: the weight's codes in
+blocks of NBITS_BLOCK along K (each block the channel's scale: the same weights), the activation quantized to int8
+per block inside the kernel (max|x| / 127, as llama.cpp's Q8 dot products), not per row with a zero point. The
+rows' scale computation, the QuantizeLinear and the Mul by the row scales go: one node where there were several.
 """
 
 from __future__ import annotations
@@ -34,13 +39,16 @@ def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
     return (rows * np.sign(total)[None, :]).astype(np.int8)
 
 
-def integer_per_token_matmuls(model, base_dir: str = "") -> int:
+NBITS_BLOCK = 32  # the level-4 form's activation blocks along K (llama.cpp's Q8_0 block)
+
+
+def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0) -> int:
     """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many.
     base_dir: where the graph's external data lies, for a graph loaded without it (the codes are read from there,
-    and their uint8 form goes into the graph)."""
+    and their uint8 form goes into the graph). accuracy_level 4: as 8-bit MatMulNBits at that level (above)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    if not u8_kernels_exact():
+    if accuracy_level != 4 and not u8_kernels_exact():
         return 0
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -76,6 +84,9 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
             continue
         codes, w_scale = weight
         base = node.name or node.output[0]
+        if accuracy_level == 4 and codes.shape[0] % NBITS_BLOCK == 0:
+            added[id(node)] = _nbits_node(q.input[0], node.output[0], base, codes, w_scale, g)
+            continue
         new = []
         if dq.output[0] not in rows_done:
             p = f"{dq.output[0]}_integer"
@@ -109,3 +120,21 @@ def integer_per_token_matmuls(model, base_dir: str = "") -> int:
     use_ms_domain(model)
     drop_dead_nodes(model)  # the activations' and weights' DequantizeLinears, and the int8 codes
     return len(added)
+
+
+def _nbits_node(x: str, out: str, base: str, codes: np.ndarray, scale: np.ndarray, g) -> list:
+    """One 8-bit MatMulNBits at accuracy level 4 computing x @ (codes * scale) with x quantized per NBITS_BLOCK inputs
+    in the kernel: the codes [K, N] as unsigned bytes (+128, zero point 128) per output column [N, K/B, B], each
+    block the column's scale."""
+    from onnx import helper, numpy_helper
+
+    k, n = codes.shape
+    blocks = k // NBITS_BLOCK
+    packed = (codes.astype(np.int16) + 128).astype(np.uint8).T.reshape(n, blocks, NBITS_BLOCK)
+    g.initializer.extend([
+        numpy_helper.from_array(np.ascontiguousarray(packed), f"{base}.nbits"),
+        numpy_helper.from_array(np.repeat(scale.astype(np.float32)[:, None], blocks, axis=1), f"{base}.nbits_scale"),
+        numpy_helper.from_array(np.full((n, blocks), 128, np.uint8), f"{base}.nbits_zero_point")])
+    return [helper.make_node("MatMulNBits", [x, f"{base}.nbits", f"{base}.nbits_scale", f"{base}.nbits_zero_point"],
+                             [out], name=f"{base}.nbits", domain="com.microsoft", K=k, N=n, bits=8,
+                             block_size=NBITS_BLOCK, accuracy_level=4)]

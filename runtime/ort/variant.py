@@ -26,7 +26,8 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
 At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`: 8-bit activations, llama.cpp's dot
 products, not the bundle's function) a checkpoint's 8-bit codes run as 8-bit MatMulNBits too (codes.py), and an
 INT4 bundle's INT8 blocks stay block-wise DequantizeLinears, which ONNX Runtime fuses into 8-bit MatMulNBits at
-that level (the session's config, kvforge/ort_session.py), instead of float weights.
+that level (the session's config, kvforge/ort_session.py), instead of float weights; a per-token INT8 MatMul is
+one 8-bit MatMulNBits over its float activation (per_token.py) instead of the integer kernel and its row scales.
 
 The TensorRT-facing graph stays standard ONNX; the variant is built on first
 use and cached under $KVFORGE_CACHE (default ~/.cache/kvforge), keyed by the
@@ -441,7 +442,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
     unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
-    integer_per_token_matmuls(model)
+    integer_per_token_matmuls(model, accuracy_level=accuracy_level)
     if bundle.dtype == "float32":
         fuse_rms_norms(model)
         fuse_skip_rms_norms(model)

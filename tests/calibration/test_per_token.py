@@ -177,6 +177,11 @@ def test_a_decoder_takes_per_token_with_either_recipe_and_tensorrt_refuses_it(mi
     with runtime.load(b.path, backend="torch") as reference, runtime.load(q.path) as s:
         exact, ours = reference.forward(ids)[0], s.forward(ids)[0]
     assert np.abs(ours - exact).max() < 0.05 * np.abs(exact).max()
+    with runtime.load(q.path, accuracy_level=4) as fast:  # opt-in: the per-token MatMuls as 8-bit MatMulNBits
+        graph = onnx.load(str(fast.backend.graph_path), load_external_data=False).graph
+        assert sum(n.op_type == "MatMulNBits" for n in graph.node) >= 2 * q.model_config["n_layers"]
+        level4 = fast.forward(ids)[0]
+    assert np.abs(level4 - exact).max() < 0.05 * np.abs(exact).max() and not np.array_equal(level4, ours)
     with pytest.raises(KvforgeError, match="--activations static"):
         check_precision_supported(q.quantization, "9.0", "H100")
 
@@ -209,3 +214,31 @@ def test_an_encoders_onnxruntime_graph_computes_what_the_bundles_graph_does(micr
         assert ops["MultiHeadAttention"] == b.model_config["n_layers"] and ops["Where"] == 0
     for mine, theirs in zip(ours, plain):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=2e-5 * max(1.0, np.abs(theirs).max()))
+
+
+def test_at_accuracy_level_4_a_per_token_matmul_is_one_8_bit_matmul_nbits():
+    """accuracy_level=4 (the ONNX Runtime backend's opt-in): the per-token MatMul becomes one 8-bit MatMulNBits at
+    level 4 over the activation before its QuantizeLinear, with the same weights (the channel's scale in every block
+    of 32): what numpy computes as llama.cpp's Q8 dot products do (each block of 32 inputs int8 over max|x| / 127)
+    within 1e-5 of the output's scale, and within a few percent of the exact product. The rows' scale computation,
+    the Q/DQ pair and the Mul by the row scales go (the activation's (tokens, K) view stays)."""
+    from kvforge.runtime.ort.per_token import NBITS_BLOCK
+
+    k, n = 96, 40
+    model, w = _one_layer_graph(k, n, 3, seed=6)
+    x = (np.random.default_rng(7).standard_t(3, size=(2, 5, k)) * 4).astype(np.float32)
+    x[1, 3, :NBITS_BLOCK] *= 50  # an outlier block: its own scale
+    assert integer_per_token_matmuls(model, accuracy_level=4) == 1
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMulNBits"] == 1 and not {"QuantizeLinear", "DequantizeLinear", "MatMul", "Mul", "ReduceMax"} & set(ops)
+    (got,) = make_session(model.SerializeToString()).run(["y"], {"x": x})
+    w_scale = (np.abs(w).max(0) / 127).astype(np.float32)
+    wq = np.clip(np.round(w / w_scale), -127, 127)
+    xb = x.reshape(-1, k // NBITS_BLOCK, NBITS_BLOCK)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    xq = np.rint(xb * (np.float32(1) / d).astype(np.float32))
+    oracle = np.einsum("mbk,bkn->mn", (xq * d).astype(np.float64), wq.reshape(k // NBITS_BLOCK, NBITS_BLOCK, n)) * w_scale
+    scale = np.abs(oracle).max()
+    assert np.abs(got.reshape(oracle.shape) - oracle).max() < 1e-5 * scale
+    exact = x.reshape(-1, k).astype(np.float64) @ w
+    assert 1e-4 * scale < np.abs(got.reshape(exact.shape) - exact).max() < 5e-2 * scale
