@@ -17,7 +17,8 @@ At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`, docs/o
 instead one 8-bit MatMulNBits over the activation before its QuantizeLinear, at level 4: the weight's codes in
 blocks of NBITS_BLOCK along K (each block the channel's scale: the same weights), the activation quantized to int8
 per block inside the kernel (max|x| / 127, as llama.cpp's Q8 dot products), not per row with a zero point. The
-rows' scale computation, the QuantizeLinear and the Mul by the row scales go: one node where there were several.
+rows' scale computation, the QuantizeLinear, the Mul by the row scales and the activation's (tokens, K) view and
+its reshape back go (MatMulNBits takes (..., K)): one node where there were a dozen.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
             return None
         return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+    outputs = {o.name for o in g.output}
+    dropped: set[int] = set()  # the (tokens, K) views' reshapes back that the level-4 form makes needless
     added: dict[int, list] = {}  # id of a MatMul replaced -> the nodes in its place
     rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns
     matmuls = [n for n in g.node if n.op_type == "MatMul"]  # held: replace_nodes keys them by id
@@ -85,7 +92,15 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
         codes, w_scale = weight
         base = node.name or node.output[0]
         if accuracy_level == 4 and codes.shape[0] % NBITS_BLOCK == 0:
-            added[id(node)] = _nbits_node(q.input[0], node.output[0], base, codes, w_scale, g)
+            x, out = q.input[0], node.output[0]
+            view = producer.get(x)
+            if view is not None and view.op_type == "Reshape" and out not in outputs:
+                # MatMulNBits takes (..., K): the activation as it came, with no (tokens, K) view and no reshape back
+                back = _reshapes_back(out, consumers, outputs)
+                if back is not None:
+                    x, (out, reshapes) = view.input[0], back
+                    dropped |= {id(r) for r in reshapes}
+            added[id(node)] = _nbits_node(x, out, base, codes, w_scale, g)
             continue
         new = []
         if dq.output[0] not in rows_done:
@@ -116,10 +131,34 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
         added[id(node)] = new
     if not added:
         return 0
-    replace_nodes(g, set(added), added)
+    replace_nodes(g, set(added) | dropped, added)
     use_ms_domain(model)
     drop_dead_nodes(model)  # the activations' and weights' DequantizeLinears, and the int8 codes
     return len(added)
+
+
+def _reshapes_back(out: str, consumers: dict, outputs: set) -> tuple[str, list] | None:
+    """Where a 2-D MatMul output `out` only goes back to its activation's shape: one Reshape, or (sibling MatMuls
+    fused, variant.py) a Split along the last axis whose every part goes to one Reshape. Returns (the output the
+    MatMul computes on the un-viewed activation, the Reshapes that then go), the Split rewired to give the Reshapes'
+    outputs along its last axis; None where it is not so."""
+    after = consumers.get(out, [])
+    if len(after) != 1:
+        return None
+    if after[0].op_type == "Reshape":
+        return after[0].output[0], [after[0]]
+    split = after[0]
+    if split.op_type != "Split" or node_attribute(split, "axis", 0) not in (1, -1):
+        return None
+    parts = [consumers.get(o, []) for o in split.output]
+    if any(len(p) != 1 or p[0].op_type != "Reshape" or o in outputs for p, o in zip(parts, split.output)):
+        return None
+    for i, (p,) in enumerate(parts):
+        split.output[i] = p.output[0]
+    for a in split.attribute:
+        if a.name == "axis":
+            a.i = -1
+    return out, [p for (p,) in parts]
 
 
 def _nbits_node(x: str, out: str, base: str, codes: np.ndarray, scale: np.ndarray, g) -> list:
