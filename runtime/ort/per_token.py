@@ -47,28 +47,11 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
     """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many.
     base_dir: where the graph's external data lies, for a graph loaded without it (the codes are read from there,
     and their uint8 form goes into the graph). accuracy_level 4: as 8-bit MatMulNBits at that level (above)."""
-    from onnx import TensorProto, helper, numpy_helper
-
     if accuracy_level != 4 and not u8_kernels_exact():
         return 0
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
-
-    def weight_codes(name):
-        """(int8 codes [K, N], float32 scales [N]) behind a per-output-channel DequantizeLinear, or None."""
-        dq = producer.get(name)
-        if dq is None or dq.op_type != "DequantizeLinear" or node_attribute(dq, "axis", 1) not in (1, -1) \
-                or len(dq.input) < 2:
-            return None
-        codes, scale = inits.get(dq.input[0]), inits.get(dq.input[1])
-        zp = inits.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-        if codes is None or scale is None or codes.data_type != TensorProto.INT8 or len(codes.dims) != 2 \
-                or scale.data_type != TensorProto.FLOAT or list(scale.dims) != [codes.dims[1]]:
-            return None
-        if zp is not None and np.any(numpy_helper.to_array(zp, base_dir)):
-            return None
-        return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
     consumers: dict[str, list] = {}
     for n in g.node:
@@ -86,7 +69,7 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                 or node_attribute(q, "axis", 1) != 0 \
                 or list(q.input[1:3]) != list(dq.input[1:3]) or len(dq.input) < 3:
             continue
-        weight = weight_codes(node.input[1])
+        weight = _weight_codes(producer.get(node.input[1]), inits, base_dir)
         if weight is None:
             continue
         codes, w_scale = weight
@@ -102,39 +85,66 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                     dropped |= {id(r) for r in reshapes}
             added[id(node)] = _nbits_node(x, out, base, codes, w_scale, g)
             continue
-        new = []
-        if dq.output[0] not in rows_done:
-            p = f"{dq.output[0]}_integer"
-            g.initializer.append(numpy_helper.from_array(np.array([-1, 1], np.int64), f"{p}.column"))
-            new += [helper.make_node("Reshape", [dq.input[1], f"{p}.column"], [f"{p}.row_scale"]),
-                    helper.make_node("Reshape", [dq.input[2], f"{p}.column"], [f"{p}.row_zero_point"])]
-            rows_done[dq.output[0]] = (f"{p}.row_scale", f"{p}.row_zero_point")
-        row_scale, row_zp = rows_done[dq.output[0]]
-        extra = _zero_point_rows(codes)
-        rows = q.output[0]
-        if len(extra):  # the row's codes, then its zero point once per extra weight row
-            g.initializer.append(numpy_helper.from_array(np.array([1, len(extra)], np.int64), f"{base}.zero_point_columns"))
-            new += [helper.make_node("Expand", [row_zp, f"{base}.zero_point_columns"], [f"{base}.row_zero_points"]),
-                    helper.make_node("Concat", [rows, f"{base}.row_zero_points"], [f"{base}.rows"], axis=1)]
-            rows = f"{base}.rows"
-        g.initializer.extend([
-            numpy_helper.from_array((np.concatenate([codes, extra]).astype(np.int16) + 128).astype(np.uint8), f"{base}.codes_u8"),
-            numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
-            numpy_helper.from_array(np.array(128, np.uint8), f"{base}.codes_zero_point"),
-            numpy_helper.from_array(np.array(0, np.uint8), f"{base}.rows_zero_point"),
-            numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale")])
-        new += [helper.make_node("MatMulIntegerToFloat",
-                                 [rows, f"{base}.codes_u8", f"{base}.rows_unit_scale", f"{base}.codes_scale",
-                                  f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
-                                 [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
-                helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]
-        added[id(node)] = new
+        added[id(node)] = _integer_nodes(node, q, dq, codes, w_scale, rows_done, g)
     if not added:
         return 0
     replace_nodes(g, set(added) | dropped, added)
     use_ms_domain(model)
     drop_dead_nodes(model)  # the activations' and weights' DequantizeLinears, and the int8 codes
     return len(added)
+
+
+def _weight_codes(dq, inits: dict, base_dir: str):
+    """(int8 codes [K, N], float32 scales [N]) behind a per-output-channel DequantizeLinear `dq`, or None."""
+    from onnx import TensorProto, numpy_helper
+
+    if dq is None or dq.op_type != "DequantizeLinear" or node_attribute(dq, "axis", 1) not in (1, -1) \
+            or len(dq.input) < 2:
+        return None
+    codes, scale = inits.get(dq.input[0]), inits.get(dq.input[1])
+    zp = inits.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+    if codes is None or scale is None or codes.data_type != TensorProto.INT8 or len(codes.dims) != 2 \
+            or scale.data_type != TensorProto.FLOAT or list(scale.dims) != [codes.dims[1]]:
+        return None
+    if zp is not None and np.any(numpy_helper.to_array(zp, base_dir)):
+        return None
+    return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
+
+
+def _integer_nodes(node, q, dq, codes: np.ndarray, w_scale: np.ndarray, rows_done: dict, g) -> list:
+    """The level-0 form of one per-token MatMul `node` (its activation's pair q, dq): MatMulIntegerToFloat over the
+    rows' codes and their zero-point columns, times the row scales (module docstring). rows_done: each activation's
+    row scales and zero points as columns, made once per activation."""
+    from onnx import helper, numpy_helper
+
+    base = node.name or node.output[0]
+    new = []
+    if dq.output[0] not in rows_done:
+        p = f"{dq.output[0]}_integer"
+        g.initializer.append(numpy_helper.from_array(np.array([-1, 1], np.int64), f"{p}.column"))
+        new += [helper.make_node("Reshape", [dq.input[1], f"{p}.column"], [f"{p}.row_scale"]),
+                helper.make_node("Reshape", [dq.input[2], f"{p}.column"], [f"{p}.row_zero_point"])]
+        rows_done[dq.output[0]] = (f"{p}.row_scale", f"{p}.row_zero_point")
+    row_scale, row_zp = rows_done[dq.output[0]]
+    extra = _zero_point_rows(codes)
+    rows = q.output[0]
+    if len(extra):  # the row's codes, then its zero point once per extra weight row
+        g.initializer.append(numpy_helper.from_array(np.array([1, len(extra)], np.int64), f"{base}.zero_point_columns"))
+        new += [helper.make_node("Expand", [row_zp, f"{base}.zero_point_columns"], [f"{base}.row_zero_points"]),
+                helper.make_node("Concat", [rows, f"{base}.row_zero_points"], [f"{base}.rows"], axis=1)]
+        rows = f"{base}.rows"
+    g.initializer.extend([
+        numpy_helper.from_array((np.concatenate([codes, extra]).astype(np.int16) + 128).astype(np.uint8), f"{base}.codes_u8"),
+        numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
+        numpy_helper.from_array(np.array(128, np.uint8), f"{base}.codes_zero_point"),
+        numpy_helper.from_array(np.array(0, np.uint8), f"{base}.rows_zero_point"),
+        numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale")])
+    return new + [
+        helper.make_node("MatMulIntegerToFloat",
+                         [rows, f"{base}.codes_u8", f"{base}.rows_unit_scale", f"{base}.codes_scale",
+                          f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
+                         [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
+        helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]
 
 
 def _reshapes_back(out: str, consumers: dict, outputs: set) -> tuple[str, list] | None:

@@ -55,7 +55,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 19  # 19: a tied head on its embedding table's 4-bit (or, at level 4, 8-bit) codes
+VARIANT_VERSION = 20  # 19: a tied head on its embedding table's codes; 20: level 4's per-token MatMuls without views
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
