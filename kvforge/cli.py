@@ -378,7 +378,7 @@ def _backend_option(f):
 def _accuracy_level_option(f):
     return click.option(
         "--accuracy-level", default="0", show_default=True, type=click.Choice(["0", "4"]),
-        help="ONNX Runtime's MatMulNBits accuracy level (INT4 and checkpoint-code bundles): 0 computes the bundle's "
+        help="ONNX Runtime's MatMulNBits accuracy level (INT4, per-token INT8 and checkpoint-code bundles): 0 computes the bundle's "
              "function exactly; 4 quantizes the activations to int8 per weight block, as llama.cpp's dot products: "
              "faster, not exact (docs/ort-variant.md).",
     )(f)
