@@ -391,7 +391,9 @@ def main() -> int:
             }
         # accuracy beside speed: each kvforge contender's perplexity on held-out prose (its own tokenizer's ids)
         held_out = sessions["fp32"].tokenizer.encode(builtin_prose("held-out")[0][0])[:PERPLEXITY_TOKENS]
-        quality = {n: {"perplexity": perplexity(s, held_out), "tokens": len(held_out)} for n, s in sessions.items()}
+        # (one window a call: a batch of 8 windows' logits over Gemma's 262k-token vocabulary is 2 GB a session)
+        quality = {n: {"perplexity": perplexity(s, held_out, batch_size=1), "tokens": len(held_out)}
+                   for n, s in sessions.items()}
         for q in quality.values():
             q["perplexity_delta_pct_vs_kvforge_fp32"] = 100 * (q["perplexity"] / quality["fp32"]["perplexity"] - 1)
         profiles = {}
