@@ -23,6 +23,7 @@ import numpy as np
 
 from kvforge.adapters import MASK
 from kvforge.bundle import FEATURES, OFFSETS
+from kvforge.errors import KvforgeError
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class StepInputs:
         rest = dict(feeds)
         rows, offsets, features = rest.pop(MASK, None), rest.pop(OFFSETS, None), rest.pop(FEATURES, None)
         if features is not None and marker is None:
-            raise ValueError(f"{FEATURES} needs the token id whose positions take its rows")
+            raise KvforgeError(f"{FEATURES} was given to a graph that records no image token to take its rows "
+                               "(io.extra.vision.image_token_id): this is not a vision-language decoder")
         return cls(rows, rest, {} if features is None else {FEATURES: features}, marker,
                    {} if offsets is None else {OFFSETS: offsets})
 

@@ -132,7 +132,8 @@ def test_the_two_graphs_export_validate_and_run_as_transformers(llava, tmp_path)
         expected = hf(input_ids=ids, pixel_values=pixels, use_cache=True)
     features = vision.run(None, {"pixel_values": pixels.numpy()})[0]
     names = [i.name for i in decoder.get_inputs()]
-    past = {n: np.zeros((1, 2, 0, 12), np.float32) for n in names if n.startswith("past_key_values")}
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    past = {n: np.zeros((1, 2, 0, head_dim), np.float32) for n in names if n.startswith("past_key_values")}
     mask = np.ones(ids.shape, np.int64)
     feeds = {"input_ids": ids.numpy(), "attention_mask": mask, "position_ids": np.arange(ids.shape[1])[None],
              FEATURES: features.reshape(-1, features.shape[-1]), **past}
