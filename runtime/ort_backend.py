@@ -67,9 +67,7 @@ class OnnxRuntimeBackend(Backend):
     @property
     def settings(self) -> dict:
         """The options this backend runs with, as load() takes them: what a benchmark records beside its figures."""
-        return {"device": self.device, "threads": self.threads, "optimization": self.optimization,
-                "variant": self.variant, "attention": self.attention, "spinning": self.spinning,
-                "accuracy_level": self.accuracy_level}
+        return {name: getattr(self, name) for name in self.option_names}
 
     def __repr__(self) -> str:
         return f"OnnxRuntimeBackend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"

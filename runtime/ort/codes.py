@@ -64,7 +64,7 @@ def _evaluate(chain, inits: dict, name: str) -> np.ndarray:
     return make_session(model.SerializeToString(), "checkpoint", optimization="none").run([name], {})[0]
 
 
-def _bits(dq, codes, accuracy_level: int, axis: int = 0) -> int | None:
+def nbits_width(dq, codes, accuracy_level: int, axis: int = 0) -> int | None:
     """The MatMulNBits width the chain starting at `dq` (whose codes initializer is `codes`, blocked along `axis`,
     the MatMul's input axis: 0, or 1 for an embedding table [V, K] a tied head reads transposed) runs at on this
     level: 4 for 4-bit codes, 8 for 8-bit ones at level 4 (power-of-two blocks: MatMulNBits' own), None: a float
@@ -122,11 +122,11 @@ def checkpoint_kernels(model, accuracy_level: int = 0) -> int:
         codes = inits.get(dq.input[0])
         users = readers.get(name, [])
         block = node_attribute(dq, "block_size", 0)
-        bits = None if any(n.op_type == "Gather" for n in chain) else _bits(dq, codes, accuracy_level)
+        bits = None if any(n.op_type == "Gather" for n in chain) else nbits_width(dq, codes, accuracy_level)
         if bits and users and all(n.op_type == "MatMul" and i == 1 for n, i in users):
             offset = next((numpy_helper.to_array(inits[n.input[1]]) for n in chain if n.op_type == "Add"), None)
             zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] else None
-            packed = _pack(numpy_helper.to_array(codes), numpy_helper.to_array(inits[dq.input[1]]), zp, block, bits)
+            packed = pack_nbits(numpy_helper.to_array(codes), numpy_helper.to_array(inits[dq.input[1]]), zp, block, bits)
             k, n_out = int(codes.dims[0]), int(codes.dims[1])
             rows = None if offset is None else offset.reshape(k // block, n_out)
             for matmul, _ in users:
@@ -134,11 +134,11 @@ def checkpoint_kernels(model, accuracy_level: int = 0) -> int:
                 groups.setdefault(key, []).append((matmul, packed, rows, n_out))
         else:
             new_inits.append(numpy_helper.from_array(_evaluate(chain, inits, name), name))  # (a table's Gathers read it)
-            head_bits = _bits(dq, codes, accuracy_level, axis=1) if len(chain) == 2 else None
+            head_bits = nbits_width(dq, codes, accuracy_level, axis=1) if len(chain) == 2 else None
             heads = _tied_heads(users, readers) if head_bits else None
             if heads:  # a tied head (GGUF's Q8_0 token_embd): its MatMul runs on the table's own codes
                 zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] else None
-                packed = _pack(numpy_helper.to_array(codes).T, numpy_helper.to_array(inits[dq.input[1]]).T,
+                packed = pack_nbits(numpy_helper.to_array(codes).T, numpy_helper.to_array(inits[dq.input[1]]).T,
                                None if zp is None else zp.T, block, head_bits)
                 for transpose, matmul in heads:
                     drop.add(id(transpose))
@@ -166,7 +166,7 @@ def checkpoint_kernels(model, accuracy_level: int = 0) -> int:
     return sum(len(m) for m in groups.values())
 
 
-def _pack(codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int, bits: int = 4):
+def pack_nbits(codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int, bits: int = 4):
     """MatMulNBits' inputs from DequantizeLinear's ([K, N] codes, [K/B, N] scales and zero points), per output
     column: codes as unsigned nibbles per block (low nibble first) [N, K/B, B/2], or at 8 bits one unsigned byte
     per code [N, K/B, B]; float scales [N, K/B]; zero points [N, K/B] (signed codes shift by 8, or 128, with a zero

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.onnx_graph import drop_dead_nodes, node_attribute, replace_nodes, use_ms_domain
+from kvforge.onnx_graph import GraphIndex, drop_dead_nodes, node_attribute, replace_nodes, use_ms_domain
 from kvforge.ort_session import u8_kernels_exact
+
+from .codes import pack_nbits
 
 
 def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
@@ -51,13 +53,9 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
         return 0
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
+    index = GraphIndex(g)
+    producer, consumers, outputs = index.producer, index.consumers, index.outputs
 
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for x in n.input:
-            consumers.setdefault(x, []).append(n)
-    outputs = {o.name for o in g.output}
     dropped: set[int] = set()  # the (tokens, K) views' reshapes back that the level-4 form makes needless
     added: dict[int, list] = {}  # id of a MatMul replaced -> the nodes in its place
     rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns
@@ -178,12 +176,11 @@ def _nbits_node(x: str, out: str, base: str, codes: np.ndarray, scale: np.ndarra
     from onnx import helper, numpy_helper
 
     k, n = codes.shape
-    blocks = k // NBITS_BLOCK
-    packed = (codes.astype(np.int16) + 128).astype(np.uint8).T.reshape(n, blocks, NBITS_BLOCK)
-    g.initializer.extend([
-        numpy_helper.from_array(np.ascontiguousarray(packed), f"{base}.nbits"),
-        numpy_helper.from_array(np.repeat(scale.astype(np.float32)[:, None], blocks, axis=1), f"{base}.nbits_scale"),
-        numpy_helper.from_array(np.full((n, blocks), 128, np.uint8), f"{base}.nbits_zero_point")])
+    packed, scales, zero_points = pack_nbits(codes, np.repeat(scale.astype(np.float32)[None], k // NBITS_BLOCK, axis=0),
+                                             None, NBITS_BLOCK, bits=8)
+    g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), f"{base}.nbits"),
+                          numpy_helper.from_array(scales, f"{base}.nbits_scale"),
+                          numpy_helper.from_array(zero_points, f"{base}.nbits_zero_point")])
     return [helper.make_node("MatMulNBits", [x, f"{base}.nbits", f"{base}.nbits_scale", f"{base}.nbits_zero_point"],
                              [out], name=f"{base}.nbits", domain="com.microsoft", K=k, N=n, bits=8,
                              block_size=NBITS_BLOCK, accuracy_level=4)]

@@ -50,7 +50,7 @@ from kvforge.onnx_graph import block_dequantized, drop_dead_nodes, node_attribut
 from kvforge.ort_session import check_accuracy_level
 
 from .attention import LOGITS_ROWS, use_group_query_attention
-from .codes import checkpoint_kernels
+from .codes import checkpoint_kernels, nbits_width
 from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
@@ -83,8 +83,8 @@ def float_int8_blocks(model, keep_matmul_weights: bool = False) -> int:
         if not block or codes.data_type != TensorProto.INT8:
             continue
         users = readers[node.output[0]]
-        if keep_matmul_weights and node_attribute(node, "axis", 1) == 0 and block >= 16 and not block & (block - 1) \
-                and users and all(n.op_type == "MatMul" and i == 1 for n, i in users):
+        if keep_matmul_weights and nbits_width(node, codes, 4) == 8 and users \
+                and all(n.op_type == "MatMul" and i == 1 for n, i in users):
             continue
         scale = numpy_helper.to_array(inits[node.input[1]])
         zp = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] else None
