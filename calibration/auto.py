@@ -200,7 +200,7 @@ def _errors(x, w, channel_amax, fmt: str, float_dtype, alphas, clips) -> dict[tu
 
 def float_order(chosen: dict[str, dict], sizes: dict[str, int]) -> tuple[list[str], int]:
     """Layers by local error, worst first, and how many of them FLOAT_BUDGET allows (by weight elements)."""
-    errors = {layer: e for c in chosen.values() for layer, e in c["layer_errors"].items()}
+    errors = {layer: e for c in chosen.values() for layer, e in c["layer_errors"].items() if layer in sizes}
     order = sorted(errors, key=errors.get, reverse=True)
     total, allowed, used = sum(sizes.values()), 0, 0
     for layer in order:
@@ -299,6 +299,27 @@ class Search:
                 best = (result, m, layers)
         return best
 
+    def choose_head(self, quantize: Callable, first, order: list[str], allowed: int, what: dict):
+        """The vocabulary projection quantized or kept float (the largest layer of a small model: its weight is
+        most of what a decode step reads), by measurement. quantize(extra_exclude, head) -> quantize's result;
+        first: (the float-head result, its metrics, []) as measured. The head quantized is measured, then with
+        layers kept in float (keep_in_float: order, allowed) while the target is missed; it is chosen where that
+        meets the target, else the float head goes through keep_in_float as before, and the better of the two
+        is kept. Returns ((result, metrics, the layers kept in float), whether the head is quantized, the record:
+        the head's cost in KL divergence and perplexity against the float head's candidate)."""
+        head = quantize([], True)
+        hm = self.measure(head[0], {**what, "lm_head": "quantized", "kept_in_float": []})
+        cost = {k: round(hm[k] - first[1][k], 6) for k in RANKED_BY}
+        with_head = self.keep_in_float(lambda extra: quantize(extra, True), order, allowed, (head, hm, []),
+                                       {**what, "lm_head": "quantized"})
+        if self.meets(with_head[1]):
+            best, quantized = with_head, True
+        else:
+            without = self.keep_in_float(lambda extra: quantize(extra, False), order, allowed, first, what)
+            quantized = self.better(with_head[1], without[1]) and not self.meets(without[1])
+            best = with_head if quantized else without
+        return best, quantized, {"quantized": quantized, "cost": cost}
+
     def record(self, chosen: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
         return {
             "mode": "auto",
@@ -316,13 +337,14 @@ class Search:
 
 
 def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], chosen: dict | None,
-           held_out: tuple[list[int], str] | None, gptq_for_block: Callable, progress):
-    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=, per_token=) -> (model, targets,
+           held_out: tuple[list[int], str] | None, gptq_for_block: Callable, progress, head_choice: bool = False):
+    """Steps 2 and 3. quantize(extra_exclude, block_size=, rounder=, scales=, per_token=, head=) -> (model, targets,
     excluded, record); starved: patterns always kept in float; chosen: step 1's (amax, smoothing, record) per space
     of spaces_for(recipe.activations) (W8A8, else None); the returned recipe's activations are the chosen space's;
-    held_out: the ids to measure on
-    and their name (CalibrationSet.held_out, held_out_source); gptq_for_block(block_size, zero_points, smoothing factors=None) -> a GPTQ rounder. Returns (quantize's result, the recipe with what
-    was chosen, the manifest's record)."""
+    held_out: the ids to measure on and their name (CalibrationSet.held_out, held_out_source);
+    gptq_for_block(block_size, zero_points, smoothing factors=None) -> a GPTQ rounder; head_choice: the vocabulary
+    projection quantized is measured too (choose_head), and the recipe's quantize_lm_head says what was chosen.
+    Returns (quantize's result, the recipe with what was chosen, the manifest's record)."""
     if held_out is None or len(held_out[0]) <= budget_window(bundle):
         # random tokens, or too little text to hold some out: step 1 decides alone in the first space (static where
         # the activations are not fixed: the form every backend runs; INT4: its fixed defaults)
@@ -333,8 +355,9 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
             result = quantize(starved, scales=(amax, smooth), per_token=SPACES[space].per_token)
         else:
             result = quantize(starved)
+        recipe = dataclasses.replace(recipe, quantize_lm_head=bool(recipe.quantize_lm_head))
         return result, recipe, {"mode": "auto", "measured_on": None,
-                                "chosen": {"space": space, "activations": picked} if chosen else {},
+                                "chosen": {"space": space, "activations": _read(picked, result[1])} if chosen else {},
                                 "note": "no held-out text to measure candidates on"}
     s = Search(bundle, float_model, held_out, recipe.precision, progress,
                session_format=recipe.session_format)
@@ -352,11 +375,19 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
         result, measured, (block, use_gptq) = best
         recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
         chosen = {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest", "zero_points": zp}
+        rounder = gptq_for_block(block, zp) if use_gptq else None
+        int8: list = []
         if zp and not s.meets(measured):  # ONNX Runtime's form: the most sensitive layer types as INT8 blocks
-            rounder = gptq_for_block(block, zp) if use_gptq else None
-            result, measured, chosen["int8_layers"] = s.promote(
+            result, measured, int8 = s.promote(
                 lambda layers: quantize(starved, block_size=block, rounder=rounder, zero_points=zp, int8=layers),
                 result, measured, sizes_of(float_model, result[1]), {"block_size": block})
+            chosen["int8_layers"] = int8
+        if head_choice:
+            (result, measured, _), quantized, chosen["lm_head"] = s.choose_head(
+                lambda extra, head: quantize(starved + extra, block_size=block, rounder=rounder, zero_points=zp,
+                                             int8=int8, head=head), (result, measured, []), [], 0,
+                {"block_size": block})
+            recipe = dataclasses.replace(recipe, quantize_lm_head=quantized)
         return result, recipe, s.record(chosen, measured)
     best = None
     for space, (amax, smooth, picked) in chosen.items():  # step 2: each space's choices, the whole graph measured
@@ -379,12 +410,30 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
         else:
             rounder = None
     order, allowed = float_order(picked, sizes_of(float_model, first[1]))
-    result, measured, kept = s.keep_in_float(
-        lambda extra: quantize(starved + extra, scales=(amax, smooth), per_token=per_token, rounder=rounder), order,
-        allowed, (first, m, []), {"space": space, "weight_rounding": rounding})
+    what = {"space": space, "weight_rounding": rounding}
+    # the head measured quantized: per-token, as Q8_0's weight-only blocks (its activation then stays float: the
+    # final norm's outlier channels cost a per-row scale +0.0067 KL on SmolLM2, where the blocks cost ~0); with
+    # static ranges (TensorRT's form) as the layers are
+    head_form = "blocks" if per_token else True
+    run = lambda extra, head=recipe.quantize_lm_head: quantize(  # noqa: E731
+        starved + extra, scales=(amax, smooth), per_token=per_token, rounder=rounder,
+        head=head_form if head else False)
+    record = {"space": space, "activations": picked, "weight_rounding": rounding}
+    if head_choice:
+        (result, measured, kept), quantized, record["lm_head"] = s.choose_head(run, (first, m, []), order, allowed, what)
+        record["lm_head"]["form"] = "int8 blocks of 32, weight-only" if head_form == "blocks" else "as the layers"
+        recipe = dataclasses.replace(recipe, quantize_lm_head=quantized)
+    else:
+        result, measured, kept = s.keep_in_float(run, order, allowed, (first, m, []), what)
     recipe = dataclasses.replace(_with_space(recipe, space), gptq=rounding == "gptq")
-    return result, recipe, s.record({"space": space, "activations": picked, "weight_rounding": rounding,
-                                     "kept_in_float": kept}, measured)
+    record["activations"] = _read(picked, result[1])
+    return result, recipe, s.record({**record, "kept_in_float": kept}, measured)
+
+
+def _read(picked: dict[str, dict], targets) -> dict[str, dict]:
+    """Step 1's choices for the activations the quantized targets read (a float head's was searched too)."""
+    read = {t.activation for t in targets}
+    return {a: c for a, c in picked.items() if a in read}
 
 
 def kl_target(perplexity_pct: float) -> float:
@@ -416,6 +465,10 @@ def recipe_summary(record: dict[str, Any]) -> str:
         smoothed = sum(c["smoothquant_alpha"] is not None for c in acts)
         clipped = sum(c["clip"] < 1.0 for c in acts)
         parts.append(f"{smoothed} of {len(acts)} activations smoothed, {clipped} clipped")
+    if chosen.get("lm_head"):
+        head = chosen["lm_head"]
+        parts.append(f"lm_head {'quantized' if head['quantized'] else 'kept float'} "
+                     f"(quantized: KL {head['cost']['kl_divergence_mean']:+.2g})")
     if "kept_in_float" in chosen:
         kept = chosen["kept_in_float"]
         parts.append(f"{len(kept)} layers kept in float" + (f" ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"

@@ -32,8 +32,18 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     # weight is read from the bundle's data file when it is used, and the sessions map that file
     model = bundle.load_graph(external_data=False)
     base = str(bundle.path)
-    targets, _ = find_targets(model, list(recipe.exclude), recipe.quantize_lm_head, base_dir=base)
-    check_weights_finite(model, targets, base)
+    targets, _ = find_targets(model, list(recipe.exclude), bool(recipe.quantize_lm_head), base_dir=base)
+    # the automatic recipe measures the vocabulary projection quantized (auto.search) where it may choose: its
+    # activation is observed like the others', and its weight read from an untied copy of the graph (the graph
+    # itself stays tied: a candidate that keeps the head float stores the table once, as it was)
+    untied = model
+    if recipe.quantize_lm_head is None and recipe.auto:
+        untied = type(model)()
+        untied.CopyFrom(model)
+        with_head = find_targets(untied, list(recipe.exclude), True, base_dir=base)[0]
+        targets += [t for t in with_head if t.layer == "lm_head"]
+    head_choice = any(t.layer == "lm_head" for t in targets) and not recipe.quantize_lm_head
+    check_weights_finite(untied, targets, base)
     activations = list(dict.fromkeys(t.activation for t in targets))
     presents = [n for layer in bundle.io.present for n in layer] if recipe.kv_cache else []
     float_dtype = np.float16 if bundle.dtype == "float16" else np.float32
@@ -69,10 +79,13 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
     expert_record, starved_float = None, []
     if not recipe.weight_only and recipe.auto:
         # an expert's inputs are not smoothed: a starved one's range is computed unsmoothed (experts.py)
-        plain = {a for e in experts for a in (e.gate_up_input, e.down_input)}
-        weights = _Weights(model, base)
+        # (nor is the head's: its 262k rows on Gemma make every smoothing tried a pass over the whole table)
+        plain = {a for e in experts for a in (e.gate_up_input, e.down_input)} | \
+            {t.activation for t in targets if t.layer == "lm_head"}
+        weights = _Weights(untied, base)
         chosen = choose_in_spaces(targets, weights, observers, channel_amax, recipe.precision, float_dtype, progress,
                                   plain, spaces_for(recipe.activations))
+        untied = weights = None  # the untied head's float copy
         act_amax, smooth, _ = next(iter(chosen.values()))
     elif recipe.static_ranges:
         act_amax, smooth = activation_scales(model, targets, observers, channel_amax, probe, items, n_batches,
@@ -104,21 +117,24 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
         return hessians
 
     def quantize(extra_exclude: list[str], block_size=recipe.block_size, rounder=round_weight, scales=None,
-                 per_token=recipe.per_token, zero_points=recipe.zero_points, int8=()):
+                 per_token=recipe.per_token, zero_points=recipe.zero_points, int8=(), head=bool(recipe.quantize_lm_head)):
         """The Q/DQ rewrite of a copy of the float graph, with these layers also kept in float; scales: the
         activations' (amax, smoothing factors) when not the calibration's own; per_token: the activations scaled
         per row at run time (an automatic recipe's per-token space); zero_points: asymmetric INT4 blocks; int8:
-        layers of a weight-only graph stored as INT8 blocks (PROMOTED_BLOCK, to nearest) instead."""
+        layers of a weight-only graph stored as INT8 blocks (PROMOTED_BLOCK, to nearest) instead; head: the
+        vocabulary projection quantized too, as the layers are (True) or as weight-only INT8 blocks ("blocks":
+        llama.cpp's Q8_0 form, with the other int8 layers)."""
         amax, factors = scales or (act_amax, smooth)
         q = type(model)()
         q.CopyFrom(model)
-        q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, recipe.quantize_lm_head,
-                                             base_dir=base)
+        q_targets, q_excluded = find_targets(q, list(recipe.exclude) + extra_exclude, bool(head), base_dir=base)
+        int8 = [*int8, "lm_head"] if head == "blocks" else int8
         bar = lambda done, total: progress("quantize", done, total)  # noqa: E731 - a bar per layer, each rewrite
         rec = rewrite(q, [t for t in q_targets if t.layer not in int8], recipe.precision, amax, block_size, factors,
                       float_dtype, rounder, base, bar, per_token=per_token, zero_points=bool(zero_points))
         if int8:  # the rewrite above replaced the graph's nodes: the promoted MatMuls are found again
-            late = [t for t in find_targets(q, require_matches=False, base_dir=base)[0] if t.layer in int8]
+            late = [t for t in find_targets(q, quantize_lm_head="lm_head" in int8, require_matches=False,
+                                            base_dir=base)[0] if t.layer in int8]
             promoted = rewrite(q, late, "int8", None, PROMOTED_BLOCK, None, float_dtype, None, base, bar)
             rec["weights"].update(promoted["weights"])
             rec["int8_layers"] = [t.layer for t in q_targets if t.layer in int8]
@@ -138,7 +154,7 @@ def quantize_one_graph(bundle: Bundle, recipe: Recipe, held_out, progress: Progr
             (cset.held_out, cset.held_out_source) if cset and cset.held_out else None,
             lambda b, zp, factors=None: gptq_rounder(candidate_hessians(), factors, recipe.precision, b, float_dtype,
                                                      progress, len(targets), zp),
-            progress)
+            progress, head_choice)
     else:
         model, targets, excluded, record = quantize(starved)
     quantization = recipe.quantization_record([t.layer for t in targets], excluded)

@@ -49,7 +49,9 @@ class Recipe:
     block_size: int | None = None  # a weight-only format's block; DEFAULT_BLOCK_SIZE once checked
     random_data: bool = False
     batch_size: int = 8
-    quantize_lm_head: bool = False
+    # the vocabulary projection quantized too (True) or kept float (False); None: chosen by measurement under the
+    # automatic recipe (calibration/auto.py: quantized where the target still holds), float in a fixed one
+    quantize_lm_head: bool | None = None
     kv_cache: str | None = None  # "fp8": the KV cache quantized too
     accuracy_budget: dict[str, float] | None = None
     budget_data: str | Path | None = None
@@ -142,16 +144,13 @@ class Recipe:
                                    f"{' with --weights-only' if self.weights_only else ''} is weight-only")
             return None
         if self.activations is None and auto:
-            return "static" if self.quantize_lm_head else None
+            return None
         activations = self.activations or (default if self.precision == "int8" else "static")
         if activations == "per-token":
             fixed = [f"--{name}" for name, v in (("method", self.method), ("percentile", self.percentile)) if v is not None]
             if fixed:  # SmoothQuant's factors are static and apply (calibrated on the data, folded into the weights)
                 raise KvforgeError(f"per-token activations are scaled at run time, so {', '.join(fixed)} (which "
                                    "choose a calibrated static range) cannot apply; drop them or add --activations static")
-            if self.quantize_lm_head:
-                raise KvforgeError("--quantize-lm-head takes a static activation scale (the head may share the "
-                                   "embedding's codes); add --activations static")
         return activations
 
     def checked(self, bundle: Bundle, fits_budget: bool, default_activations: str = "static") -> "Recipe":
@@ -169,8 +168,9 @@ class Recipe:
         activations = self._activations(default_activations, mode == "auto")
         method = self.method if self.method is not None else "max"
         percentile = 99.99 if self.percentile is None else self.percentile
+        head = self.quantize_lm_head if mode == "auto" and self.quantize_lm_head is None else bool(self.quantize_lm_head)
         self = dataclasses.replace(self, recipe=mode, method=method, percentile=percentile, gptq=bool(self.gptq),
-                                   activations=activations)
+                                   activations=activations, quantize_lm_head=head)
         if self.method not in METHODS:
             raise KvforgeError(f"method {self.method!r} is not one of {METHODS}")
         if bundle.quantization:

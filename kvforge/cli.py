@@ -261,7 +261,9 @@ def inspect(bundle, as_json):
                    "recipe's default). "
                    "With them, the automatic recipe may also keep its most sensitive layer types as INT8 blocks.")
 @click.option("--random-data", is_flag=True, help="Calibrate on random tokens (recorded in the manifest).")
-@click.option("--quantize-lm-head", is_flag=True, help="Quantize the vocabulary projection too (float by default).")
+@click.option("--quantize-lm-head/--float-lm-head", default=None,
+              help="Quantize the vocabulary projection too, or keep it float. Default: the automatic recipe quantizes "
+                   "it where its accuracy target still holds (measured, and reported); a fixed recipe keeps it float.")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--kv-cache", type=click.Choice(["fp8"]), help="Quantize the KV cache writes to FP8 E4M3 (with int8 or fp8).")
 @click.option("--accuracy-budget", "budget", multiple=True, metavar="METRIC=VALUE",

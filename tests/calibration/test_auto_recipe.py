@@ -79,7 +79,7 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
         {k: t[k] for k in r["result"]} for t in r["tried"]]
     # every space was measured, static and per-token, the fixed recipe's among them, and the best one kept
     firsts = {t["space"]: (t["kl_divergence_mean"], t["perplexity_delta_pct"]) for t in r["tried"]
-              if not t["kept_in_float"] and t.get("weight_rounding") != "gptq"}
+              if not t["kept_in_float"] and t.get("weight_rounding") != "gptq" and "lm_head" not in t}
     assert set(firsts) == set(SPACES)
     assert r["chosen"]["space"] == min(firsts, key=firsts.get)  # ranked by KL from the float graph, then perplexity
     assert r["result"]["kl_divergence_mean"] <= firsts["max"][0]
@@ -115,8 +115,10 @@ def test_w8a8_that_misses_its_target_measures_gptq_rounding_in_the_chosen_space(
 
     monkeypatch.setitem(auto.TARGET_PPL_PCT, "fp8", -50.0)  # unreachable (a negative KL): every step runs
     monkeypatch.setattr(auto, "FLOAT_BUDGET", 0.0)  # no layer kept in float: step 2 alone
-    q = calibrate(tiny_fp32.path, tmp_path / "fp8", precision="fp8", activations="static", samples=16, seq_len=64)
+    q = calibrate(tiny_fp32.path, tmp_path / "fp8", precision="fp8", activations="static", samples=16, seq_len=64,
+                  quantize_lm_head=False)
     quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
+    assert "lm_head" not in r["chosen"] and not any("lm_head" in t for t in r["tried"])  # (float, as asked)
     spaces = [t for t in r["tried"] if t.get("weight_rounding") is None]
     assert [t["space"] for t in spaces] == [name for name, sp in SPACES.items() if not sp.per_token]
     rank = lambda t: (t["kl_divergence_mean"], t["perplexity_delta_pct"])  # noqa: E731
@@ -128,6 +130,72 @@ def test_w8a8_that_misses_its_target_measures_gptq_rounding_in_the_chosen_space(
     assert (quant["gptq_damp"] is not None) == (rounding == "gptq")
     kept = gptq if rounding == "gptq" else best_space
     assert r["result"]["perplexity_delta_pct"] == kept["perplexity_delta_pct"] and not r["met"]
+
+
+def test_the_head_is_quantized_by_measurement_and_its_cost_recorded(tmp_path, tiny_fp32, tiny_heldout, monkeypatch):
+    """The default recipe measures the tied vocabulary projection quantized, in the chosen space, and keeps it
+    where the target still holds: the bundle then stores the table once, as codes both the embedding and the
+    head read, and its recorded cost is the KL divergence it adds to the float-head candidate. Where nothing
+    meets the target, the better of the two is kept; --float-lm-head keeps it float without measuring."""
+    from kvforge.calibration import auto
+
+    q = calibrate(tiny_fp32.path, tmp_path / "auto", precision="int8", samples=16, seq_len=64)
+    quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
+    rank = lambda t: (t["kl_divergence_mean"], t["perplexity_delta_pct"])  # noqa: E731
+    (head,) = [t for t in r["tried"] if t.get("lm_head") == "quantized" and not t["kept_in_float"]]
+    (plain,) = [t for t in r["tried"] if t.get("space") == head["space"] and "lm_head" not in t
+                and not t["kept_in_float"] and t.get("weight_rounding", "nearest") == head["weight_rounding"]]
+    assert r["chosen"]["lm_head"]["cost"]["kl_divergence_mean"] == pytest.approx(
+        head["kl_divergence_mean"] - plain["kl_divergence_mean"], abs=1e-6)
+    assert head["kl_divergence_mean"] <= r["target"]["kl_divergence_mean"]  # tiny's head quantizes well
+    assert r["chosen"]["lm_head"]["quantized"] and "lm_head" in quant["quantized_layers"] and r["met"]
+    assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"]
+    tables = [i.name for i in onnx.load(str(q.graph_file)).graph.initializer if len(i.dims) == 2 and 4096 in i.dims]
+    assert tables[0] == "model.embed_and_lm_head.weight_quantized"  # one table, in codes (and its scales)
+    assert all(not t.startswith("lm_head") for t in tables)
+    # per-token layers: the head is Q8_0's weight-only blocks (its activation float), which ONNX Runtime's variant
+    # evaluates to float at the exact level and keeps as codes feeding the MatMul alone at level 4 (8-bit
+    # MatMulNBits, llama.cpp's dot product)
+    assert r["chosen"]["space"].startswith("per-token") and r["chosen"]["lm_head"]["form"].startswith("int8 blocks")
+    assert quant["int8_layers"] == ["lm_head"]
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort.variant import variant_path
+
+    for level in (0, 4):
+        graph = onnx.load(str(variant_path(Bundle(q.path), attention=True, accuracy_level=level))).graph
+        inits = {i.name for i in graph.initializer}
+        producer = {o: n for n in graph.node for o in n.output}
+        weight = producer["logits"].input[1]
+        if level == 0:
+            assert weight in inits
+        else:
+            dq = producer[weight]
+            assert dq.op_type == "DequantizeLinear" and dict((a.name, a.i) for a in dq.attribute)["block_size"] == 32
+    ids = tiny_heldout[:2, :40]
+    with runtime.load(q.path, accuracy_level=4) as fast, runtime.load(q.path, variant=False) as exact:
+        last, _ = fast.forward(ids, last_logits_only=True)
+        full, _ = exact.forward(ids)
+    assert metrics.kl_divergence(last[:, 0], full[:, -1]).mean() < 0.01  # level 4: int8 activations per block
+    with runtime.load(q.path) as s, runtime.load("tiny") as ref:  # the bundle as ONNX Runtime runs it, against Torch
+        kl = [metrics.kl_divergence(a, b).mean() for (a, _), (b, _) in
+              zip(window_logits(s, tiny_heldout[:4]), window_logits(ref, tiny_heldout[:4]))]
+    assert np.mean(kl) < 3 * r["target"]["kl_divergence_mean"]
+    # nothing meets an unreachable target: the better of the two candidates is kept
+    monkeypatch.setitem(auto.TARGET_PPL_PCT, "int8", -50.0)
+    monkeypatch.setattr(auto, "FLOAT_BUDGET", 0.0)
+    q = calibrate(tiny_fp32.path, tmp_path / "missed", precision="int8", activations="per-token", samples=16,
+                  seq_len=64)
+    r = q.manifest["calibration"]["recipe"]
+    (head,) = [t for t in r["tried"] if t.get("lm_head") == "quantized"]
+    best = min((t for t in r["tried"] if t.get("weight_rounding", "nearest") == head["weight_rounding"]
+                and t["space"] == head["space"]), key=rank)
+    assert r["chosen"]["lm_head"]["quantized"] == (best is head) and not r["met"]
+    assert ("lm_head" in q.manifest["precision"]["quantization"]["quantized_layers"]) == (best is head)
+    kept = calibrate(tiny_fp32.path, tmp_path / "float", precision="int8", activations="per-token", samples=16,
+                     seq_len=64, quantize_lm_head=False)
+    r = kept.manifest["calibration"]["recipe"]
+    assert "lm_head" not in r["chosen"] and not any("lm_head" in t for t in r["tried"])
+    assert "lm_head" not in kept.manifest["precision"]["quantization"]["quantized_layers"]
 
 
 def test_the_recipe_mode_is_stated_not_inferred_from_tuning_options(tmp_path, tiny_fp32):

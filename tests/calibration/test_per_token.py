@@ -150,13 +150,45 @@ def test_an_encoder_defaults_to_per_token_int8_without_data(micro_bundle, tmp_pa
     (dict(precision="fp8", activations="per-token", method="mse"), "--method"),
     (dict(precision="int4", activations="per-token"), "int4 is weight-only"),
     (dict(precision="int8", activations="per-token", percentile=99.0), "--percentile"),
-    (dict(precision="int8", activations="per-token", quantize_lm_head=True), "--quantize-lm-head"),
     (dict(precision="int8", activations="per-row"), "'per-row' is not one of"),
 ])
 def test_per_token_options_that_cannot_apply_are_named(micro_bundle, tmp_path, options, message):
     with pytest.raises(KvforgeError, match=message):
         calibrate(micro_bundle("bert-micro").path, tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_a_tied_per_token_head_runs_on_the_embeddings_codes_and_slices_before_its_rows(tiny_fp32, tmp_path, level):
+    """A tied head with per-token activations stores one table of codes (the embedding reads its rows). ONNX
+    Runtime's variant runs the head on the integer kernel (level 4: one 8-bit MatMulNBits) and still projects only
+    the rows asked for: the hidden state is sliced before the head's per-token quantization, whose Reshape,
+    row scales and reshape back no longer end at a MatMul. Held to the graph as written (the exact Q/DQ)."""
+    q = calibrate(tiny_fp32.path, tmp_path / "q", recipe="fixed", precision="int8", activations="per-token",
+                  samples=8, seq_len=64, quantize_lm_head=True)
+    assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"]
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort.variant import variant_path
+
+    graph = onnx.load(str(variant_path(Bundle(q.path), attention=True, accuracy_level=level))).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    node = producer["logits"]
+    while node.op_type in ("Reshape", "Mul"):
+        node = producer[node.input[0]]
+    if level == 4 or u8_kernels_exact():
+        assert node.op_type == ("MatMulNBits" if level == 4 else "MatMulIntegerToFloat")
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
+    with runtime.load(q.path, accuracy_level=level) as fast, runtime.load(q.path, variant=False) as exact:
+        last, cache = fast.forward(ids, last_logits_only=True)
+        full, _ = exact.forward(ids)
+        step, _ = fast.forward(np.array([[5], [6]]), cache=cache, last_logits_only=True)
+        whole, _ = exact.forward(np.concatenate([ids, [[5], [6]]], axis=1))
+    assert last.shape == step.shape == (2, 1, q.model_config["vocab_size"])
+    # level 0 computes the graph's function (the integer kernels' rounding only); level 4 quantizes the activations
+    # per block of 32 instead of per row: held to a bound on the logits' scale
+    tol = 1e-4 if level == 0 else 0.05 * np.abs(full).max()
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=tol, rtol=0 if level else 1e-4)
+    np.testing.assert_allclose(step[:, 0], whole[:, -1], atol=tol, rtol=0 if level else 1e-4)
 
 
 def test_a_decoder_takes_per_token_with_either_recipe_and_tensorrt_refuses_it(micro_bundle, tmp_path):
