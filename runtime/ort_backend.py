@@ -308,13 +308,26 @@ class OnnxRuntimeBackend(Backend):
     def cache_arrays(self, cache: KVCache) -> list[np.ndarray]:
         if cache.layout is None:
             return super().cache_arrays(cache)
-        return [packed.unpack(a, cache.layout.lengths, cache.length) for a in cache.values]
+        # a capped (windowed) layer's newest W positions, as the contract holds them (the packed buffer holds all)
+        held = self._held(cache.length, len(cache.values))
+        return [packed.unpack(a, cache.layout.lengths, cache.length)[:, :, cache.length - n:]
+                for a, n in zip(cache.values, held)]
+
+    def _held(self, length: int, tensors: int) -> list[int]:
+        """The positions each cache tensor holds in the contract's layout at `length` (io.cache_lengths)."""
+        held = self.io.cache_lengths(length)
+        return [held[j // (tensors // len(held))] for j in range(tensors)]
 
     def from_arrays(self, arrays, length: int) -> KVCache:
         if not self.packed:
             return super().from_arrays(arrays, length)
-        # every row holds all `length` positions: packed from index 0 already (no capped layers in this layout)
-        values = [np.ascontiguousarray(a[:, :, a.shape[2] - length:]) for a in arrays]
+        # every row holds all `length` positions: packed from index 0 already; a capped (windowed) layer's newest
+        # W go to the end of its buffer, before them zeros its window never reads again
+        values = []
+        for a, n in zip(arrays, self._held(length, len(arrays))):
+            v = np.zeros((*a.shape[:2], length, *a.shape[3:]), a.dtype)
+            v[:, :, length - n:] = a[:, :, a.shape[2] - n:]
+            values.append(v)
         store = packed.Store(values)
         return KVCache(self.name, values[0].shape[0], length, values,
                        layout=packed.Packed(np.full(values[0].shape[0], length, np.int64), store))

@@ -23,10 +23,15 @@ Per layer, the rewrite matches, from the cache's Concats:
 
 with q (B, H, T, D) and k, v (B, KV, T, D) after RoPE and q/k norms, and
 puts GroupQueryAttention(q, k, v as (B, T, heads * D), the buffers) in
-place of `out` and both Concats. Anything else between the scores and the
-Softmax (an ALiBi bias, a sliding window's capped cache, a quantized cache)
-is not matched, and a graph in which any layer does not match keeps its
-attention as exported: the backend's cache layout is all or nothing.
+place of `out` and both Concats. A windowed layer's capped cache (present =
+the Concat's newest W positions, its mask's columns lined up with the keys
+through their Shape) becomes a whole buffer too, the window the kernel's
+`local_window_size` (W); the packed layout then holds every position of
+every layer, and the backend gives a capped layer's newest W where the
+contract's layout is asked for. Anything else between the scores and the
+Softmax (an ALiBi bias, a quantized cache) is not matched, and a graph in
+which any layer does not match keeps its attention as exported: the
+backend's cache layout is all or nothing.
 """
 
 from __future__ import annotations
@@ -71,13 +76,56 @@ def _heads_merged(g: GraphIndex, x: str):
     return g.only_consumer(tr.output[0], "Reshape") if tr is not None and _perm(tr) == [0, 2, 1, 3] else None
 
 
+def _capped(g: GraphIndex, present: str):
+    """(the Concat, W) where `present` = Slice(Concat(past, new), -W:, axis 2): a windowed layer's capped cache
+    (its newest W positions); (the Concat, None) where `present` is the Concat itself; None otherwise."""
+    node = g.producer.get(present)
+    if node is None or node.op_type != "Slice":
+        return node, None
+    starts, ends, axes, steps = (g.const(x) if x else None for x in [*node.input[1:5], "", "", "", ""][:4])
+    if starts is None or ends is None or axes is None or starts.size != 1 or axes.tolist() not in ([2], [-2]) \
+            or int(starts[0]) >= 0 or int(ends[0]) < 2 ** 31 or (steps is not None and steps.tolist() != [1]):
+        return None
+    return g.producer.get(node.input[0]), -int(starts[0])
+
+
+def _only_masks(g: GraphIndex, name: str, where) -> bool:
+    """Whether everything computed from `name` (a windowed layer's keys' Shape) ends in `where`'s condition: the
+    mask's columns lined up with the keys, dead once the layer is one GroupQueryAttention."""
+    todo, seen = [name], set()
+    while todo:
+        x = todo.pop()
+        if x in g.outputs:
+            return False
+        for node in g.consumers.get(x, []):
+            if node is where:
+                if where.input[0] != x:
+                    return False
+            elif id(node) not in seen:
+                seen.add(id(node))
+                todo.extend(node.output)
+    return True
+
+
 def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, present_v: str):
-    """The nodes and tensors of one layer's attention, or None where it is not the plain pattern."""
-    cat_k, cat_v = g.producer.get(present_k), g.producer.get(present_v)
+    """The nodes and tensors of one layer's attention, or None where it is not the plain pattern (nor a windowed
+    layer's: its present the newest W of the Concat's positions, its mask's columns lined up with the keys)."""
+    (cat_k, window), (cat_v, window_v) = _capped(g, present_k) or (None, None), _capped(g, present_v) or (None, None)
     for cat, past in ((cat_k, past_k), (cat_v, past_v)):
         if cat is None or cat.op_type != "Concat" or node_attribute(cat, "axis") not in (2, -2) or len(cat.input) != 2 or cat.input[0] != past:
             return None
-    users_k, users_v = g.consumers[present_k], g.consumers[present_v]
+    if window != window_v:
+        return None
+    shapes = []  # a windowed layer's: the keys' Shape, which lines the mask's columns up with them
+    users_k, users_v = [], []
+    for cat, users in ((cat_k, users_k), (cat_v, users_v)):
+        for u in g.consumers[cat.output[0]]:
+            if u.op_type == "Shape" and window is not None:
+                shapes.append(u)
+            elif not (window is not None and u.op_type == "Slice" and u.output[0] in (present_k, present_v)):
+                users.append(u)
+    if cat_k.output[0] in g.outputs and window is not None or cat_v.output[0] in g.outputs and window is not None:
+        return None
     if len(users_k) != 1 or len(users_v) != 1 or users_k[0].op_type != "Unsqueeze" or users_v[0].op_type != "Unsqueeze":
         return None
     if any(g.axes(u) is None or g.axes(u).tolist() != [2] for u in (users_k[0], users_v[0])):
@@ -124,10 +172,12 @@ def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, presen
     if nxt is None or nxt.op_type != "MatMul" or nxt.input != [x, users_v[0].output[0]]:
         return None
     r2 = _heads_merged(g, nxt.output[0])
-    if r2 is None:
+    if r2 is None or not all(_only_masks(g, u.output[0], where) for u in shapes):
         return None
+    caps = [g.producer[p] for p in (present_k, present_v)] if window is not None else []
     return {"q": q, "k": cat_k.input[1], "v": cat_v.input[1], "scale": scale, "softcap": softcap,
-            "out": r2.output[0], "replace": r2, "concats": (cat_k, cat_v), "where": where}
+            "out": r2.output[0], "replace": r2, "concats": (cat_k, cat_v), "where": where, "window": window,
+            "present": (present_k, present_v), "caps": caps}
 
 
 def _mask_only_masks(g: GraphIndex, wheres: set[int]) -> bool:
@@ -213,10 +263,14 @@ def _mixed_attention(i: int, inputs: list[str], heads: tuple[int, int, int], hea
 
 
 def use_group_query_attention(model, past: list[list[str]], present: list[list[str]], n_heads: int, n_kv_heads: int,
-                              head_dim: int, mixed: bool = False) -> int:
+                              head_dim: int, mixed: bool = False, windows: list[int | None] | None = None) -> int:
     """Rewrite every layer's attention as GroupQueryAttention over shared past/present buffers; returns the layers
     rewritten (0, graph untouched, unless every layer matches and the shape suits the kernel; with mixed, a 0
     may leave the graph half rewritten: drop it).
+
+    windows: each layer's sliding window W as the bundle declares it (None: full attention). A windowed layer's
+    capped cache (its newest W positions) becomes a whole buffer like the others', and the kernel's
+    local_window_size (W) masks what the window left behind.
 
     mixed: the graph of a mixed step instead (see _mixed_attention): input_ids (1, R + T) are R decode rows'
     tokens and one prompt row's T; the decode rows' cache is read and written as in the plain graph (SEQLENS,
@@ -231,6 +285,8 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
     g = GraphIndex(model.graph)
     layers = [_match_layer(g, pk, pv, ck, cv) for (pk, pv), (ck, cv) in zip(past, present)]
     if not layers or any(m is None for m in layers) or not _mask_only_masks(g, {id(m["where"]) for m in layers}):
+        return 0
+    if [m["window"] for m in layers] != list(windows or [None] * len(layers)):
         return 0
     graph = model.graph
     graph.initializer.extend([
@@ -253,14 +309,16 @@ def use_group_query_attention(model, past: list[list[str]], present: list[list[s
         attrs = {"num_heads": n_heads, "kv_num_heads": n_kv_heads, "scale": float(m["scale"])}
         if m["softcap"] is not None:
             attrs["softcap"] = float(m["softcap"])
+        if m["window"] is not None:  # W keys, the query's own included, as ONNX Runtime's kernel counts them
+            attrs["local_window_size"] = m["window"]  # (held to the exported graph in the tests)
         if mixed:
             nodes += _mixed_attention(i, inputs, (n_heads, n_kv_heads, n_kv_heads), head_dim, attrs, m["out"],
-                                      (cat_k.input[0], cat_v.input[0]), (cat_k.output[0], cat_v.output[0]))
+                                      (cat_k.input[0], cat_v.input[0]), m["present"])
         else:
             nodes.append(helper.make_node(
                 "GroupQueryAttention", inputs + [cat_k.input[0], cat_v.input[0], SEQLENS, TOTAL],
-                [m["out"], cat_k.output[0], cat_v.output[0]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
-        removed |= {id(m["replace"]), id(cat_k), id(cat_v)}
+                [m["out"], *m["present"]], domain=MS_DOMAIN, name=f"kvforge_gqa{i}", **attrs))
+        removed |= {id(m["replace"]), id(cat_k), id(cat_v), *(id(c) for c in m["caps"])}
         added[id(m["replace"])] = nodes
     replace_nodes(graph, removed, added)
     graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["decode_rows" if mixed else "batch"]),

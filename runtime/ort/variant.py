@@ -46,7 +46,7 @@ import numpy as np
 
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
-from kvforge.onnx_graph import block_dequantized, drop_dead_nodes, node_attribute, node_reads, replace_nodes
+from kvforge.onnx_graph import GraphIndex, block_dequantized, drop_dead_nodes, node_attribute, node_reads, replace_nodes
 from kvforge.ort_session import check_accuracy_level
 
 from .attention import LOGITS_ROWS, use_group_query_attention
@@ -55,7 +55,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 20  # 19: a tied head on its embedding table's codes; 20: level 4's per-token MatMuls without views
+VARIANT_VERSION = 22  # 21: a tied head's INT8 blocks kept at level 4; 22: windowed layers on GroupQueryAttention
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -249,42 +249,76 @@ def fold_scales_into_norms(model) -> int:
     return len(drop)
 
 
-_PER_POSITION = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh"}
+_PER_POSITION = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh", "Reshape"}
+_PROJECTIONS = ("MatMul", "MatMulNBits", "MatMulIntegerToFloat")
+# what quantizes the projection's activation (calibration/qdq.py's static pair or per-token rows; per_token.py's
+# integer form): the hidden state is sliced before all of it
+_HEAD_INPUT = {"QuantizeLinear", "DequantizeLinear", "Reshape", "Concat"}
 
 
-def _head_entry(model):
-    """The node whose first input is the hidden state the vocabulary projection reads: the MatMul producing
-    `logits` (through any per-position element-wise ops), or the QuantizeLinear of its own Q -> DQ pair."""
+def _head_entry(model) -> tuple[str, list]:
+    """(the hidden state the vocabulary projection reads, the nodes on its way to `logits` that read it).
+
+    The projection is the MatMul (or ONNX Runtime's quantized form of one) producing `logits` through per-position
+    ops only: the Cast of half-precision graphs, a head bias, logit scaling and soft-capping, a per-token
+    quantized head's reshape back and row scales. The hidden state is what its activation's quantization reads (a
+    static Q -> DQ pair, per-token rows with their scales), so slicing it keeps that pattern whole (a Slice between
+    DQ and MatMul makes ORT propagate the pair across the Slice with a mistyped zero point, and the session fails
+    to load). Every node between the hidden state and `logits` must read only it, constants and each other (else
+    the projection's input itself is the hidden state)."""
     g = model.graph
-    producer = {o: n for n in g.node for o in n.output}
-    constants = {i.name for i in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
+    index = GraphIndex(g)
+    producer = index.producer
+    constants = {i.name for i in g.initializer}
+    for n in g.node:  # (in graph order) what constants alone compute: a weight's DequantizeLinear, say
+        if all(i in constants for i in n.input if i):
+            constants.update(n.output)
     head = producer.get("logits")
-    # Between the vocabulary projection and `logits` only per-position element-wise ops may sit: the Cast of
-    # half-precision graphs, a head bias, logit scaling and soft-capping (each reading one non-constant input).
     while head is not None and head.op_type in _PER_POSITION:
         live = [i for i in head.input if i and i not in constants]
-        head = producer.get(live[0]) if len(live) == 1 else None
-    if head is None or head.op_type not in ("MatMul", "MatMulNBits"):  # (a tied head on its codes: codes.py)
+        # a per-token head's row scales multiply the projection's output (its first input)
+        head = producer.get(live[0] if len(live) == 1 or head.op_type in ("Mul", "Reshape") else "")
+    if head is None or head.op_type not in _PROJECTIONS:  # (a tied head on its codes: codes.py)
         raise KvforgeError("cannot find the vocabulary projection (a MatMul producing `logits`) to slice before")
-    # A quantized lm_head reads its input through its own Q -> DQ pair: cut before the pair, so that the
-    # pair still feeds the MatMul alone (ORT fuses that; a Slice between DQ and MatMul makes ORT propagate the
-    # pair across the Slice with a mistyped zero point, and the session fails to load).
-    consumers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
-    dq = producer.get(head.input[0])
-    if dq is not None and dq.op_type == "DequantizeLinear" and consumers[dq.output[0]] == 1:
-        q = producer.get(dq.input[0])
-        if q is not None and q.op_type == "QuantizeLinear" and consumers[q.output[0]] == 1:
-            return q
-    return head
+    source = head.input[0]
+    while producer.get(source) is not None and producer[source].op_type in _HEAD_INPUT:
+        source = producer[source].input[0]
+    region = _between(index, source, "logits")
+    inside = {id(n) for n in region}
+    if source != head.input[0] and not all(i in constants or i in (source, "") or id(producer.get(i)) in inside
+                                           for n in region for i in n.input):
+        source = head.input[0]
+        region = _between(index, source, "logits")
+    return source, [n for n in region if source in n.input]
 
 
-def _insert_before_head(model, entry, nodes, result: str, dim: str) -> None:
+def _between(index, source: str, output: str) -> list:
+    """The nodes that read `source` (directly or not) and that `output` depends on."""
+    after, todo = {}, list(index.consumers.get(source, []))
+    while todo:
+        n = todo.pop()
+        if id(n) not in after:
+            after[id(n)] = n
+            todo += [c for o in n.output for c in index.consumers.get(o, [])]
+    before, todo = set(), [index.producer[output]] if output in index.producer else []
+    while todo:
+        n = todo.pop()
+        if id(n) not in before and id(n) in after:  # (what does not read `source` is not followed further)
+            before.add(id(n))
+            todo += [index.producer[i] for i in n.input if i in index.producer]
+    return [n for key, n in after.items() if key in before]
+
+
+def _insert_before_head(model, entry: tuple[str, list], nodes, result: str, dim: str) -> None:
+    """Insert `nodes` (which read the hidden state and make `result`) before the head's first reader of the hidden
+    state, and have its readers read `result`; `logits`' sequence axis is then named `dim`."""
     g = model.graph
-    entry.input[0] = result
-    index = list(g.node).index(entry)
+    source, readers = entry
+    index = min(i for i, n in enumerate(g.node) if any(n is r for r in readers))
+    for r in readers:
+        for i, x in enumerate(r.input):
+            if x == source:
+                r.input[i] = result
     for offset, n in enumerate(nodes):
         g.node.insert(index + offset, n)
     for out in g.output:
@@ -306,7 +340,7 @@ def add_logits_to_keep(model) -> None:
     ])
     nodes = [
         helper.make_node("Sub", ["kvforge_zero", KEEP_INPUT], ["kvforge_keep_start"], name="kvforge_keep_start"),
-        helper.make_node("Slice", [entry.input[0], "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"],
+        helper.make_node("Slice", [entry[0], "kvforge_keep_start", "kvforge_end", "kvforge_axis_seq"],
                          ["kvforge_kept_hidden"], name="kvforge_keep_slice"),
     ]
     _insert_before_head(model, entry, nodes, "kvforge_kept_hidden", "num_logits_to_keep")
@@ -324,7 +358,7 @@ def add_logits_rows(model) -> None:
     entry = _head_entry(model)
     g.input.append(helper.make_tensor_value_info(LOGITS_ROWS, TensorProto.INT64, ["batch", "logits_kept"]))
     nodes = [
-        helper.make_node("Flatten", [entry.input[0]], ["kvforge_flat_hidden"], name="kvforge_flat_hidden", axis=2),
+        helper.make_node("Flatten", [entry[0]], ["kvforge_flat_hidden"], name="kvforge_flat_hidden", axis=2),
         helper.make_node("Gather", ["kvforge_flat_hidden", LOGITS_ROWS], ["kvforge_kept_hidden"], name="kvforge_keep_rows", axis=0),
     ]
     _insert_before_head(model, entry, nodes, "kvforge_kept_hidden", "logits_kept")
@@ -395,10 +429,9 @@ def rewrite_attention(model, bundle, mixed: bool = False, config: dict | None = 
     mixed: the mixed step's graph (attention.py); config: the decoder's (a vision-language bundle's
     model_config["decoder"]), default the bundle's."""
     io, cfg = bundle.io, config or bundle.model_config
-    if any(w is not None for w in io.windows):  # capped caches roll: not the packed layout
-        return 0
     head_dim = cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"]  # (None in a config written by hand: the default)
-    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], head_dim, mixed)
+    return use_group_query_attention(model, io.past, io.present, cfg["n_heads"], cfg["n_kv_heads"], head_dim, mixed,
+                                     io.windows)
 
 
 def variant_path(bundle, attention: bool = False, mixed: bool = False, config: dict | None = None,
@@ -437,9 +470,10 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
     model = bundle.load_graph()
     if bundle.quantization_format == "checkpoint":  # a checkpoint's codes: 4-bit ones as MatMulNBits, others float
         checkpoint_kernels(model, accuracy_level)  # (at level 4, 8-bit ones as MatMulNBits too)
+    # (first: a tied head's blocks then feed its MatMul alone, which level 4 keeps as codes)
+    unshare_tied_head(model)
     if (bundle.quantization or {}).get("int8_layers"):  # at level 4 ORT fuses the MatMuls' into 8-bit MatMulNBits
         float_int8_blocks(model, keep_matmul_weights=accuracy_level == 4)
-    unshare_tied_head(model)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
     integer_per_token_matmuls(model, accuracy_level=accuracy_level)

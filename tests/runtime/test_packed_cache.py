@@ -54,7 +54,8 @@ def _assert_caches_agree(sessions, caches, mask):
     real = mask[:, None, :, None] == 1
     for x, y in zip(plain.backend.cache_arrays(ca), fast.backend.cache_arrays(cb)):
         assert x.shape == y.shape
-        np.testing.assert_allclose(np.where(real, y, 0), np.where(real, x, 0), atol=ATOL, rtol=0)
+        held = real[:, :, real.shape[2] - x.shape[2]:]  # a capped (windowed) layer holds the newest W columns
+        np.testing.assert_allclose(np.where(held, y, 0), np.where(held, x, 0), atol=ATOL, rtol=0)
 
 
 def test_packed_cache_follows_every_left_padded_step(sessions):
@@ -202,9 +203,31 @@ def test_masks_the_packed_cache_cannot_follow_are_refused(sessions):
         runtime.load(fast.source, attention="flash")
 
 
+def test_windowed_layers_run_packed_past_their_window(micro_bundle):
+    """gemma-micro's windowed layers (8 keys, on layers 0 and 2) run as GroupQueryAttention with the kernel's
+    window over whole buffers. Against the bundle's graph (capped caches): a left-padded prefill longer than the
+    window, decode past it, the contract's layout (a windowed layer's newest 8 positions), and a cache made from
+    that layout (as the prefix cache restores one) continued by a chunk longer than the window at batch 1."""
+    path = micro_bundle("gemma-micro").path
+    rng = np.random.default_rng(3)
+    with runtime.load(path, variant=False) as plain, runtime.load(path) as fast:
+        assert fast.backend.packed and not plain.backend.packed and fast.io.windows == [8, None, 8, None]
+        ids, mask, pos = _left_padded(rng, [12, 5], 259)
+        caches = _step((plain, fast), (None, None), ids, mask, pos)
+        for _ in range(6):
+            mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+            pos = pos[:, -1:] + 1
+            caches = _step((plain, fast), caches, rng.integers(0, 259, (2, 1)), mask, pos)
+        _assert_caches_agree((plain, fast), caches, mask)
+        assert [a.shape[2] for a in fast.cache_arrays(caches[1])] == [8, 8, 18, 18] * 2
+        row = [a[:1] for a in plain.cache_arrays(caches[0])]  # row 0: 18 real positions
+        restored = (plain.cache_from_arrays(row, 18), fast.cache_from_arrays(row, 18))
+        chunk = rng.integers(0, 259, (1, 10))
+        _step((plain, fast), restored, chunk, np.ones((1, 28), np.int64), np.arange(18, 28)[None])
+
+
 def test_soft_capped_attention_is_packed(tmp_path):
-    """Gemma 2's score soft-capping becomes the kernel's softcap (the micro Gemma preset also has windows, which
-    keep their exported attention)."""
+    """Gemma 2's score soft-capping becomes the kernel's softcap (on a Llama without windows: the soft-cap alone)."""
     from kvforge.model_defs import ModelConfig, PRESETS, build_model, init_random_weights, save_checkpoint
 
     cfg = ModelConfig(**{**PRESETS["llama3-micro"], "attn_softcap": 2.0})
