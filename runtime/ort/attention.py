@@ -124,7 +124,7 @@ def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, presen
                 shapes.append(u)
             elif not (window is not None and u.op_type == "Slice" and u.output[0] in (present_k, present_v)):
                 users.append(u)
-    if cat_k.output[0] in g.outputs and window is not None or cat_v.output[0] in g.outputs and window is not None:
+    if window is not None and (cat_k.output[0] in g.outputs or cat_v.output[0] in g.outputs):
         return None
     if len(users_k) != 1 or len(users_v) != 1 or users_k[0].op_type != "Unsqueeze" or users_v[0].op_type != "Unsqueeze":
         return None

@@ -9,10 +9,12 @@ activation scales into its integer kernels, so as written that runs in float. He
 
 one integer kernel and a Mul by the row scales: the codes get E extra rows e_jn (each within int8) that sum to
 -sum_k w_kn, and the row's codes as many columns holding its zero point, so the kernel subtracts the zero
-point's term itself, in int32: the same function up to float rounding. The codes are stored as uint8 (+128,
-zero point 128, the same values): ONNX Runtime's uint8 x uint8 kernel widens to 16 bits, where its uint8 x int8
-one on AVX2 without VNNI sums pairs of products in 16 bits and saturates. kvforge.ort_session's
-`u8_kernels_exact` probes that once; where it fails the graph runs as written.
+point's term itself, in int32: the same function up to float rounding. The codes stay int8 where ONNX Runtime's
+uint8 x int8 kernel is exact here (VNNI; kvforge.ort_session's `s8_kernels_exact` probes it once): at 128 rows it
+ran 5x the speed of the uint8 x uint8 one on this machine, which is what a prefill is. Elsewhere (AVX2 without
+VNNI sums pairs of uint8 x int8 products in 16 bits and saturates) they are stored as uint8 (+128, zero point
+128, the same values), for the uint8 x uint8 kernel, which widens to 16 bits (`u8_kernels_exact`); where
+neither is exact the graph runs as written.
 At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`, docs/ort-variant.md) each such MatMul is
 instead one 8-bit MatMulNBits over the activation before its QuantizeLinear, at level 4: the weight's codes in
 blocks of NBITS_BLOCK along K (each block the channel's scale: the same weights), the activation quantized to int8
@@ -26,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge.onnx_graph import GraphIndex, drop_dead_nodes, node_attribute, replace_nodes, use_ms_domain
-from kvforge.ort_session import u8_kernels_exact
+from kvforge.ort_session import s8_kernels_exact, u8_kernels_exact
 
 from .codes import pack_nbits
 
@@ -49,7 +51,8 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
     """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many.
     base_dir: where the graph's external data lies, for a graph loaded without it (the codes are read from there,
     and their uint8 form goes into the graph). accuracy_level 4: as 8-bit MatMulNBits at that level (above)."""
-    if accuracy_level != 4 and not u8_kernels_exact():
+    signed = accuracy_level != 4 and s8_kernels_exact()
+    if accuracy_level != 4 and not (signed or u8_kernels_exact()):
         return 0
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -83,7 +86,7 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                     dropped |= {id(r) for r in reshapes}
             added[id(node)] = _nbits_node(x, out, base, codes, w_scale, g)
             continue
-        added[id(node)] = _integer_nodes(node, q, dq, codes, w_scale, rows_done, g)
+        added[id(node)] = _integer_nodes(node, q, dq, codes, w_scale, rows_done, g, signed)
     if not added:
         return 0
     replace_nodes(g, set(added) | dropped, added)
@@ -109,10 +112,10 @@ def _weight_codes(dq, inits: dict, base_dir: str):
     return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
 
-def _integer_nodes(node, q, dq, codes: np.ndarray, w_scale: np.ndarray, rows_done: dict, g) -> list:
+def _integer_nodes(node, q, dq, codes: np.ndarray, w_scale: np.ndarray, rows_done: dict, g, signed: bool) -> list:
     """The level-0 form of one per-token MatMul `node` (its activation's pair q, dq): MatMulIntegerToFloat over the
     rows' codes and their zero-point columns, times the row scales (module docstring). rows_done: each activation's
-    row scales and zero points as columns, made once per activation."""
+    row scales and zero points as columns, made once per activation; signed: the codes int8 (else uint8 + 128)."""
     from onnx import helper, numpy_helper
 
     base = node.name or node.output[0]
@@ -131,15 +134,17 @@ def _integer_nodes(node, q, dq, codes: np.ndarray, w_scale: np.ndarray, rows_don
         new += [helper.make_node("Expand", [row_zp, f"{base}.zero_point_columns"], [f"{base}.row_zero_points"]),
                 helper.make_node("Concat", [rows, f"{base}.row_zero_points"], [f"{base}.rows"], axis=1)]
         rows = f"{base}.rows"
+    stored = np.concatenate([codes, extra]).astype(np.int8)
     g.initializer.extend([
-        numpy_helper.from_array((np.concatenate([codes, extra]).astype(np.int16) + 128).astype(np.uint8), f"{base}.codes_u8"),
+        numpy_helper.from_array(stored if signed else (stored.astype(np.int16) + 128).astype(np.uint8),
+                                f"{base}.integer_codes"),
         numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
-        numpy_helper.from_array(np.array(128, np.uint8), f"{base}.codes_zero_point"),
+        numpy_helper.from_array(np.array(0, np.int8) if signed else np.array(128, np.uint8), f"{base}.codes_zero_point"),
         numpy_helper.from_array(np.array(0, np.uint8), f"{base}.rows_zero_point"),
         numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale")])
     return new + [
         helper.make_node("MatMulIntegerToFloat",
-                         [rows, f"{base}.codes_u8", f"{base}.rows_unit_scale", f"{base}.codes_scale",
+                         [rows, f"{base}.integer_codes", f"{base}.rows_unit_scale", f"{base}.codes_scale",
                           f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
                          [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
         helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]

@@ -55,7 +55,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 22  # 21: a tied head's INT8 blocks kept at level 4; 22: windowed layers on GroupQueryAttention
+VARIANT_VERSION = 23  # 22: windowed layers on GroupQueryAttention; 23: signed per-token codes where u8 x s8 is exact
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 

@@ -99,14 +99,26 @@ def test_an_int8_session_over_the_bundles_own_graph_computes_it_as_written(rank)
     np.testing.assert_allclose(int8, as_written, rtol=1e-5, atol=1e-5 * np.abs(as_written).max())
 
 
-@pytest.mark.skipif(not u8_kernels_exact(), reason="ONNX Runtime's uint8 integer kernel is not exact on this CPU")
-def test_the_integer_kernels_compute_the_graph_as_written():
+@pytest.mark.parametrize("codes", ["int8", "uint8"])
+def test_the_integer_kernels_compute_the_graph_as_written(codes, monkeypatch):
+    """Each kernel's form where this CPU computes it exactly: int8 codes (uint8 x int8, VNNI's) where
+    s8_kernels_exact says so, else uint8 codes + 128 (uint8 x uint8; forced here by making the probe say no)."""
+    from kvforge.runtime.ort import per_token
+
+    if codes == "uint8":
+        monkeypatch.setattr(per_token, "s8_kernels_exact", lambda: False)
+    exact = per_token.s8_kernels_exact() if codes == "int8" else u8_kernels_exact()
+    if not exact:
+        pytest.skip(f"ONNX Runtime's {codes} integer kernel is not exact on this CPU")
     model, _ = _one_layer_graph(64, 40, 3, seed=2)
     x = (np.random.default_rng(3).standard_t(3, size=(2, 7, 64)) * 4).astype(np.float32)  # heavy tails
     (as_written,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
     assert integer_per_token_matmuls(model) == 1
     ops = collections.Counter(n.op_type for n in model.graph.node)
     assert ops["MatMulIntegerToFloat"] == 1 and ops["DequantizeLinear"] == 0 and ops["MatMul"] == 0
+    kernel = next(n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat")
+    stored = next(i for i in model.graph.initializer if i.name == kernel.input[1])
+    assert stored.data_type == (TensorProto.INT8 if codes == "int8" else TensorProto.UINT8)
     (integer,) = make_session(model.SerializeToString()).run(["y"], {"x": x})
     np.testing.assert_allclose(integer, as_written, rtol=1e-5, atol=1e-5 * np.abs(as_written).max())
 
