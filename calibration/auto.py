@@ -372,33 +372,7 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
     s = Search(bundle, float_model, held_out, recipe.precision, progress,
                session_format=recipe.session_format)
     if recipe.weight_only:
-        best, zp = None, bool(recipe.zero_points)
-        for block, use_gptq in INT4_CANDIDATES:
-            if best is not None and (s.meets(best[1]) or s.out_of_time()):
-                break
-            result = quantize(starved, block_size=block, rounder=gptq_for_block(block, zp) if use_gptq else None,
-                              zero_points=zp)
-            m = s.measure(result[0], {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest",
-                                      "zero_points": zp})
-            if s.better(m, best and best[1]):
-                best = (result, m, (block, use_gptq))
-        result, measured, (block, use_gptq) = best
-        recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
-        chosen = {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest", "zero_points": zp}
-        rounder = gptq_for_block(block, zp) if use_gptq else None
-        int8: list = []
-        if zp and not s.meets(measured):  # ONNX Runtime's form: the most sensitive layer types as INT8 blocks
-            result, measured, int8 = s.promote(
-                lambda layers: quantize(starved, block_size=block, rounder=rounder, zero_points=zp, int8=layers),
-                result, measured, sizes_of(float_model, result[1]), {"block_size": block})
-            chosen["int8_layers"] = int8
-        if head_choice:
-            (result, measured, _), quantized, chosen["lm_head"] = s.choose_head(
-                lambda extra, head: quantize(starved + extra, block_size=block, rounder=rounder, zero_points=zp,
-                                             int8=int8, head=head), (result, measured, []), [], 0,
-                {"block_size": block, "weight_rounding": chosen["weight_rounding"]})
-            recipe = dataclasses.replace(recipe, quantize_lm_head=quantized)
-        return result, recipe, s.record(chosen, measured)
+        return _weight_only_search(s, float_model, recipe, quantize, starved, gptq_for_block, head_choice)
     best = None
     for space, (amax, smooth, picked) in chosen.items():  # step 2: each space's choices, the whole graph measured
         if best is not None and s.out_of_time():
@@ -438,6 +412,39 @@ def search(bundle, float_model, recipe, quantize: Callable, starved: list[str], 
     recipe = dataclasses.replace(_with_space(recipe, space), gptq=rounding == "gptq")
     record["activations"] = _read(picked, result)
     return result, recipe, s.record({**record, "kept_in_float": kept}, measured)
+
+
+def _weight_only_search(s: Search, float_model, recipe, quantize: Callable, starved: list[str],
+                        gptq_for_block: Callable, head_choice: bool):
+    """search()'s steps 2, 3 and 4 for a weight-only recipe (INT4): the block candidates, the layer types kept as
+    INT8 blocks (with minimums, ONNX Runtime's form), the head. search()'s arguments and return."""
+    best, zp = None, bool(recipe.zero_points)
+    for block, use_gptq in INT4_CANDIDATES:
+        if best is not None and (s.meets(best[1]) or s.out_of_time()):
+            break
+        result = quantize(starved, block_size=block, rounder=gptq_for_block(block, zp) if use_gptq else None,
+                          zero_points=zp)
+        m = s.measure(result[0], {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest",
+                                  "zero_points": zp})
+        if s.better(m, best and best[1]):
+            best = (result, m, (block, use_gptq))
+    result, measured, (block, use_gptq) = best
+    recipe = dataclasses.replace(recipe, block_size=block, gptq=use_gptq)
+    chosen = {"block_size": block, "weight_rounding": "gptq" if use_gptq else "nearest", "zero_points": zp}
+    rounder = gptq_for_block(block, zp) if use_gptq else None
+    int8: list = []
+    if zp and not s.meets(measured):  # ONNX Runtime's form: the most sensitive layer types as INT8 blocks
+        result, measured, int8 = s.promote(
+            lambda layers: quantize(starved, block_size=block, rounder=rounder, zero_points=zp, int8=layers),
+            result, measured, sizes_of(float_model, result[1]), {"block_size": block})
+        chosen["int8_layers"] = int8
+    if head_choice:
+        (result, measured, _), quantized, chosen["lm_head"] = s.choose_head(
+            lambda extra, head: quantize(starved + extra, block_size=block, rounder=rounder, zero_points=zp,
+                                         int8=int8, head=head), (result, measured, []), [], 0,
+            {"block_size": block, "weight_rounding": chosen["weight_rounding"]})
+        recipe = dataclasses.replace(recipe, quantize_lm_head=quantized)
+    return result, recipe, s.record(chosen, measured)
 
 
 def _read(picked: dict[str, dict], result) -> dict[str, dict]:
