@@ -55,7 +55,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 23  # 22: windowed layers on GroupQueryAttention; 23: signed per-token codes where u8 x s8 is exact
+VARIANT_VERSION = 24  # 23: signed per-token codes where u8 x s8 is exact; 24: a tied head's zero points in its table
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -404,10 +404,13 @@ def unshare_tied_head(model) -> int:
             idx = list(g.node).index(t)
             g.node.remove(t)
             g.node.insert(idx, helper.make_node("DequantizeLinear", inputs, [t.output[0]], name=f"{t.name}_dq", **new_attrs))
-        # the embedding: float rows, dequantized once here
-        width = np.repeat(scale, block, axis=axis)[: codes.shape[0], : codes.shape[1]] if block else (
-            scale[:, None] if axis == 0 else scale[None, :])
-        table = (codes.astype(np.float32) * width.astype(np.float32)).astype(scale.dtype)
+        # the embedding: float rows, dequantized once here ((codes - zero point) * scale: a tied INT4 head with
+        # minimums keeps uint4 codes with a zero point per block)
+        spread = (lambda a: np.repeat(a, block, axis=axis)[: codes.shape[0], : codes.shape[1]]) if block else (
+            lambda a: a[:, None] if axis == 0 else a[None, :])
+        zero = spread(numpy_helper.to_array(inits[dq.input[2]]).astype(np.float32)) \
+            if len(dq.input) > 2 and dq.input[2] and scale.ndim == 2 else 0.0
+        table = ((codes.astype(np.float32) - zero) * spread(scale).astype(np.float32)).astype(scale.dtype)
         g.initializer.append(numpy_helper.from_array(table, f"{base}.table"))
         for gather in gathers:
             gather.input[0] = f"{base}.table"

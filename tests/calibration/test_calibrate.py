@@ -572,6 +572,19 @@ def test_a_tied_lm_head_is_quantized_and_stored_once(fp32, heldout, tmp_path, pr
             assert metrics.kl_divergence(lq, lr).mean() < (0.02 if precision != "int4" else 0.1)
 
 
+def test_a_tied_int4_head_with_minimums_runs_as_its_graph(tmp_path, fp32, heldout):
+    """A tied head in INT4 blocks with minimums keeps uint4 codes and a zero point per block, which the embedding
+    reads too: ONNX Runtime's variant gives the embedding its float rows, (codes - zero point) * scale, and the
+    head its transposed codes. Held to the bundle's graph as written (a table without its zero points put every
+    logit off by up to 7.6 on tiny)."""
+    q = calibrate(fp32.path, tmp_path / "q", recipe="fixed", precision="int4", zero_points=True, quantize_lm_head=True)
+    assert q.manifest["calibration"]["scales"]["weights"]["lm_head"]["shared_with_embedding"]
+    with runtime.load(q.path) as fast, runtime.load(q.path, variant=False) as exact:
+        a, _ = fast.forward(heldout[:2, :24])
+        e, _ = exact.forward(heldout[:2, :24])
+    np.testing.assert_allclose(a, e, atol=1e-4 * np.abs(e).max(), rtol=0)
+
+
 def test_int4_blocks_that_do_not_divide_k_are_padded_whole_and_exact(tmp_path, fp32, heldout):
     """Block 48 divides neither tiny's K=256 nor K=704: the codes are padded to whole blocks (TensorRT reads the
     block size as K / scale rows), the activation gets zero columns, and the graph computes exactly x @ dequant(W)."""
