@@ -195,7 +195,7 @@ def test_the_head_is_quantized_by_measurement_and_its_cost_recorded(tmp_path, ti
     # a head whose own cost is within HEAD_COST_SHARE of the target is kept quantized, met or not
     monkeypatch.setitem(auto.TARGET_PPL_PCT, "int8", 1e-4)
     monkeypatch.setattr(auto, "HEAD_COST_SHARE", 1e6)
-    monkeypatch.setattr(auto, "FLOAT_BUDGET", 0.10)
+    monkeypatch.setattr(auto, "FLOAT_BUDGET", 0.10)  # layers kept in float, measured with the head quantized
     q = calibrate(tiny_fp32.path, tmp_path / "cheap", precision="int8", activations="per-token", samples=16,
                   seq_len=64)
     r = q.manifest["calibration"]["recipe"]
