@@ -106,22 +106,7 @@ def u8_kernels_exact() -> bool:
     """Whether ONNX Runtime's CPU MatMulIntegerToFloat computes uint8 x uint8 exactly here, at the extremes (every
     product 255 x 255 with zero point 128 on the weights, where a 16-bit pairwise sum would saturate): the kernel
     per-token INT8 runs on (runtime/ort/per_token.py). Probed once per process."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    k, n = 64, 8
-    w = np.full((k, n), 255, np.uint8)
-    w[:, 1::2] = 0
-    a = np.full((1, k), 255, np.uint8)
-    a[0, ::3] = 254
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "w_s"),
-             numpy_helper.from_array(np.array(128, np.uint8), "w_z"), numpy_helper.from_array(np.array(1.0, np.float32), "a_s"),
-             numpy_helper.from_array(np.array(0, np.uint8), "a_z")]
-    nodes = [helper.make_node("MatMulIntegerToFloat", ["x", "w", "a_s", "w_s", "a_z", "w_z"], ["y"], domain=MS_DOMAIN)]
-    try:
-        y = _probe(nodes, inits, a, TensorProto.UINT8, n)
-    except Exception:  # noqa: BLE001 - a build without the contrib kernel: per-token graphs run as written
-        return False
-    return bool(np.array_equal(y.astype(np.float64), a.astype(np.float64) @ (w.astype(np.float64) - 128)))
+    return _integer_kernel_exact(255, 0, np.uint8, 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,22 +115,29 @@ def s8_kernels_exact() -> bool:
     and 255 x -128: a pair of them overflows the 16-bit sums AVX2 without VNNI makes). Where it does (VNNI), the
     per-token kernel's codes stay signed: at 128 rows it ran 5x the uint8 x uint8 kernel's speed here. Probed once
     per process."""
+    return _integer_kernel_exact(127, -128, np.int8, 0)
+
+
+def _integer_kernel_exact(even: int, odd: int, dtype, zero_point: int) -> bool:
+    """MatMulIntegerToFloat over uint8 rows of 255 (254 every third) and weights `dtype` whose even columns hold
+    `even` and odd ones `odd` (zero point `zero_point`), against the exact product; False where the kernel is
+    missing (a build without the contrib op: per-token graphs then run as written)."""
     from onnx import TensorProto, helper, numpy_helper
 
     k, n = 64, 8
-    w = np.full((k, n), 127, np.int8)
-    w[:, 1::2] = -128
+    w = np.full((k, n), even, dtype)
+    w[:, 1::2] = odd
     a = np.full((1, k), 255, np.uint8)
     a[0, ::3] = 254
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "w_s"),
-             numpy_helper.from_array(np.array(0, np.int8), "w_z"), numpy_helper.from_array(np.array(1.0, np.float32), "a_s"),
-             numpy_helper.from_array(np.array(0, np.uint8), "a_z")]
+             numpy_helper.from_array(np.array(zero_point, dtype), "w_z"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "a_s"), numpy_helper.from_array(np.array(0, np.uint8), "a_z")]
     nodes = [helper.make_node("MatMulIntegerToFloat", ["x", "w", "a_s", "w_s", "a_z", "w_z"], ["y"], domain=MS_DOMAIN)]
     try:
         y = _probe(nodes, inits, a, TensorProto.UINT8, n)
     except Exception:  # noqa: BLE001 - a build without the contrib kernel
         return False
-    return bool(np.array_equal(y.astype(np.float64), a.astype(np.float64) @ w.astype(np.float64)))
+    return bool(np.array_equal(y.astype(np.float64), a.astype(np.float64) @ (w.astype(np.float64) - zero_point)))
 
 
 def _probe(nodes, inits, x: np.ndarray, x_type: int, n: int) -> np.ndarray:
