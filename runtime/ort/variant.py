@@ -395,6 +395,7 @@ def unshare_tied_head(model) -> int:
         g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(codes.T), f"{base}.T.codes"),
                               numpy_helper.from_array(np.ascontiguousarray(scale.T) if scale.ndim == 2 else scale, f"{base}.T.scale")])
         inputs = [f"{base}.T.codes", f"{base}.T.scale"] + list(dq.input[2:])
+        zp = None  # blocks' zero points (a tied INT4 head with minimums keeps uint4 codes with one per block)
         if len(dq.input) > 2 and dq.input[2] and scale.ndim == 2:
             zp = numpy_helper.to_array(inits[dq.input[2]])
             g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(zp.T), f"{base}.T.zero_point"))
@@ -404,13 +405,9 @@ def unshare_tied_head(model) -> int:
             idx = list(g.node).index(t)
             g.node.remove(t)
             g.node.insert(idx, helper.make_node("DequantizeLinear", inputs, [t.output[0]], name=f"{t.name}_dq", **new_attrs))
-        # the embedding: float rows, dequantized once here ((codes - zero point) * scale: a tied INT4 head with
-        # minimums keeps uint4 codes with a zero point per block)
-        spread = (lambda a: np.repeat(a, block, axis=axis)[: codes.shape[0], : codes.shape[1]]) if block else (
-            lambda a: a[:, None] if axis == 0 else a[None, :])
-        zero = spread(numpy_helper.to_array(inits[dq.input[2]]).astype(np.float32)) \
-            if len(dq.input) > 2 and dq.input[2] and scale.ndim == 2 else 0.0
-        table = ((codes.astype(np.float32) - zero) * spread(scale).astype(np.float32)).astype(scale.dtype)
+        # the embedding: float rows, dequantized once here
+        table = (block_dequantized(codes, scale, block, axis, zp) if block else codes.astype(np.float32) * (
+            scale[:, None] if axis == 0 else scale[None, :]).astype(np.float32)).astype(scale.dtype)
         g.initializer.append(numpy_helper.from_array(table, f"{base}.table"))
         for gather in gathers:
             gather.input[0] = f"{base}.table"
