@@ -89,24 +89,6 @@ def _capped(g: GraphIndex, present: str):
     return g.producer.get(node.input[0]), -int(starts[0])
 
 
-def _only_masks(g: GraphIndex, name: str, where) -> bool:
-    """Whether everything computed from `name` (a windowed layer's keys' Shape) ends in `where`'s condition: the
-    mask's columns lined up with the keys, dead once the layer is one GroupQueryAttention."""
-    todo, seen = [name], set()
-    while todo:
-        x = todo.pop()
-        if x in g.outputs:
-            return False
-        for node in g.consumers.get(x, []):
-            if node is where:
-                if where.input[0] != x:
-                    return False
-            elif id(node) not in seen:
-                seen.add(id(node))
-                todo.extend(node.output)
-    return True
-
-
 def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, present_v: str):
     """The nodes and tensors of one layer's attention, or None where it is not the plain pattern (nor a windowed
     layer's: its present the newest W of the Concat's positions, its mask's columns lined up with the keys)."""
@@ -172,7 +154,7 @@ def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, presen
     if nxt is None or nxt.op_type != "MatMul" or nxt.input != [x, users_v[0].output[0]]:
         return None
     r2 = _heads_merged(g, nxt.output[0])
-    if r2 is None or not all(_only_masks(g, u.output[0], where) for u in shapes):
+    if r2 is None or not all(_mask_only_masks(g, {id(where)}, u.output[0], True) for u in shapes):
         return None
     caps = [g.producer[p] for p in (present_k, present_v)] if window is not None else []
     return {"q": q, "k": cat_k.input[1], "v": cat_v.input[1], "scale": scale, "softcap": softcap,
@@ -180,16 +162,20 @@ def _match_layer(g: GraphIndex, past_k: str, past_v: str, present_k: str, presen
             "present": (present_k, present_v), "caps": caps}
 
 
-def _mask_only_masks(g: GraphIndex, wheres: set[int]) -> bool:
-    """Whether `attention_mask` reaches no graph output except through the matched Wheres (then the packed
-    layout, which drops the mask, loses nothing the graph computes from it)."""
-    seen, todo = set(), ["attention_mask"]
+def _mask_only_masks(g: GraphIndex, wheres: set[int], start: str = "attention_mask", condition: bool = False) -> bool:
+    """Whether `start` (the attention mask; a windowed layer's keys' Shape, which lines the mask's columns up with
+    the keys) reaches no graph output except through the matched Wheres (by their condition, input 0, where
+    `condition`): then the packed layout, which drops the mask, loses nothing the graph computes from it."""
+    seen, todo = set(), [start]
     while todo:
         name = todo.pop()
         if name in g.outputs:
             return False
         for node in g.consumers.get(name, []):
-            if id(node) not in wheres and id(node) not in seen:
+            if id(node) in wheres:
+                if condition and node.input[0] != name:
+                    return False
+            elif id(node) not in seen:
                 seen.add(id(node))
                 todo.extend(node.output)
     return True
