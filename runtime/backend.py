@@ -155,9 +155,9 @@ class Backend(Runner):
         A capped (windowed) layer holds only the newest min(length, W) positions: it loses only as many
         as fall out of that (often none).
         """
-        held = self.io.cache_lengths(cache.length)
-        kept = self.io.cache_lengths(cache.length - n)
-        drops = [h - k for h, k in zip(held, kept) for _ in range(len(cache.values) // len(held))]
+        tensors = len(cache.values)
+        drops = [h - k for h, k in zip(self.tensor_lengths(cache.length, tensors),
+                                       self.tensor_lengths(cache.length - n, tensors))]
         return KVCache(self.name, cache.batch, cache.length - n, self.drop_oldest_impl(cache.values, drops), cache.owner)
 
     def regroup(self, parts: list[tuple[KVCache, list[int]]], length: int) -> KVCache:
@@ -168,11 +168,8 @@ class Backend(Runner):
         layer holds min(length, W) positions, as a cache of that length would. What continuous batching uses to
         join newly prefilled requests to the running batch and to let finished ones go.
         """
-        held = self.io.cache_lengths(length)
-        per_layer = len(parts[0][0].values) // len(held)
         merged = []
-        for j in range(len(parts[0][0].values)):
-            target = held[j // per_layer]
+        for j, target in enumerate(self.tensor_lengths(length, len(parts[0][0].values))):
             rows = []
             for cache, keep in parts:
                 a = self.to_numpy(cache.values[j])[keep]
@@ -238,10 +235,15 @@ class Backend(Runner):
         (what cache_arrays gives): (batch, kv_heads, positions, head_dim) per tensor, at least as many positions
         as the layer holds (a capped layer keeps the newest min(length, W)). What the batcher's prefix cache
         restores a cached prefix with."""
-        held = self.io.cache_lengths(length)
-        per_layer = len(arrays) // len(held)
-        values = [np.ascontiguousarray(a[:, :, a.shape[2] - held[j // per_layer]:]) for j, a in enumerate(arrays)]
+        values = [np.ascontiguousarray(a[:, :, a.shape[2] - n:])
+                  for a, n in zip(arrays, self.tensor_lengths(length, len(arrays)))]
         return KVCache(self.name, arrays[0].shape[0], length, self.from_numpy_impl(values))
+
+    def tensor_lengths(self, length: int, tensors: int) -> list[int]:
+        """The positions each of a cache's `tensors` tensors holds at `length` (io.cache_lengths per layer: a capped
+        layer's newest min(length, W)), in the order of the cache's values."""
+        held = self.io.cache_lengths(length)
+        return [held[j // (tensors // len(held))] for j in range(tensors)]
 
     def merge_lora(self, slots: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """Add an adapter's deltas to the model's weights (a reference with the adapter merged): the Torch

@@ -309,14 +309,9 @@ class OnnxRuntimeBackend(Backend):
         if cache.layout is None:
             return super().cache_arrays(cache)
         # a capped (windowed) layer's newest W positions, as the contract holds them (the packed buffer holds all)
-        held = self._held(cache.length, len(cache.values))
+        held = self.tensor_lengths(cache.length, len(cache.values))
         return [packed.unpack(a, cache.layout.lengths, cache.length)[:, :, cache.length - n:]
                 for a, n in zip(cache.values, held)]
-
-    def _held(self, length: int, tensors: int) -> list[int]:
-        """The positions each cache tensor holds in the contract's layout at `length` (io.cache_lengths)."""
-        held = self.io.cache_lengths(length)
-        return [held[j // (tensors // len(held))] for j in range(tensors)]
 
     def from_arrays(self, arrays, length: int) -> KVCache:
         if not self.packed:
@@ -324,7 +319,7 @@ class OnnxRuntimeBackend(Backend):
         # every row holds all `length` positions: packed from index 0 already; a capped (windowed) layer's newest
         # W go to the end of its buffer, before them zeros its window never reads again
         values = []
-        for a, n in zip(arrays, self._held(length, len(arrays))):
+        for a, n in zip(arrays, self.tensor_lengths(length, len(arrays))):
             v = np.zeros((*a.shape[:2], length, *a.shape[3:]), a.dtype)
             v[:, :, length - n:] = a[:, :, a.shape[2] - n:]
             values.append(v)
