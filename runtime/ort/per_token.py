@@ -8,13 +8,19 @@ activation scales into its integer kernels, so as written that runs in float. He
     y_rn = s_r * sum_k (q_rk - z_r) w_kn c_n = s_r * MatMulIntegerToFloat([q_r, z_r ... z_r], [w; e]; c)_rn
 
 one integer kernel and a Mul by the row scales: the codes get E extra rows e_jn (each within int8) that sum to
--sum_k w_kn, and the row's codes as many columns holding its zero point, so the kernel subtracts the zero
-point's term itself, in int32: the same function up to float rounding. The codes stay int8 where ONNX Runtime's
-uint8 x int8 kernel is exact here (VNNI; kvforge.ort_session's `s8_kernels_exact` probes it once): at 128 rows it
-ran 5x the speed of the uint8 x uint8 one on this machine, which is what a prefill is. Elsewhere (AVX2 without
-VNNI sums pairs of uint8 x int8 products in 16 bits and saturates) they are stored as uint8 (+128, zero point
-128, the same values), for the uint8 x uint8 kernel, which widens to 16 bits (`u8_kernels_exact`); where
-neither is exact the graph runs as written.
+-sum_k w_kn, and the row's codes as many columns holding its zero point, so the kernel subtracts the zero point's
+term itself, in int32: the same function up to float rounding. A step of one row (a decode step at batch 1)
+quantizes it with one DynamicQuantizeLinear instead (per tensor is per row there: the same scale, up to its
+division's rounding, and zero point) over the activation padded with the zero columns (0.0 quantizes to the zero
+point exactly): an If on the row count, its condition shared by the activations whose leading axes the graph's
+shapes name alike. At the model sizes this runs, a decode step's time goes largely to the number of small nodes:
+SmolLM2-135M's INT8 step had 25 per activation here (the row scales' dozen, the (tokens, K) view and its reshape
+back), now 5, and decodes 9% faster. The rows keep the activation's leading axes, so the view's reshape back goes.
+The codes stay int8 where ONNX Runtime's uint8 x int8 kernel is exact here (VNNI; kvforge.ort_session's
+`s8_kernels_exact` probes it once): at 128 rows it ran 5x the speed of the uint8 x uint8 one on this machine, which
+is what a prefill is. Elsewhere (AVX2 without VNNI sums pairs of uint8 x int8 products in 16 bits and saturates)
+they are stored as uint8 (+128, zero point 128, the same values), for the uint8 x uint8 kernel, which widens to 16
+bits (`u8_kernels_exact`); where neither is exact the graph runs as written.
 At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`, docs/ort-variant.md) each such MatMul is
 instead one 8-bit MatMulNBits over the activation before its QuantizeLinear, at level 4: the weight's codes in
 blocks of NBITS_BLOCK along K (each block the channel's scale: the same weights), the activation quantized to int8
@@ -59,9 +65,9 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
     index = GraphIndex(g)
     producer, consumers, outputs = index.producer, index.consumers, index.outputs
 
-    dropped: set[int] = set()  # the (tokens, K) views' reshapes back that the level-4 form makes needless
+    dropped: set[int] = set()  # the (tokens, K) views' reshapes back that (..., K) forms make needless
     added: dict[int, list] = {}  # id of a MatMul replaced -> the nodes in its place
-    rows_done: dict[str, tuple[str, str]] = {}  # activation DequantizeLinear output -> (row scales, zero points) as columns
+    activations: dict[str, list] = {}  # activation DequantizeLinear output -> its MatMuls [(node, q, codes, scales)]
     matmuls = [n for n in g.node if n.op_type == "MatMul"]  # held: replace_nodes keys them by id
     for node in matmuls:
         dq = producer.get(node.input[0])
@@ -86,7 +92,13 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                     dropped |= {id(r) for r in reshapes}
             added[id(node)] = _nbits_node(x, out, base, codes, w_scale, g)
             continue
-        added[id(node)] = _integer_nodes(node, q, dq, codes, w_scale, rows_done, g, signed)
+        activations.setdefault(dq.output[0], []).append((node, q, codes, w_scale))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    one_row: dict[tuple, str] = {}  # an activation's leading axes (as the graph's shapes name them) -> "one row?"
+    for group in activations.values():
+        placed = _integer_activation(group, index, g, signed, opset, dropped, one_row)
+        for (node, *_), nodes in zip(group, placed or []):  # (None: left as written)
+            added[id(node)] = nodes
     if not added:
         return 0
     replace_nodes(g, set(added) | dropped, added)
@@ -112,42 +124,154 @@ def _weight_codes(dq, inits: dict, base_dir: str):
     return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
 
-def _integer_nodes(node, q, dq, codes: np.ndarray, w_scale: np.ndarray, rows_done: dict, g, signed: bool) -> list:
-    """The level-0 form of one per-token MatMul `node` (its activation's pair q, dq): MatMulIntegerToFloat over the
-    rows' codes and their zero-point columns, times the row scales (module docstring). rows_done: each activation's
-    row scales and zero points as columns, made once per activation; signed: the codes int8 (else uint8 + 128)."""
+def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped: set,
+                        one_row: dict) -> list[list] | None:
+    """The level-0 form of one activation's per-token MatMuls `group` [(MatMul, its QuantizeLinear, codes [K, N],
+    scales [N])]: the nodes to put in each MatMul's place (module docstring), the first's preceded by the rows'
+    quantization. That is an If on whether the step has one row: one DynamicQuantizeLinear (per tensor, which for
+    one row is per row) of the activation padded with zero columns (quantized to the zero point exactly), else the
+    graph's own row scales and QuantizeLinear, then the zero-point columns. Where the activation's (tokens, K)
+    view is a Reshape to (-1, K) (opset >= 18), the rows keep the activation's leading axes, and each MatMul's
+    reshape back goes (its rows already have them). dropped: gets those reshapes back. one_row: the If's condition
+    made for an activation's leading axes, which another activation with the same ones (as the graph's recorded
+    shapes name them: the same rows) shares. None where the rows' quantization is not the few nodes from the
+    activation that calibration/qdq.py writes."""
     from onnx import helper, numpy_helper
 
-    base = node.name or node.output[0]
+    q = group[0][1]
+    k = group[0][2].shape[0]
+    p = f"{q.output[0]}_integer"
+    view = index.producer.get(q.input[0])
+    shape = index.const(view.input[1]) if view is not None and view.op_type == "Reshape" else None
+    keep_axes = opset >= 18 and shape is not None and shape.tolist() == [-1, k]
+    source = view.input[0] if keep_axes else q.input[0]
+    upstream = _upstream(index, g, q, source)
+    if upstream is None:
+        return None
+    extras = [_zero_point_rows(codes) for _, _, codes, _ in group]
+    e = max(len(x) for x in extras)
+    const = {"width": np.array(k, np.int64), "column": np.array([-1, 1], np.int64),
+             "zero_point_columns": np.array([1, e], np.int64), "unit_scale": np.array(1.0, np.float32),
+             "rows_zero_point": np.array(0, np.uint8), "padded_width": np.array([k + e], np.int64),
+             "one": np.array([1], np.int64),
+             "pads": np.array([0, e] if opset >= 18 else [0, 0, 0, e], np.int64), "last_axis": np.array([-1], np.int64)}
+    g.initializer.extend(numpy_helper.from_array(v, f"{p}.{name}") for name, v in const.items())
+
+    one = [helper.make_node("Pad", [source, f"{p}.pads", "", f"{p}.last_axis"][:4 if opset >= 18 else 2],
+                            [f"{p}.one_row_padded"])] if e else []
+    one.append(helper.make_node("DynamicQuantizeLinear", [f"{p}.one_row_padded" if e else source],
+                                [f"{p}.one_row", f"{p}.one_row_scale", f"{p}.one_row_zero_point"]))
+    branches = {"then_branch": _branch(f"{p}.one_row", one, f"{p}.one_row", f"{p}.one_row_scale"),
+                "else_branch": _branch(f"{p}.rows", *_graphs_rows(p, q, upstream, source, e, keep_axes))}
+    key = _leading_axes(index, g, source)
     new = []
-    if dq.output[0] not in rows_done:
-        p = f"{dq.output[0]}_integer"
-        g.initializer.append(numpy_helper.from_array(np.array([-1, 1], np.int64), f"{p}.column"))
-        new += [helper.make_node("Reshape", [dq.input[1], f"{p}.column"], [f"{p}.row_scale"]),
-                helper.make_node("Reshape", [dq.input[2], f"{p}.column"], [f"{p}.row_zero_point"])]
-        rows_done[dq.output[0]] = (f"{p}.row_scale", f"{p}.row_zero_point")
-    row_scale, row_zp = rows_done[dq.output[0]]
-    extra = _zero_point_rows(codes)
-    rows = q.output[0]
-    if len(extra):  # the row's codes, then its zero point once per extra weight row
-        g.initializer.append(numpy_helper.from_array(np.array([1, len(extra)], np.int64), f"{base}.zero_point_columns"))
-        new += [helper.make_node("Expand", [row_zp, f"{base}.zero_point_columns"], [f"{base}.row_zero_points"]),
-                helper.make_node("Concat", [rows, f"{base}.row_zero_points"], [f"{base}.rows"], axis=1)]
-        rows = f"{base}.rows"
-    stored = np.concatenate([codes, extra]).astype(np.int8)
-    g.initializer.extend([
-        numpy_helper.from_array(stored if signed else (stored.astype(np.int16) + 128).astype(np.uint8),
-                                f"{base}.integer_codes"),
-        numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
-        numpy_helper.from_array(np.array(0, np.int8) if signed else np.array(128, np.uint8), f"{base}.codes_zero_point"),
-        numpy_helper.from_array(np.array(0, np.uint8), f"{base}.rows_zero_point"),
-        numpy_helper.from_array(np.array(1.0, np.float32), f"{base}.rows_unit_scale")])
-    return new + [
-        helper.make_node("MatMulIntegerToFloat",
-                         [rows, f"{base}.integer_codes", f"{base}.rows_unit_scale", f"{base}.codes_scale",
-                          f"{base}.rows_zero_point", f"{base}.codes_zero_point"],
-                         [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
-        helper.make_node("Mul", [f"{base}.integer", row_scale], list(node.output), name=f"{base}.row_scales")]
+    if key not in one_row:
+        new += [helper.make_node("Size", [source], [f"{p}.size"]),
+                helper.make_node("Equal", [f"{p}.size", f"{p}.width"], [f"{p}.one_row_step"])]
+        one_row[key or p] = f"{p}.one_row_step"
+    new.append(helper.make_node("If", [one_row[key or p]], [f"{p}.rows", f"{p}.row_scale"], name=f"{p}.rows",
+                                **branches))
+    placed = []
+    for (node, _, codes, w_scale), extra in zip(group, extras):
+        base = node.name or node.output[0]
+        stored = np.concatenate([codes, extra, np.zeros((e - len(extra), codes.shape[1]), np.int8)]).astype(np.int8)
+        g.initializer.extend([
+            numpy_helper.from_array(stored if signed else (stored.astype(np.int16) + 128).astype(np.uint8),
+                                    f"{base}.integer_codes"),
+            numpy_helper.from_array(w_scale.astype(np.float32), f"{base}.codes_scale"),
+            numpy_helper.from_array(np.array(0, np.int8) if signed else np.array(128, np.uint8),
+                                    f"{base}.codes_zero_point")])
+        out, back = node.output[0], None
+        if keep_axes:
+            back = _reshapes_back(out, index.consumers, index.outputs)
+            out = back[0] if back is not None else f"{base}.rows_out"
+            dropped |= {id(r) for r in back[1]} if back is not None else set()
+        new += [helper.make_node("MatMulIntegerToFloat",
+                                 [f"{p}.rows", f"{base}.integer_codes", f"{p}.unit_scale", f"{base}.codes_scale",
+                                  f"{p}.rows_zero_point", f"{base}.codes_zero_point"],
+                                 [f"{base}.integer"], name=f"{base}.integer", domain="com.microsoft"),
+                helper.make_node("Mul", [f"{base}.integer", f"{p}.row_scale"], [out], name=f"{base}.row_scales")]
+        if keep_axes and back is None:  # the MatMul's (tokens, N) output, as the graph has it
+            g.initializer.append(numpy_helper.from_array(np.array([-1, codes.shape[1]], np.int64), f"{base}.flat"))
+            new.append(helper.make_node("Reshape", [out, f"{base}.flat"], list(node.output)))
+        placed.append(new)
+        new = []
+    return placed
+
+
+_SHAPE_OF_INPUT = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+                   "SkipLayerNormalization", "RMSNormalization"}  # output 0 has input 0's shape
+
+
+def _branch(name: str, nodes: list, rows: str, scale: str):
+    """An If branch computing the rows (uint8) and their scale (float) from the outer graph's values."""
+    from onnx import TensorProto, helper
+
+    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(rows, TensorProto.UINT8, None),
+                                               helper.make_tensor_value_info(scale, TensorProto.FLOAT, None)])
+
+
+def _graphs_rows(p: str, q, upstream: list, source: str, e: int, keep_axes: bool) -> tuple[list, str, str]:
+    """The graph's own rows as an If branch: its nodes from `source` to the QuantizeLinear `q` (`upstream`),
+    copied under new names, then the zero point's `e` columns and the rows' scales as a column; with keep_axes,
+    both back on `source`'s leading axes. Returns (nodes, rows, scales)."""
+    from onnx import helper
+
+    names, nodes = {}, []
+    for n in upstream:
+        copy = helper.make_node(n.op_type, [names.get(i, i) for i in n.input],
+                                [names.setdefault(o, f"{p}.rows/{o}") for o in n.output], domain=n.domain)
+        copy.attribute.extend(n.attribute)
+        nodes.append(copy)
+    rows, scale, zp = (names.get(x, x) for x in (q.output[0], q.input[1], q.input[2]))
+    nodes.append(helper.make_node("Reshape", [scale, f"{p}.column"], [f"{p}.rows/scale"]))
+    scales = f"{p}.rows/scale"
+    if e:
+        nodes += [helper.make_node("Reshape", [zp, f"{p}.column"], [f"{p}.rows/zero_point"]),
+                  helper.make_node("Expand", [f"{p}.rows/zero_point", f"{p}.zero_point_columns"], [f"{p}.rows/zps"]),
+                  helper.make_node("Concat", [rows, f"{p}.rows/zps"], [f"{p}.rows/rows"], axis=1)]
+        rows = f"{p}.rows/rows"
+    if keep_axes:
+        nodes += [helper.make_node("Shape", [source], [f"{p}.rows/lead"], end=-1),
+                  helper.make_node("Concat", [f"{p}.rows/lead", f"{p}.padded_width"], [f"{p}.rows/shape"], axis=0),
+                  helper.make_node("Concat", [f"{p}.rows/lead", f"{p}.one"], [f"{p}.rows/scale_shape"], axis=0),
+                  helper.make_node("Reshape", [rows, f"{p}.rows/shape"], [f"{p}.rows/rows_nd"]),
+                  helper.make_node("Reshape", [scales, f"{p}.rows/scale_shape"], [f"{p}.rows/scale_nd"])]
+        rows, scales = f"{p}.rows/rows_nd", f"{p}.rows/scale_nd"
+    return nodes, rows, scales
+
+
+def _leading_axes(index, g, name: str) -> tuple | None:
+    """`name`'s axes but the last as the graph's recorded shapes name them (symbols or sizes), through a norm or a
+    Mul by a constant of rank <= 1 (SmoothQuant's factors); None where some is unknown or none is recorded."""
+    dims = index.dims(name)
+    node = index.producer.get(name)
+    if dims is None and node is not None and node.output[0] == name:
+        if node.op_type in _SHAPE_OF_INPUT:
+            dims = index.dims(node.input[0])
+        elif node.op_type == "Mul":
+            ranks = {i.name: len(i.dims) for i in g.initializer if i.name in node.input}
+            live = [i for i in node.input if i not in ranks]
+            if len(live) == 1 and all(r <= 1 for r in ranks.values()):
+                dims = index.dims(live[0])
+    if not dims or any(d in (0, "") for d in dims[:-1]):
+        return None
+    return tuple(dims[:-1])
+
+
+def _upstream(index, g, q, source: str) -> list | None:
+    """The nodes between `source` and QuantizeLinear `q` (q included) that q's inputs depend on, in graph order;
+    None where they are more than a row quantization's few (what q reads does not start at `source`)."""
+    seen, todo = {}, [q]
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        if len(seen) == 64:
+            return None
+        seen[id(n)] = n
+        todo += [index.producer[i] for i in n.input if i != source and i in index.producer]
+    return [n for n in g.node if id(n) in seen]
 
 
 def _reshapes_back(out: str, consumers: dict, outputs: set) -> tuple[str, list] | None:

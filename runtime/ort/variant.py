@@ -55,7 +55,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 24  # 23: signed per-token codes where u8 x s8 is exact; 24: a tied head's zero points in its table
+VARIANT_VERSION = 25  # 24: a tied head's zero points in its table; 25: per-token rows of one row on DynamicQuantizeLinear
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
@@ -476,7 +476,6 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         float_int8_blocks(model, keep_matmul_weights=accuracy_level == 4)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
-    integer_per_token_matmuls(model, accuracy_level=accuracy_level)
     if bundle.dtype == "float32":
         fuse_rms_norms(model)
         fuse_skip_rms_norms(model)
@@ -491,6 +490,8 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         model = None
     else:
         add_logits_to_keep(model)
+    if model is not None:  # (after the head's slicing: it then quantizes only the rows kept)
+        integer_per_token_matmuls(model, accuracy_level=accuracy_level)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:
         if model is None:

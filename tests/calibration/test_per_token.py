@@ -102,7 +102,8 @@ def test_an_int8_session_over_the_bundles_own_graph_computes_it_as_written(rank)
 @pytest.mark.parametrize("codes", ["int8", "uint8"])
 def test_the_integer_kernels_compute_the_graph_as_written(codes, monkeypatch):
     """Each kernel's form where this CPU computes it exactly: int8 codes (uint8 x int8, VNNI's) where
-    s8_kernels_exact says so, else uint8 codes + 128 (uint8 x uint8; forced here by making the probe say no)."""
+    s8_kernels_exact says so, else uint8 codes + 128 (uint8 x uint8; forced here by making the probe say no); on
+    steps of many rows and of one (a decode step's own path)."""
     from kvforge.runtime.ort import per_token
 
     if codes == "uint8":
@@ -111,16 +112,24 @@ def test_the_integer_kernels_compute_the_graph_as_written(codes, monkeypatch):
     if not exact:
         pytest.skip(f"ONNX Runtime's {codes} integer kernel is not exact on this CPU")
     model, _ = _one_layer_graph(64, 40, 3, seed=2)
-    x = (np.random.default_rng(3).standard_t(3, size=(2, 7, 64)) * 4).astype(np.float32)  # heavy tails
-    (as_written,) = make_session(model.SerializeToString(), optimization="none").run(["y"], {"x": x})
+    rng = np.random.default_rng(3)
+    steps = [(rng.standard_t(3, size=(2, 7, 64)) * 4).astype(np.float32)]  # heavy tails, 14 rows
+    steps += [x[None, None] for x in (steps[0][0, 0], np.abs(steps[0][1, 2]), -np.abs(steps[0][1, 3]),
+                                      np.zeros(64, np.float32))]  # one row: signs mixed, all >= 0, <= 0, zeros
+    as_written = make_session(model.SerializeToString(), optimization="none")
+    expected = [as_written.run(["y"], {"x": x})[0] for x in steps]
     assert integer_per_token_matmuls(model) == 1
     ops = collections.Counter(n.op_type for n in model.graph.node)
     assert ops["MatMulIntegerToFloat"] == 1 and ops["DequantizeLinear"] == 0 and ops["MatMul"] == 0
+    # a step of one row quantizes it with one DynamicQuantizeLinear (per tensor is per row there); others run the
+    # graph's own row scales; either way the rows keep the activation's leading axes (no reshape back)
+    assert ops["If"] == 1 and ops["QuantizeLinear"] == 0 and ops["Reshape"] == 0
     kernel = next(n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat")
     stored = next(i for i in model.graph.initializer if i.name == kernel.input[1])
     assert stored.data_type == (TensorProto.INT8 if codes == "int8" else TensorProto.UINT8)
-    (integer,) = make_session(model.SerializeToString()).run(["y"], {"x": x})
-    np.testing.assert_allclose(integer, as_written, rtol=1e-5, atol=1e-5 * np.abs(as_written).max())
+    integer = make_session(model.SerializeToString())
+    for x, y in zip(steps, expected):
+        np.testing.assert_allclose(integer.run(["y"], {"x": x})[0], y, rtol=1e-5, atol=1e-5 * np.abs(y).max())
 
 
 def test_an_encoder_defaults_to_per_token_int8_without_data(micro_bundle, tmp_path):
@@ -189,18 +198,24 @@ def test_a_tied_per_token_head_runs_on_the_embeddings_codes_and_slices_before_it
         node = producer[node.input[0]]
     if level == 4 or u8_kernels_exact():
         assert node.op_type == ("MatMulNBits" if level == 4 else "MatMulIntegerToFloat")
+    if level == 0 and u8_kernels_exact():  # an If per activation (4 a layer, the head's); their "one row?" condition
+        ops = collections.Counter(n.op_type for n in graph.node)  # made once for the layers', once for the head's
+        assert ops["If"] == 4 * q.model_config["n_layers"] + 1 and ops["Size"] == 2, ops
     ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (2, 12))
     with runtime.load(q.path, accuracy_level=level) as fast, runtime.load(q.path, variant=False) as exact:
         last, cache = fast.forward(ids, last_logits_only=True)
         full, _ = exact.forward(ids)
         step, _ = fast.forward(np.array([[5], [6]]), cache=cache, last_logits_only=True)
         whole, _ = exact.forward(np.concatenate([ids, [[5], [6]]], axis=1))
+        _, cache = fast.forward(ids[:1], last_logits_only=True)  # batch 1: a decode step of one row
+        one, _ = fast.forward(np.array([[5]]), cache=cache, last_logits_only=True)
     assert last.shape == step.shape == (2, 1, q.model_config["vocab_size"])
     # level 0 computes the graph's function (the integer kernels' rounding only); level 4 quantizes the activations
     # per block of 32 instead of per row: held to a bound on the logits' scale
     tol = 1e-4 if level == 0 else 0.05 * np.abs(full).max()
     np.testing.assert_allclose(last[:, 0], full[:, -1], atol=tol, rtol=0 if level else 1e-4)
     np.testing.assert_allclose(step[:, 0], whole[:, -1], atol=tol, rtol=0 if level else 1e-4)
+    np.testing.assert_allclose(one[:, 0], whole[:1, -1], atol=tol, rtol=0 if level else 1e-4)
 
 
 def test_a_decoder_takes_per_token_with_either_recipe_and_tensorrt_refuses_it(micro_bundle, tmp_path):
