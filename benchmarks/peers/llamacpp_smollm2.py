@@ -38,7 +38,12 @@ first that differs. --kvforge picks the kvforge contenders (leaving out int8 ski
 Where a kvforge bundle decodes slower than its llama.cpp pair (or as --profile says), ONNX Runtime's profiler
 (enable_profiling, on a session made as the backend makes it) runs over --profile-steps decode steps of it after
 the 128-token prefill; its kernel time is summed per op type and per node (the top ones, with the model module
-each computes), beside the step's time outside the ORT run and the run's time outside kernels.
+each computes), beside the step's time outside the ORT run and the run's time outside kernels. Each pair also
+records decode_ratio_at_run_graph_roofline: the tokens/s of a step that read the weights of the graph ONNX Runtime
+runs (the variant, run_graph_weight_bytes_per_token) once at the run's bandwidth, over llama.cpp's measured rate.
+An exact (level-0) variant runs 8-bit weights it has no fast exact kernel for as float (a per-token bundle's
+weight-only head, a file's Q8_0/Q5_0/Q6_K tensors), so where that ratio is below 1, no schedule of that graph
+reaches llama.cpp on this machine.
 
 The automatic INT8 recipe takes about 2 min (SmolLM2) to 6 (Gemma) here: --bundles DIR reuses DIR/fp32, DIR/int8 and DIR/q4 (any that
 exist; the rest are made under --work).
@@ -280,6 +285,11 @@ def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup
 # ---------------------------------------------------------------- main
 
 
+def bandwidth_floor(weight_bytes: int, bandwidth: list[float]) -> float:
+    """Tokens/s a decode step reading `weight_bytes` once would make at the median of the bandwidth samples so far."""
+    return statistics.median(bandwidth) * 1e9 / weight_bytes
+
+
 def load_1min() -> float | None:
     """The 1-minute load average (harness.load_average's first), None where the OS has none."""
     return (load_average() or [None])[0]
@@ -360,6 +370,9 @@ def main() -> int:
         for t, peer in llamas.items():
             contenders[f"llamacpp-{t}"] = lambda peer=peer: peer.run(prompt)
         weight_bytes = {f"kvforge-{n}": onnx_weight_bytes(ours[KVFORGE[n][0]].graph_file) for n in sessions}
+        # what the graph ONNX Runtime runs reads a step: an exact (level-0) variant evaluates 8-bit codes it has no
+        # fast exact kernel for (a per-token bundle's weight-only head, a file's Q8_0/Q5_0/Q6_K tensors) to float
+        run_bytes = {f"kvforge-{n}": onnx_weight_bytes(s.backend.graph_path) for n, s in sessions.items()}
         weight_bytes.update({f"llamacpp-{t}": peer.info["model_bytes"] for t, peer in llamas.items()})
         bandwidth: list[float] = []
         load = [load_1min()]  # the 1-minute load average (other users of this machine) after each round
@@ -389,6 +402,10 @@ def main() -> int:
                 "best_run_decode_ratio": a["best_decode_tokens_per_s"] / b["best_decode_tokens_per_s"],
                 "best_run_prefill_ratio": a["best_prefill_tokens_per_s"] / b["best_prefill_tokens_per_s"],
             }
+            floor = bandwidth_floor(run_bytes[f"kvforge-{ours_name}"], bandwidth)
+            # the most this graph could decode at, reading its weights once a step at the run's median bandwidth,
+            # against what llama.cpp did: below 1, the pair cannot reach 1.0x with that graph on this machine
+            pairs[key]["decode_ratio_at_run_graph_roofline"] = floor / b["decode_tokens_per_s"]
         # accuracy beside speed: each kvforge contender's perplexity on held-out prose (its own tokenizer's ids)
         held_out = sessions["fp32"].tokenizer.encode(builtin_prose("held-out")[0][0])[:PERPLEXITY_TOKENS]
         # (one window a call: a batch of 8 windows' logits over Gemma's 262k-token vocabulary is 2 GB a session)
@@ -415,6 +432,9 @@ def main() -> int:
         first = [int(t) for t in runs[name][0]["tokens"][:16]]
         tokens = [int(t) for t in runs[name][0]["tokens"]]
         agree = next((i for i, (x, y) in enumerate(zip(tokens, greedy)) if x != y), min(len(tokens), len(greedy)))
+        if name in run_bytes:
+            e.update({"run_graph_weight_bytes_per_token": run_bytes[name],
+                      "run_graph_roofline_tokens_per_s": bw * 1e9 / run_bytes[name]})
         e.update({"weight_bytes_per_token": weight_bytes[name], "roofline_tokens_per_s": bw * 1e9 / weight_bytes[name],
                   "first_16_tokens": first, "first_16_agree_with_kvforge_fp32": first == reference,
                   "first_16_positions_agreeing_with_kvforge_fp32": sum(x == y for x, y in zip(first, reference)),
