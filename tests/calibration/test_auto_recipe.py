@@ -66,9 +66,16 @@ def _perplexity_delta(bundle, reference, chunks):
     return 100 * (np.exp(np.mean(np.concatenate(nll)) - np.mean(np.concatenate(ref_nll))) - 1)
 
 
+@pytest.fixture(scope="module")
+def default_int8(tiny_fp32, tmp_path_factory):
+    """tiny calibrated to INT8 by the default (automatic) recipe, once for this file's tests that read it."""
+    return calibrate(tiny_fp32.path, tmp_path_factory.mktemp("auto") / "int8", precision="int8", samples=16,
+                     seq_len=64)
+
+
 @pytest.mark.slow
-def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny_fp32, tiny_heldout):
-    auto = calibrate(tiny_fp32.path, tmp_path / "auto", precision="int8", samples=32, seq_len=128)
+def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny_fp32, tiny_heldout, default_int8):
+    auto = default_int8
     q, c = auto.manifest["precision"]["quantization"], auto.manifest["calibration"]
     assert q["recipe"] == "auto" and q["smoothquant_alpha"] is None
     r = c["recipe"]
@@ -99,7 +106,7 @@ def test_the_default_recipe_is_searched_recorded_and_in_the_graph(tmp_path, tiny
     # against the Torch reference on held-out text: within +1%, and within 0.5 points of the fixed defaults (max, no
     # smoothing: on tiny, which has no outlier channels, both sit near zero and the choice on the calibration text's
     # tail does not transfer beyond that noise; SmolLM2's figures are in benchmarks/features/quantization_smollm2.py)
-    fixed = calibrate(tiny_fp32.path, tmp_path / "fixed", precision="int8", samples=32, seq_len=128, recipe="fixed")
+    fixed = calibrate(tiny_fp32.path, tmp_path / "fixed", precision="int8", samples=16, seq_len=64, recipe="fixed")
     assert fixed.manifest["precision"]["quantization"]["recipe"] == "fixed"
     assert fixed.manifest["calibration"]["recipe"] is None
     chunks = tiny_heldout[:8]
@@ -132,7 +139,8 @@ def test_w8a8_that_misses_its_target_measures_gptq_rounding_in_the_chosen_space(
     assert r["result"]["perplexity_delta_pct"] == kept["perplexity_delta_pct"] and not r["met"]
 
 
-def test_the_head_is_quantized_by_measurement_and_its_cost_recorded(tmp_path, tiny_fp32, tiny_heldout, monkeypatch):
+def test_the_head_is_quantized_by_measurement_and_its_cost_recorded(tmp_path, tiny_fp32, tiny_heldout, monkeypatch,
+                                                                   default_int8):
     """The default recipe measures the tied vocabulary projection quantized, in the chosen space, and keeps it
     where the target still holds: the bundle then stores the table once, as codes both the embedding and the
     head read, and its recorded cost is the KL divergence it adds to the float-head candidate. Where nothing
@@ -140,7 +148,7 @@ def test_the_head_is_quantized_by_measurement_and_its_cost_recorded(tmp_path, ti
     (--float-lm-head, which keeps it float unmeasured: test_w8a8_that_misses_its_target_...)"""
     from kvforge.calibration import auto
 
-    q = calibrate(tiny_fp32.path, tmp_path / "auto", precision="int8", samples=16, seq_len=64)
+    q = default_int8
     quant, r = q.manifest["precision"]["quantization"], q.manifest["calibration"]["recipe"]
     rank = lambda t: (t["kl_divergence_mean"], t["perplexity_delta_pct"])  # noqa: E731
     (head,) = [t for t in r["tried"] if t.get("lm_head") == "quantized" and not t["kept_in_float"]]
