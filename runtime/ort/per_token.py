@@ -12,15 +12,15 @@ one integer kernel and a Mul by the row scales: the codes get E extra rows e_jn 
 term itself, in int32: the same function up to float rounding. A step of one row (a decode step at batch 1)
 quantizes it with one DynamicQuantizeLinear instead (per tensor is per row there: the same scale, up to its
 division's rounding, and zero point) over the activation padded with the zero columns (0.0 quantizes to the zero
-point exactly): an If on the row count, its condition shared by the activations whose leading axes the graph's
-shapes name alike. At the model sizes this runs, a decode step's time goes largely to the number of small nodes:
-SmolLM2-135M's INT8 step had 25 per activation here (the row scales' dozen, the (tokens, K) view and its reshape
-back), now 5: 15.65 -> 13.97 ms a step, in one process. The rows keep the activation's leading axes, so the view's
-reshape back goes. The codes stay int8 where ONNX Runtime's uint8 x int8 kernel is exact here (VNNI;
-kvforge.ort_session's `s8_kernels_exact` probes it once): at 128 rows it ran 5x the speed of the uint8 x uint8 one
-on this machine, which is what a prefill is. Elsewhere (AVX2 without VNNI sums pairs of uint8 x int8 products in 16
-bits and saturates) they are stored as uint8 (+128, zero point 128, the same values), for the uint8 x uint8 kernel,
-which widens to 16 bits (`u8_kernels_exact`); where neither is exact the graph runs as written.
+point exactly): an If on the row count. At the model sizes this runs, a decode step's time goes largely to the
+number of small nodes: SmolLM2-135M's INT8 step had 25 per activation here (the row scales' dozen, the (tokens, K)
+view and its reshape back), now 7 (Size, Equal, If, Pad, DynamicQuantizeLinear, the kernel, the Mul): 17.4 -> 15.6
+ms a step, old and new graphs in one process. The rows keep the activation's leading axes, so the view's reshape
+back goes. The codes stay int8 where ONNX Runtime's uint8 x int8 kernel is exact here (VNNI; kvforge.ort_session's
+`s8_kernels_exact` probes it once): at 128 rows it ran 5x the speed of the uint8 x uint8 one on this machine, which
+is what a prefill is. Elsewhere (AVX2 without VNNI sums pairs of uint8 x int8 products in 16 bits and saturates)
+they are stored as uint8 (+128, zero point 128, the same values), for the uint8 x uint8 kernel, which widens to 16
+bits (`u8_kernels_exact`); where neither is exact the graph runs as written.
 At MatMulNBits accuracy level 4 (the backend's opt-in `accuracy_level=4`, docs/ort-variant.md) each such MatMul is
 instead one 8-bit MatMulNBits over the activation before its QuantizeLinear, at level 4: the weight's codes in
 blocks of NBITS_BLOCK along K (each block the channel's scale: the same weights), the activation quantized to int8
@@ -53,10 +53,11 @@ def _zero_point_rows(codes: np.ndarray) -> np.ndarray:
 NBITS_BLOCK = 32  # the level-4 form's activation blocks along K (llama.cpp's Q8_0 block)
 
 
-def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0) -> int:
+def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0, leave: str | None = None) -> int:
     """Rewrite the graph's per-token INT8 MatMuls (float32 only) onto the integer kernels; returns how many.
     base_dir: where the graph's external data lies, for a graph loaded without it (the codes are read from there,
-    and their uint8 form goes into the graph). accuracy_level 4: as 8-bit MatMulNBits at that level (above)."""
+    and their uint8 form goes into the graph). accuracy_level 4: as 8-bit MatMulNBits at that level (above).
+    leave: an activation whose MatMuls stay as written (the head's, rewritten after the variant slices its rows)."""
     signed = accuracy_level != 4 and s8_kernels_exact()
     if accuracy_level != 4 and not (signed or u8_kernels_exact()):
         return 0
@@ -76,6 +77,8 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                 or node_attribute(q, "axis", 1) != 0 \
                 or list(q.input[1:3]) != list(dq.input[1:3]) or len(dq.input) < 3:
             continue
+        if leave is not None and leave in (q.input[0], *getattr(producer.get(q.input[0]), "input", [])[:1]):
+            continue
         weight = _weight_codes(producer.get(node.input[1]), inits, base_dir)
         if weight is None:
             continue
@@ -94,9 +97,8 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
             continue
         activations.setdefault(dq.output[0], []).append((node, q, codes, w_scale))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    one_row: dict[tuple, str] = {}  # an activation's leading axes (as the graph's shapes name them) -> "one row?"
     for group in activations.values():
-        placed = _integer_activation(group, index, g, signed, opset, dropped, one_row)
+        placed = _integer_activation(group, index, g, signed, opset, dropped)
         for (node, *_), nodes in zip(group, placed or []):  # (None: left as written)
             added[id(node)] = nodes
     if not added:
@@ -124,18 +126,17 @@ def _weight_codes(dq, inits: dict, base_dir: str):
     return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
 
-def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped: set,
-                        one_row: dict) -> list[list] | None:
+def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped: set) -> list[list] | None:
     """The level-0 form of one activation's per-token MatMuls `group` [(MatMul, its QuantizeLinear, codes [K, N],
     scales [N])]: the nodes to put in each MatMul's place (module docstring), the first's preceded by the rows'
     quantization. That is an If on whether the step has one row: one DynamicQuantizeLinear (per tensor, which for
     one row is per row) of the activation padded with zero columns (quantized to the zero point exactly), else the
     graph's own row scales and QuantizeLinear, then the zero-point columns. Where the activation's (tokens, K)
     view is a Reshape to (-1, K) (opset >= 18), the rows keep the activation's leading axes, and each MatMul's
-    reshape back goes (its rows already have them). dropped: gets those reshapes back. one_row: the If's condition
-    made for an activation's leading axes, which another activation with the same ones (as the graph's recorded
-    shapes name them: the same rows) shares. None where the rows' quantization is not the few nodes from the
-    activation that calibration/qdq.py writes."""
+    reshape back goes (its rows already have them). dropped: gets those reshapes back. The If's condition reads
+    the activation itself (its Size), so a pass that moves the nodes that depend on it (moe.py's) sees the If's
+    dependence, which its branches' reads would hide. None where the rows' quantization is not the few nodes from
+    the activation that calibration/qdq.py writes."""
     from onnx import helper, numpy_helper
 
     q = group[0][1]
@@ -163,14 +164,9 @@ def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped
                                 [f"{p}.one_row", f"{p}.one_row_scale", f"{p}.one_row_zero_point"]))
     branches = {"then_branch": _branch(f"{p}.one_row", one, f"{p}.one_row", f"{p}.one_row_scale"),
                 "else_branch": _branch(f"{p}.rows", *_graphs_rows(p, q, upstream, source, e, keep_axes))}
-    key = _leading_axes(index, g, source)
-    new = []
-    if key not in one_row:
-        new += [helper.make_node("Size", [source], [f"{p}.size"]),
-                helper.make_node("Equal", [f"{p}.size", f"{p}.width"], [f"{p}.one_row_step"])]
-        one_row[key or p] = f"{p}.one_row_step"
-    new.append(helper.make_node("If", [one_row[key or p]], [f"{p}.rows", f"{p}.row_scale"], name=f"{p}.rows",
-                                **branches))
+    new = [helper.make_node("Size", [source], [f"{p}.size"]),
+           helper.make_node("Equal", [f"{p}.size", f"{p}.width"], [f"{p}.one_row_step"]),
+           helper.make_node("If", [f"{p}.one_row_step"], [f"{p}.rows", f"{p}.row_scale"], name=f"{p}.rows", **branches)]
     placed = []
     for (node, _, codes, w_scale), extra in zip(group, extras):
         base = node.name or node.output[0]
@@ -197,10 +193,6 @@ def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped
         placed.append(new)
         new = []
     return placed
-
-
-_SHAPE_OF_INPUT = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
-                   "SkipLayerNormalization", "RMSNormalization"}  # output 0 has input 0's shape
 
 
 def _branch(name: str, nodes: list, rows: str, scale: str):
@@ -239,24 +231,6 @@ def _graphs_rows(p: str, q, upstream: list, source: str, e: int, keep_axes: bool
                   helper.make_node("Reshape", [scales, f"{p}.rows/scale_shape"], [f"{p}.rows/scale_nd"])]
         rows, scales = f"{p}.rows/rows_nd", f"{p}.rows/scale_nd"
     return nodes, rows, scales
-
-
-def _leading_axes(index, g, name: str) -> tuple | None:
-    """`name`'s axes but the last as the graph's recorded shapes name them (symbols or sizes), through a norm or a
-    Mul by a constant of rank <= 1 (SmoothQuant's factors); None where some is unknown or none is recorded."""
-    dims = index.dims(name)
-    node = index.producer.get(name)
-    if dims is None and node is not None and node.output[0] == name:
-        if node.op_type in _SHAPE_OF_INPUT:
-            dims = index.dims(node.input[0])
-        elif node.op_type == "Mul":
-            ranks = {i.name: len(i.dims) for i in g.initializer if i.name in node.input}
-            live = [i for i in node.input if i not in ranks]
-            if len(live) == 1 and all(r <= 1 for r in ranks.values()):
-                dims = index.dims(live[0])
-    if not dims or any(d in (0, "") for d in dims[:-1]):
-        return None
-    return tuple(dims[:-1])
 
 
 def _upstream(index, g, q, source: str) -> list | None:

@@ -476,6 +476,12 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         float_int8_blocks(model, keep_matmul_weights=accuracy_level == 4)
     fuse_sibling_matmuls(model)
     fuse_sibling_quantized_matmuls(model)
+    try:  # the head's per-token MatMul waits for its rows' slicing (below): it then quantizes only the rows kept
+        head = _head_entry(model)[0]
+    except KvforgeError:
+        head = None
+    # (before the experts' If: moe.py moves a rewritten expert into its branch)
+    integer_per_token_matmuls(model, accuracy_level=accuracy_level, leave=head)
     if bundle.dtype == "float32":
         fuse_rms_norms(model)
         fuse_skip_rms_norms(model)
@@ -490,7 +496,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         model = None
     else:
         add_logits_to_keep(model)
-    if model is not None:  # (after the head's slicing: it then quantizes only the rows kept)
+    if model is not None:  # the head's
         integer_per_token_matmuls(model, accuracy_level=accuracy_level)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory.parent))
     try:
