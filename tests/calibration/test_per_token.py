@@ -50,6 +50,12 @@ def _per_row_fp8_oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
+def _branches(node) -> tuple[list, list]:
+    """An If's then- and else-branch nodes."""
+    branch = {a.name: list(a.g.node) for a in node.attribute}
+    return branch["then_branch"], branch["else_branch"]
+
+
 def _one_layer_graph(k: int, n: int, rank: int, seed: int = 0, fmt: str = "int8", opset: int = 21):
     w = np.random.default_rng(seed).normal(size=(k, n)).astype(np.float32)
     shape = ["b", "t", k] if rank == 3 else ["t", k]
@@ -303,3 +309,26 @@ def test_at_accuracy_level_4_a_per_token_matmul_is_one_8_bit_matmul_nbits():
     assert np.abs(got.reshape(oracle.shape) - oracle).max() < 1e-5 * scale
     exact = x.reshape(-1, k).astype(np.float64) @ w
     assert 1e-4 * scale < np.abs(got.reshape(exact.shape) - exact).max() < 5e-2 * scale
+
+
+def test_a_mixtures_experts_run_per_token_on_the_integer_kernels_inside_their_skips(micro_bundle, tmp_path):
+    """A mixture of experts with per-token INT8: ONNX Runtime's variant puts each expert's dispatch under an If on
+    whether any token chose it (moe.py) after its MatMuls are on the integer kernels, so no expert runs in float;
+    held to the Torch reference on a prefill and a decode step of one row."""
+    b = micro_bundle("mixtral-micro")
+    q = calibrate(b.path, tmp_path / "int8", precision="int8", activations="per-token", recipe="fixed",
+                  random_data=True, samples=4, seq_len=16)
+    from kvforge.bundle import Bundle
+    from kvforge.runtime.ort.variant import variant_path
+
+    graph = onnx.load(str(variant_path(Bundle(q.path), attention=True))).graph
+    experts = [n for n in graph.node if n.op_type == "If" and any(
+        m.op_type == "ScatterND" for nodes in _branches(n) for m in nodes)]
+    inside = collections.Counter(m.op_type for n in experts for nodes in _branches(n) for m in nodes)
+    assert experts and inside["MatMulIntegerToFloat"] >= 2 * len(experts) and not inside["MatMul"], inside
+    ids = np.random.default_rng(0).integers(0, q.model_config["vocab_size"], (1, 9))
+    with runtime.load(b.path, backend="torch") as reference, runtime.load(q.path) as s:
+        _, cache = s.forward(ids, last_logits_only=True)
+        step, _ = s.forward(np.array([[5]]), cache=cache, last_logits_only=True)
+        exact = reference.forward(np.concatenate([ids, [[5]]], axis=1))[0][:, -1]
+    assert np.abs(step[:, 0] - exact).max() < 0.05 * np.abs(exact).max()
