@@ -77,7 +77,8 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
                 or node_attribute(q, "axis", 1) != 0 \
                 or list(q.input[1:3]) != list(dq.input[1:3]) or len(dq.input) < 3:
             continue
-        if leave is not None and leave in (q.input[0], *getattr(producer.get(q.input[0]), "input", [])[:1]):
+        view = producer.get(q.input[0])  # (the activation's (tokens, K) view, whose input `leave` names)
+        if leave is not None and leave in (q.input[0], view.input[0] if view is not None else None):
             continue
         weight = _weight_codes(producer.get(node.input[1]), inits, base_dir)
         if weight is None:

@@ -314,7 +314,8 @@ def test_at_accuracy_level_4_a_per_token_matmul_is_one_8_bit_matmul_nbits():
 def test_a_mixtures_experts_run_per_token_on_the_integer_kernels_inside_their_skips(micro_bundle, tmp_path):
     """A mixture of experts with per-token INT8: ONNX Runtime's variant puts each expert's dispatch under an If on
     whether any token chose it (moe.py) after its MatMuls are on the integer kernels, so no expert runs in float;
-    held to the Torch reference on a prefill and a decode step of one row."""
+    a decode step of one row after a prefill is held to the Torch reference (the bundle's graph as written fails
+    where no token chose an expert: its per-token reshape back, a defect of calibration/qdq.py left for later)."""
     b = micro_bundle("mixtral-micro")
     q = calibrate(b.path, tmp_path / "int8", precision="int8", activations="per-token", recipe="fixed",
                   random_data=True, samples=4, seq_len=16)
