@@ -285,11 +285,6 @@ def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup
 # ---------------------------------------------------------------- main
 
 
-def bandwidth_floor(weight_bytes: int, bandwidth: list[float]) -> float:
-    """Tokens/s a decode step reading `weight_bytes` once would make at the median of the bandwidth samples so far."""
-    return statistics.median(bandwidth) * 1e9 / weight_bytes
-
-
 def load_1min() -> float | None:
     """The 1-minute load average (harness.load_average's first), None where the OS has none."""
     return (load_average() or [None])[0]
@@ -386,6 +381,7 @@ def main() -> int:
         for peer in llamas.values():
             peer.close()
         bandwidth.append(bandwidth_gbs())
+        bw = statistics.median(bandwidth)
         summary = {name: median_rates(rs) for name, rs in runs.items()}
         pairs = {}
         for ours_name, theirs in pairs_of:
@@ -402,10 +398,10 @@ def main() -> int:
                 "best_run_decode_ratio": a["best_decode_tokens_per_s"] / b["best_decode_tokens_per_s"],
                 "best_run_prefill_ratio": a["best_prefill_tokens_per_s"] / b["best_prefill_tokens_per_s"],
             }
-            floor = bandwidth_floor(run_bytes[f"kvforge-{ours_name}"], bandwidth)
             # the most this graph could decode at, reading its weights once a step at the run's median bandwidth,
             # against what llama.cpp did: below 1, the pair cannot reach 1.0x with that graph on this machine
-            pairs[key]["decode_ratio_at_run_graph_roofline"] = floor / b["decode_tokens_per_s"]
+            pairs[key]["decode_ratio_at_run_graph_roofline"] = bw * 1e9 / run_bytes[f"kvforge-{ours_name}"] / \
+                b["decode_tokens_per_s"]
         # accuracy beside speed: each kvforge contender's perplexity on held-out prose (its own tokenizer's ids)
         held_out = sessions["fp32"].tokenizer.encode(builtin_prose("held-out")[0][0])[:PERPLEXITY_TOKENS]
         # (one window a call: a batch of 8 windows' logits over Gemma's 262k-token vocabulary is 2 GB a session)
@@ -425,7 +421,6 @@ def main() -> int:
         for s in sessions.values():
             s.deactivate()
 
-    bw = statistics.median(bandwidth)
     reference = runs["kvforge-fp32"][0]["tokens"][:16]
     greedy = [int(t) for t in runs["kvforge-fp32"][0]["tokens"]]
     for name, e in summary.items():
