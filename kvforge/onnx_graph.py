@@ -505,6 +505,23 @@ def node_reads(node) -> list[str]:
     return names
 
 
+def nodes_between(index: GraphIndex, source: str, output: str) -> list:
+    """The nodes that read `source` (directly or not) and that `output` depends on (`index`: the graph's)."""
+    after, todo = {}, list(index.consumers.get(source, []))
+    while todo:
+        n = todo.pop()
+        if id(n) not in after:
+            after[id(n)] = n
+            todo += [c for o in n.output for c in index.consumers.get(o, [])]
+    before, todo = set(), [index.producer[output]] if output in index.producer else []
+    while todo:
+        n = todo.pop()
+        if id(n) not in before and id(n) in after:  # (what does not read `source` is not followed further)
+            before.add(id(n))
+            todo += [index.producer[i] for i in n.input if i in index.producer]
+    return [n for key, n in after.items() if key in before]
+
+
 def drop_dead_nodes(model) -> int:
     """Remove nodes none of whose outputs reach a graph output (left behind by the fusions); returns how many."""
     g = model.graph

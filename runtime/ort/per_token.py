@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.onnx_graph import GraphIndex, drop_dead_nodes, node_attribute, replace_nodes, use_ms_domain
+from kvforge.onnx_graph import GraphIndex, drop_dead_nodes, node_attribute, nodes_between, replace_nodes, use_ms_domain
 from kvforge.ort_session import s8_kernels_exact, u8_kernels_exact
 
 from .codes import pack_nbits
@@ -99,8 +99,7 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
         activations.setdefault(dq.output[0], []).append((node, q, codes, w_scale))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     for group in activations.values():
-        placed = _integer_activation(group, index, g, signed, opset, dropped)
-        for (node, *_), nodes in zip(group, placed or []):  # (None: left as written)
+        for (node, *_), nodes in zip(group, _integer_activation(group, index, g, signed, opset, dropped)):
             added[id(node)] = nodes
     if not added:
         return 0
@@ -127,7 +126,7 @@ def _weight_codes(dq, inits: dict, base_dir: str):
     return numpy_helper.to_array(codes, base_dir), numpy_helper.to_array(scale, base_dir)
 
 
-def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped: set) -> list[list] | None:
+def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped: set) -> list[list]:
     """The level-0 form of one activation's per-token MatMuls `group` [(MatMul, its QuantizeLinear, codes [K, N],
     scales [N])]: the nodes to put in each MatMul's place (module docstring), the first's preceded by the rows'
     quantization. That is an If on whether the step has one row: one DynamicQuantizeLinear (per tensor, which for
@@ -136,8 +135,9 @@ def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped
     view is a Reshape to (-1, K) (opset >= 18), the rows keep the activation's leading axes, and each MatMul's
     reshape back goes (its rows already have them). dropped: gets those reshapes back. The If's condition reads
     the activation itself (its Size), so a pass that moves the nodes that depend on it (moe.py's) sees the If's
-    dependence, which its branches' reads would hide. None where the rows' quantization is not the few nodes from
-    the activation that calibration/qdq.py writes."""
+    dependence, which its branches' reads would hide. The graph's own rows' quantization is copied into the other
+    branch (the nodes from the activation to the QuantizeLinear, onnx_graph.nodes_between); what it reads from
+    elsewhere stays in the graph, read from the branch."""
     from onnx import helper, numpy_helper
 
     q = group[0][1]
@@ -147,9 +147,8 @@ def _integer_activation(group: list, index, g, signed: bool, opset: int, dropped
     shape = index.const(view.input[1]) if view is not None and view.op_type == "Reshape" else None
     keep_axes = opset >= 18 and shape is not None and shape.tolist() == [-1, k]
     source = view.input[0] if keep_axes else q.input[0]
-    upstream = _upstream(index, g, q, source)
-    if upstream is None:
-        return None
+    between = {id(n) for n in nodes_between(index, source, q.output[0])}  # the graph's own rows' quantization
+    upstream = [n for n in g.node if id(n) in between]  # (in graph order: the If branch's copy runs in it)
     extras = [_zero_point_rows(codes) for _, _, codes, _ in group]
     e = max(len(x) for x in extras)
     const = {"width": np.array(k, np.int64), "column": np.array([-1, 1], np.int64),
@@ -205,9 +204,9 @@ def _branch(name: str, nodes: list, rows: str, scale: str):
 
 
 def _graphs_rows(p: str, q, upstream: list, source: str, e: int, keep_axes: bool) -> tuple[list, str, str]:
-    """The graph's own rows as an If branch: its nodes from `source` to the QuantizeLinear `q` (`upstream`),
-    copied under new names, then the zero point's `e` columns and the rows' scales as a column; with keep_axes,
-    both back on `source`'s leading axes. Returns (nodes, rows, scales)."""
+    """The graph's own rows as an If branch: its nodes from `source` to the QuantizeLinear `q` (`upstream`, in graph
+    order) copied under new names, then the zero point's `e` columns and the rows' scales as a column; with
+    keep_axes, both back on `source`'s leading axes. Returns (nodes, rows, scales)."""
     from onnx import helper
 
     names, nodes = {}, []
@@ -232,21 +231,6 @@ def _graphs_rows(p: str, q, upstream: list, source: str, e: int, keep_axes: bool
                   helper.make_node("Reshape", [scales, f"{p}.rows/scale_shape"], [f"{p}.rows/scale_nd"])]
         rows, scales = f"{p}.rows/rows_nd", f"{p}.rows/scale_nd"
     return nodes, rows, scales
-
-
-def _upstream(index, g, q, source: str) -> list | None:
-    """The nodes between `source` and QuantizeLinear `q` (q included) that q's inputs depend on, in graph order;
-    None where they are more than a row quantization's few (what q reads does not start at `source`)."""
-    seen, todo = {}, [q]
-    while todo:
-        n = todo.pop()
-        if id(n) in seen:
-            continue
-        if len(seen) == 64:
-            return None
-        seen[id(n)] = n
-        todo += [index.producer[i] for i in n.input if i != source and i in index.producer]
-    return [n for n in g.node if id(n) in seen]
 
 
 def _reshapes_back(out: str, consumers: dict, outputs: set) -> tuple[str, list] | None:

@@ -46,7 +46,8 @@ import numpy as np
 
 from kvforge.cache import cache_dir
 from kvforge.errors import KvforgeError
-from kvforge.onnx_graph import GraphIndex, block_dequantized, drop_dead_nodes, node_attribute, node_reads, replace_nodes
+from kvforge.onnx_graph import (GraphIndex, block_dequantized, drop_dead_nodes, node_attribute, node_reads,
+                                nodes_between, replace_nodes)
 from kvforge.ort_session import check_accuracy_level
 
 from .attention import LOGITS_ROWS, use_group_query_attention
@@ -283,30 +284,13 @@ def _head_entry(model) -> tuple[str, list]:
     source = head.input[0]
     while producer.get(source) is not None and producer[source].op_type in _HEAD_INPUT:
         source = producer[source].input[0]
-    region = _between(index, source, "logits")
+    region = nodes_between(index, source, "logits")
     inside = {id(n) for n in region}
     if source != head.input[0] and not all(i in constants or i in (source, "") or id(producer.get(i)) in inside
                                            for n in region for i in n.input):
         source = head.input[0]
-        region = _between(index, source, "logits")
+        region = nodes_between(index, source, "logits")
     return source, [n for n in region if source in n.input]
-
-
-def _between(index, source: str, output: str) -> list:
-    """The nodes that read `source` (directly or not) and that `output` depends on."""
-    after, todo = {}, list(index.consumers.get(source, []))
-    while todo:
-        n = todo.pop()
-        if id(n) not in after:
-            after[id(n)] = n
-            todo += [c for o in n.output for c in index.consumers.get(o, [])]
-    before, todo = set(), [index.producer[output]] if output in index.producer else []
-    while todo:
-        n = todo.pop()
-        if id(n) not in before and id(n) in after:  # (what does not read `source` is not followed further)
-            before.add(id(n))
-            todo += [index.producer[i] for i in n.input if i in index.producer]
-    return [n for key, n in after.items() if key in before]
 
 
 def _insert_before_head(model, entry: tuple[str, list], nodes, result: str, dim: str) -> None:
