@@ -391,6 +391,9 @@ class _QdqEdit:
         self.new_nodes: dict[int, list] = {}  # node index -> nodes to insert before it
         self.after_nodes: dict[int, list] = {}  # node index -> nodes to insert after it
         self.opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), 0)
+        # a reshape target whose 0 is a length, not "copy the input's axis" (ONNX's default): a mixture's expert
+        # that no token chose reads (1, 0, K) and its rows (0, K) go back to (1, 0, N). allowzero came in opset 14
+        self.zero_is_zero = {"allowzero": 1} if self.opset >= 14 else {}
         self.index = {id(n): i for i, n in enumerate(self.g.node)}
         self.record = {"weights": {}, "activations": {}}
         self.shared: dict[str, tuple[str, str]] = {}  # activation -> (its scale's prefix, the tensor consumers read)
@@ -578,7 +581,8 @@ class _QdqEdit:
         t.node.output[0] = f"{mine}_rows"
         self.after_nodes.setdefault(self.index[id(t.node)], []).extend([
             helper.make_node("Concat", [f"{prefix}_lead", f"{mine}_width"], [f"{mine}_shape"], axis=0),
-            helper.make_node("Reshape", [f"{mine}_rows", f"{mine}_shape"], [out], name=f"{mine}_reshape")])
+            helper.make_node("Reshape", [f"{mine}_rows", f"{mine}_shape"], [out], name=f"{mine}_reshape",
+                             **self.zero_is_zero)])
 
     def _row_scales(self, t: Target, p: str, rows: str) -> tuple[str, str]:
         """Nodes computing each row's scale and zero point (names returned). INT8: asymmetric uint8, the row's min

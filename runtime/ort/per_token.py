@@ -227,8 +227,10 @@ def _graphs_rows(p: str, q, upstream: list, source: str, e: int, keep_axes: bool
         nodes += [helper.make_node("Shape", [source], [f"{p}.rows/lead"], end=-1),
                   helper.make_node("Concat", [f"{p}.rows/lead", f"{p}.padded_width"], [f"{p}.rows/shape"], axis=0),
                   helper.make_node("Concat", [f"{p}.rows/lead", f"{p}.one"], [f"{p}.rows/scale_shape"], axis=0),
-                  helper.make_node("Reshape", [rows, f"{p}.rows/shape"], [f"{p}.rows/rows_nd"]),
-                  helper.make_node("Reshape", [scales, f"{p}.rows/scale_shape"], [f"{p}.rows/scale_nd"])]
+                  # allowzero: no rows (a mixture's expert no token chose) is a length of 0, not a copied axis
+                  helper.make_node("Reshape", [rows, f"{p}.rows/shape"], [f"{p}.rows/rows_nd"], allowzero=1),
+                  helper.make_node("Reshape", [scales, f"{p}.rows/scale_shape"], [f"{p}.rows/scale_nd"],
+                                   allowzero=1)]
         rows, scales = f"{p}.rows/rows_nd", f"{p}.rows/scale_nd"
     return nodes, rows, scales
 
