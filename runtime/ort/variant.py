@@ -56,7 +56,7 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 26  # 25: per-token rows of one row on DynamicQuantizeLinear; 26: each If on its own row count
+VARIANT_VERSION = 27  # 26: each If on its own row count; 27: the rows branch reshapes with allowzero (no rows)
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
 
