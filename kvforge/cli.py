@@ -21,7 +21,7 @@ from kvforge.calibration import calibrate as calibrate_bundle
 from kvforge.calibration.auto import recipe_summary
 from kvforge.errors import KvforgeError
 from kvforge.kinds import KINDS, kind_name
-from kvforge.manifest import oracle_summary, print_manifest, validation_summary
+from kvforge.manifest import lint_summary, oracle_summary, print_manifest, validation_summary
 from kvforge.metrics import parse_tolerances
 from kvforge.runtime.encoder_session import POOLINGS
 from kvforge.runtime.bench import benchmark, benchmark_speculative
@@ -173,14 +173,13 @@ def export(source, out, dtype, opset, max_context, external_data, force, dequant
         bundle = export_bundle(source, out, dtype=dtype, opset=opset, max_context=max_context, external_data=external_data,
                                force=force, dequantize=dequantize, lora_max_rank=lora_max_rank, lora_targets=targets,
                                transformers_check=transformers_check, progress=progress)
-    lint_result = bundle.manifest["lint"]
     quant = bundle.quantization
     if quant:
         record = quant["checkpoint"]
         dtype = (f"{dtype} with the {record['format']} checkpoint's codes kept in {len(record['kept'])} tensors"
                  + (f" ({len(record['converted'])} converted)" if record["converted"] else ""))
     click.echo(f"wrote {bundle.path} ({bundle.architecture}): {dtype}, opset {opset}; "
-               f"validation {validation_summary(bundle.manifest['validation'])}; lint {'passed' if lint_result['passed'] else 'FAILED'}; "
+               f"validation {validation_summary(bundle.manifest['validation'])}; {lint_summary(bundle.manifest)}; "
                f"{oracle_summary(bundle.manifest.get('oracle'))}")
 
 
@@ -190,9 +189,10 @@ def export(source, out, dtype, opset, max_context, external_data, force, dequant
 def lint(target, as_json):
     """Check a bundle (or .onnx file) against TensorRT's ONNX rules; exit 1 on errors."""
     from kvforge.export import lint as lint_graph
+    from kvforge.tensorrt_env import tensorrt_refusal
 
-    path = Bundle(target).graph_file if Path(target).is_dir() else Path(target)
-    result = lint_graph(path)
+    bundle = Bundle(target) if Path(target).is_dir() else None
+    result = lint_graph(bundle.graph_file if bundle else Path(target))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -202,6 +202,9 @@ def lint(target, as_json):
         targets = ", ".join(f"{t}: {'ok' if ok else 'no'}" for t, ok in result["targets"].items())
         verdict = "passed" if result["passed"] else "FAILED"
         click.echo(f"lint {verdict}: opset {result['opset']} ({targets}); {result['errors']} errors, {result['warnings']} warnings")
+        refusal = tensorrt_refusal(bundle.quantization) if bundle and not result["passed"] else None
+        if refusal:  # the errors above follow from a form TensorRT does not take at all
+            click.echo(f"note: {refusal}")
     if not result["passed"]:
         sys.exit(1)
 
@@ -303,7 +306,7 @@ def calibrate(bundle, out, precision, recipe, method, percentile, data, samples,
         + (f", {q['activations']} activations" + (f", {q['method']}" if q["method"] else "") if q["activations"] else "")
         + (f", {q['kv_cache']} KV cache" if q.get("kv_cache") else "")
         + f"), {len(q['quantized_layers'])} layers quantized, {len(q['excluded_layers'])} kept in float; {data_note}; "
-        f"lint {'passed' if b.manifest['lint']['passed'] else 'FAILED'}"
+        f"{lint_summary(b.manifest)}"
     )
     if c.get("recipe"):
         click.echo(recipe_summary(c["recipe"]))

@@ -272,6 +272,24 @@ def oracle_summary(o: dict[str, Any] | None) -> str:
     return f"transformers end to end: {inputs}, {w['output']} within {w['ratio']:.1f}x its FP32 rounding"
 
 
+def lint_summary(m: dict[str, Any]) -> str:
+    """One line for a bundle's TensorRT lint (export/lint.py): passed, FAILED with its first error, or, for a
+    quantization TensorRT cannot take by design (per-token activations, asymmetric INT4 blocks, a checkpoint's
+    unsigned codes: ONNX Runtime's forms, which the automatic recipe may choose), that it is not a TensorRT bundle
+    and why, instead of one error per node."""
+    from kvforge.tensorrt_env import tensorrt_refusal
+
+    result = m.get("lint") or {}
+    if result.get("passed"):
+        return "lint passed"
+    refusal = tensorrt_refusal((m.get("precision") or {}).get("quantization"))
+    if refusal:
+        return f"lint: for ONNX Runtime, not TensorRT ({refusal})"
+    first = next((f for f in result.get("findings", []) if f["severity"] == "error"), None)
+    return (f"lint FAILED ({result.get('errors')} errors, {result.get('warnings')} warnings"
+            + (f"; first: {first['message']}" if first else "") + ")")
+
+
 def print_manifest(path, m: dict[str, Any], console) -> None:
     """A validated manifest for people (`kvforge inspect`): model, precision, IO, files, validation, engine, lint,
     lineage."""
@@ -317,10 +335,8 @@ def print_manifest(path, m: dict[str, Any], console) -> None:
         for prof in engine["profiles"]:
             shapes = ", ".join(f"{n} {b['min']}..{b['max']}" for n, b in prof["shapes"].items() if n in ("input_ids", "attention_mask"))
             console.print(f"  profile {prof['index']} {prof['name']}: {shapes}")
-    lint_result = m.get("lint")
-    if lint_result:
-        console.print(f"lint (when written): {'passed' if lint_result['passed'] else 'FAILED'} "
-                      f"({lint_result['errors']} errors, {lint_result['warnings']} warnings)")
+    if m.get("lint"):
+        console.print(f"{lint_summary(m)} (when written)")
     for entry in m.get("lineage", []):
         given = entry.get("input", {})
         console.print(f"lineage: {entry['stage']} by {entry['tool']} at {entry['time']} from {given.get('source')} "

@@ -181,6 +181,16 @@ def check_precision_supported(quantization: dict[str, Any] | None, compute_capab
                            f"{compute_capability}: build an int8, int4 or float bundle for it instead")
 
 
+def tensorrt_refusal(quantization: dict[str, Any] | None) -> str | None:
+    """Why TensorRT cannot build this quantization on any GPU (a form kvforge runs on ONNX Runtime only:
+    check_precision_supported's reasons short of a GPU's), or None."""
+    try:
+        check_precision_supported(quantization, "9.0", "a GPU of compute capability 9.0")
+    except KvforgeError as e:
+        return str(e)
+    return None
+
+
 def check_compatibility(engine: dict[str, Any], tensorrt_version: str, compute_capability: str,
                         gpu_name: str = "this GPU", where: str = "the bundle") -> None:
     """Refuse an engine that this TensorRT or GPU cannot run, with what was recorded and what is here.

@@ -94,6 +94,23 @@ def test_calibrate_gptq_from_the_command_line(run, tmp_path, tiny_fp32):
     assert manifest["precision"]["quantization"]["weight_rounding"] == "gptq"
 
 
+def test_a_bundle_for_onnx_runtime_only_says_so_instead_of_failing_its_tensorrt_lint(run, tmp_path, tiny_fp32):
+    """Per-token activations (the automatic INT8 recipe's usual choice) are a form TensorRT does not take at all:
+    calibrate and inspect say the bundle is for ONNX Runtime and why, not "lint FAILED"; `kvforge lint` still
+    lists each node TensorRT's parser would refuse (exit 1) and adds why."""
+    out = run("calibrate", tiny_fp32.path, "-o", tmp_path / "q", "--precision", "int8", "--recipe", "fixed",
+              "--activations", "per-token", "--samples", "2", "--seq-len", "16", "--quiet")
+    assert out.exit_code == 0, out.output
+    assert "lint: for ONNX Runtime, not TensorRT (this bundle's INT8 activations are scaled per token" in out.output
+    assert "lint FAILED" not in out.output and "--activations static for TensorRT" in out.output
+    shown = run("inspect", tmp_path / "q")
+    assert "lint: for ONNX Runtime, not TensorRT" in shown.output and "(when written)" in shown.output
+    linted = run("lint", tmp_path / "q")
+    errors = json.loads(run("lint", tmp_path / "q", "--json").output)["errors"]
+    assert linted.exit_code == 1 and errors > 0 and f"; {errors} errors" in linted.output
+    assert linted.output.splitlines()[-1].startswith("note: this bundle's INT8 activations are scaled per token")
+
+
 def test_damaged_bundles_are_named_and_force_never_replaces_inputs_or_other_files(run, tmp_path):
     import shutil
 
