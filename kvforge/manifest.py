@@ -276,15 +276,15 @@ def lint_summary(m: dict[str, Any]) -> str:
     """One line for a bundle's TensorRT lint (export/lint.py): passed, FAILED with its first error, or, for a
     quantization TensorRT cannot take by design (per-token activations, asymmetric INT4 blocks, a checkpoint's
     unsigned codes: ONNX Runtime's forms, which the automatic recipe may choose), that it is not a TensorRT bundle
-    and why, instead of one error per node."""
+    and why, instead of one error per node (or a pass that a build would then refuse)."""
     from kvforge.tensorrt_env import tensorrt_refusal
 
     result = m.get("lint") or {}
+    refusal = tensorrt_refusal((m.get("precision") or {}).get("quantization"))
+    if refusal:  # (whether or not the graph's nodes pass: a build is refused first)
+        return f"lint: for ONNX Runtime, not TensorRT ({refusal})"
     if result.get("passed"):
         return "lint passed"
-    refusal = tensorrt_refusal((m.get("precision") or {}).get("quantization"))
-    if refusal:
-        return f"lint: for ONNX Runtime, not TensorRT ({refusal})"
     first = next((f for f in result.get("findings", []) if f["severity"] == "error"), None)
     return (f"lint FAILED ({result.get('errors')} errors, {result.get('warnings')} warnings"
             + (f"; first: {first['message']}" if first else "") + ")")
