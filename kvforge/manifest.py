@@ -272,6 +272,11 @@ def oracle_summary(o: dict[str, Any] | None) -> str:
     return f"transformers end to end: {inputs}, {w['output']} within {w['ratio']:.1f}x its FP32 rounding"
 
 
+# export/lint.py's rules that a graph fails whatever runs it (a node reading nothing, weights missing from their
+# file), not TensorRT's alone: a bundle in an ONNX Runtime form still reports these as a failed lint
+GRAPH_DEFECT_RULES = ("structure", "external-data")
+
+
 def lint_summary(m: dict[str, Any]) -> str:
     """One line for a bundle's TensorRT lint (export/lint.py): passed, FAILED with its first error, or, for a
     quantization TensorRT cannot take by design (per-token activations, asymmetric INT4 blocks, a checkpoint's
@@ -280,12 +285,14 @@ def lint_summary(m: dict[str, Any]) -> str:
     from kvforge.tensorrt_env import tensorrt_refusal
 
     result = m.get("lint") or {}
+    errors = [f for f in result.get("findings", []) if f["severity"] == "error"]
+    defects = [f for f in errors if f["rule"] in GRAPH_DEFECT_RULES]
     refusal = tensorrt_refusal((m.get("precision") or {}).get("quantization"))
-    if refusal:  # (whether or not the graph's nodes pass: a build is refused first)
+    if refusal and not defects:  # (whether or not the graph's nodes pass: a build is refused first)
         return f"lint: for ONNX Runtime, not TensorRT ({refusal})"
     if result.get("passed"):
         return "lint passed"
-    first = next((f for f in result.get("findings", []) if f["severity"] == "error"), None)
+    first = (defects or errors or [None])[0]
     return (f"lint FAILED ({result.get('errors')} errors, {result.get('warnings')} warnings"
             + (f"; first: {first['message']}" if first else "") + ")")
 

@@ -109,6 +109,19 @@ def test_a_bundle_for_onnx_runtime_only_says_so_instead_of_failing_its_tensorrt_
     errors = json.loads(run("lint", tmp_path / "q", "--json").output)["errors"]
     assert linted.exit_code == 1 and errors > 0 and f"; {errors} errors" in linted.output
     assert linted.output.splitlines()[-1].startswith("note: this bundle's INT8 activations are scaled per token")
+    # a defect any runtime fails (here a node reading what nothing gives) is still a failed lint, named first
+    from onnx import TensorProto, helper
+
+    from kvforge.export import lint as lint_graph
+    from kvforge.manifest import lint_summary
+
+    broken = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["nowhere"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[helper.make_opsetid("", 21)])
+    manifest = json.loads((tmp_path / "q" / "kvforge.json").read_text())
+    manifest["lint"] = lint_graph(broken)
+    said = lint_summary(manifest)
+    assert said.startswith("lint FAILED (1 errors") and "which no graph input, initializer or earlier" in said, said
 
 
 def test_damaged_bundles_are_named_and_force_never_replaces_inputs_or_other_files(run, tmp_path):
