@@ -87,7 +87,6 @@ def integer_per_token_matmuls(model, base_dir: str = "", accuracy_level: int = 0
         base = node.name or node.output[0]
         if accuracy_level == 4 and codes.shape[0] % NBITS_BLOCK == 0:
             x, out = q.input[0], node.output[0]
-            view = producer.get(x)
             if view is not None and view.op_type == "Reshape" and out not in outputs:
                 # MatMulNBits takes (..., K): the activation as it came, with no (tokens, K) view and no reshape back
                 back = _reshapes_back(out, consumers, outputs)
