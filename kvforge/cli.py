@@ -381,6 +381,12 @@ def _backend_option(f):
 
 
 def _accuracy_level_option(f):
+    f = click.option(
+        "--prefill-accuracy-level", type=click.Choice(["0", "4"]),
+        help="The accuracy level of the steps that carry more than one token a row (a prompt, a chunk), where it "
+             "differs from --accuracy-level: a second ONNX Runtime session, holding the weights again. With "
+             "--accuracy-level 4, 0 prefills on level 0's kernels, faster at many rows (default: --accuracy-level's).",
+    )(f)
     return click.option(
         "--accuracy-level", default="0", show_default=True, type=click.Choice(["0", "4"]),
         help="ONNX Runtime's MatMulNBits accuracy level (INT4, per-token INT8 and checkpoint-code bundles): 0 computes the bundle's "
@@ -389,13 +395,17 @@ def _accuracy_level_option(f):
     )(f)
 
 
-def _backend_options(backend: str, accuracy_level: str) -> dict:
-    """The backend options --accuracy-level sets (none at its default, so every backend takes them)."""
-    if accuracy_level == "0":
-        return {}
-    if backend not in ("auto", "onnxruntime"):
-        raise KvforgeError(f"--accuracy-level is an ONNX Runtime setting; --backend {backend} does not take it")
-    return {"accuracy_level": int(accuracy_level)}
+def _backend_options(backend: str, accuracy_level: str, prefill_accuracy_level: str | None) -> dict:
+    """The backend options --accuracy-level and --prefill-accuracy-level set (none at their defaults, so every
+    backend takes them)."""
+    options = {} if accuracy_level == "0" else {"accuracy_level": int(accuracy_level)}
+    if prefill_accuracy_level is not None and prefill_accuracy_level != accuracy_level:
+        options["prefill_accuracy_level"] = int(prefill_accuracy_level)
+    if options and backend not in ("auto", "onnxruntime"):
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in options)
+        what = "is an ONNX Runtime setting" if len(options) == 1 else "are ONNX Runtime settings"
+        raise KvforgeError(f"{given} {what}; --backend {backend} does not take {'it' if len(options) == 1 else 'them'}")
+    return options
 
 
 def _sampling_options(f):
@@ -447,11 +457,11 @@ def _speculation(speculative, draft_tokens, ngram):
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image for a vision-language bundle, one per placeholder (<image>) in the prompt (with --chat: the images open the message); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="After the stream, print one JSON object with tokens and text.")
-def generate(source, prompt, as_chat, max_new_tokens, backend, accuracy_level, temperature, top_k, top_p,
-             repetition_penalty, seed, speculative, draft_tokens, ngram, adapter, images, as_json):
+def generate(source, prompt, as_chat, max_new_tokens, backend, accuracy_level, prefill_accuracy_level, temperature,
+             top_k, top_p, repetition_penalty, seed, speculative, draft_tokens, ngram, adapter, images, as_json):
     """Stream a continuation of PROMPT from SOURCE (a bundle, or a model source on Torch)."""
 
-    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level))
+    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level, prefill_accuracy_level))
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty, seed=seed,
                    speculative=_speculation(speculative, draft_tokens, ngram), adapter=adapter)
@@ -479,11 +489,11 @@ def generate(source, prompt, as_chat, max_new_tokens, backend, accuracy_level, t
 @click.argument("source")
 @click.option("--system", help="A system message that opens the conversation (where the template takes one).")
 @_sampling_options
-def chat(source, system, max_new_tokens, backend, accuracy_level, temperature, top_k, top_p, repetition_penalty,
-         seed):
+def chat(source, system, max_new_tokens, backend, accuracy_level, prefill_accuracy_level, temperature, top_k, top_p,
+         repetition_penalty, seed):
     """Talk with SOURCE (a bundle or model source with a chat template): each line you type is a user message,
     the reply streams back. /reset starts over, /exit (or Ctrl-D) quits; Ctrl-C stops a reply, not the chat."""
-    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level))
+    session = runtime.load(source, backend=backend, **_backend_options(backend, accuracy_level, prefill_accuracy_level))
     if not getattr(session, "chat", None):
         raise KvforgeError(f"{source} is {kind_name(session.architecture)}; `kvforge chat` talks with a decoder LM")
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -649,13 +659,14 @@ def serve(source, model_name, instances, max_batch, max_cache_tokens, prefix_cac
 @click.option("--prompt", help="With --speculative: the prompt text (a chat template's user message where the "
               "bundle has one; default: a request to repeat a paragraph of built-in prose).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
-def bench(bundle, backend, accuracy_level, batch, prompt_len, new_tokens, runs, warmup, speculative, draft_tokens, ngram,
-          prompt, as_json):
+def bench(bundle, backend, accuracy_level, prefill_accuracy_level, batch, prompt_len, new_tokens, runs, warmup,
+          speculative, draft_tokens, ngram, prompt, as_json):
     """Prefill and decode speed: medians over runs of tokens/s, time to first token, peak RSS. With --speculative:
     greedy decode tokens/s with and without speculation on one prompt (batch 1), their ratio, the acceptance rate
     and the tokens per step."""
 
-    with runtime.load(bundle, backend=backend, **_backend_options(backend, accuracy_level)) as session:
+    options = _backend_options(backend, accuracy_level, prefill_accuracy_level)
+    with runtime.load(bundle, backend=backend, **options) as session:
         if not isinstance(session, runtime.Session):
             raise KvforgeError(f"{bundle} is {kind_name(session.architecture)}; `kvforge bench` measures a decoder LM's "
                                "prefill and decode steps (time an encoder with kvforge.runtime's embed())")

@@ -70,11 +70,11 @@ ACCURACY_LEVELS = {0: "MatMulNBits keeps the activations in float: exact, the bu
                       "faster, not exact"}
 
 
-def check_accuracy_level(level) -> int:
-    """`level` if it is one of ACCURACY_LEVELS, else a KvforgeError naming them and what each means."""
+def check_accuracy_level(level, option: str = "accuracy_level") -> int:
+    """`level` if it is one of ACCURACY_LEVELS, else a KvforgeError naming `option`, the levels and what each means."""
     if isinstance(level, bool) or level not in ACCURACY_LEVELS:
         allowed = "; ".join(f"{k} ({v})" for k, v in ACCURACY_LEVELS.items())
-        raise KvforgeError(f"accuracy_level must be one of {allowed}; got {level!r}")
+        raise KvforgeError(f"{option} must be one of {allowed}; got {level!r}")
     return int(level)
 
 
@@ -273,7 +273,7 @@ def weights_when_used_graph(model, external_dir: str | Path | None = None) -> tu
 
 def make_session(model, quant_format: str | None = None, providers: list[str] | None = None, optimization: str = "all",
                  threads: int | None = None, spinning: bool = True, external_dir: str | Path | None = None,
-                 half_weights: bool = False, accuracy_level: int = 0):
+                 half_weights: bool = False, accuracy_level: int = 0, initializers: dict | None = None):
     """An InferenceSession over `model` (a path or serialized bytes) with the settings its Q/DQ format needs.
     spinning=False: its threads stop spinning when a run ends (ORT's session.force_spinning_stop), so that they do
     not take the cores from another session that runs in turn with it (a speculative draft and its target).
@@ -281,7 +281,9 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
     that file as it does for a graph loaded from its path, so the weights are not copied through the bytes.
     half_weights: a float16 graph run a few times (calibration's): each weight is cast to float32 where it is used
     (compute_weights_when_used), not copied whole when the session loads.
-    accuracy_level: the fused MatMulNBits' (session_config; a graph's own MatMulNBits keep their attribute)."""
+    accuracy_level: the fused MatMulNBits' (session_config; a graph's own MatMulNBits keep their attribute).
+    initializers: OrtValues, by name, that stand for the graph's own initializers of those names: a weight that
+    sessions over two graphs hold alike, held once (the caller keeps them alive while the session lives)."""
     ort = import_onnxruntime()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -298,6 +300,8 @@ def make_session(model, quant_format: str | None = None, providers: list[str] | 
         config.update(EXACT_QDQ)
     for key, value in config.items():
         opts.add_session_config_entry(key, value)
+    for name, value in (initializers or {}).items():
+        opts.add_initializer(name, value)
     if not spinning:
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     block_when_idle(opts)

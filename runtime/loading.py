@@ -27,7 +27,10 @@ def load(source: str | os.PathLike, /, backend: str = "auto", **options) -> Sess
     faster ORT-specific variant of the graph, see runtime/ort/variant.py;
     False: the bundle's graph exactly), accuracy_level (0: MatMulNBits exact;
     4, opt-in: 8-bit activations as llama.cpp's dot products, faster and not
-    exact; kvforge/ort_session.ACCURACY_LEVELS); tensorrt runs engine bundles (`kvforge
+    exact; kvforge/ort_session.ACCURACY_LEVELS), prefill_accuracy_level (the
+    level of steps of more than one token a row, where it differs: a second
+    session holding the weights again; 0 beside accuracy_level 4 prefills on
+    level 0's faster many-row kernels); tensorrt runs engine bundles (`kvforge
     build`), and an ONNX bundle through an engine built once with the default
     limits and cached (runtime/trt_backend.py); torch takes device and source
     (the model to rebuild the reference from; default: the one recorded in the

@@ -16,7 +16,7 @@ from kvforge.ort_session import check_accuracy_level, make_session
 from .backend import Backend, KVCache
 from .ort import packed_cache as packed
 from .ort.attention import CHUNK_SEQLENS, CHUNK_TOTAL, LOGITS_ROWS, SEQLENS, TOTAL, chunk_name
-from .ort.variant import KEEP_INPUT, variant_path
+from .ort.variant import KEEP_INPUT, variant_path, weights_alike
 
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "int64": "tensor(int64)"}
 
@@ -26,11 +26,12 @@ _OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    option_names = ("device", "threads", "optimization", "variant", "attention", "spinning", "accuracy_level")
+    option_names = ("device", "threads", "optimization", "variant", "attention", "spinning", "accuracy_level",
+                    "prefill_accuracy_level")
 
     def __init__(self, config, io, bundle, device: str = "auto", threads: int | None = None, optimization: str = "all",
                  variant: bool = True, attention: str = "auto", spinning: bool = True, accuracy_level: int = 0,
-                 **options):
+                 prefill_accuracy_level: int | None = None, **options):
         super().__init__(config, io, **options)
         if device not in ("auto", "cpu", "cuda"):
             raise KvforgeError(f"onnxruntime device {device!r} is not one of 'auto', 'cpu', 'cuda'")
@@ -56,6 +57,13 @@ class OnnxRuntimeBackend(Backend):
         # MatMulNBits' accuracy level (kvforge/ort_session.ACCURACY_LEVELS): 0 exact; 4 (opt-in) 8-bit activations as
         # llama.cpp's dot products, faster and not exact; an INT4 bundle's fused kernels and the variant's own
         self.accuracy_level = check_accuracy_level(accuracy_level)
+        # the level of the steps that carry more than one token a row (a prompt, a chunk, a draft's check), where it
+        # differs: a second session over that level's graph, holding the weights again (None: accuracy_level's).
+        # MatMulNBits at level 4 runs one row fast and many slower than level 0's kernels (docs/ort-variant.md)
+        self.prefill_accuracy_level = None if prefill_accuracy_level is None else \
+            check_accuracy_level(prefill_accuracy_level, "prefill_accuracy_level")
+        self._prefill = None  # that session (activate_impl); None where every step runs on `session`
+        self._shared = {}  # the weights both sessions hold alike, held once (OrtValues by name)
         self.optimization = optimization
         self.session = None
         self.kv_dtype = io.input(io.past[0][0]).dtype if io.past else "float32"
@@ -92,13 +100,21 @@ class OnnxRuntimeBackend(Backend):
                 "ONNX Runtime's CPU provider has no bfloat16 kernels; run this bundle on a GPU, "
                 "with the torch backend, or export float16/float32 for the CPU"
             )
-        if self.variant:
-            self.graph_path = variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"],
-                                           config=self.config, accuracy_level=self.accuracy_level)
-        else:
-            self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
-        self.session = make_session(self.graph_path, self.quant_format, providers, self.optimization, self.threads,
-                                    self.spinning, accuracy_level=self.accuracy_level)
+        self.graph_path = self._graph_for(providers, self.accuracy_level)
+        self._shared, path = {}, None
+        if self.prefill_level != self.accuracy_level:
+            path = self._graph_for(providers, self.prefill_level)
+            if self.variant:  # what both graphs hold alike (the embedding table) is held once
+                ort = _ort()
+                self._shared = {n: ort.OrtValue.ortvalue_from_numpy(a)
+                                for n, a in weights_alike([self.graph_path, path]).items()}
+        self.session = self._open(self.graph_path, providers, self.accuracy_level)
+        if path is not None:
+            # its threads stop spinning when a prompt is done, not to take the cores from the decode steps after it
+            self._prefill = self._open(path, providers, self.prefill_level, spinning=False)
+            if [i.name for i in self._prefill.get_inputs()] != [i.name for i in self.session.get_inputs()]:
+                raise KvforgeError(f"{path} (prefill_accuracy_level={self.prefill_level}) takes other inputs than "
+                                   f"{self.graph_path}: both levels' graphs must take the same step")
         self.device_name = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         names = [i.name for i in self.session.get_inputs()]
         self.packed = SEQLENS in names
@@ -109,8 +125,31 @@ class OnnxRuntimeBackend(Backend):
         if names != expected:
             raise KvforgeError(f"{self.graph_path} inputs {names} differ from the manifest's IO spec {expected}")
 
+    @property
+    def prefill_level(self) -> int:
+        """The accuracy level of a step that carries more than one token a row."""
+        return self.accuracy_level if self.prefill_accuracy_level is None else self.prefill_accuracy_level
+
+    def _graph_for(self, providers: list[str], level: int):
+        if not self.variant:
+            self.bundle.load_graph(external_data=False)  # external weights outside the bundle are refused here
+            return self.bundle.graph_file
+        return variant_path(self.bundle, attention=self.attention == "auto" and providers == ["CPUExecutionProvider"],
+                            config=self.config, accuracy_level=level)
+
+    def _open(self, path, providers: list[str], level: int, spinning: bool = True, shared: bool = True):
+        return make_session(path, self.quant_format, providers, self.optimization, self.threads,
+                            self.spinning and spinning, accuracy_level=level,
+                            initializers=self._shared if shared else None)
+
+    def _session_for(self, tokens: int):
+        """The session a step of `tokens` tokens a row runs on."""
+        return self._prefill if tokens > 1 and self._prefill is not None else self.session
+
     def deactivate_impl(self) -> None:
         self.session = None
+        self._prefill = None
+        self._shared = {}
         self._mixed = None
 
     def empty_cache(self, batch: int) -> KVCache:
@@ -134,7 +173,8 @@ class OnnxRuntimeBackend(Backend):
                                f"variant={self.variant}): continue a cache on a session loaded with the same options")
         if self.packed:
             return self._forward_packed(input_ids, attention_mask, position_ids, cache, last_only, inputs)
-        binding = self.session.io_binding()
+        session = self._session_for(input_ids.shape[1])
+        binding = session.io_binding()
         for name, value in (inputs.feeds() if inputs is not None else {}).items():
             binding.bind_cpu_input(name, value)
         if self.variant:
@@ -146,7 +186,7 @@ class OnnxRuntimeBackend(Backend):
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
             binding.bind_output(name, self.device_name)
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         outputs = dict(zip(self.output_names, binding.get_outputs()))
         logits = outputs["logits"].numpy()
         if last_only and not self.variant:
@@ -160,17 +200,17 @@ class OnnxRuntimeBackend(Backend):
         steps = packed.plan(input_ids, position_ids, attention_mask, layout.lengths, cache.length, last_only)
         store, arrays = self._writable(cache, max(int(s.total[0]) for s in steps))
         B, T = input_ids.shape
-        if store.bound is not arrays:  # bind the buffers once: a step then rebinds only its small inputs
-            store.binding = self.session.io_binding()
-            self._bind_buffers(store.binding, arrays)
-            store.bound = arrays
-            store.weights = None
-        binding = store.binding
+        session = self._session_for(T)  # (the caller's step: a prompt over a batch's past runs as one-token calls)
+        bound = store.bindings.get(session)
+        if bound is None or bound.arrays is not arrays:  # bind the buffers once: a step then rebinds its small inputs
+            bound = store.bindings[session] = packed.Binding(session.io_binding(), arrays)
+            self._bind_buffers(bound.binding, arrays)
+        binding = bound.binding
         weights = inputs.adapter_weights if inputs is not None else None
-        if weights and (store.weights is None or any(store.weights.get(n) is not a for n, a in weights.items())):
+        if weights and (bound.weights is None or any(bound.weights.get(n) is not a for n, a in weights.items())):
             for name, value in weights.items():  # the same adapter set's arrays: bound once
                 binding.bind_cpu_input(name, value)
-            store.weights = weights  # (the arrays stay alive while bound)
+            bound.weights = weights  # (the arrays stay alive while bound)
         logits = None
         for step in steps:
             if inputs is not None:  # the step's own inputs, re-selected as the call holds the step's tokens
@@ -182,7 +222,7 @@ class OnnxRuntimeBackend(Backend):
             # the logits into a fresh array of this step's shape: read without wrapping every bound output
             out = np.empty((B, step.logits_rows.shape[1], self.config["vocab_size"]), np.float32)
             binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             if len(steps) == 1:
                 logits = out
             elif step.logits_at:
@@ -217,10 +257,10 @@ class OnnxRuntimeBackend(Backend):
         if not self.packed or not self.variant or self.io.extra.get("lora"):
             return False
         if self._mixed is None:  # built (and cached on disk) once, loaded beside the plain graph
+            # (it carries a prompt's chunk: the prefill's level)
             path = variant_path(self.bundle, attention=True, mixed=True, config=self.config,
-                                accuracy_level=self.accuracy_level)
-            self._mixed = make_session(path, self.quant_format, ["CPUExecutionProvider"], self.optimization,
-                                       self.threads, self.spinning, accuracy_level=self.accuracy_level) \
+                                accuracy_level=self.prefill_level)
+            self._mixed = self._open(path, ["CPUExecutionProvider"], self.prefill_level, shared=False) \
                 if path is not None else False
         return self._mixed is not False
 

@@ -105,9 +105,10 @@ class VisionLanguageSession:
         with self._lock:
             self.decoder.activate()
             if self._vision is None:
-                # the tower's quantized kernels as the decoder's: exact Q/DQ where the CPU's fused INT8 ones saturate
+                # the tower's quantized kernels as the decoder's: exact Q/DQ where the CPU's fused INT8 ones saturate;
+                # its patches are many rows, at the level of the decoder's prompts
                 self._vision = make_session(str(self._vision_graph), self.bundle.session_format,
-                                            threads=self._threads, accuracy_level=self.backend.accuracy_level)
+                                            threads=self._threads, accuracy_level=self.backend.prefill_level)
         return self
 
     def deactivate(self) -> None:

@@ -192,13 +192,18 @@ def test_tiny_contexts_lint_structure_and_bench_edges(run, tmp_path):
     assert bench.exit_code == 0, bench.output
     result = json.loads(bench.output.strip().splitlines()[-1])
     assert result["decode_tokens_per_s"] is None and result["prefill_tokens_per_s"] > 0
-    # the backend's settings are recorded with the figures; --accuracy-level 4 is ONNX Runtime's opt-in
-    fast = run("bench", bundle, "--prompt-len", "2", "--new-tokens", "1", "--runs", "1", "--accuracy-level", "4", "--json")
+    # the backend's settings are recorded with the figures; --accuracy-level 4 is ONNX Runtime's opt-in, and
+    # --prefill-accuracy-level 0 runs the prompt at level 0 beside it
+    fast = run("bench", bundle, "--prompt-len", "2", "--new-tokens", "1", "--runs", "1", "--accuracy-level", "4",
+               "--prefill-accuracy-level", "0", "--json")
     assert fast.exit_code == 0, fast.output
-    assert result["backend_settings"]["accuracy_level"] == 0
-    assert json.loads(fast.output.strip().splitlines()[-1])["backend_settings"]["accuracy_level"] == 4
+    assert (result["backend_settings"]["accuracy_level"], result["backend_settings"]["prefill_accuracy_level"]) == (0, None)
+    settings = json.loads(fast.output.strip().splitlines()[-1])["backend_settings"]
+    assert (settings["accuracy_level"], settings["prefill_accuracy_level"]) == (4, 0)
     refused = run("bench", bundle, "--backend", "torch", "--accuracy-level", "4")
     assert refused.exit_code == 1 and "--accuracy-level is an ONNX Runtime setting" in refused.output
+    refused = run("bench", bundle, "--backend", "torch", "--prefill-accuracy-level", "4")
+    assert refused.exit_code == 1 and "--prefill-accuracy-level is an ONNX Runtime setting" in refused.output
     over = run("bench", bundle, "--prompt-len", "3", "--new-tokens", "2", "--runs", "1")
     assert over.exit_code == 1 and "need 4 positions; the bundle's max context is 3" in over.output
 

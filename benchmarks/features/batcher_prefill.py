@@ -196,7 +196,7 @@ def decode_profile(session, rows: int = STREAMS, past: int = 350, steps: int = 1
     opts.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "decode")
     plain, backend.session = backend.session, ort.InferenceSession(str(backend.graph_path), opts,
                                                                    providers=["CPUExecutionProvider"])
-    cache.layout.store.bound = None  # bind the buffers to the profiling session
+    cache.layout.store.bindings.clear()  # bind the buffers to the profiling session
     try:
         mask = np.ones((rows, past), np.int64)
         for k in range(steps):

@@ -45,8 +45,16 @@ class Store:
 
     arrays: list[np.ndarray]
     version: int = 0
-    binding: object = None  # the backend's IO binding of these arrays as past and present (made once per arrays)
-    bound: list | None = None  # the arrays `binding` binds
+    bindings: dict = field(default_factory=dict)  # per session that ran these arrays: its Binding of them
+
+
+@dataclass
+class Binding:
+    """A session's IO binding of a store's arrays as past and present, made once per arrays: a step then rebinds
+    only its small inputs."""
+
+    binding: object
+    arrays: list  # the arrays `binding` binds
     weights: dict | None = None  # the LoRA adapter weights `binding` binds (runtime/step_inputs.py), by identity
 
 

@@ -37,6 +37,8 @@ hash of the bundle's graph files (and the accuracy level, where it is not 0).
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -56,9 +58,14 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 27  # 26: each If on its own row count; 27: the rows branch reshapes with allowzero (no rows)
+VARIANT_VERSION = 28  # 27: the rows branch reshapes with allowzero (no rows); 28: WEIGHT_DIGESTS beside the graph
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
+# Beside each variant's graph: the sha256 of each weight of at least _DIGESTED_BYTES, by name, so that two variants
+# of one bundle loaded together (two accuracy levels) find the weights they hold alike without reading them
+WEIGHT_DIGESTS = "weights.json"
+_DIGESTED_BYTES = 1 << 20
+_PLAIN_TYPES = {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13}  # TensorProto's types numpy holds as they are: not 4-bit, fp8
 
 
 def float_int8_blocks(model, keep_matmul_weights: bool = False) -> int:
@@ -488,7 +495,10 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
             (tmp / "none").write_text("no mixed graph: some layer's attention or cache does not allow it\n")
         else:
             big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD
+            digests = {i.name: hashlib.sha256(i.raw_data).hexdigest() for i in model.graph.initializer
+                       if len(i.raw_data) >= _DIGESTED_BYTES}
             onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
+            (tmp / WEIGHT_DIGESTS).write_text(json.dumps(digests, indent=0))
         try:
             os.replace(tmp, directory)
         except OSError:  # another process built it first
@@ -497,3 +507,35 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target if model is not None else None
+
+
+def weights_alike(graphs: list[Path]) -> dict[str, np.ndarray]:
+    """The weights (of at least _DIGESTED_BYTES) that the variants at `graphs` all hold under one name with the
+    same bytes (their WEIGHT_DIGESTS), read from the first: what sessions over them can share (make_session's
+    `initializers`) instead of each holding its own copy. Empty where a variant has no digests."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    digests = []
+    for graph in graphs:
+        path = Path(graph).parent / WEIGHT_DIGESTS
+        digests.append(json.loads(path.read_text()) if path.is_file() else {})
+    names = {n for n, d in digests[0].items() if all(other.get(n) == d for other in digests[1:])}
+    if not names:
+        return {}
+    first = Path(graphs[0])
+    model = onnx.load(str(first), load_external_data=False)
+    out = {}
+    for tensor in model.graph.initializer:
+        if tensor.name not in names or tensor.data_type not in _PLAIN_TYPES:  # (an OrtValue is made from numpy's)
+            continue
+        if uses_external_data(tensor):  # read from its file alone
+            where = {e.key: e.value for e in tensor.external_data}
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            count = int(np.prod(tensor.dims, dtype=np.int64))
+            array = np.fromfile(first.parent / where["location"], dtype, count, offset=int(where.get("offset", 0)))
+            out[tensor.name] = array.reshape(tuple(tensor.dims))
+        else:
+            out[tensor.name] = numpy_helper.to_array(tensor)
+    return out

@@ -475,18 +475,24 @@ def test_accuracy_level_4_fuses_an_int4_bundles_int8_blocks():
     assert _rel(z4, x.astype(np.float64) @ w8) < 2e-6  # the table's MatMul reads a float weight
 
 
-def test_accuracy_level_is_opt_in_recorded_and_refused_unless_0_or_4(micro_bundle, tmp_path):
+@pytest.fixture(scope="module")
+def int4_micro(micro_bundle, tmp_path_factory):
+    """llama3-micro calibrated to INT4 (blocks of 32): a bundle whose MatMulNBits the accuracy level changes."""
+    from kvforge.calibration import calibrate
+
+    return calibrate(micro_bundle("llama3-micro").path, tmp_path_factory.mktemp("acc") / "int4", recipe="fixed",
+                     precision="int4", random_data=True, samples=8, seq_len=32, block_size=32)
+
+
+def test_accuracy_level_is_opt_in_recorded_and_refused_unless_0_or_4(int4_micro):
     """An INT4 bundle on ONNX Runtime: level 0 by default; accuracy_level=4 builds a variant of its own (the cache
     key names the level; level 0's is the key it always had), is recorded in the backend's settings (and in what
     benchmark() returns), and changes the logits a little (8-bit activations), with the variant and with the
     bundle's graph alike. Any other level is refused by name, before any work."""
-    from kvforge.calibration import calibrate
     from kvforge.errors import KvforgeError
     from kvforge.runtime.bench import benchmark
 
-    fp32 = micro_bundle("llama3-micro")
-    q = calibrate(fp32.path, tmp_path / "int4", recipe="fixed", precision="int4", random_data=True, samples=8,
-                  seq_len=32, block_size=32)
+    q = int4_micro
     p0, p4 = (variant_path(Bundle(q.path), attention=True, accuracy_level=level) for level in (0, 4))
     assert p0 != p4 and p4.parent.name == f"{p0.parent.name}-acc4" and "acc" not in p0.parent.name
     nbits = [{a.name: helper.get_attribute_value(a) for a in n.attribute}
@@ -511,3 +517,65 @@ def test_accuracy_level_is_opt_in_recorded_and_refused_unless_0_or_4(micro_bundl
             runtime.load(q.path, accuracy_level=bad)
     with pytest.raises(KvforgeError, match="accuracy_level must be one of"):
         variant_path(Bundle(q.path), accuracy_level=3)
+
+
+@pytest.mark.parametrize("attention", ["auto", "graph"])
+def test_prefill_accuracy_level_runs_steps_of_many_tokens_on_a_session_at_that_level(int4_micro, attention):
+    """accuracy_level=4 with prefill_accuracy_level=0: a step of more than one token a row (a prompt) runs on a
+    second session at level 0, a one-token step at level 4; each step's logits are those a session at that level
+    alone computes over the same cache (packed and the bundle's attention), and a level-0 prompt continues on
+    level 4's decode steps. Both levels are recorded; a bad prefill level is refused by its option's name."""
+    from kvforge.errors import KvforgeError
+
+    q, rng = int4_micro, np.random.default_rng(1)
+    ids, nxt = rng.integers(0, 259, (2, 9)), rng.integers(0, 259, (2, 1))
+    with runtime.load(q.path, attention=attention) as exact, runtime.load(q.path, accuracy_level=4, attention=attention) as fast, \
+            runtime.load(q.path, accuracy_level=4, prefill_accuracy_level=0, attention=attention) as both:
+        assert (both.backend.settings["accuracy_level"], both.backend.settings["prefill_accuracy_level"]) == (4, 0)
+        assert "prefill_accuracy_level=0" in repr(both.backend)
+        p0, c0 = exact.forward(ids)
+        p4, _ = fast.forward(ids)
+        pb, cb = both.forward(ids)
+        np.testing.assert_allclose(pb, p0, atol=1e-5, rtol=0)  # the prompt: level 0's kernels
+        assert np.linalg.norm(p4 - p0) / np.linalg.norm(p0) > 1e-5  # (which level 4's would not give)
+        arrays = both.cache_arrays(cb)
+        for a, b in zip(arrays, exact.cache_arrays(c0)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        d4, _ = fast.forward(nxt, cache=fast.cache_from_arrays(arrays, ids.shape[1]))
+        d0, _ = exact.forward(nxt, cache=c0)
+        db, cb2 = both.forward(nxt, cache=cb)
+        np.testing.assert_allclose(db, d4, atol=1e-5, rtol=0)  # a decode step: level 4's
+        assert np.linalg.norm(d4 - d0) / np.linalg.norm(d0) > 1e-5
+        # the cache the decode step wrote goes on into another prompt-sized step, on level 0's session again
+        more = rng.integers(0, 259, (2, 3))
+        e0, _ = exact.forward(more, cache=exact.cache_from_arrays(both.cache_arrays(cb2), ids.shape[1] + 1))
+        np.testing.assert_allclose(both.forward(more, cache=cb2)[0], e0, atol=1e-5, rtol=0)
+    for bad in (2, "0", True):
+        with pytest.raises(KvforgeError, match=r"prefill_accuracy_level must be one of 0 \(.*\); 4 \(.*\); got"):
+            runtime.load(q.path, accuracy_level=4, prefill_accuracy_level=bad)
+
+
+def test_two_levels_sessions_hold_the_weights_their_graphs_hold_alike_once(int4_micro, tmp_path, monkeypatch):
+    """The two sessions of accuracy_level=4 with prefill_accuracy_level=0 share (as one OrtValue) exactly the
+    weights both levels' variants hold under one name with equal values, as onnx reads the two files; the micro
+    model's weights are small, so every weight is digested here (in use, those of 1 MiB and more). (4-bit codes
+    are not shared: an OrtValue is made from numpy's own types.)"""
+    from onnx import numpy_helper
+
+    from kvforge.runtime.ort import variant
+
+    monkeypatch.setattr(variant, "_DIGESTED_BYTES", 1)
+    monkeypatch.setenv("KVFORGE_CACHE", str(tmp_path))  # variants built anew, with every weight's digest
+    ids = np.random.default_rng(2).integers(0, 259, (1, 7))
+    with runtime.load(int4_micro.path, accuracy_level=4, prefill_accuracy_level=0) as both:
+        logits, _ = both.forward(ids)
+        shared = both.backend._shared
+    graphs = [{t.name: numpy_helper.to_array(t) for t in onnx.load(str(variant_path(Bundle(int4_micro.path),
+                                                                                   attention=True, accuracy_level=level))).graph.initializer}
+              for level in (4, 0)]
+    alike = {n for n, a in graphs[0].items() if a.dtype.kind in "fiub" and n in graphs[1] and a.dtype == graphs[1][n].dtype
+             and a.shape == graphs[1][n].shape and np.array_equal(a, graphs[1][n])}
+    assert alike and set(shared) == alike
+    assert any(a.shape == (259, 64) for n, a in graphs[0].items() if n in alike)  # the embedding table among them
+    with runtime.load(int4_micro.path) as exact:
+        np.testing.assert_allclose(logits, exact.forward(ids)[0], atol=1e-5, rtol=0)
