@@ -63,7 +63,7 @@ class OnnxRuntimeBackend(Backend):
         self.prefill_accuracy_level = None if prefill_accuracy_level is None else \
             check_accuracy_level(prefill_accuracy_level, "prefill_accuracy_level")
         self._prefill = None  # that session (activate_impl); None where every step runs on `session`
-        self._shared = {}  # the weights both sessions hold alike, held once (OrtValues by name)
+        self.shared_weights = {}  # the tables both sessions hold alike, held once (OrtValues by name)
         self.optimization = optimization
         self.session = None
         self.kv_dtype = io.input(io.past[0][0]).dtype if io.past else "float32"
@@ -101,12 +101,12 @@ class OnnxRuntimeBackend(Backend):
                 "with the torch backend, or export float16/float32 for the CPU"
             )
         self.graph_path = self._graph_for(providers, self.accuracy_level)
-        self._shared, path = {}, None
+        self.shared_weights, path = {}, None
         if self.prefill_level != self.accuracy_level:
             path = self._graph_for(providers, self.prefill_level)
             if self.variant:  # what both graphs hold alike (the embedding table) is held once
                 ort = _ort()
-                self._shared = {n: ort.OrtValue.ortvalue_from_numpy(a)
+                self.shared_weights = {n: ort.OrtValue.ortvalue_from_numpy(a)
                                 for n, a in weights_alike([self.graph_path, path]).items()}
         self.session = self._open(self.graph_path, providers, self.accuracy_level)
         if path is not None:
@@ -140,7 +140,7 @@ class OnnxRuntimeBackend(Backend):
     def _open(self, path, providers: list[str], level: int, spinning: bool = True, shared: bool = True):
         return make_session(path, self.quant_format, providers, self.optimization, self.threads,
                             self.spinning and spinning, accuracy_level=level,
-                            initializers=self._shared if shared else None)
+                            initializers=self.shared_weights if shared else None)
 
     def _session_for(self, tokens: int):
         """The session a step of `tokens` tokens a row runs on."""
@@ -149,7 +149,7 @@ class OnnxRuntimeBackend(Backend):
     def deactivate_impl(self) -> None:
         self.session = None
         self._prefill = None
-        self._shared = {}
+        self.shared_weights = {}
         self._mixed = None
 
     def empty_cache(self, batch: int) -> KVCache:

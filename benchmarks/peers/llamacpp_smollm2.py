@@ -217,7 +217,8 @@ def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup
     try:
         profiled = ort_session.make_session(backend.graph_path, backend.quant_format, ["CPUExecutionProvider"],
                                             backend.optimization, backend.threads,
-                                            accuracy_level=backend.accuracy_level)
+                                            accuracy_level=backend.accuracy_level,
+                                            initializers=getattr(backend, "shared_weights", None))
     finally:
         ort_session.import_onnxruntime = real
     original, backend.session = backend.session, profiled  # the prefill too: a cache's IO binding is its session's
@@ -237,8 +238,9 @@ def profile_decode(session, prompt: np.ndarray, steps: int, prefix: Path, warmup
         trace = Path(profiled.end_profiling())
     events = json.loads(trace.read_text())
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    if len(runs) < 1 + warmup + steps:
-        raise RuntimeError(f"{trace}: {len(runs)} model_run events for a prefill and {warmup + steps} steps")
+    prefill = int(backend.prefill_level == backend.accuracy_level)  # else a second session ran the prompt
+    if len(runs) < prefill + warmup + steps:
+        raise RuntimeError(f"{trace}: {len(runs)} model_run events for {prefill} prefill and {warmup + steps} steps")
     kept = runs[-steps:]  # the last `steps` runs: the decode steps after the prefill and the warm-up ones
     by_op: dict[str, float] = collections.defaultdict(float)
     by_node: dict[str, float] = collections.defaultdict(float)

@@ -10,6 +10,8 @@ Rewrites that keep the arithmetic (fewer or narrower kernels):
 - an INT4 bundle's layers kept as INT8 blocks (the automatic recipe's, calibration/auto.py) get float weights,
   dequantized once (float_int8_blocks): ONNX Runtime would otherwise run them as 8-bit MatMulNBits at the exact
   accuracy level, 26x slower than the float MatMul at batch 1 (576 x 1536, measured on ORT 1.32);
+- a tied float head's Transpose of the embedding's table is written transposed,
+  so the table is its Gather's alone (fold_tied_head_transposes);
 - sibling MatMuls that read the same activation with constant weights (q/k/v,
   gate/up) become one wider MatMul and a Split: one pass over the activation,
   one GEMV per group instead of three or two;
@@ -58,11 +60,14 @@ from .fusions import fuse_rms_norms, fuse_rotary, fuse_skip_rms_norms
 from .moe import skip_unchosen_experts
 from .per_token import integer_per_token_matmuls
 
-VARIANT_VERSION = 28  # 27: the rows branch reshapes with allowzero (no rows); 28: WEIGHT_DIGESTS beside the graph
+VARIANT_VERSION = 29  # 27: the rows branch reshapes with allowzero (no rows); 28: WEIGHT_DIGESTS; 29: tables only
 KEEP_INPUT = "num_logits_to_keep"
 _EXTERNAL_THRESHOLD = 1 << 30
-# Beside each variant's graph: the sha256 of each weight of at least _DIGESTED_BYTES, by name, so that two variants
-# of one bundle loaded together (two accuracy levels) find the weights they hold alike without reading them
+# Beside each variant's graph: the sha256 of each table of at least _DIGESTED_BYTES (a weight only Gathers read, as
+# their data: an embedding), by name, so that two variants of one bundle loaded together (two accuracy levels) find
+# the tables they hold alike without reading them. Only tables: ONNX Runtime neither constant-folds nor prepacks an
+# initializer given by SessionOptions.add_initializer, so a shared MatMul weight, or the Transpose of a tied head,
+# ran every step (Gemma 3 270M's INT8 decode at level 4 fell from 54 to 22 tok/s)
 WEIGHT_DIGESTS = "weights.json"
 _DIGESTED_BYTES = 1 << 20
 _PLAIN_TYPES = {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13}  # TensorProto's types numpy holds as they are: not 4-bit, fp8
@@ -415,6 +420,31 @@ def unshare_tied_head(model) -> int:
     return done
 
 
+def fold_tied_head_transposes(model) -> int:
+    """A tied float head: each Transpose of a 2-D table that a Gather also reads (the embedding) replaced by the
+    transposed table, under the Transpose's output name. ONNX Runtime folds it when the session loads anyway;
+    written here, the table is read by the embedding's Gather alone, a table two sessions can share
+    (WEIGHT_DIGESTS). Returns how many."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    gathered = {n.input[0] for n in g.node if n.op_type == "Gather"}
+    outputs = {o.name for o in g.output}
+    removed, nodes = set(), list(g.node)  # (held: _rewrite_nodes keys them by id)
+    for node in nodes:
+        weight = inits.get(node.input[0]) if node.op_type == "Transpose" and node.input[0] in gathered else None
+        if weight is None or len(weight.dims) != 2 or weight.data_type not in _PLAIN_TYPES or node.output[0] in outputs:
+            continue
+        array = numpy_helper.to_array(weight)
+        folded = np.ascontiguousarray(np.transpose(array, node_attribute(node, "perm")))
+        g.initializer.append(numpy_helper.from_array(folded, node.output[0]))
+        removed.add(id(node))
+    if removed:
+        _rewrite_nodes(g, removed, {})
+    return len(removed)
+
+
 def rewrite_attention(model, bundle, mixed: bool = False, config: dict | None = None) -> int:
     """GroupQueryAttention in place of every layer's attention (0 and nothing changed where one does not match);
     mixed: the mixed step's graph (attention.py); config: the decoder's (a vision-language bundle's
@@ -463,6 +493,7 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
         checkpoint_kernels(model, accuracy_level)  # (at level 4, 8-bit ones as MatMulNBits too)
     # (first: a tied head's blocks then feed its MatMul alone, which level 4 keeps as codes)
     unshare_tied_head(model)
+    fold_tied_head_transposes(model)  # (the embedding's table then a Gather's alone)
     if (bundle.quantization or {}).get("int8_layers"):  # at level 4 ORT fuses the MatMuls' into 8-bit MatMulNBits
         float_int8_blocks(model, keep_matmul_weights=accuracy_level == 4)
     fuse_sibling_matmuls(model)
@@ -495,8 +526,9 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
             (tmp / "none").write_text("no mixed graph: some layer's attention or cache does not allow it\n")
         else:
             big = sum(len(i.raw_data) for i in model.graph.initializer) > _EXTERNAL_THRESHOLD
+            tables = _tables(model)
             digests = {i.name: hashlib.sha256(i.raw_data).hexdigest() for i in model.graph.initializer
-                       if len(i.raw_data) >= _DIGESTED_BYTES}
+                       if len(i.raw_data) >= _DIGESTED_BYTES and i.name in tables}
             onnx.save(model, str(tmp / "model.onnx"), save_as_external_data=big, location="model.onnx.data")
             (tmp / WEIGHT_DIGESTS).write_text(json.dumps(digests, indent=0))
         try:
@@ -509,10 +541,23 @@ def variant_path(bundle, attention: bool = False, mixed: bool = False, config: d
     return target if model is not None else None
 
 
+def _tables(model) -> set[str]:
+    """The names only Gather nodes read, and only as their data (input 0), in the graph and its subgraphs."""
+    table = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather":
+            for i, name in enumerate(node.input):
+                table[name] = table.get(name, True) and i == 0
+        else:
+            for name in node_reads(node):
+                table[name] = False
+    return {name for name, only in table.items() if only}
+
+
 def weights_alike(graphs: list[Path]) -> dict[str, np.ndarray]:
-    """The weights (of at least _DIGESTED_BYTES) that the variants at `graphs` all hold under one name with the
-    same bytes (their WEIGHT_DIGESTS), read from the first: what sessions over them can share (make_session's
-    `initializers`) instead of each holding its own copy. Empty where a variant has no digests."""
+    """The tables (WEIGHT_DIGESTS': of at least _DIGESTED_BYTES, read by Gathers only) that the variants at `graphs`
+    all hold under one name with the same bytes, read from the first: what sessions over them can share
+    (make_session's `initializers`) instead of each holding its own copy. Empty where a variant has no digests."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data
@@ -530,12 +575,10 @@ def weights_alike(graphs: list[Path]) -> dict[str, np.ndarray]:
     for tensor in model.graph.initializer:
         if tensor.name not in names or tensor.data_type not in _PLAIN_TYPES:  # (an OrtValue is made from numpy's)
             continue
-        if uses_external_data(tensor):  # read from its file alone
-            where = {e.key: e.value for e in tensor.external_data}
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            count = int(np.prod(tensor.dims, dtype=np.int64))
-            array = np.fromfile(first.parent / where["location"], dtype, count, offset=int(where.get("offset", 0)))
-            out[tensor.name] = array.reshape(tuple(tensor.dims))
+        if uses_external_data(tensor):  # mapped from its file, as ONNX Runtime maps it: a table's rows are read
+            where = {e.key: e.value for e in tensor.external_data}  # from disk as they are gathered
+            out[tensor.name] = np.memmap(first.parent / where["location"], onnx.helper.tensor_dtype_to_np_dtype(
+                tensor.data_type), "r", int(where.get("offset", 0)), tuple(tensor.dims))
         else:
             out[tensor.name] = numpy_helper.to_array(tensor)
     return out

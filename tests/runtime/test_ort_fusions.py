@@ -382,6 +382,39 @@ def test_accuracy_level_4_runs_checkpoint_codes_as_llama_cpp_dot_products(dtype,
     assert _within_int8_rounding(results[4], exact, x, w_int * np.repeat(scale, block, axis=0), block)
 
 
+def test_a_tied_float_heads_transpose_is_written_so_the_table_is_the_gathers_alone():
+    """A float table read by an embedding Gather and, through a Transpose, by the head's MatMul: the variant
+    writes the transposed table as the MatMul's own weight (ONNX Runtime folds it at load anyway), so the table is
+    read by the Gather alone (the table two sessions share, WEIGHT_DIGESTS); rows and logits as numpy's. The
+    Transpose of a weight no Gather reads stays."""
+    from kvforge.ort_session import make_session
+    from kvforge.runtime.ort.variant import _tables, fold_tied_head_transposes
+
+    rng = np.random.default_rng(6)
+    vocab, k = 96, 64
+    table = rng.standard_normal((vocab, k)).astype(np.float32)
+    w = rng.standard_normal((8, vocab)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["t", "ids"], ["rows"], name="embedding"),
+             helper.make_node("Transpose", ["t"], ["t_T"], name="t_transpose", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "t_T"], ["logits"], name="head"),
+             helper.make_node("Transpose", ["w"], ["w_T"], name="w_transpose", perm=[1, 0]),
+             helper.make_node("MatMul", ["logits", "w_T"], ["y"], name="other")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, k]),
+                                              helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("rows", "logits", "y")],
+                              [numpy_helper.from_array(table, "t"), numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    assert _tables(model) == set()  # the table is the Transpose's too
+    assert fold_tied_head_transposes(model) == 1
+    assert [n.name for n in model.graph.node if n.op_type == "Transpose"] == ["w_transpose"]
+    assert _tables(model) == {"t"}
+    x = rng.standard_normal((1, 2, k)).astype(np.float32)
+    ids = np.array([[0, 7, vocab - 1]])
+    rows, logits, y = make_session(model.SerializeToString()).run(None, {"x": x, "ids": ids})
+    np.testing.assert_array_equal(rows, table[ids])
+    np.testing.assert_allclose(logits, x @ table.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, (x @ table.T) @ w.T, rtol=1e-4, atol=1e-4)
+
 @pytest.mark.parametrize("dtype, levels", [(TensorProto.INT8, {0: None, 4: 8}), (TensorProto.INT4, {0: 4, 4: 4})],
                          ids=["Q8_0", "Q4_0"])
 def test_a_tied_head_runs_on_its_embedding_tables_codes(dtype, levels):
@@ -557,9 +590,9 @@ def test_prefill_accuracy_level_runs_steps_of_many_tokens_on_a_session_at_that_l
 
 def test_two_levels_sessions_hold_the_weights_their_graphs_hold_alike_once(int4_micro, tmp_path, monkeypatch):
     """The two sessions of accuracy_level=4 with prefill_accuracy_level=0 share (as one OrtValue) exactly the
-    weights both levels' variants hold under one name with equal values, as onnx reads the two files; the micro
-    model's weights are small, so every weight is digested here (in use, those of 1 MiB and more). (4-bit codes
-    are not shared: an OrtValue is made from numpy's own types.)"""
+    tables (weights only Gathers read, as their data) both levels' variants hold under one name with equal values,
+    as onnx reads the two files: the embedding. The micro model's weights are small, so every table is digested
+    here (in use, those of 1 MiB and more). A shared MatMul weight would be neither folded nor prepacked."""
     from onnx import numpy_helper
 
     from kvforge.runtime.ort import variant
@@ -569,13 +602,19 @@ def test_two_levels_sessions_hold_the_weights_their_graphs_hold_alike_once(int4_
     ids = np.random.default_rng(2).integers(0, 259, (1, 7))
     with runtime.load(int4_micro.path, accuracy_level=4, prefill_accuracy_level=0) as both:
         logits, _ = both.forward(ids)
-        shared = both.backend._shared
-    graphs = [{t.name: numpy_helper.to_array(t) for t in onnx.load(str(variant_path(Bundle(int4_micro.path),
-                                                                                   attention=True, accuracy_level=level))).graph.initializer}
+        shared = both.backend.shared_weights
+    models = [onnx.load(str(variant_path(Bundle(int4_micro.path), attention=True, accuracy_level=level)))
               for level in (4, 0)]
-    alike = {n for n, a in graphs[0].items() if a.dtype.kind in "fiub" and n in graphs[1] and a.dtype == graphs[1][n].dtype
-             and a.shape == graphs[1][n].shape and np.array_equal(a, graphs[1][n])}
-    assert alike and set(shared) == alike
-    assert any(a.shape == (259, 64) for n, a in graphs[0].items() if n in alike)  # the embedding table among them
+    graphs = [{t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for m in models]
+    readers = [collections.defaultdict(set) for _ in models]
+    for model, read in zip(models, readers):
+        for node in model.graph.node:
+            for i, name in enumerate(node.input):
+                read[name].add((node.op_type, i))
+    alike = {n for n, a in graphs[0].items() if n in graphs[1] and a.dtype == graphs[1][n].dtype
+             and a.shape == graphs[1][n].shape and np.array_equal(a, graphs[1][n])
+             and all(read[n] == {("Gather", 0)} for read in readers)}
+    assert len(alike) == 1 and set(shared) == alike
+    assert graphs[0][next(iter(alike))].shape == (259, 64)  # the embedding table
     with runtime.load(int4_micro.path) as exact:
         np.testing.assert_allclose(logits, exact.forward(ids)[0], atol=1e-5, rtol=0)
