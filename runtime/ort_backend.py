@@ -104,10 +104,11 @@ class OnnxRuntimeBackend(Backend):
         self.shared_weights, path = {}, None
         if self.prefill_level != self.accuracy_level:
             path = self._graph_for(providers, self.prefill_level)
-            if self.variant:  # what both graphs hold alike (the embedding table) is held once
+            # the tables both graphs hold alike, held once (on the CPU: a GPU session copies its weights anyway)
+            if self.variant and providers == ["CPUExecutionProvider"]:
                 ort = _ort()
                 self.shared_weights = {n: ort.OrtValue.ortvalue_from_numpy(a)
-                                for n, a in weights_alike([self.graph_path, path]).items()}
+                                       for n, a in weights_alike([self.graph_path, path]).items()}
         self.session = self._open(self.graph_path, providers, self.accuracy_level)
         if path is not None:
             # its threads stop spinning when a prompt is done, not to take the cores from the decode steps after it
