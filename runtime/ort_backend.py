@@ -103,7 +103,8 @@ class OnnxRuntimeBackend(Backend):
         self.graph_path = self._graph_for(providers, self.accuracy_level)
         self.shared_weights, path = {}, None
         if self.prefill_level != self.accuracy_level:
-            path = self._graph_for(providers, self.prefill_level)
+            # (without the variant both levels run the bundle's graph, already checked: only the session differs)
+            path = self._graph_for(providers, self.prefill_level) if self.variant else self.graph_path
             # the tables both graphs hold alike, held once (on the CPU: a GPU session copies its weights anyway)
             if self.variant and providers == ["CPUExecutionProvider"]:
                 ort = _ort()

@@ -36,7 +36,8 @@ Runtime slows about in proportion; a loaded run's ratios favour kvforge.
 Accuracy beside speed: each kvforge contender's perplexity on PERPLEXITY_TOKENS tokens of the held-out prose
 (kvforge.texts HELD_OUT, windows of 256) and how many of its 128 greedy tokens equal kvforge FP32's before the
 first that differs. A contender whose prompts run at another level than its decode steps has its perplexity
-measured at the decode steps' level (a session at that level alone: the windows are prompts), the less exact. --kvforge picks the kvforge contenders (leaving out int8 skips its calibration).
+measured at the decode steps' level (a session at that level alone: the windows are prompts), the less exact.
+--kvforge picks the kvforge contenders (leaving out int8 skips its calibration).
 
 Where a kvforge bundle decodes slower than its llama.cpp pair (or as --profile says), ONNX Runtime's profiler
 (enable_profiling, on a session made as the backend makes it) runs over --profile-steps decode steps of it after
